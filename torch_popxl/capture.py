@@ -1,0 +1,236 @@
+"""Capture: torch code applied to popxl handles is recorded as aten-level ops.
+
+``call_torch(func, args, kwargs)`` swaps every popxl handle for its fake tensor, runs
+``func`` under ``FakeTensorMode`` (shapes and dtypes without compute) with the ``_Recorder``
+dispatch mode on top, and maps the fake results back to handles. The recorder appends one
+``Op`` per aten (or ``torch_popxl`` custom) op it sees, so there are no hand-written shape
+rules: whatever torch can run on fake tensors can be captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .context import gcg
+from .errors import DataDependentError
+from .graph import Graph, Op, Slot
+from .tensor import Constant, Tensor, _constant_from_torch
+
+__all__ = ["call_torch", "fake_mode", "record_into"]
+
+_FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
+_fake_depth = 0
+
+aten = torch.ops.aten
+
+# Ops that must never be captured: they need a concrete value (Python control flow on data).
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+}
+_CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[FakeTensorMode]:
+    """Enter the process-wide FakeTensorMode (re-entrant)."""
+    global _fake_depth
+    if _fake_depth:
+        _fake_depth += 1
+        try:
+            yield _FAKE_MODE
+        finally:
+            _fake_depth -= 1
+        return
+    _fake_depth += 1
+    try:
+        with _FAKE_MODE:
+            yield _FAKE_MODE
+    finally:
+        _fake_depth -= 1
+
+
+def _op_name(func) -> str:
+    return getattr(func, "_opname", None) or getattr(func, "__name__", "op")
+
+
+class _Recorder(TorchDispatchMode):
+    """Appends every dispatched op to ``graph``, mapping fake tensors to handles."""
+
+    def __init__(self, graph: Graph, on_unknown=None):
+        super().__init__()
+        self.graph = graph
+        # Called for fake inputs that are not handles of this graph (autodiff maps saved
+        # forward tensors to grad-graph inputs this way). Returns a handle or None.
+        self.on_unknown = on_unknown
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_DEPENDENT:
+            raise DataDependentError(
+                f"{func} needs the value of a tensor while the graph is being captured (for "
+                "example `.item()`, `bool(t)` or `if t.sum() > 0:`). Tensor values are not "
+                "known at capture time: express the choice with ops such as torch.where."
+            )
+        out = func(*args, **kwargs)
+        if func in _CONSTANT_LIFTS:
+            real = args[0]
+            const = _constant_from_torch(self.graph, real, "constant")
+            self.graph._rebind_fake(const, out)
+            return out
+        out_leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        mutable = func._schema.is_mutable if hasattr(func, "_schema") else False
+        if not out_leaves and not mutable:
+            return out
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _handle_for(self, fake: torch.Tensor) -> Tensor:
+        t = self.graph._tensor_for_fake(fake)
+        if t is not None:
+            return t
+        if self.on_unknown is not None:
+            t = self.on_unknown(fake)
+            if t is not None:
+                return t
+        constant = getattr(fake, "constant", None)
+        if constant is not None:
+            t = _constant_from_torch(self.graph, constant, "constant")
+            self.graph._rebind_fake(t, fake)
+            return t
+        if not isinstance(fake, torch._subclasses.fake_tensor.FakeTensor):
+            t = _constant_from_torch(self.graph, fake, "constant")
+            self.graph._rebind_fake(t, fake)
+            return t
+        raise RuntimeError(
+            f"A tensor of shape {tuple(fake.shape)} used by the captured code does not belong "
+            f"to graph {self.graph.id!r}. Tensors from another graph must be passed in as "
+            "graph inputs (popxl.graph_input / create_graph arguments)."
+        )
+
+    def _record(self, func, args, kwargs, out) -> None:
+        inputs: list[Tensor] = []
+        slot_of: dict[str, int] = {}
+
+        def to_slot(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = self._handle_for(x)
+            if t.id not in slot_of:
+                slot_of[t.id] = len(inputs)
+                inputs.append(t)
+            return Slot(slot_of[t.id])
+
+        args_t = pytree.tree_map(to_slot, list(args))
+        kwargs_t = pytree.tree_map(to_slot, dict(kwargs))
+        outputs: list[Tensor] = []
+        paths: list[tuple] = []
+        name = _op_name(func)
+        for path, leaf in _tensor_leaves_with_paths(out):
+            existing = self.graph._tensor_for_fake(leaf)
+            if existing is None:
+                existing = Tensor._create(self.graph, name, leaf)
+            outputs.append(existing)
+            paths.append(path)
+        op = Op(
+            kind="torch",
+            name=str(func),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            attrs={
+                "target": func,
+                "args": tuple(args_t),
+                "kwargs": kwargs_t,
+                "out_paths": tuple(paths),
+            },
+        )
+        self.graph._append_op(op)
+
+
+def _tensor_leaves_with_paths(out, prefix=()):
+    if isinstance(out, torch.Tensor):
+        yield prefix, out
+    elif isinstance(out, list | tuple):
+        for i, x in enumerate(out):
+            yield from _tensor_leaves_with_paths(x, (*prefix, i))
+
+
+@contextlib.contextmanager
+def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
+    """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
+    with fake_mode(), _Recorder(graph, on_unknown):
+        yield
+
+
+# ---- the __torch_function__ entry point ---------------------------------------------------
+
+
+def _param_variable(graph: Graph, p: torch.Tensor) -> Tensor:
+    """A module parameter used in a graph becomes (once per Ir) a main-graph variable."""
+    from .tensor import variable
+
+    ir = graph.ir
+    cached = ir._param_variables.get(id(p))
+    if cached is not None and cached[0]() is p:
+        return cached[1]
+    if not graph.main_graph:
+        raise ValueError(
+            f"A torch.nn.Parameter of shape {tuple(p.shape)} is used inside subgraph "
+            f"{graph.id!r}. Variables only exist in the main graph: run the module in the main "
+            "graph, or pass the weight in as a graph input."
+        )
+    v = variable(p.detach().cpu(), dtype=p.dtype, name=_param_name(p))
+    ir._param_variables[id(p)] = (weakref.ref(p), v)
+    return v
+
+
+def _param_name(p) -> str:
+    return getattr(p, "_popxl_name", None) or "param"
+
+
+def _to_fake(graph: Graph, x: Any) -> Any:
+    if isinstance(x, Tensor):
+        if x._graph is not graph:
+            where = "another Ir" if x._graph.ir is not graph.ir else f"graph {x._graph.id!r}"
+            raise ValueError(
+                f"Tensor {x.id!r} belongs to {where}, but the op is being created in graph "
+                f"{graph.id!r}. Pass it in as an input of {graph.id!r} instead."
+            )
+        return x._fake
+    if isinstance(x, torch.nn.Parameter):
+        return _param_variable(graph, x)._fake
+    if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+        return _constant_from_torch(graph, x)._fake
+    return x
+
+
+def _from_fake(graph: Graph, x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = graph._tensor_for_fake(x)
+        if t is None:
+            raise RuntimeError(f"Captured code returned a tensor that is not part of {graph.id!r}.")
+        return t
+    return x
+
+
+def call_torch(func, args, kwargs) -> Any:
+    """Run a torch callable on popxl handles in the current graph and record it."""
+    graph = gcg()
+    fargs = pytree.tree_map(lambda x: _to_fake(graph, x), args)
+    fkwargs = pytree.tree_map(lambda x: _to_fake(graph, x), kwargs)
+    with record_into(graph):
+        result = func(*fargs, **fkwargs)
+    return pytree.tree_map(lambda x: _from_fake(graph, x), result)
+
+
+def constant_handles(graph: Graph) -> list[Constant]:
+    return list(graph.constants)

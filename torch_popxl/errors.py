@@ -1,0 +1,20 @@
+"""Error types raised by torch_popxl.
+
+User mistakes raise the builtin ``ValueError`` / ``TypeError`` / ``RuntimeError`` (as PopXL
+does). IR-construction errors that PopXL reports from its C++ core (``popart_exception``)
+raise :class:`PopXLError`, so programs can catch one project error class.
+"""
+
+__all__ = ["PopXLError", "UndefinedValue", "DataDependentError"]
+
+
+class PopXLError(RuntimeError):
+    """An IR construction or compilation error (PopXL's ``popart_exception``)."""
+
+
+class UndefinedValue(ValueError):
+    """A tensor attribute (for example ``ipu``) was read before it was set."""
+
+
+class DataDependentError(PopXLError):
+    """Python control flow or ``.item()`` needed a tensor value while capturing a graph."""

@@ -1,0 +1,607 @@
+"""``popxl.ops``: PopXL's op names as thin wrappers over captured torch functions.
+
+Each op checks its PopXL-specific arguments, then runs the torch function on the handles;
+the capture layer records the aten ops, so shapes and dtypes come from torch itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .. import dtypes as _dtypes
+from ..capture import call_torch
+from ..context import gcg
+from ..graph import Op
+from ..tensor import Tensor, _fake_like, constant
+from . import collectives, var_updates
+from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
+from .remote import remote_load, remote_load_, remote_store
+from .var_updates import (
+    accumulate_,
+    accumulate_mean_,
+    accumulate_moving_average_,
+    accumulate_moving_average_square_,
+    accumulate_square_,
+    accumulator_scale_,
+    accumulator_zero_,
+    adam_updater,
+    adam_var_update,
+    copy_var_update_,
+    lamb_square,
+    scaled_add,
+    scaled_add_,
+    sparse_accumulate_,
+)
+
+__all__ = [
+    # elementwise
+    "add", "sub", "mul", "div", "neg", "negate", "abs", "exp", "log", "sqrt", "pow", "fmod",
+    "relu", "gelu", "tanh", "sigmoid", "swish", "softmax", "log_softmax", "cos", "sin",
+    "logical_and", "logical_or", "logical_not", "equal", "greater", "less", "where",
+    "max", "min", "maximum", "minimum", "increment_mod", "clip",
+    # linear algebra and shape
+    "matmul", "reshape", "reshape_", "transpose", "transpose_", "flatten", "flatten_",
+    "slice", "subsample", "concat", "split", "squeeze", "unsqueeze", "cast", "detach",
+    "gather", "onehot", "argmax", "argmin", "topk", "layer_norm", "dropout", "ipu_copy",
+    "init",
+    # reductions
+    "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod",
+    "reduce_sum_square", "reduce_median",
+    # losses
+    "nll_loss", "nll_loss_with_softmax_grad",
+    # host io, remote, calls
+    "host_load", "host_store", "remote_load", "remote_load_", "remote_store",
+    "call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo", "print_tensor",
+    # var updates
+    "accumulate_", "accumulate_square_", "accumulate_mean_", "accumulate_moving_average_",
+    "accumulate_moving_average_square_", "accumulator_scale_", "accumulator_zero_",
+    "copy_var_update_", "sparse_accumulate_", "adam_updater", "adam_var_update",
+    "lamb_square", "scaled_add", "scaled_add_",
+    "collectives", "var_updates",
+]  # fmt: skip
+
+
+def _coerce(t: Tensor, other) -> Tensor:
+    if isinstance(other, Tensor):
+        return other
+    return constant(other, t.dtype)
+
+
+def _check_tensor(t, op: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"ops.{op} expects a popxl Tensor; got {type(t).__name__}.")
+    return t
+
+
+def _binary(fn, lhs, rhs, op):
+    if not isinstance(lhs, Tensor) and isinstance(rhs, Tensor):
+        lhs = _coerce(rhs, lhs)
+    lhs = _check_tensor(lhs, op)
+    return call_torch(fn, (lhs, _coerce(lhs, rhs)), {})
+
+
+def _unary(fn, t, op, **kwargs):
+    return call_torch(fn, (_check_tensor(t, op),), kwargs)
+
+
+# ---- elementwise --------------------------------------------------------------------------
+
+
+def add(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.add, lhs, rhs, "add")
+
+
+def sub(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.sub, lhs, rhs, "sub")
+
+
+def mul(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.mul, lhs, rhs, "mul")
+
+
+def div(lhs: Tensor, rhs: Tensor) -> Tensor:
+    from ..tensor import _div
+
+    return _binary(_div, lhs, rhs, "div")
+
+
+def fmod(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.fmod, lhs, rhs, "fmod")
+
+
+def pow(t: Tensor, e) -> Tensor:
+    return _binary(torch.pow, t, e, "pow")
+
+
+def neg(t: Tensor) -> Tensor:
+    return _unary(torch.neg, t, "neg")
+
+
+negate = neg
+
+
+def abs(t: Tensor) -> Tensor:
+    return _unary(torch.abs, t, "abs")
+
+
+def exp(t: Tensor) -> Tensor:
+    return _unary(torch.exp, t, "exp")
+
+
+def log(t: Tensor) -> Tensor:
+    return _unary(torch.log, t, "log")
+
+
+def sqrt(t: Tensor) -> Tensor:
+    return _unary(torch.sqrt, t, "sqrt")
+
+
+def cos(t: Tensor) -> Tensor:
+    return _unary(torch.cos, t, "cos")
+
+
+def sin(t: Tensor) -> Tensor:
+    return _unary(torch.sin, t, "sin")
+
+
+def relu(t: Tensor) -> Tensor:
+    return _unary(torch.relu, t, "relu")
+
+
+def gelu(t: Tensor) -> Tensor:
+    # PopLibs' GELU is the tanh approximation.
+    return _unary(torch.nn.functional.gelu, t, "gelu", approximate="tanh")
+
+
+def tanh(t: Tensor) -> Tensor:
+    return _unary(torch.tanh, t, "tanh")
+
+
+def sigmoid(t: Tensor) -> Tensor:
+    return _unary(torch.sigmoid, t, "sigmoid")
+
+
+def swish(t: Tensor) -> Tensor:
+    return _unary(torch.nn.functional.silu, t, "swish")
+
+
+def softmax(t: Tensor, axis: int) -> Tensor:
+    return _unary(torch.softmax, t, "softmax", dim=axis)
+
+
+def log_softmax(t: Tensor, axis: int) -> Tensor:
+    return _unary(torch.log_softmax, t, "log_softmax", dim=axis)
+
+
+def logical_and(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.logical_and, lhs, rhs, "logical_and")
+
+
+def logical_or(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.logical_or, lhs, rhs, "logical_or")
+
+
+def logical_not(t: Tensor) -> Tensor:
+    return _unary(torch.logical_not, t, "logical_not")
+
+
+def equal(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.eq, lhs, rhs, "equal")
+
+
+def greater(input: Tensor, other: Tensor) -> Tensor:
+    return _binary(torch.gt, input, other, "greater")
+
+
+def less(input: Tensor, other: Tensor) -> Tensor:
+    return _binary(torch.lt, input, other, "less")
+
+
+def where(condition: Tensor, lhs, rhs) -> Tensor:
+    condition = _check_tensor(condition, "where")
+    ref = lhs if isinstance(lhs, Tensor) else rhs
+    if not isinstance(ref, Tensor):
+        raise TypeError("ops.where needs at least one of lhs / rhs to be a popxl Tensor.")
+    return call_torch(torch.where, (condition, _coerce(ref, lhs), _coerce(ref, rhs)), {})
+
+
+def maximum(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.maximum, lhs, rhs, "maximum")
+
+
+def minimum(lhs: Tensor, rhs: Tensor) -> Tensor:
+    return _binary(torch.minimum, lhs, rhs, "minimum")
+
+
+def max(ts: Iterable[Tensor]) -> Tensor:
+    """Elementwise maximum of several tensors."""
+    ts = list(ts)
+    out = ts[0]
+    for t in ts[1:]:
+        out = maximum(out, t)
+    return out
+
+
+def min(ts: Iterable[Tensor]) -> Tensor:
+    """Elementwise minimum of several tensors."""
+    ts = list(ts)
+    out = ts[0]
+    for t in ts[1:]:
+        out = minimum(out, t)
+    return out
+
+
+def clip(t: Tensor, min: float = -math.inf, max: float = math.inf) -> Tensor:
+    return _unary(torch.clamp, t, "clip", min=min, max=max)
+
+
+def increment_mod(t: Tensor, increment: float, modulus: float) -> Tensor:
+    return fmod(add(t, increment), modulus)
+
+
+# ---- linear algebra and shapes ------------------------------------------------------------
+
+
+def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise_mode=None,
+           serialise_factor=1, output_type=None, partials_type=None) -> Tensor:  # fmt: skip
+    out = _binary(torch.matmul, lhs, rhs, "matmul")
+    if output_type is not None:
+        out = cast(out, output_type)
+    return out
+
+
+def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
+    shape = tuple(int(s) for s in shape)
+    if sum(1 for s in shape if s == -1) > 1:
+        raise ValueError(f"reshape: at most one -1 is allowed in the shape; got {shape}.")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 not in shape and known != t.nelms or (-1 in shape and (known == 0 or t.nelms % known)):
+        raise ValueError(f"reshape: cannot reshape {t.id!r} of shape {t.shape} to {shape}.")
+    return call_torch(torch.reshape, (t, shape), {})
+
+
+def reshape_(t: Tensor, shape: Sequence[int]) -> Tensor:
+    return call_torch(torch.Tensor.view, (t, tuple(shape)), {})
+
+
+def transpose(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
+    perm = tuple(reversed(range(t.rank))) if permutation is None else tuple(permutation)
+    if sorted(p % t.rank if t.rank else p for p in perm) != list(range(t.rank)):
+        raise ValueError(f"transpose: {perm} is not a permutation of the {t.rank} axes of {t.id!r}.")
+    return call_torch(torch.permute, (t, perm), {})
+
+
+def transpose_(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
+    return transpose(t, permutation)
+
+
+def flatten(t: Tensor) -> Tensor:
+    return reshape(t, (t.nelms,))
+
+
+flatten_ = flatten
+
+
+def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
+    """numpy-style slicing along ``axis`` (ints or lists, one entry per axis)."""
+    def as_list(x):
+        return None if x is None else ([x] if isinstance(x, int) else list(x))
+
+    starts, stops, steps, axes = map(as_list, (start, stop, step, axis))
+    n = len(next(x for x in (starts, stops, steps, [0]) if x is not None))
+    axes = axes or list(range(n))
+    key: list = [builtins_slice(None)] * t.rank
+    for i, ax in enumerate(axes):
+        key[ax] = builtins_slice(
+            starts[i] if starts else None, stops[i] if stops else None, steps[i] if steps else None
+        )
+    return _getitem(t, tuple(key))
+
+
+builtins_slice = __builtins__["slice"] if isinstance(__builtins__, dict) else __builtins__.slice
+
+
+def subsample(t: Tensor, strides: Sequence[int]) -> Tensor:
+    return _getitem(t, tuple(builtins_slice(None, None, s) for s in strides))
+
+
+def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
+    return call_torch(torch.cat, (list(ts),), {"dim": axis})
+
+
+def split(t: Tensor, splits: int | list[int], axis: int = 0) -> list[Tensor]:
+    """Split into ``splits`` equal parts (int) or parts of the listed sizes."""
+    size = t.shape[axis]
+    if isinstance(splits, int):
+        if size % splits:
+            raise ValueError(f"split: axis {axis} of size {size} is not divisible by {splits}.")
+        sizes = [size // splits] * splits
+    else:
+        sizes = list(splits)
+        if sum(sizes) != size:
+            raise ValueError(f"split: sizes {sizes} do not add up to axis {axis} size {size}.")
+    return list(call_torch(torch.split, (t, sizes), {"dim": axis}))
+
+
+def squeeze(t: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+    if axes is None:
+        return call_torch(torch.squeeze, (t,), {})
+    return call_torch(torch.squeeze, (t, tuple(axes)), {})
+
+
+def unsqueeze(t: Tensor, axes: Sequence[int]) -> Tensor:
+    for ax in sorted(axes):
+        t = call_torch(torch.unsqueeze, (t, ax), {})
+    return t
+
+
+def cast(t: Tensor, data_type) -> Tensor:
+    dt = _dtypes.dtype.as_dtype(data_type)
+    return call_torch(torch.Tensor.to, (t, dt.as_torch()), {})
+
+
+def detach(t: Tensor) -> Tensor:
+    return call_torch(torch.Tensor.detach, (t,), {})
+
+
+def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion=None,
+           zero_OOR: bool = False) -> Tensor:  # fmt: skip
+    """numpy ``take``: output shape ``t.shape[:axis] + indices.shape + t.shape[axis+1:]``."""
+    if not isinstance(indices, Tensor):
+        indices = constant(np.asarray(indices), _dtypes.int32)
+    flat = call_torch(torch.reshape, (indices, (-1,)), {})
+    flat = call_torch(torch.Tensor.to, (flat, torch.int64), {})
+    out = call_torch(torch.index_select, (t, axis, flat), {})
+    shape = (*t.shape[:axis], *indices.shape, *t.shape[axis + 1 :])
+    return call_torch(torch.reshape, (out, shape), {})
+
+
+def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor) -> Tensor:
+    n = num_classes if isinstance(num_classes, int) else int(num_classes.shape[0])
+    idx = call_torch(torch.Tensor.to, (t, torch.int64), {})
+    hot = call_torch(torch.nn.functional.one_hot, (idx, n), {})
+    off, on = values[0], values[1]
+    return where(cast(hot, _dtypes.bool), on, off)
+
+
+def argmax(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
+    return cast(call_torch(torch.argmax, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
+
+
+def argmin(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
+    return cast(call_torch(torch.argmin, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
+
+
+def topk(t: Tensor, k: int, axis: int, largest: bool = True, sorted: bool = True):
+    values, idx = call_torch(torch.topk, (t, k), {"dim": axis, "largest": largest, "sorted": sorted})
+    return values, cast(idx, _dtypes.int32)
+
+
+def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    return call_torch(torch.nn.functional.layer_norm, (t, (t.shape[-1],), weight, bias, eps), {})
+
+
+def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Tensor:
+    """Dropout with probability ``p``. Replicas draw different masks (vmap randomness)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1); got {p}.")
+    return call_torch(torch.nn.functional.dropout, (t,), {"p": p, "training": True})
+
+
+def ipu_copy(t: Tensor, destination: int, source: int | None = None) -> Tensor:
+    """Copy to another IPU: an identity on the simulator's single device."""
+    out = call_torch(torch.clone, (t,), {})
+    out._ipu = destination
+    return out
+
+
+def init(shape, dtype, name: str | None = None, init_type: str = "zero", meta_shape=None) -> Tensor:
+    if init_type not in ("zero", "undef"):
+        raise ValueError(f"init_type must be 'zero' or 'undef'; got {init_type!r}.")
+    dt = _dtypes.dtype.as_dtype(dtype)
+    out = call_torch(torch.zeros, (tuple(shape),), {"dtype": dt.as_torch()})
+    if meta_shape:
+        out._meta_shape = tuple(meta_shape)
+    return out
+
+
+# ---- reductions ---------------------------------------------------------------------------
+
+
+def _axes(t: Tensor, axis) -> list[int]:
+    if axis is None:
+        return list(range(t.rank))
+    return [axis] if isinstance(axis, int) else list(axis)
+
+
+def _reduce(fn, t: Tensor, axis, keepdims):
+    axes = _axes(t, axis)
+    if not axes:
+        return call_torch(torch.clone, (t,), {})
+    return call_torch(fn, (t, axes), {"keepdim": keepdims})
+
+
+def reduce_sum(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return _reduce(torch.sum, t, axis, keepdims)
+
+
+def reduce_mean(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return _reduce(torch.mean, t, axis, keepdims)
+
+
+def reduce_max(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return _reduce(torch.amax, t, axis, keepdims)
+
+
+def reduce_min(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return _reduce(torch.amin, t, axis, keepdims)
+
+
+def reduce_prod(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    out = t
+    for ax in sorted(_axes(t, axis), reverse=True):
+        out = call_torch(torch.prod, (out, ax), {"keepdim": keepdims})
+    return out
+
+
+def reduce_sum_square(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return reduce_sum(mul(t, t), axis, keepdims)
+
+
+def reduce_median(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    axes = _axes(t, axis)
+    if len(axes) != 1:
+        flat = reshape(t, (-1,))
+        return call_torch(torch.median, (flat,), {})
+    return call_torch(torch.median, (t, axes[0]), {"keepdim": keepdims})[0]
+
+
+# ---- losses -------------------------------------------------------------------------------
+
+
+def _label_rows(probs: Tensor, labels: Tensor):
+    p2 = reshape(probs, (-1, probs.shape[-1]))
+    l1 = call_torch(torch.Tensor.to, (reshape(labels, (-1,)), torch.int64), {})
+    return p2, l1
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}.")
+
+
+def nll_loss(probs: Tensor, labels: Tensor, ignore_index: int | None = None,
+             reduction: str = "mean", log_prob: bool = False) -> Tensor:  # fmt: skip
+    """Negative log likelihood of ``labels`` under ``probs`` (or log-probs)."""
+    _check_reduction(reduction)
+    p2, l1 = _label_rows(probs, labels)
+    picked = call_torch(torch.gather, (p2, 1, call_torch(torch.unsqueeze, (l1, 1), {})), {})
+    picked = reshape(picked, (-1,))
+    if log_prob:
+        rows = neg(picked)
+    else:
+        eps = 6.104e-5 if probs.dtype == _dtypes.float16 else 1e-7
+        rows = neg(log(call_torch(torch.clamp, (picked,), {"min": eps})))
+    return _reduce_rows(rows, l1, labels, ignore_index, reduction)
+
+
+def _reduce_rows(rows, l1, labels, ignore_index, reduction):
+    count = None
+    if ignore_index is not None:
+        mask = call_torch(torch.ne, (l1, ignore_index), {})
+        rows = where(mask, rows, 0.0)
+        count = call_torch(torch.clamp, (reduce_sum(cast(mask, rows.dtype)),), {"min": 1.0})
+    if reduction == "none":
+        return reshape(rows, labels.shape)
+    total = reduce_sum(rows)
+    if reduction == "sum":
+        return total
+    if count is not None:
+        return div(total, count)
+    return div(total, float(rows.shape[0]))
+
+
+def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad=1,
+                               ignore_index: int | None = None,
+                               reduction: str = "mean") -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Loss of softmax ``probs`` and its gradient with respect to the softmax input."""
+    _check_reduction(reduction)
+    if not isinstance(loss_grad, Tensor):
+        loss_grad = constant(float(loss_grad), _dtypes.float32)
+    p2, l1 = _label_rows(probs, labels)
+    num_classes = probs.shape[-1]
+    picked = call_torch(torch.gather, (p2, 1, call_torch(torch.unsqueeze, (l1, 1), {})), {})
+    rows = neg(log(add(reshape(picked, (-1,)), 1e-7)))
+    loss = _reduce_rows(rows, l1, labels, ignore_index, reduction)
+    onehot_ = call_torch(torch.nn.functional.one_hot, (l1, num_classes), {})
+    dx = sub(p2, cast(onehot_, probs.dtype))
+    lg = cast(loss_grad, probs.dtype)
+    if ignore_index is not None:
+        mask = cast(call_torch(torch.ne, (l1, ignore_index), {}), probs.dtype)
+        dx = mul(dx, call_torch(torch.unsqueeze, (mask, 1), {}))
+        count = call_torch(torch.clamp, (reduce_sum(mask),), {"min": 1.0})
+    if reduction == "none":
+        dx = mul(dx, reshape(lg, (-1, 1)) if lg.nelms > 1 else lg)
+    elif reduction == "sum":
+        dx = mul(dx, lg)
+    elif ignore_index is not None:
+        dx = mul(dx, div(lg, count))
+    else:
+        # PopART divides the mean gradient by the first dimension only (see spec §9).
+        dx = mul(dx, div(lg, float(probs.shape[0])))
+    return loss, reshape(dx, probs.shape)
+
+
+# ---- indexing -----------------------------------------------------------------------------
+
+
+def _getitem(t: Tensor, key) -> Tensor:
+    if isinstance(key, Tensor) or isinstance(key, np.ndarray | list):
+        idx = key if isinstance(key, Tensor) else constant(np.asarray(key))
+        if idx.dtype == _dtypes.bool:
+            return where(idx, t, 0)
+        return gather(t, idx, 0)
+    return call_torch(torch.Tensor.__getitem__, (t, key), {})
+
+
+# ---- host IO and printing -----------------------------------------------------------------
+
+
+def host_load(h2d_stream, name: str | None = None) -> Tensor:
+    """Load the next entry of ``h2d_stream`` (one row per replica)."""
+    from ..streams import HostToDeviceStream
+
+    if not isinstance(h2d_stream, HostToDeviceStream):
+        raise TypeError(f"host_load expects a HostToDeviceStream; got {type(h2d_stream).__name__}.")
+    graph = gcg()
+    if h2d_stream._ir is not graph.ir:
+        raise ValueError(f"Stream {h2d_stream.tensor_id!r} belongs to another Ir.")
+    out = Tensor._create(graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype))
+    h2d_stream._used = True
+    graph._append_op(Op("host_load", "HostLoad", (), (out,), {"stream": h2d_stream,
+                                                             "describe": f" <- {h2d_stream.tensor_id}"}))
+    return out
+
+
+def host_store(d2h_stream, t: Tensor) -> None:
+    """Store ``t`` into the next entry of ``d2h_stream`` (one row per replica)."""
+    from ..streams import DeviceToHostStream
+
+    if not isinstance(d2h_stream, DeviceToHostStream):
+        raise TypeError(f"host_store expects a DeviceToHostStream; got {type(d2h_stream).__name__}.")
+    graph = gcg()
+    _check_tensor(t, "host_store")
+    if t._graph is not graph:
+        raise ValueError(f"host_store: tensor {t.id!r} is not in the current graph {graph.id!r}.")
+    if t.dtype != d2h_stream.dtype:
+        raise ValueError(
+            f"host_store: tensor {t.id!r} has dtype {t.dtype.name} but stream "
+            f"{d2h_stream.tensor_id!r} has dtype {d2h_stream.dtype.name}."
+        )
+    if tuple(t.shape) != tuple(d2h_stream.shape):
+        raise ValueError(
+            f"host_store: tensor {t.id!r} has shape {t.shape} but stream "
+            f"{d2h_stream.tensor_id!r} has shape {d2h_stream.shape}."
+        )
+    d2h_stream._used = True
+    graph._append_op(Op("host_store", "HostStore", (t,), (), {"stream": d2h_stream,
+                                                             "describe": f" -> {d2h_stream.tensor_id}"}))
+
+
+def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
+                 print_gradient: bool = False, summarise_threshold: int = 1000,
+                 edge_items: int = 3, max_line_width: int = 75, digits: int = 8,
+                 float_format: str = "auto", separator: str = ",", open_bracket: str = "(",
+                 close_bracket: str = ")") -> Tensor:  # fmt: skip
+    """Print ``t`` at run time (per replica); returns ``t`` unchanged."""
+    graph = gcg()
+    _check_tensor(t, "print_tensor")
+    out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
+    graph._append_op(Op("print", "PrintTensor", (t,), (out,), {
+        "title": title or t.id, "print_self": print_self, "threshold": summarise_threshold,
+        "edge_items": edge_items, "line_width": max_line_width, "digits": digits}))
+    return out

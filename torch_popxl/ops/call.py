@@ -1,0 +1,219 @@
+"""``call`` / ``repeat`` of subgraphs and ``CallSiteInfo`` (spec §7.3).
+
+Calls are pass-by-value: the callee works on copies of inputs it modifies, unless the input
+is by-reference or marked modified at the call site (then the change reaches the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..context import gcg
+from ..errors import PopXLError
+from ..graph import Graph, Op
+from ..tensor import Tensor, constant
+
+__all__ = ["call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo"]
+
+
+class CallSiteInfo:
+    """Information about one call (or repeat) of a subgraph."""
+
+    def __init__(self, parent: Graph, op_index: int):
+        self._parent = parent
+        self._index = op_index
+
+    @property
+    def _op(self) -> Op:
+        return self._parent._ops[self._index]
+
+    @property
+    def called_graph(self) -> Graph:
+        return self._op.attrs["graph"]
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return self._op.inputs
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return self._op.outputs
+
+    def graph_to_parent_input_index(self, idx: int) -> int:
+        return idx
+
+    def parent_to_graph_input_index(self, idx: int) -> int:
+        return idx
+
+    def graph_to_parent_output_index(self, idx: int) -> int:
+        return idx
+
+    def parent_to_graph_output_index(self, idx: int) -> int:
+        return idx
+
+    def parent_input(self, idx: int) -> Tensor:
+        return self._op.inputs[idx]
+
+    def parent_output(self, idx: int) -> Tensor:
+        return self._op.outputs[idx]
+
+    def graph_to_parent(self, graph_tensor: Tensor) -> Tensor:
+        g = self.called_graph
+        for i, t in enumerate(g._inputs):
+            if t == graph_tensor:
+                return self._op.inputs[i]
+        for i, t in enumerate(g._outputs):
+            if t == graph_tensor:
+                return self._op.outputs[i]
+        raise ValueError(
+            f"Tensor {graph_tensor.id!r} is neither an input nor an output of the called graph "
+            f"{g.id!r}."
+        )
+
+    def parent_to_graph(self, parent_tensor: Tensor) -> Tensor:
+        for i, t in enumerate(self._op.inputs):
+            if t == parent_tensor:
+                return self.called_graph._inputs[i]
+        raise ValueError(f"Tensor {parent_tensor.id!r} is not an input of this call site.")
+
+    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = False) -> None:
+        """Make the callee's in-place changes of this input visible in the caller."""
+        graph_t = self.parent_to_graph(parent_tensor)
+        i = self.called_graph._inputs.index(graph_t)
+        op = self._op
+        modified = frozenset(op.attrs["modified"]) | {i}
+        attrs = {**op.attrs, "modified": modified}
+        self._parent._replace_op(self._index, Op(op.kind, op.name, op.inputs, op.outputs, attrs, op.context))
+
+
+def _flatten(xs) -> list[Any]:
+    out: list[Any] = []
+    for x in xs:
+        if isinstance(x, list | tuple):
+            out.extend(_flatten(x))
+        else:
+            out.append(x)
+    return out
+
+
+def _connect(graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, check_inputs: bool) -> list[Tensor]:
+    parent = gcg()
+    if graph.ir is not parent.ir:
+        raise ValueError(f"Graph {graph.id!r} belongs to another Ir than the current graph.")
+    positional = _flatten(inputs)
+    n = len(graph._inputs)
+    if len(positional) > n:
+        raise ValueError(
+            f"Too many inputs for {graph.id!r}: {len(positional)} positional inputs given, the "
+            f"graph has {n} inputs."
+        )
+    connected: list[Any] = [None] * n
+    for i, x in enumerate(positional):
+        connected[i] = x
+    for gt, x in (inputs_dict or {}).items():
+        if not isinstance(gt, Tensor) or gt not in graph._inputs:
+            name = gt.id if isinstance(gt, Tensor) else repr(gt)
+            raise ValueError(f"inputs_dict key {name} is not an input of the called graph {graph.id!r}.")
+        i = graph._inputs.index(gt)
+        if connected[i] is not None:
+            raise ValueError(
+                f"Graph input {gt.id!r} of {graph.id!r} is connected twice (positionally and in "
+                "inputs_dict)."
+            )
+        connected[i] = x
+    missing = [graph._inputs[i].id for i, x in enumerate(connected) if x is None]
+    if missing and check_inputs:
+        have = [f"{graph._inputs[i].id} <- {x.id if isinstance(x, Tensor) else x!r}"
+                for i, x in enumerate(connected) if x is not None]  # fmt: skip
+        raise ValueError(
+            f"Not all inputs of {graph.id!r} are connected.\n  missing: {missing}\n"
+            f"  connected: {have}"
+        )
+    out: list[Tensor] = []
+    for gt, x in zip(graph._inputs, connected):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor):
+            try:
+                x = constant(np.asarray(x), gt.dtype)
+            except Exception as e:
+                raise TypeError(f"Cannot convert {x!r} to an input of dtype {gt.dtype.name} for {gt.id!r}.") from e
+        if x._graph is not parent:
+            raise ValueError(
+                f"Input {x.id!r} for {graph.id!r} is not in the current graph {parent.id!r}."
+            )
+        if (x.shape, x.dtype, x.meta_shape) != (gt.shape, gt.dtype, gt.meta_shape):
+            raise PopXLError(
+                f"CallOp input {x.id!r} {x.dtype.name}{list(x.shape)} meta{list(x.meta_shape)} does "
+                f"not match callee input tensor {gt.id!r} {gt.dtype.name}{list(gt.shape)} "
+                f"meta{list(gt.meta_shape)}."
+            )
+        out.append(x)
+    return out
+
+
+def _new_outputs(parent: Graph, graph: Graph) -> list[Tensor]:
+    from ..tensor import _fake_like
+
+    outs = []
+    for t in graph._outputs:
+        outs.append(Tensor._create(parent, t.name, _fake_like(t.shape, t.dtype), t.meta_shape))
+    return outs
+
+
+def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Mapping | None = None,
+                   check_inputs: bool = True) -> CallSiteInfo:  # fmt: skip
+    """Call ``graph`` and return the ``CallSiteInfo`` of the call site."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"call expects a popxl Graph; got {type(graph).__name__}.")
+    parent = gcg()
+    connected = _connect(graph, inputs, inputs_dict, check_inputs)
+    outputs = _new_outputs(parent, graph)
+    by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
+    op = Op("call", "Call", tuple(connected), tuple(outputs),
+            {"graph": graph, "modified": by_ref, "describe": f" [{graph.id}]"})  # fmt: skip
+    parent._append_op(op)
+    return CallSiteInfo(parent, len(parent._ops) - 1)
+
+
+def call(graph: Graph, *inputs: Any, inputs_dict: Mapping | None = None) -> tuple[Tensor, ...]:
+    """Call ``graph`` with ``inputs``; returns its outputs as new tensors of the caller."""
+    return call_with_info(graph, *inputs, inputs_dict=inputs_dict).outputs
+
+
+def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict: Mapping | None = None,
+                     check_inputs: bool = True) -> CallSiteInfo:  # fmt: skip
+    """Call ``graph`` ``repeat_count`` times; output i feeds input i of the next iteration."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"repeat expects a popxl Graph; got {type(graph).__name__}.")
+    if not isinstance(repeat_count, int) or repeat_count < 0:
+        raise ValueError(f"repeat_count must be a non-negative int; got {repeat_count!r}.")
+    n_out, n_in = len(graph._outputs), len(graph._inputs)
+    if n_out > n_in:
+        raise ValueError(
+            f"repeat: graph {graph.id!r} has {n_out} outputs but only {n_in} inputs; every output "
+            "i feeds input i of the next iteration."
+        )
+    for i, (gi, go) in enumerate(zip(graph._inputs, graph._outputs)):
+        if (gi.shape, gi.dtype) != (go.shape, go.dtype):
+            raise PopXLError(
+                f"repeat: output {i} of {graph.id!r} ({go.dtype.name}{list(go.shape)}) does not match "
+                f"input {i} ({gi.dtype.name}{list(gi.shape)}); loop-carried values must keep their type."
+            )
+    parent = gcg()
+    connected = _connect(graph, inputs, inputs_dict, check_inputs)
+    outputs = _new_outputs(parent, graph)
+    by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
+    op = Op("repeat", "Repeat", tuple(connected), tuple(outputs),
+            {"graph": graph, "modified": by_ref, "repeat_count": repeat_count,
+             "describe": f" [{graph.id} x{repeat_count}]"})  # fmt: skip
+    parent._append_op(op)
+    return CallSiteInfo(parent, len(parent._ops) - 1)
+
+
+def repeat(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict: Mapping | None = None) -> tuple[Tensor, ...]:
+    """Repeat ``graph``; returns the outputs of the last iteration."""
+    return repeat_with_info(graph, repeat_count, *inputs, inputs_dict=inputs_dict).outputs

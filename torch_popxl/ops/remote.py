@@ -1,0 +1,68 @@
+"""``remote_load``, ``remote_load_``, ``remote_store`` (spec §4.3)."""
+
+from __future__ import annotations
+
+from .. import dtypes as _dtypes
+from ..context import gcg
+from ..graph import Op
+from ..tensor import Tensor, _fake_like, constant
+
+__all__ = ["remote_load", "remote_load_", "remote_store"]
+
+
+def _buffer(rb, name: str):
+    from ..remote_buffer import RemoteBuffer
+
+    if not isinstance(rb, RemoteBuffer):
+        raise TypeError(f"{name} expects a RemoteBuffer; got {type(rb).__name__}.")
+    if rb._ir is not gcg().ir:
+        raise ValueError(f"{name}: {rb!r} belongs to another Ir.")
+    return rb
+
+
+def _offset(offset, name: str) -> Tensor:
+    if isinstance(offset, Tensor):
+        if offset.rank != 0 or not (offset.dtype.is_int):
+            raise ValueError(
+                f"{name}: a tensor offset must be a 0-d integer tensor; got {offset.dtype.name}"
+                f"{list(offset.shape)}."
+            )
+        return offset
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{name}: offset must be a non-negative int or a 0-d int tensor; got {offset!r}.")
+    return constant(offset, _dtypes.int32, "offset")
+
+
+def remote_load(remote_buffer, offset: int | Tensor, name: str | None = None) -> Tensor:
+    """Load slot ``offset`` of this replica's copy of ``remote_buffer``."""
+    rb = _buffer(remote_buffer, "remote_load")
+    off = _offset(offset, "remote_load")
+    graph = gcg()
+    out = Tensor._create(graph, name or "remote_load", _fake_like(rb.tensor_shape, rb.tensor_dtype), rb.meta_shape)
+    graph._append_op(Op("remote_load", "RemoteLoad", (off,), (out,), {"buffer": rb,
+                                                                     "describe": f" <- buffer {rb.remote_buffer_id}"}))
+    return out
+
+
+def remote_load_(remote_buffer, offset: int | Tensor, t: Tensor) -> Tensor:
+    """Load slot ``offset`` into ``t`` in place; sets ``t.meta_shape`` to the buffer's."""
+    rb = _buffer(remote_buffer, "remote_load_")
+    rb.validate_tensor_matches_buffer(t)
+    off = _offset(offset, "remote_load_")
+    graph = gcg()
+    t._meta_shape = rb.meta_shape
+    graph._append_op(Op("remote_load_", "RemoteLoadInplace", (t, off), (t,), {"buffer": rb,
+                                                                             "describe": f" <- buffer {rb.remote_buffer_id}"}))
+    return t
+
+
+def remote_store(remote_buffer, offset: int | Tensor, t: Tensor) -> None:
+    """Store ``t`` into slot ``offset`` of this replica's copy of ``remote_buffer``."""
+    rb = _buffer(remote_buffer, "remote_store")
+    if not isinstance(t, Tensor):
+        raise TypeError(f"remote_store expects a popxl Tensor to store; got {type(t).__name__}.")
+    rb.validate_tensor_matches_buffer(t)
+    off = _offset(offset, "remote_store")
+    graph = gcg()
+    graph._append_op(Op("remote_store", "RemoteStore", (t, off), (), {"buffer": rb,
+                                                                     "describe": f" -> buffer {rb.remote_buffer_id}"}))

@@ -1,0 +1,278 @@
+"""Executors: the fast one (generated code under ``vmap``) and the reference one.
+
+Both run the same program against the same session state:
+
+* ``state.vars``: ``{variable id: Tensor[R, *shape]}`` (on-chip variables, replica-stacked);
+* ``state.persistent``: main-graph tensors made in the WeightsFromHost fragment (RTS shards);
+* ``state.buffers``: ``{remote buffer id: Tensor[R, entries, *tensor_shape]}``;
+* stream inputs ``Tensor[nht, R, *shape]``; outputs ``{stream index: Tensor[count, R, *shape]}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..graph import Graph, Op, Slot
+from ..tensor import Constant, Tensor
+from . import kernels
+from . import reference_collectives as refc
+from .lower import Lowered, compile_graph, mutated_inputs
+
+__all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]
+
+
+@dataclass
+class SessionState:
+    num_replicas: int
+    device: torch.device
+    vars: dict[str, torch.Tensor] = field(default_factory=dict)
+    persistent: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def fragment_signature(ir) -> tuple[list[Tensor], list[Tensor]]:
+    """(on-chip variables, tensors defined in WeightsFromHost and used later)."""
+    main = ir.main_graph
+    on_chip = [v for v in ir._all_variables if getattr(v, "_remote", None) is None]
+    defined = [t for op in main._ops_in_context("weights_from_host") for t in op.outputs]
+    return on_chip, defined
+
+
+class _RunContext:
+    """What generated code sees of one run: stream cursors, outputs, buffers."""
+
+    def __init__(self, ins: list[torch.Tensor], buffers: dict[int, torch.Tensor], nht: int):
+        self.ins = ins
+        self.nht = nht
+        self.cursor = [0] * len(ins)
+        self.outs: dict[int, list[torch.Tensor]] = {}
+        self.prints: list[tuple[dict, torch.Tensor]] = []
+        self.buffers = buffers
+
+    def host_load(self, k: int) -> torch.Tensor:
+        i = self.cursor[k]
+        self.cursor[k] = i + 1
+        return self.ins[k][i % self.nht]
+
+    def host_store(self, k: int, value: torch.Tensor) -> None:
+        self.outs.setdefault(k, []).append(value)
+
+    def print(self, attrs: dict, value: torch.Tensor) -> None:
+        self.prints.append((attrs, value))
+
+
+def _emit_prints(prints, num_replicas: int) -> None:
+    for attrs, value in prints:
+        if not attrs.get("print_self", True):
+            continue
+        for r in range(num_replicas):
+            tag = f" (replica {r})" if num_replicas > 1 else ""
+            with torch._tensor_str.printoptions(threshold=attrs["threshold"], edgeitems=attrs["edge_items"],
+                                                linewidth=attrs["line_width"], precision=attrs["digits"]):  # fmt: skip
+                print(f"{attrs['title']}{tag}: {value[r]}")
+
+
+class FastExecutor:
+    """Straight-line generated code, every replica at once under ``torch.func.vmap``."""
+
+    def __init__(self, ir, device: torch.device):
+        self.ir = ir
+        self.lowered = Lowered(device)
+        self.on_chip, self.defined = fragment_signature(ir)
+        main = ir.main_graph
+        params = self.on_chip + self.defined
+        self.fns = {
+            "weights_from_host": self.lowered.compile(
+                main, self.on_chip, main._ops_in_context("weights_from_host"), self.defined, "wfh"
+            ),
+            "normal": compile_graph(self.lowered, main, params, main._ops_in_context("normal"), "main"),
+            "weights_to_host": compile_graph(
+                self.lowered, main, params, main._ops_in_context("weights_to_host"), "wth"
+            ),
+        }
+
+    def source(self) -> str:
+        """The generated Python of every graph function (for inspection and debugging)."""
+        return "\n\n".join(f"# {k}\n{v}" for k, v in self.lowered.sources.items())
+
+    def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
+        R = state.num_replicas
+        fn = self.fns[fragment]
+        var_vals = [state.vars[v.id] for v in self.on_chip]
+        if fragment != "weights_from_host":
+            var_vals += [state.persistent[t.id] for t in self.defined]
+        buffers = state.buffers
+
+        def step(var_vals, ins, buffers, _anchor):
+            rt = _RunContext(ins, buffers, nht)
+            outs = fn(rt, *var_vals)
+            return outs, rt.outs, rt.prints
+
+        if R == 1:
+            outs, stored, prints = step(
+                [v[0] for v in var_vals], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
+            )
+            outs = tuple(o.unsqueeze(0) for o in outs)
+            stored = {k: [t.unsqueeze(0) for t in ts] for k, ts in stored.items()}
+            prints = [(a, v.unsqueeze(0)) for a, v in prints]
+        else:
+            anchor = torch.zeros(R, device=state.device)
+            outs, stored, prints = torch.func.vmap(
+                step, in_dims=(0, 1, 0, 0), randomness="different"
+            )(var_vals, ins, buffers, anchor)
+        if fragment == "weights_from_host":
+            for t, value in zip(self.defined, outs):
+                state.persistent[t.id] = value
+        _emit_prints(prints, R)
+        return {k: torch.stack(ts) for k, ts in stored.items()}
+
+
+# ---- the reference executor ---------------------------------------------------------------
+
+_aten = torch.ops.aten
+
+
+def _ref_collectives() -> dict[Any, Any]:
+    ops = torch.ops.torch_popxl
+    return {
+        ops.replicated_all_reduce.default: lambda xs, op, g, s: refc.all_reduce(xs, op, g, s),
+        ops.replicated_all_gather.default: lambda xs, g, s: refc.all_gather(xs, g, s),
+        ops.replicated_reduce_scatter.default: lambda xs, op, g, s: refc.reduce_scatter(xs, op, g, s),
+        ops.replicated_take_own.default: lambda xs, g, s: refc.take_own(xs, g, s),
+    }
+
+
+class ReferenceExecutor:
+    """Plain interpretation, op by op, with a Python loop over replicas (the specification).
+
+    Replicas run in lockstep: each op runs for every replica before the next op, and a
+    collective sees every replica's input at once (``reference_collectives``).
+    """
+
+    def __init__(self, ir, device: torch.device):
+        self.ir = ir
+        self.device = device
+        self.on_chip, self.defined = fragment_signature(ir)
+        self.collectives = _ref_collectives()
+        _ = kernels
+
+    def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
+        R = state.num_replicas
+        main = self.ir.main_graph
+        env: dict[str, list[torch.Tensor]] = {}
+        for v in self.on_chip:
+            env[v.id] = list(state.vars[v.id].unbind(0))  # views: updates reach the state
+        if fragment != "weights_from_host":
+            for t in self.defined:
+                env[t.id] = list(state.persistent[t.id].unbind(0))
+        rt = _RefRun(ins, state, nht, R)
+        self._exec_ops(main._ops_in_context(fragment), env, rt)
+        if fragment == "weights_from_host":
+            for t in self.defined:
+                state.persistent[t.id] = torch.stack(env[t.id])
+        _emit_prints([(a, torch.stack(v)) for a, v in rt.prints], R)
+        return {k: torch.stack([torch.stack(rows) for rows in ts]) for k, ts in rt.outs.items()}
+
+    def _value(self, t: Tensor, env, R):
+        if t.id not in env and isinstance(t, Constant):
+            env[t.id] = [t._data.to(self.device)] * R
+        return env[t.id]
+
+    def _exec_ops(self, ops: list[Op], env, rt: _RefRun) -> None:
+        R = rt.R
+        for op in ops:
+            ins = [self._value(t, env, R) for t in op.inputs]
+            if op.kind == "torch":
+                self._exec_torch(op, ins, env, R)
+            elif op.kind == "host_load":
+                env[op.outputs[0].id] = rt.host_load(op.attrs["stream"]._index)
+            elif op.kind == "host_store":
+                rt.outs.setdefault(op.attrs["stream"]._index, []).append(list(ins[0]))
+            elif op.kind == "remote_load":
+                env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0])
+            elif op.kind == "remote_load_":
+                for r, v in enumerate(refc.remote_load(rt.buffer(op), ins[1])):
+                    ins[0][r].copy_(v)
+            elif op.kind == "remote_store":
+                refc.remote_store(rt.buffer(op), ins[1], ins[0])
+            elif op.kind == "print":
+                rt.prints.append((op.attrs, ins[0]))
+                env[op.outputs[0].id] = ins[0]
+            elif op.kind in ("call", "repeat"):
+                self._exec_call(op, ins, env, rt)
+            else:
+                raise NotImplementedError(f"The reference executor has no rule for op kind {op.kind!r}.")
+
+    def _exec_torch(self, op: Op, ins, env, R) -> None:
+        target = op.attrs["target"]
+        args, kwargs = op.attrs["args"], op.attrs["kwargs"]
+        if target in self.collectives:
+            result = self.collectives[target](ins[0], *args[1:])
+            env[op.outputs[0].id] = result
+            return
+        per_replica = []
+        for r in range(R):
+            a = _fill(args, ins, r, self.device)
+            k = _fill(kwargs, ins, r, self.device)
+            per_replica.append(target(*a, **k))
+        for t, path in zip(op.outputs, op.attrs["out_paths"]):
+            values = []
+            for res in per_replica:
+                for i in path:
+                    res = res[i]
+                values.append(res)
+            env[t.id] = values
+
+    def _exec_call(self, op: Op, ins, env, rt: _RefRun) -> None:
+        graph: Graph = op.attrs["graph"]
+        clone = mutated_inputs(graph) - set(op.attrs["modified"])
+        carry = [[x.clone() for x in v] if i in clone else v for i, v in enumerate(ins)]
+        count = op.attrs.get("repeat_count", 1)
+        k = len(graph._outputs)
+        for _ in range(count):
+            sub_env = {t.id: v for t, v in zip(graph._inputs, carry)}
+            self._exec_ops(graph._ops, sub_env, rt)
+            outs = [self._value(t, sub_env, rt.R) for t in graph._outputs]
+            outs = [[x.clone() for x in o] if t in graph._inputs else o for t, o in zip(graph._outputs, outs)]
+            if op.kind == "call":
+                carry = outs
+            else:
+                carry[:k] = outs
+        for i, t in enumerate(op.outputs):
+            env[t.id] = carry[i]
+
+
+def _fill(x, ins, r, device):
+    if isinstance(x, Slot):
+        return ins[x.index][r]
+    if isinstance(x, list):
+        return [_fill(y, ins, r, device) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_fill(y, ins, r, device) for y in x)
+    if isinstance(x, dict):
+        return {k: _fill(v, ins, r, device) for k, v in x.items()}
+    if isinstance(x, torch.device):
+        return device
+    return x
+
+
+class _RefRun:
+    def __init__(self, ins, state: SessionState, nht: int, R: int):
+        self.ins = ins
+        self.state = state
+        self.nht = nht
+        self.R = R
+        self.cursor = [0] * len(ins)
+        self.outs: dict[int, list[list[torch.Tensor]]] = {}
+        self.prints: list = []
+
+    def host_load(self, k: int) -> list[torch.Tensor]:
+        i = self.cursor[k] % self.nht
+        self.cursor[k] += 1
+        return [self.ins[k][i, r] for r in range(self.R)]
+
+    def buffer(self, op: Op) -> list[torch.Tensor]:
+        return list(self.state.buffers[op.attrs["buffer"].remote_buffer_id].unbind(0))

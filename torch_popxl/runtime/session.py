@@ -1,0 +1,368 @@
+"""``Session``: runs an Ir on the simulator (spec §6).
+
+The session owns the device state (replica-stacked variables and remote buffers) and one
+host copy per variable. ``weights_from_host`` / ``weights_to_host`` move data between them
+exactly as PopXL does, including the documented hazards (stale host copies, re-upload of
+every variable on write).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import dtypes as _dtypes
+from ..streams import DeviceToHostStream, HostToDeviceStream
+from ..tensor import Constant, Tensor, Variable
+from .executor import FastExecutor, ReferenceExecutor, SessionState
+
+__all__ = ["Session"]
+
+_DEVICES = ("ipu_hw", "ipu_model", "cpu")
+
+
+class Session:
+    """Compile ``ir`` and run it on the simulator.
+
+    ``device_desc`` is ``"ipu_hw"``, ``"ipu_model"`` or ``"cpu"`` (all mean the simulator).
+    ``device`` picks the torch device that holds the replicas (``"cpu"`` by default,
+    ``"cuda"`` when available). ``executor="reference"`` runs the plain reference executor.
+    """
+
+    def __init__(self, ir, device_desc: str = "cpu", weights_to_host_on_exit: bool = True, *,
+                 device: str | torch.device | None = None, executor: str = "fast"):  # fmt: skip
+        from ..ir import Ir
+
+        if not isinstance(ir, Ir):
+            raise TypeError(f"Session expects a popxl Ir; got {type(ir).__name__}.")
+        if device_desc not in _DEVICES:
+            raise ValueError(
+                f"Incorrect device type provided {device_desc!r}: expected one of {_DEVICES} (all "
+                "run the simulator)."
+            )
+        if executor not in ("fast", "reference"):
+            raise ValueError(f"executor must be 'fast' or 'reference'; got {executor!r}.")
+        self._ir = ir
+        self._device_desc = device_desc
+        self.weights_to_host_on_exit = weights_to_host_on_exit
+        self._torch_device = torch.device(device) if device is not None else torch.device("cpu")
+        R = ir.instance_replication_factor
+        self._state = SessionState(R, self._torch_device)
+        self._attached = False
+        self._attach_stack: list[bool] = []
+        self._in_sync = True
+        # Host copies: one_per_group data (shape_on_host); all_replicas reads go to _host_all.
+        self._host: dict[str, np.ndarray] = {}
+        self._host_all: dict[str, np.ndarray] = {}
+        for v, data in ir._variables.values():
+            self._host[v.id] = np.array(data, copy=True)
+        ir._sessions += 1
+        self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(ir, self._torch_device)
+        self._allocate()
+
+    # ---- properties -----------------------------------------------------------------------
+
+    @property
+    def ir(self):
+        return self._ir
+
+    @property
+    def device(self) -> torch.device:
+        return self._torch_device
+
+    @property
+    def is_attached(self) -> bool:
+        return self._attached
+
+    @property
+    def _extra_input_dims(self) -> tuple[int, ...]:
+        nht, irf = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        return (nht,) * (nht > 1) + (irf,) * (irf > 1)
+
+    def _full_input_shape(self, shape) -> tuple[int, ...]:
+        return self._extra_input_dims + tuple(shape)
+
+    def expected_inputs(self) -> set[HostToDeviceStream]:
+        return self._ir.get_all_h2d_streams()
+
+    # ---- attach / detach ------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        was = self._attached
+        self._attach_stack.append(was)
+        if not was:
+            self._attached = True
+            self.weights_from_host()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        was = self._attach_stack.pop()
+        if was:
+            return
+        try:
+            if exc_type is None and self.weights_to_host_on_exit:
+                self.weights_to_host()
+        finally:
+            self._attached = False
+
+    def _require_attached(self, what: str) -> None:
+        if not self._attached:
+            raise ValueError(
+                f"Must be attached to device before calling a runtime function ({what}). Use "
+                "`with session:` around it."
+            )
+
+    # ---- device state ---------------------------------------------------------------------
+
+    def _allocate(self) -> None:
+        R, dev = self._state.num_replicas, self._torch_device
+        for v in self._executor.on_chip:
+            self._state.vars[v.id] = torch.zeros((R, *v.shape), dtype=v.dtype.as_torch(), device=dev)
+        for rb in self._ir._remote_buffers:
+            shape = (R, rb.entries, *rb.tensor_shape)
+            self._state.buffers[rb.remote_buffer_id] = torch.zeros(shape, dtype=rb.tensor_dtype.as_torch(), device=dev)
+
+    def _replica_groups(self, v: Variable) -> list[int]:
+        """Global group index of every local replica for ``v``'s grouping."""
+        return list(v.replica_grouping.assignment)
+
+    def weights_from_host(self) -> None:
+        """Upload every variable's host copy to every replica (then run WeightsFromHost)."""
+        self._require_attached("weights_from_host")
+        for v in self._executor.on_chip:
+            self._state.vars[v.id].copy_(self._per_replica(v, self._host[v.id]))
+        from .. import remote as _remote
+
+        _remote.upload_remote_variables(self)
+        self._executor.run(self._state, "weights_from_host", [], 1)
+
+    def _per_replica(self, v: Variable, host: np.ndarray) -> torch.Tensor:
+        groups = self._replica_groups(v)
+        data = torch.from_numpy(np.array(host, copy=True, order="C")).to(self._torch_device)
+        data = data.to(v.dtype.as_torch())
+        if v.replica_grouping.num_groups == 1:
+            return data.unsqueeze(0).expand(len(groups), *data.shape)
+        return data[torch.tensor(groups, device=self._torch_device)]
+
+    def weights_to_host(self) -> None:
+        """Read every variable back into its host copy (after running WeightsToHost)."""
+        self._require_attached("weights_to_host")
+        self._executor.run(self._state, "weights_to_host", [], 1)
+        for v in self._executor.on_chip:
+            value = self._state.vars[v.id]
+            self._store_host(v, value)
+        from .. import remote as _remote
+
+        _remote.download_remote_variables(self)
+        self._in_sync = True
+
+    def _store_host(self, v: Variable, value: torch.Tensor) -> None:
+        """``value`` is ``[R, *shape]``: keep the first member of each group (and all rows)."""
+        rg = v.replica_grouping
+        firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
+        rows = value.detach().cpu()
+        host = _to_numpy(rows[firsts], v.dtype)
+        self._host[v.id] = host if rg.num_groups > 1 else host[0]
+        self._host_all[v.id] = _to_numpy(rows, v.dtype)
+
+    # ---- reading and writing tensors ------------------------------------------------------
+
+    def get_tensor_data(self, tensor: Tensor) -> np.ndarray:
+        return self.get_tensors_data([tensor])[tensor]
+
+    def get_tensors_data(self, tensors) -> dict[Tensor, np.ndarray]:
+        tensors = list(tensors)
+        for t in tensors:
+            if not isinstance(t, Variable | Constant):
+                raise TypeError(
+                    f"get_tensors_data only reads Variables and Constants; {t!r} is neither. Use a "
+                    "d2h stream (ops.host_store) to read intermediate tensors."
+                )
+            if t.ir is not self._ir:
+                raise ValueError(f"Tensor {t.id!r} belongs to {t.ir!r}, not this session's {self._ir!r}.")
+        if any(isinstance(t, Variable) for t in tensors) and self._attached and not self._in_sync:
+            self.weights_to_host()
+        out: dict[Tensor, np.ndarray] = {}
+        for t in tensors:
+            if isinstance(t, Constant):
+                out[t] = _to_numpy(t._data, t.dtype)
+            elif t.retrieval_mode == "all_replicas":
+                out[t] = self._host_all.get(t.id, self._all_from_host(t))
+            else:
+                out[t] = self._host[t.id]
+        return out
+
+    def _all_from_host(self, v: Variable) -> np.ndarray:
+        host = self._host[v.id]
+        groups = self._replica_groups(v)
+        if v.replica_grouping.num_groups == 1:
+            return np.stack([host] * len(groups))
+        return host[groups]
+
+    def write_variable_data(self, tensor: Variable, data) -> None:
+        self.write_variables_data({tensor: data})
+
+    def write_variables_data(self, tensors: Mapping[Variable, Any]) -> None:
+        """Replace host copies (and the device values, when attached)."""
+        staged: dict[str, np.ndarray] = {}
+        for v, data in tensors.items():
+            if not isinstance(v, Variable):
+                raise TypeError(f"write_variables_data: {v!r} is not a Variable.")
+            if v.ir is not self._ir:
+                raise ValueError(f"Variable {v.id!r} belongs to {v.ir!r}, not this session's {self._ir!r}.")
+            if isinstance(data, bool | int | float | np.number):
+                if v.dtype.name.startswith("float8"):
+                    raise TypeError(f"Cannot write a Python number to the float8 variable {v.id!r}.")
+                data = np.array(data, dtype=v.dtype.as_numpy())
+            data = np.asarray(data)
+            if data.dtype != v.dtype.as_numpy():
+                raise TypeError(
+                    f"write_variables_data: data for {v.id!r} has dtype {data.dtype}, the variable has "
+                    f"dtype {v.dtype.as_numpy()}. Convert it first (no implicit cast)."
+                )
+            if tuple(data.shape) != tuple(v.shape_on_host):
+                raise ValueError(
+                    f"write_variables_data: data for {v.id!r} has shape {tuple(data.shape)}, expected "
+                    f"shape_on_host {tuple(v.shape_on_host)}."
+                )
+            if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
+                raise NotImplementedError(
+                    f"Writing the all_replicas variable {v.id!r} (group size > 1) is not supported by "
+                    "PopXL; create it with retrieval_mode='one_per_group' to write it."
+                )
+            staged[v.id] = np.array(data, copy=True)
+        self._host.update(staged)
+        for vid in staged:
+            self._host_all.pop(vid, None)
+        if self._attached:
+            self.weights_from_host()
+
+    # ---- running --------------------------------------------------------------------------
+
+    def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
+        return {
+            s: np.empty(self._full_input_shape(s.shape), dtype=s.dtype.as_numpy())
+            for s in sorted(self._ir.get_all_d2h_streams(), key=lambda s: s._index)
+        }
+
+    def run(self, inputs: Mapping | None = None, downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
+        """Run the main program once; returns one array per d2h stream."""
+        outputs = self.create_host_outputs()
+        self.run_with_outputs(inputs, outputs, downcast_inputs)
+        return outputs
+
+    def run_with_outputs(self, inputs: Mapping | None = None, outputs: Mapping | None = None,
+                         downcast_inputs: bool = True) -> None:  # fmt: skip
+        """Run the main program once, filling the caller's ``outputs`` arrays in place."""
+        self._require_attached("run")
+        inputs = dict(inputs or {})
+        outputs = dict(outputs or {})
+        self._verify_streams(inputs, self._ir.get_all_h2d_streams(), "input")
+        self._verify_streams(outputs, self._ir.get_all_d2h_streams(), "output")
+        for s, arr in outputs.items():
+            self._verify_shape(s, np.asarray(arr), "output")
+        nht = self._ir.num_host_transfers
+        h2d = sorted(self._ir._h2d_streams, key=lambda s: s._index)
+        ins = [self._input_tensor(s, inputs.get(s), downcast_inputs) for s in h2d]
+        stored = self._executor.run(self._state, "normal", ins, nht)
+        self._in_sync = False
+        for s, arr in outputs.items():
+            values = stored.get(s._index)
+            if values is None:
+                continue
+            self._fill_output(s, arr, values)
+
+    def _verify_streams(self, given: Mapping, expected: set, kind: str) -> None:
+        given_set = set(given)
+        unexpected = [s.tensor_id if hasattr(s, "tensor_id") else repr(s) for s in given_set - expected]
+        missing = [s.tensor_id for s in expected - given_set]
+        if unexpected:
+            raise ValueError(f"Unexpected {kind} streams: {sorted(unexpected)}. Expected exactly "
+                             f"{sorted(s.tensor_id for s in expected)}.")  # fmt: skip
+        if missing:
+            raise ValueError(f"Missing {kind} streams: {sorted(missing)}. Provide an array for each.")
+
+    def _verify_shape(self, s, arr: np.ndarray, kind: str) -> None:
+        nht, irf = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        expected = self._full_input_shape(s.shape)
+        idx = 0
+        if nht > 1:
+            if arr.ndim < 1 or arr.shape[0] < nht:
+                raise ValueError(
+                    f"Shape mismatch for {kind} stream {s.tensor_id!r}: dim 0 must be at least "
+                    f"num_host_transfers={nht}; got shape {arr.shape}, expected {expected}."
+                )
+            idx += 1
+        if irf > 1:
+            if arr.ndim <= idx or arr.shape[idx] != irf:
+                raise ValueError(
+                    f"Shape mismatch for {kind} stream {s.tensor_id!r}: dim {idx} must be the replica "
+                    f"count {irf}; got shape {arr.shape}, expected {expected}."
+                )
+            idx += 1
+        if arr.squeeze().shape[idx:] == () and math.prod(s.shape) == 1:
+            return
+        if arr.squeeze().shape[idx:] == () and arr.size == math.prod(expected):
+            return
+        if tuple(arr.shape[idx:]) != tuple(s.shape):
+            raise ValueError(
+                f"Shape mismatch for {kind} stream {s.tensor_id!r}: got shape {arr.shape}, expected "
+                f"{expected} (num_host_transfers={nht}, replicas={irf}, stream shape {s.shape})."
+            )
+
+    def _input_tensor(self, s: HostToDeviceStream, data, downcast: bool) -> torch.Tensor:
+        """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device."""
+        if isinstance(data, torch.Tensor):
+            data = data.detach().cpu().numpy()
+        arr = np.asarray(data)
+        if downcast:
+            arr = _downcast(arr)
+        self._verify_shape(s, arr, "input")
+        nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        if nht > 1 and arr.shape[0] > nht:
+            arr = arr[:nht]
+        arr = arr.reshape(nht, R, *s.shape)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        want = s.dtype.as_torch()
+        if t.dtype != want:
+            t = t.to(want)
+        return t.to(self._torch_device)
+
+    def _fill_output(self, s: DeviceToHostStream, arr: np.ndarray, values: torch.Tensor) -> None:
+        nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        count = min(values.shape[0], nht)
+        view = arr.reshape(nht, R, *s.shape)
+        view[:count] = _to_numpy(values[:count].detach().cpu(), s.dtype)
+        if count < values.shape[0]:  # more stores than entries: later ones wrap around
+            for i in range(count, values.shape[0]):
+                view[i % nht] = _to_numpy(values[i].detach().cpu(), s.dtype)
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def generated_code(self) -> str:
+        """The Python the fast executor generated for this Ir."""
+        if not isinstance(self._executor, FastExecutor):
+            raise ValueError("generated_code() is only available with executor='fast'.")
+        return self._executor.source()
+
+
+def _downcast(arr: np.ndarray) -> np.ndarray:
+    table = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+    to = table.get(arr.dtype)
+    return arr.astype(to) if to is not None else arr
+
+
+def _to_numpy(t: torch.Tensor, dt: _dtypes.dtype) -> np.ndarray:
+    t = t.detach().cpu()
+    np_dt = dt.as_numpy()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy().view(np_dt).copy()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return t.to(torch.int64).numpy().astype(np_dt)
+    return t.numpy().astype(np_dt, copy=True)

@@ -1,0 +1,329 @@
+"""``autodiff``: gradient graphs produced by ``torch.autograd`` (spec §8).
+
+There is no per-op gradient table. The forward graph is replayed on fake tensors with
+``requires_grad``; ``torch.autograd.grad`` then runs under the capture recorder targeting a
+new graph, so the backward aten ops (whatever torch's derivative formulas emit) become the
+grad graph. Forward tensors the backward reads (autograd's saved tensors) become grad-graph
+inputs with ``Fwd`` connections; those that are neither forward inputs nor outputs are added
+as forward outputs ("stitching"), and every call site of the forward graph gains the output.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..capture import fake_mode, record_into
+from ..errors import PopXLError
+from ..graph import Graph, Op, Slot
+from ..tensor import Constant, Tensor, _fake_like, graph_input, graph_output
+
+__all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
+
+
+class ExpectedConnectionType(enum.Enum):
+    Fwd = "Fwd"
+    FwdGrad = "FwdGrad"
+
+
+@dataclass(frozen=True)
+class ExpectedConnection:
+    """A grad-graph input or output and the forward tensor it corresponds to."""
+
+    fwd_tensor: Tensor
+    connection_type: ExpectedConnectionType
+
+    def __repr__(self) -> str:
+        return f"({self.connection_type.name}: {self.fwd_tensor.id})"
+
+
+class GradGraphInfo:
+    """The result of ``autodiff``: the grad graph and how to connect it."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("GradGraphInfo is created by popxl.transforms.autodiff.")
+
+    @classmethod
+    def _create(cls, graph, forward_graph, expected_inputs, expected_outputs):
+        info = object.__new__(cls)
+        info._graph = graph
+        info._forward_graph = forward_graph
+        info._expected_inputs = tuple(expected_inputs)
+        info._expected_outputs = tuple(expected_outputs)
+        return info
+
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def forward_graph(self) -> Graph:
+        return self._forward_graph
+
+    @property
+    def expected_inputs(self) -> tuple[ExpectedConnection, ...]:
+        return self._expected_inputs
+
+    @property
+    def expected_outputs(self) -> tuple[ExpectedConnection, ...]:
+        return self._expected_outputs
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(e.fwd_tensor for e in self._expected_inputs)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(e.fwd_tensor for e in self._expected_outputs)
+
+    def inputs_dict(self, fwd_call_info) -> dict[Tensor, Tensor]:
+        """{grad-graph input: parent tensor} for the ``Fwd`` inputs, through the forward call."""
+        if fwd_call_info.called_graph is not self._forward_graph:
+            raise TypeError(
+                f"The call site calls {fwd_call_info.called_graph.id!r}, not the forward graph "
+                f"{self._forward_graph.id!r} of this GradGraphInfo."
+            )
+        out = {}
+        for gt, e in zip(self._graph._inputs, self._expected_inputs):
+            if e.connection_type is ExpectedConnectionType.Fwd:
+                out[gt] = fwd_call_info.graph_to_parent(e.fwd_tensor)
+        return out
+
+    def fwd_graph_ins_to_grad_parent_outs(self, grad_call_info) -> dict[Tensor, Tensor]:
+        return {e.fwd_tensor: grad_call_info.parent_output(i) for i, e in enumerate(self._expected_outputs)}
+
+    def fwd_parent_ins_to_grad_parent_outs(self, fwd_call_info, grad_call_info) -> dict[Tensor, Tensor]:
+        return {
+            fwd_call_info.graph_to_parent(e.fwd_tensor): grad_call_info.parent_output(i)
+            for i, e in enumerate(self._expected_outputs)
+        }
+
+    def __repr__(self) -> str:
+        ins = ", ".join(repr(e) for e in self._expected_inputs)
+        outs = ", ".join(repr(e) for e in self._expected_outputs)
+        return (f"GradGraphInfo[\n  graph={self._graph.id}\n  expected_inputs=[{ins}]\n"
+                f"  expected_outputs=[{outs}]\n]")  # fmt: skip
+
+
+def _is_modifying(op: Op) -> bool:
+    if op.kind == "torch":
+        schema = getattr(op.attrs["target"], "_schema", None)
+        return bool(schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                               for a in schema.arguments))  # fmt: skip
+    return op.kind in ("remote_load_", "remote_store", "host_store")
+
+
+def _check_differentiable(graph: Graph) -> None:
+    for op in graph._ops:
+        if _is_modifying(op):
+            raise PopXLError(
+                f"The graph {graph.id} contains a modifying op {op.name} (outputs "
+                f"{[t.id for t in op.outputs]}), which autodiff cannot differentiate. Use the "
+                "out-of-place op in graphs you differentiate."
+            )
+
+
+def _differentiable_dtype(t: Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+class _Replay:
+    """The forward graph re-run on fake tensors that track gradients."""
+
+    def __init__(self, graph: Graph, required: list[Tensor]):
+        self.graph = graph
+        self.value: dict[str, torch.Tensor] = {}
+        self.fwd_of: dict[int, Tensor] = {}
+        required_ids = {t.id for t in required}
+        with fake_mode():
+            for t in graph._inputs:
+                leaf = _fake_like(t.shape, t.dtype)
+                if t.id in required_ids and _differentiable_dtype(t):
+                    leaf.requires_grad_(True)
+                self._bind(t, leaf)
+            with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+                self._run_ops(graph._ops, self.value)
+
+    def _bind(self, t: Tensor, fake: torch.Tensor) -> None:
+        self.value[t.id] = fake
+        self.fwd_of.setdefault(id(fake), t)
+
+    def _get(self, t: Tensor, env) -> torch.Tensor:
+        if t.id not in env and isinstance(t, Constant):
+            with fake_mode() as fm:
+                fake = fm.from_tensor(t._data)
+            env[t.id] = fake
+            self.fwd_of.setdefault(id(fake), t)
+        return env[t.id]
+
+    def _run_ops(self, ops: Iterable[Op], env) -> None:
+        for op in ops:
+            if op.kind == "torch":
+                self._run_torch(op, env)
+            elif op.kind == "call":
+                self._run_call(op, env)
+            else:
+                # Host loads, remote loads, prints: values without a gradient path.
+                for t in op.outputs:
+                    fake = _fake_like(t.shape, t.dtype)
+                    env[t.id] = fake
+                    self.fwd_of.setdefault(id(fake), t)
+
+    def _run_torch(self, op: Op, env) -> None:
+        ins = [self._get(t, env) for t in op.inputs]
+        target = op.attrs["target"]
+        args = _fill(op.attrs["args"], ins)
+        kwargs = _fill(op.attrs["kwargs"], ins)
+        if _has_no_gradient(target):
+            with torch.no_grad():
+                result = target(*args, **kwargs)
+        else:
+            result = target(*args, **kwargs)
+        for t, path in zip(op.outputs, op.attrs["out_paths"]):
+            value = result
+            for i in path:
+                value = value[i]
+            env[t.id] = value
+            if env is self.value:
+                self.fwd_of.setdefault(id(value), t)
+
+    def _run_call(self, op: Op, env) -> None:
+        callee: Graph = op.attrs["graph"]
+        sub = {gt.id: self._get(pt, env) for gt, pt in zip(callee._inputs, op.inputs)}
+        self._run_ops(callee._ops, sub)
+        for pt, gt in zip(op.outputs, callee._outputs):
+            value = sub[gt.id]
+            env[pt.id] = value
+            if env is self.value:
+                self.fwd_of.setdefault(id(value), pt)
+
+
+def _has_no_gradient(target) -> bool:
+    # PopXL has no gradient for all-reduce (spec §5.1): autodiff yields none through it.
+    return getattr(target, "_opname", "") in ("replicated_all_reduce",)
+
+
+def _fill(x, ins):
+    if isinstance(x, Slot):
+        return ins[x.index]
+    if isinstance(x, list):
+        return [_fill(y, ins) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_fill(y, ins) for y in x)
+    if isinstance(x, dict):
+        return {k: _fill(v, ins) for k, v in x.items()}
+    return x
+
+
+def _stitch_output(graph: Graph, t: Tensor) -> None:
+    """Make ``t`` an output of ``graph`` and give every call site the matching output."""
+    graph._add_output(t)
+    for parent in graph.ir._graphs:
+        for i, op in enumerate(parent._ops):
+            if op.kind == "call" and op.attrs["graph"] is graph:
+                with parent:
+                    new = Tensor._create(parent, t.name, _fake_like(t.shape, t.dtype), t.meta_shape)
+                parent._replace_op(i, op.with_outputs((*op.outputs, new)))
+
+
+def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
+             grads_required: Iterable[Tensor] | None = None,
+             called_graphs_grad_info: dict | None = None,
+             return_all_grad_graphs: bool = False):  # fmt: skip
+    """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8)."""
+    if not isinstance(graph, Graph):
+        raise TypeError(f"autodiff expects a popxl Graph; got {type(graph).__name__}.")
+    _check_differentiable(graph)
+    for callee in graph.called_graphs:
+        _check_differentiable(callee)
+    explicit_required = grads_required is not None
+    provided = list(graph._outputs) if grads_provided is None else list(grads_provided)
+    required = list(graph._inputs) if grads_required is None else list(grads_required)
+    for t in provided:
+        if t not in graph._outputs:
+            warnings.warn(f"autodiff: grads_provided entry {t.id!r} is not an output of {graph.id!r}.", stacklevel=2)
+    for t in required:
+        if t not in graph._inputs:
+            raise PopXLError(
+                f"[Autodiff] Unable to provide required gradient output for {t.id!r}: it is not an "
+                f"input of {graph.id!r}."
+            )
+
+    replay = _Replay(graph, required)
+    ir = graph.ir
+    grad_graph = ir.create_empty_graph(f"{graph.name}_grad")
+    expected_in: list[ExpectedConnection] = []
+    fwd_inputs: dict[str, Tensor] = {}
+
+    with grad_graph:
+        seeds = []
+        for t in provided:
+            seeds.append(graph_input(t.shape, t.dtype, f"Gradient___{t.name}"))
+            expected_in.append(ExpectedConnection(t, ExpectedConnectionType.FwdGrad))
+
+    def resolve(fake: torch.Tensor) -> Tensor | None:
+        ft = replay.fwd_of.get(id(fake))
+        if ft is None:
+            return None
+        if isinstance(ft, Constant):
+            from ..tensor import _constant_from_torch
+
+            c = _constant_from_torch(grad_graph, ft._data, ft.name)
+            grad_graph._rebind_fake(c, fake)
+            return c
+        if ft.id not in fwd_inputs:
+            with grad_graph:
+                fwd_inputs[ft.id] = graph_input(ft.shape, ft.dtype, ft.name, meta_shape=ft.meta_shape)
+        handle = fwd_inputs[ft.id]
+        grad_graph._rebind_fake(handle, fake)
+        return handle
+
+    outs = [replay.value[t.id] for t in provided]
+    pairs = [(o, s) for o, s in zip(outs, seeds) if o.requires_grad]
+    wrt = [(t, replay.value[t.id]) for t in required]
+    wrt_grad = [(t, v) for t, v in wrt if v.requires_grad]
+    grads: dict[str, torch.Tensor | None] = {t.id: None for t in required}
+    with grad_graph:
+        if pairs and wrt_grad:
+            with record_into(grad_graph, on_unknown=resolve):
+                results = torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    [v for _, v in wrt_grad],
+                    grad_outputs=[s._fake for _, s in pairs],
+                    allow_unused=True,
+                )
+            for (t, _), g in zip(wrt_grad, results):
+                grads[t.id] = g
+        expected_out: list[ExpectedConnection] = []
+        for t in required:
+            g = grads[t.id]
+            if g is None:
+                if explicit_required:
+                    raise PopXLError(
+                        f"[Autodiff] Unable to provide required gradient output for {t.id!r}: no "
+                        f"gradient path from the provided outputs of {graph.id!r}."
+                    )
+                continue
+            handle = grad_graph._tensor_for_fake(g) or resolve(g)
+            if handle is None:
+                raise AssertionError(f"gradient of {t.id} was not captured")
+            graph_output(handle)
+            expected_out.append(ExpectedConnection(t, ExpectedConnectionType.FwdGrad))
+
+    # Fwd inputs follow the FwdGrad seeds, in lexicographic order of forward tensor id.
+    fwd_entries = sorted(fwd_inputs.items())
+    grad_graph._inputs[len(seeds):] = [h for _, h in fwd_entries]
+    for fid, _ in fwd_entries:
+        ft = graph._tensors[fid]
+        expected_in.append(ExpectedConnection(ft, ExpectedConnectionType.Fwd))
+        if ft not in graph._inputs and ft not in graph._outputs:
+            _stitch_output(graph, ft)
+
+    info = GradGraphInfo._create(grad_graph, graph, expected_in, expected_out)
+    if return_all_grad_graphs:
+        return {graph: info}
+    return info

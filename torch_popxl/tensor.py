@@ -131,7 +131,12 @@ class Tensor:
 
     @property
     def name(self) -> str:
-        return self._id.split("/")[-1]
+        """The id without the graph prefix (PopXL keeps name scopes: ``fc1/weight``)."""
+        g = self._graph
+        if g is g.ir.main_graph:
+            return self._id
+        prefix = g.id + "/"
+        return self._id[len(prefix):] if self._id.startswith(prefix) else self._id
 
     @property
     def scope(self) -> str:
@@ -232,19 +237,27 @@ class Tensor:
     def T_(self) -> Tensor:
         return self.transpose_()
 
-    def transpose(self, permutation=None) -> Tensor:
+    def transpose(self, *permutation) -> Tensor:
+        """PopXL ``transpose(permutation)``; torch-style ``transpose(dim0, dim1)`` also works."""
         from . import ops
 
-        return ops.transpose(self, permutation)
+        if len(permutation) == 2 and all(isinstance(p, int) for p in permutation) and self.rank != 2:
+            return self._torch_method("transpose", *permutation)
+        if len(permutation) == 2 and all(isinstance(p, int) for p in permutation):
+            permutation = ((1, 0) if permutation[0] != permutation[1] else (0, 1),)
+        return ops.transpose(self, permutation[0] if permutation else None)
 
     def transpose_(self, permutation=None) -> Tensor:
         from . import ops
 
         return ops.transpose_(self, permutation)
 
-    def reshape(self, shape) -> Tensor:
+    def reshape(self, *shape) -> Tensor:
+        """PopXL ``reshape(shape)``; torch-style ``reshape(d0, d1, ...)`` also works."""
         from . import ops
 
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
         return ops.reshape(self, shape)
 
     def reshape_(self, shape) -> Tensor:
@@ -481,7 +494,11 @@ def constant(
 
 
 def _constant_from_torch(graph: Graph, value: torch.Tensor, name: str = "constant") -> Constant:
-    value = value.detach().to("cpu").clone()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # Called while capture modes are active: the copy must be a real tensor, not a fake one.
+    with _disable_current_modes():
+        value = value.detach().to("cpu").clone()
     return graph._add_constant(value, _dtypes.dtype.as_dtype(value.dtype), name)
 
 

@@ -1,0 +1,22 @@
+"""The README's Python examples run and print what the README says."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_python_blocks_run_and_print_documented_values():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    scope: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for block in blocks[1:]:  # the first block only shows the import lines
+            exec(compile(block, str(README), "exec"), scope)
+    text = out.getvalue()
+    assert "[[5. 7. 9.]\n [5. 7. 9.]]" in text
+    assert "[1.5 1.7 1.9]" in text
+    assert "aten.gelu.default" in text

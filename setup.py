@@ -17,7 +17,7 @@ setup(
         CppExtension(
             "torch_popxl._C",
             sources,
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": ["-O3"]},
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

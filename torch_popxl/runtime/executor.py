@@ -19,7 +19,7 @@ from ..graph import Graph, Op, Slot
 from ..tensor import Constant, Tensor
 from . import kernels
 from . import reference_collectives as refc
-from .lower import Lowered, compile_graph, mutated_inputs
+from .lower import Program, lower_fragment, mutated_inputs
 
 __all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]
 
@@ -44,9 +44,12 @@ def fragment_signature(ir) -> tuple[list[Tensor], list[Tensor]]:
 class _RunContext:
     """What generated code sees of one run: stream cursors, outputs, buffers."""
 
-    def __init__(self, ins: list[torch.Tensor], buffers: dict[int, torch.Tensor], nht: int):
+    def __init__(self, ins: list[torch.Tensor], buffers: dict[int, torch.Tensor], nht: int,
+                 num_replicas: int = 1, anchor: torch.Tensor | None = None):  # fmt: skip
         self.ins = ins
         self.nht = nht
+        self.anchor = anchor
+        self.num_replicas = num_replicas
         self.cursor = [0] * len(ins)
         self.outs: dict[int, list[torch.Tensor]] = {}
         self.prints: list[tuple[dict, torch.Tensor]] = []
@@ -55,13 +58,30 @@ class _RunContext:
     def host_load(self, k: int) -> torch.Tensor:
         i = self.cursor[k]
         self.cursor[k] = i + 1
-        return self.ins[k][i % self.nht]
+        value = self.ins[k][i % self.nht]
+        _count_host_bytes(value, self.num_replicas)
+        return value
 
     def host_store(self, k: int, value: torch.Tensor) -> None:
-        self.outs.setdefault(k, []).append(value)
+        _count_host_bytes(value, self.num_replicas)
+        # A snapshot: later in-place ops on the stored tensor must not change the output.
+        self.outs.setdefault(k, []).append(value.clone())
 
     def print(self, attrs: dict, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))
+
+    def batch(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""
+        if self.anchor is None:
+            return value
+        if value.dtype == torch.bool:
+            return torch.logical_or(value, self.anchor.to(torch.bool))
+        return value + self.anchor.to(value.dtype)
+
+
+def _count_host_bytes(value: torch.Tensor, num_replicas: int) -> None:
+    # Under vmap `value` is one replica's entry; every replica moves its own copy.
+    kernels.add_host_bytes(num_replicas * value.numel() * value.element_size())
 
 
 def _emit_prints(prints, num_replicas: int) -> None:
@@ -80,48 +100,73 @@ class FastExecutor:
 
     def __init__(self, ir, device: torch.device):
         self.ir = ir
-        self.lowered = Lowered(device)
+        self.device = device
+        self.R = ir.instance_replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
-        main = ir.main_graph
+        uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1} if self.R > 1 else set()
+        forced: set[str] = set()
+        while True:  # the fragments share variables: iterate until all agree
+            self.program = Program(device, self.R)
+            self.program.uniform_vars = set(uniform)
+            self.program.force_batched = set(forced)
+            self._compile()
+            if self.program.uniform_vars == uniform and self.program.force_batched == forced:
+                break
+            uniform, forced = set(self.program.uniform_vars), set(self.program.force_batched)
+        self.uniform = frozenset(uniform)
+
+    def _compile(self) -> None:
+        main = self.ir.main_graph
         params = self.on_chip + self.defined
+        flags = [True] * len(params)
         self.fns = {
-            "weights_from_host": self.lowered.compile(
-                main, self.on_chip, main._ops_in_context("weights_from_host"), self.defined, "wfh"
-            ),
-            "normal": compile_graph(self.lowered, main, params, main._ops_in_context("normal"), "main"),
-            "weights_to_host": compile_graph(
-                self.lowered, main, params, main._ops_in_context("weights_to_host"), "wth"
-            ),
-        }
+            "weights_from_host": lower_fragment(
+                self.program, main, self.on_chip, main._ops_in_context("weights_from_host"), self.defined,
+                "wfh", flags[: len(self.on_chip)]),
+            "normal": lower_fragment(self.program, main, params, main._ops_in_context("normal"), [], "main", flags),
+            "weights_to_host": lower_fragment(
+                self.program, main, params, main._ops_in_context("weights_to_host"), [], "wth", flags),
+        }  # fmt: skip
+
+    def allocate(self, state: SessionState, v) -> torch.Tensor:
+        """Storage for an on-chip variable: replica-invariant ones are stored once."""
+        shape, dtype = tuple(v.shape), v.dtype.as_torch()
+        if v.id in self.uniform:
+            return torch.zeros(shape, dtype=dtype, device=self.device).expand(self.R, *shape)
+        return torch.zeros((self.R, *shape), dtype=dtype, device=self.device)
 
     def source(self) -> str:
-        """The generated Python of every graph function (for inspection and debugging)."""
-        return "\n\n".join(f"# {k}\n{v}" for k, v in self.lowered.sources.items())
+        """The generated Python of every fragment (for inspection and debugging)."""
+        return "\n\n".join(f"# {k}\n{v}" for k, v in self.program.sources.items())
 
     def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
         R = state.num_replicas
         fn = self.fns[fragment]
-        var_vals = [state.vars[v.id] for v in self.on_chip]
+        tensors = list(self.on_chip)
         if fragment != "weights_from_host":
-            var_vals += [state.persistent[t.id] for t in self.defined]
+            tensors += self.defined
+        values = [state.vars[t.id] if t.id in state.vars else state.persistent[t.id] for t in tensors]
         buffers = state.buffers
 
-        def step(var_vals, ins, buffers, _anchor):
-            rt = _RunContext(ins, buffers, nht)
+        def step(var_vals, ins, buffers, anchor):
+            rt = _RunContext(ins, buffers, nht, R, anchor)
             outs = fn(rt, *var_vals)
             return outs, rt.outs, rt.prints
 
         if R == 1:
             outs, stored, prints = step(
-                [v[0] for v in var_vals], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
+                [v[0] for v in values], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
             )
             outs = tuple(o.unsqueeze(0) for o in outs)
             stored = {k: [t.unsqueeze(0) for t in ts] for k, ts in stored.items()}
             prints = [(a, v.unsqueeze(0)) for a, v in prints]
         else:
+            # Note [replica-invariant values]: invariant variables enter vmap unbatched.
+            var_vals = [v[0] if t.id in self.uniform else v for t, v in zip(tensors, values)]
+            var_dims = [None if t.id in self.uniform else 0 for t in tensors]
             anchor = torch.zeros(R, device=state.device)
             outs, stored, prints = torch.func.vmap(
-                step, in_dims=(0, 1, 0, 0), randomness="different"
+                step, in_dims=(var_dims, 1, 0, 0), randomness="different"
             )(var_vals, ins, buffers, anchor)
         if fragment == "weights_from_host":
             for t, value in zip(self.defined, outs):
@@ -159,6 +204,9 @@ class ReferenceExecutor:
         self.collectives = _ref_collectives()
         _ = kernels
 
+    def allocate(self, state: SessionState, v) -> torch.Tensor:
+        return torch.zeros((state.num_replicas, *v.shape), dtype=v.dtype.as_torch(), device=self.device)
+
     def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
         R = state.num_replicas
         main = self.ir.main_graph
@@ -190,14 +238,15 @@ class ReferenceExecutor:
             elif op.kind == "host_load":
                 env[op.outputs[0].id] = rt.host_load(op.attrs["stream"]._index)
             elif op.kind == "host_store":
-                rt.outs.setdefault(op.attrs["stream"]._index, []).append(list(ins[0]))
+                _count_host_bytes(ins[0][0], R)
+                rt.outs.setdefault(op.attrs["stream"]._index, []).append([x.clone() for x in ins[0]])
             elif op.kind == "remote_load":
-                env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0])
+                env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0], _buffer_id(op))
             elif op.kind == "remote_load_":
-                for r, v in enumerate(refc.remote_load(rt.buffer(op), ins[1])):
+                for r, v in enumerate(refc.remote_load(rt.buffer(op), ins[1], _buffer_id(op))):
                     ins[0][r].copy_(v)
             elif op.kind == "remote_store":
-                refc.remote_store(rt.buffer(op), ins[1], ins[0])
+                refc.remote_store(rt.buffer(op), ins[1], ins[0], _buffer_id(op))
             elif op.kind == "print":
                 rt.prints.append((op.attrs, ins[0]))
                 env[op.outputs[0].id] = ins[0]
@@ -245,6 +294,10 @@ class ReferenceExecutor:
             env[t.id] = carry[i]
 
 
+def _buffer_id(op: Op) -> int:
+    return op.attrs["buffer"].remote_buffer_id
+
+
 def _fill(x, ins, r, device):
     if isinstance(x, Slot):
         return ins[x.index][r]
@@ -272,6 +325,7 @@ class _RefRun:
     def host_load(self, k: int) -> list[torch.Tensor]:
         i = self.cursor[k] % self.nht
         self.cursor[k] += 1
+        _count_host_bytes(self.ins[k][i, 0], self.R)
         return [self.ins[k][i, r] for r in range(self.R)]
 
     def buffer(self, op: Op) -> list[torch.Tensor]:

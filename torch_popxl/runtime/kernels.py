@@ -14,6 +14,15 @@ Two layers of ops live in the ``torch_popxl`` namespace:
   batch size *is* the replica count R (torch-techniques.md §3.1).
 
 Outside vmap a per-replica op sees a single replica, so it only accepts ``group_size == 1``.
+Limits that follow from how vmap dispatches custom ops:
+
+* The replica dim is the vmap level that batches the op's inputs. Inside vmap an op whose
+  inputs are all unbatched never reaches its vmap rule (torch runs the plain kernel), so it
+  behaves as a single replica; batch such a value over replicas first.
+* Under nested vmaps the innermost level that batches the inputs is taken as the replica dim.
+* Gradients work with ``torch.autograd`` over a vmapped program. ``torch.func.grad`` combined
+  with these ops (``vmap(grad(f))`` or ``grad(vmap(f))``) is rejected by torch ("must override
+  the setup_context staticmethod"), a limitation of custom-op autograd under functorch.
 
 Note [collective gradients]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -128,6 +137,14 @@ def _check_op(name: str, op: str, dtype: torch.dtype, allow_local: bool = False)
         )
 
 
+def _check_stacked(name: str, x: Tensor) -> None:
+    if x.dim() < 1:
+        raise ValueError(
+            f"{name}: expected a stacked tensor [R, ...] with the replica dim first, "
+            "got a 0-d tensor."
+        )
+
+
 def _chunk(numel, group_size: int):
     return (numel + group_size - 1) // group_size  # ceil(n / G), popxl.md §4.5
 
@@ -140,8 +157,8 @@ def _check_offset_dtype(name: str, offset: Tensor) -> None:
 def _check_slot_value(name: str, slot_shape, buffer: Tensor, value_shape, value: Tensor) -> None:
     if tuple(value_shape) != tuple(slot_shape):
         raise ValueError(
-            f"{name}: value of shape {tuple(value_shape)} does not match the remote buffer's "
-            f"slot shape {tuple(slot_shape)}."
+            f"{name}: value of shape {tuple(value_shape)} does not match the remote buffer: "
+            f"expected shape {tuple(slot_shape)}."
         )
     if value.dtype != buffer.dtype:
         raise ValueError(
@@ -156,6 +173,7 @@ def _check_slot_value(name: str, slot_shape, buffer: Tensor, value_shape, value:
 
 @torch.library.register_fake("torch_popxl::all_reduce_stacked")
 def _all_reduce_stacked_fake(x, op, group_size, stride):
+    _check_stacked("all_reduce", x)
     _check_grouping("all_reduce", x.shape[0], group_size, stride)
     _check_op("all_reduce", op, x.dtype)
     return x.new_empty(x.shape)
@@ -163,6 +181,7 @@ def _all_reduce_stacked_fake(x, op, group_size, stride):
 
 @torch.library.register_fake("torch_popxl::all_gather_stacked")
 def _all_gather_stacked_fake(x, group_size, stride):
+    _check_stacked("all_gather", x)
     _check_grouping("all_gather", x.shape[0], group_size, stride)
     return x.new_empty((x.shape[0], group_size, *x.shape[1:]))
 
@@ -180,6 +199,7 @@ def _reduce_scatter_stacked_fake(x, op, group_size, stride):
 
 @torch.library.register_fake("torch_popxl::take_own_stacked")
 def _take_own_stacked_fake(x, group_size, stride):
+    _check_stacked("take_own", x)
     _check_grouping("take_own", x.shape[0], group_size, stride)
     if x.dim() < 2 or x.shape[1] != group_size:
         raise ValueError(
@@ -247,12 +267,11 @@ def _reduce_scatter_stacked_backward(ctx, grad):
         raise _no_gradient("replicated_reduce_scatter", ctx.op)
     replicas, numel = ctx.input_shape
     gathered = _ops.all_gather_stacked(grad, ctx.group_size, ctx.stride)  # [R, G, chunk]
-    return gathered.reshape(replicas, -1)[:, :numel], None, None, None
+    padded = gathered.reshape(replicas, ctx.group_size * grad.shape[1])
+    return padded[:, :numel], None, None, None
 
 
-torch.library.register_autograd(
-    "torch_popxl::all_reduce_stacked", _all_reduce_stacked_backward
-)
+torch.library.register_autograd("torch_popxl::all_reduce_stacked", _all_reduce_stacked_backward)
 torch.library.register_autograd(
     "torch_popxl::all_gather_stacked", _all_gather_stacked_backward, setup_context=_save_grouping
 )
@@ -281,7 +300,7 @@ def _require_single_replica(name: str, group_size: int) -> None:
         )
 
 
-def _stacked(x: Tensor | None, in_dim: int | None, batch_size: int) -> Tensor:
+def _stacked(x: Tensor, in_dim: int | None, batch_size: int) -> Tensor:
     """The physical tensor with the replica dim first; an unbatched input is the same value on
     every replica, so it is broadcast to all of them."""
     if in_dim is None:
@@ -304,7 +323,16 @@ def _(x, op, group_size, stride):
 
 @replicated_all_reduce.register_vmap
 def _(info, in_dims, x, op, group_size, stride):
-    return _ops.all_reduce_stacked(_stacked(x, in_dims[0], info.batch_size), op, group_size, stride), 0
+    # A full-group result is the same on every replica: return it unbatched (stored once),
+    # which lets the executor keep replica-invariant values unbatched (see runtime/lower.py).
+    if group_size == info.batch_size > 1:
+        stacked = _stacked(x, in_dims[0], info.batch_size)
+        return _ops.all_reduce_full(stacked, op), None
+    if in_dims[0] is None and group_size == 1:
+        return _ops.all_reduce_stacked(x.unsqueeze(0), op, 1, 1).squeeze(0), None
+    return _ops.all_reduce_stacked(
+        _stacked(x, in_dims[0], info.batch_size), op, group_size, stride
+    ), 0
 
 
 replicated_all_reduce.register_autograd(_all_reduce_stacked_backward)
@@ -324,6 +352,10 @@ def _(x, group_size, stride):
 
 @replicated_all_gather.register_vmap
 def _(info, in_dims, x, group_size, stride):
+    if group_size == info.batch_size > 1:  # full group: the same [G, *s] on every replica
+        return _ops.all_gather_full(_stacked(x, in_dims[0], info.batch_size)), None
+    if in_dims[0] is None and group_size == 1:
+        return _ops.all_gather_stacked(x.unsqueeze(0), 1, 1).squeeze(0), None
     return _ops.all_gather_stacked(_stacked(x, in_dims[0], info.batch_size), group_size, stride), 0
 
 
@@ -481,3 +513,43 @@ def _(info, in_dims, buffer, offset, value, buffer_id):
     values = _stacked(value, value_dim, info.batch_size)
     _ops.remote_store_stacked_(stacked_buffer, offsets, values, buffer_id)
     return None, None
+
+
+# ---- fused matmul + full-group all-reduce (Note [fold replicas into the matmul]) ----------
+
+
+@torch.library.custom_op("torch_popxl::mm_all_reduce", mutates_args=())
+def mm_all_reduce(a: Tensor, b: Tensor, op: str) -> Tensor:
+    """``replicated_all_reduce(a @ b, op)`` over all replicas; on one replica just ``a @ b``."""
+    if op not in ("add", "mean"):
+        raise ValueError(f"mm_all_reduce: op must be 'add' or 'mean'; got {op!r}.")
+    return a @ b
+
+
+@mm_all_reduce.register_fake
+def _(a, b, op):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@mm_all_reduce.register_vmap
+def _(info, in_dims, a, b, op):
+    R = info.batch_size
+    a = _stacked(a, in_dims[0], R)  # [R, M, K]
+    b = _stacked(b, in_dims[1], R)  # [R, K, N]
+    return _ops.mm_all_reduce_stacked(a, b, op), None
+
+
+@torch.library.register_fake("torch_popxl::all_reduce_full")
+def _(x, op):
+    _check_op("all_reduce_full", op, x.dtype)
+    return x.new_empty(x.shape[1:])
+
+
+@torch.library.register_fake("torch_popxl::all_gather_full")
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("torch_popxl::mm_all_reduce_stacked")
+def _(a, b, op):
+    return a.new_empty((a.shape[1], b.shape[2]))

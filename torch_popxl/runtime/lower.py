@@ -1,20 +1,43 @@
-"""The fast executor: graphs lowered to straight-line Python, all replicas run at once.
+"""The fast executor's compiler: graphs lowered to straight-line Python for all replicas.
 
-Every graph becomes one generated Python function (``fn(rt, *inputs) -> outputs``) that
-calls the recorded ops directly. The main program runs under ``torch.func.vmap`` over the
-leading replica dimension of every runtime value, so R replicas cost one pass of Python; the
-collective and remote-memory custom ops act across that dimension through their vmap rules.
+Three phases, one direction:
+
+1. **Flatten.** The main program's ops are walked with calls inlined (each call site gets its
+   own names) and ``repeat`` kept as a loop whose body is flattened the same way. Pass-by-value
+   becomes explicit clones (Note [pass by value]).
+2. **Analyse.** Which values are *batched* over replicas (Note [replica-invariant values]),
+   and rewrites that fold replicas into one op (Note [fold replicas into the matmul]).
+3. **Emit.** One Python function per fragment; it runs under ``torch.func.vmap`` over the
+   replica dimension, so R replicas cost one pass of Python.
 
 Note [pass by value]
     A called graph must not change its caller's tensors unless the input is by-reference or
     marked modified. Ops run in place on the real values, so the call site clones exactly the
     inputs the callee may modify (``mutated_inputs``) and nothing else.
+
+Note [replica-invariant values]
+    Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same
+    value on every replica, stored once). A variable with a single replica group that is only
+    ever updated with replica-invariant values (for example all-reduced gradients) is passed
+    unbatched: the forward matmul then runs as one large matmul over all replicas' rows and
+    the optimizer update runs once instead of R times. A full-group all-reduce/all-gather
+    returns an unbatched value. The analysis finds the largest such set of variables; an
+    in-place write of a batched value into an unbatched one makes the target batched (a
+    variable leaves the invariant set; an intermediate is materialised per replica).
+
+Note [fold replicas into the matmul]
+    ``all_reduce(mm(a_r, b_r))`` over all replicas equals one matmul with the replicas folded
+    into the contraction dimension. When a matmul's only use (through view ops) is a
+    full-group add/mean all-reduce, the pair becomes ``torch_popxl::mm_all_reduce``: the same
+    maths at single-program cost, without materialising R partial products.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,53 +46,13 @@ from ..graph import Graph, Op, Slot
 from ..tensor import Constant, Tensor
 from . import kernels  # noqa: F401  (registers torch.ops.torch_popxl)
 
-__all__ = ["compile_graph", "mutated_inputs", "Lowered"]
+__all__ = ["Program", "mutated_inputs", "lower_fragment"]
 
 _SIMPLE = (int, bool, str, type(None))
+_aten = torch.ops.aten
 
 
-def _alias_roots(graph: Graph) -> tuple[dict[str, int], set[int]]:
-    """Map every tensor aliasing a graph input to that input's index; collect mutated inputs."""
-    root: dict[str, int] = {t.id: i for i, t in enumerate(graph._inputs)}
-    mutated: set[int] = set()
-
-    def mark(t: Tensor) -> None:
-        if t.id in root:
-            mutated.add(root[t.id])
-
-    for op in graph._ops:
-        if op.kind == "torch":
-            schema = getattr(op.attrs["target"], "_schema", None)
-            if schema is None:
-                continue
-            args, kwargs = op.attrs["args"], op.attrs["kwargs"]
-            alias_sets: dict[str, int] = {}
-            for i, arg in enumerate(schema.arguments):
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                slots = [v for v in _leaves(value) if isinstance(v, Slot)]
-                info = arg.alias_info
-                if info is None:
-                    continue
-                for s in slots:
-                    t = op.inputs[s.index]
-                    if info.is_write:
-                        mark(t)
-                    if t.id in root:
-                        for a in info.before_set:
-                            alias_sets[a] = root[t.id]
-            for ret, out in zip(schema.returns, op.outputs):
-                info = ret.alias_info
-                if info is not None:
-                    for a in info.before_set:
-                        if a in alias_sets:
-                            root.setdefault(out.id, alias_sets[a])
-        elif op.kind == "remote_load_":
-            mark(op.inputs[0])
-        elif op.kind in ("call", "repeat"):
-            callee_mut = mutated_inputs(op.attrs["graph"])
-            for i in callee_mut & set(op.attrs["modified"]):
-                mark(op.inputs[i])
-    return root, mutated
+# ---- pass-by-value analysis (per graph) ---------------------------------------------------
 
 
 def _leaves(x):
@@ -80,205 +63,487 @@ def _leaves(x):
         yield x
 
 
+def _schema_effects(op: Op):
+    """(written input indices, {output index: aliased input index}) of a torch op."""
+    schema = getattr(op.attrs["target"], "_schema", None)
+    written: set[int] = set()
+    aliases: dict[int, int] = {}
+    if schema is None:
+        return written, aliases
+    args, kwargs = op.attrs["args"], op.attrs["kwargs"]
+    sets: dict[str, int] = {}
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for s in _leaves(value):
+            if isinstance(s, Slot):
+                if info.is_write:
+                    written.add(s.index)
+                for a in info.before_set:
+                    sets.setdefault(a, s.index)
+    for k, ret in enumerate(schema.returns):
+        info = ret.alias_info
+        if info is not None:
+            for a in info.before_set:
+                if a in sets:
+                    aliases[k] = sets[a]
+    return written, aliases
+
+
 _mutated_cache: dict[tuple[int, int], frozenset[int]] = {}
 
 
 def mutated_inputs(graph: Graph) -> frozenset[int]:
     """Indices of the graph's inputs that its ops may modify in place."""
     key = (id(graph), graph._version)
-    if key not in _mutated_cache:
-        _mutated_cache[key] = frozenset(_alias_roots(graph)[1])
+    if key in _mutated_cache:
+        return _mutated_cache[key]
+    root: dict[str, int] = {t.id: i for i, t in enumerate(graph._inputs)}
+    mutated: set[int] = set()
+    for op in graph._ops:
+        if op.kind == "torch":
+            written, aliases = _schema_effects(op)
+            for i in written:
+                if op.inputs[i].id in root:
+                    mutated.add(root[op.inputs[i].id])
+            for k, i in aliases.items():
+                if op.inputs[i].id in root and k < len(op.outputs):
+                    root.setdefault(op.outputs[k].id, root[op.inputs[i].id])
+        elif op.kind == "remote_load_":
+            if op.inputs[0].id in root:
+                mutated.add(root[op.inputs[0].id])
+        elif op.kind in ("call", "repeat"):
+            for i in mutated_inputs(op.attrs["graph"]) & set(op.attrs["modified"]):
+                if op.inputs[i].id in root:
+                    mutated.add(root[op.inputs[i].id])
+    _mutated_cache[key] = frozenset(mutated)
     return _mutated_cache[key]
 
 
-class _Emitter:
-    """Generates the source of one graph function."""
+# ---- phase 1: flatten ---------------------------------------------------------------------
 
-    def __init__(self, lowered: Lowered, graph: Graph, params: list[Tensor], ops: list[Op], outputs):
-        self.lowered = lowered
-        self.graph = graph
-        self.params = params
-        self.ops = ops
-        self.outputs = outputs
-        self.names: dict[str, str] = {}
-        self.lines: list[str] = []
-        self.globals = lowered.globals
 
-    def var(self, t: Tensor) -> str:
-        if t.id in self.names:
-            return self.names[t.id]
+@dataclass(eq=False)
+class FlatOp:
+    """An op of the flattened program; ``ins``/``outs`` are value names."""
+
+    kind: str  # torch | clone | host_load | host_store | remote_load | remote_load_ |
+    # remote_store | print | loop | mm_all_reduce
+    op: Op | None
+    ins: list[str]
+    outs: list[str]
+    body: list[FlatOp] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Flattener:
+    def __init__(self, program: Program):
+        self.program = program
+
+    def flatten(self, ops, scope: dict[str, str]) -> list[FlatOp]:
+        out: list[FlatOp] = []
+        for op in ops:
+            ins = [self.name_of(t, scope) for t in op.inputs]
+            if op.kind == "call":
+                self._inline_call(op, ins, scope, out)
+            elif op.kind == "repeat":
+                self._loop(op, ins, scope, out)
+            elif op.kind == "print":
+                scope[op.outputs[0].id] = ins[0]
+                out.append(FlatOp("print", op, ins, []))
+            else:
+                outs = [self.define(t, scope) for t in op.outputs]
+                out.append(FlatOp(op.kind, op, ins, outs))
+        return out
+
+    def name_of(self, t: Tensor, scope: dict[str, str]) -> str:
+        if t.id in scope:
+            return scope[t.id]
         if isinstance(t, Constant):
-            return self.lowered.constant(t)
-        raise AssertionError(f"tensor {t.id} used before it is defined in {self.graph.id}")
+            return self.program.constant(t)
+        raise AssertionError(f"tensor {t.id} is used before it is defined")
 
-    def define(self, t: Tensor) -> str:
-        name = f"v{len(self.names)}"
-        self.names[t.id] = name
+    def define(self, t: Tensor, scope: dict[str, str]) -> str:
+        if t.id in scope:  # in-place ops return their (already named) input
+            return scope[t.id]
+        name = self.program.fresh()
+        scope[t.id] = name
         return name
 
-    def literal(self, x: Any, op: Op) -> str:
-        if isinstance(x, Slot):
-            return self.var(op.inputs[x.index])
-        if isinstance(x, list):
-            return "[" + ", ".join(self.literal(y, op) for y in x) + "]"
-        if isinstance(x, tuple):
-            return "(" + "".join(self.literal(y, op) + ", " for y in x) + ")"
-        if isinstance(x, torch.device):
-            return "DEVICE"
-        if isinstance(x, float) and math.isfinite(x):
-            return repr(x)
-        if isinstance(x, _SIMPLE) and not isinstance(x, float):
-            return repr(x)
-        return self.lowered.literal(x)
-
-    def emit(self) -> str:
-        args = ", ".join(self.define(t) for t in self.params)
-        self.lines.append(f"def fn(rt{', ' if args else ''}{args}):")
-        for op in self.ops:
-            getattr(self, f"op_{op.kind}")(op)
-        outs = self.outputs
-        rendered = []
-        param_ids = {t.id for t in self.params}
-        for t in outs:
-            v = self.var(t)
-            # Note [pass by value]: never hand the caller an alias of its own input.
-            rendered.append(f"{v}.clone()" if t.id in param_ids else v)
-        self.lines.append(f"    return ({''.join(r + ', ' for r in rendered)})")
-        return "\n".join(self.lines)
-
-    def op_torch(self, op: Op) -> None:
-        target = op.attrs["target"]
-        fn = self.lowered.literal(getattr(target, "_op", target) if _is_aten(target) else target)
-        args = [self.literal(a, op) for a in op.attrs["args"]]
-        args += [f"{k}={self.literal(v, op)}" for k, v in op.attrs["kwargs"].items()]
-        call = f"{fn}({', '.join(args)})"
-        paths = op.attrs["out_paths"]
-        if not op.outputs:
-            self.lines.append(f"    {call}")
-            return
-        if len(paths) == 1 and paths[0] == ():
-            self.lines.append(f"    {self._target(op.outputs[0])} = {call}")
-            return
-        self.lines.append(f"    _r = {call}")
-        for t, path in zip(op.outputs, paths):
-            index = "".join(f"[{i}]" for i in path)
-            self.lines.append(f"    {self._target(t)} = _r{index}")
-
-    def _target(self, t: Tensor) -> str:
-        # In-place ops return an existing tensor: keep its name (same runtime object).
-        return self.names[t.id] if t.id in self.names else self.define(t)
-
-    def op_host_load(self, op: Op) -> None:
-        k = op.attrs["stream"]._index
-        self.lines.append(f"    {self.define(op.outputs[0])} = rt.host_load({k})")
-
-    def op_host_store(self, op: Op) -> None:
-        k = op.attrs["stream"]._index
-        self.lines.append(f"    rt.host_store({k}, {self.var(op.inputs[0])})")
-
-    def op_remote_load(self, op: Op) -> None:
-        bid = op.attrs["buffer"].remote_buffer_id
-        off = self.var(op.inputs[0])
-        self.lines.append(f"    {self.define(op.outputs[0])} = REMOTE_LOAD(rt.buffers[{bid}], {off}, {bid})")
-
-    def op_remote_load_(self, op: Op) -> None:
-        bid = op.attrs["buffer"].remote_buffer_id
-        t, off = self.var(op.inputs[0]), self.var(op.inputs[1])
-        self.lines.append(f"    {t}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {off}, {bid}))")
-
-    def op_remote_store(self, op: Op) -> None:
-        bid = op.attrs["buffer"].remote_buffer_id
-        t, off = self.var(op.inputs[0]), self.var(op.inputs[1])
-        self.lines.append(f"    REMOTE_STORE(rt.buffers[{bid}], {off}, {t}, {bid})")
-
-    def op_print(self, op: Op) -> None:
-        title = self.lowered.literal(op.attrs)
-        src = self.var(op.inputs[0])
-        self.lines.append(f"    rt.print({title}, {src})")
-        self.names[op.outputs[0].id] = src
-
-    def _call_args(self, op: Op) -> list[str]:
-        graph = op.attrs["graph"]
+    def _by_value(self, graph: Graph, op: Op, ins: list[str], out: list[FlatOp]) -> list[str]:
         clone = mutated_inputs(graph) - set(op.attrs["modified"])
-        return [f"{self.var(t)}.clone()" if i in clone else self.var(t) for i, t in enumerate(op.inputs)]
+        result = []
+        for i, name in enumerate(ins):
+            if i in clone:
+                new = self.program.fresh()
+                out.append(FlatOp("clone", None, [name], [new]))
+                name = new
+            result.append(name)
+        return result
 
-    def op_call(self, op: Op) -> None:
-        fn = self.lowered.graph_fn(op.attrs["graph"])
-        call = f"{fn}(rt, {', '.join(self._call_args(op))})"
-        if not op.outputs:
-            self.lines.append(f"    {call}")
-            return
-        outs = "".join(self.define(t) + ", " for t in op.outputs)
-        self.lines.append(f"    {outs}= {call}")
+    def _inline_call(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
+        graph: Graph = op.attrs["graph"]
+        args = self._by_value(graph, op, ins, out)
+        inner = {t.id: n for t, n in zip(graph._inputs, args)}
+        out.extend(self.flatten(graph._ops, inner))
+        input_ids = {t.id for t in graph._inputs}
+        for parent_t, graph_t in zip(op.outputs, graph._outputs):
+            name = self.name_of(graph_t, inner)
+            if graph_t.id in input_ids:  # never hand the caller an alias of its own input
+                new = self.program.fresh()
+                out.append(FlatOp("clone", None, [name], [new]))
+                name = new
+            scope[parent_t.id] = name
 
-    def op_repeat(self, op: Op) -> None:
-        graph = op.attrs["graph"]
-        fn = self.lowered.graph_fn(graph)
-        k = len(graph._outputs)
-        args = self._call_args(op)
-        self.lines.append(f"    _c = [{', '.join(args)}]")
-        self.lines.append(f"    for _ in range({op.attrs['repeat_count']}):")
-        if k:
-            self.lines.append(f"        _c[:{k}] = {fn}(rt, *_c)")
+    def _loop(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
+        graph: Graph = op.attrs["graph"]
+        args = self._by_value(graph, op, ins, out)
+        carried = [self.program.fresh() for _ in args]
+        inner = {t.id: n for t, n in zip(graph._inputs, carried)}
+        body = self.flatten(graph._ops, inner)
+        results = [self.name_of(t, inner) for t in graph._outputs]
+        out.append(FlatOp("loop", op, args, carried, body,
+                          {"results": results, "count": op.attrs["repeat_count"]}))  # fmt: skip
+        for i, parent_t in enumerate(op.outputs):
+            scope[parent_t.id] = carried[i]
+
+
+# ---- phase 2: analysis --------------------------------------------------------------------
+
+_FULL_GROUP_OPS = ("replicated_all_reduce", "replicated_all_gather")
+_VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+
+
+def _is_random(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(str(a.type).startswith("Generator") for a in schema.arguments)
+
+
+class _Conflict(Exception):
+    """An in-place write of a batched value into an unbatched one (analysis must restart)."""
+
+
+class _Analysis:
+    """Computes ``batched[name]`` for every value; collects names that must be batched."""
+
+    def __init__(self, program: Program, R: int):
+        self.program = program
+        self.R = R
+        self.batched: dict[str, bool] = {}
+        self.root: dict[str, str] = {}
+
+    def run(self, flat: list[FlatOp], params: dict[str, bool]) -> None:
+        self.batched = dict(params)
+        self.root = {n: n for n in params}
+        self._block(flat)
+
+    def b(self, name: str) -> bool:
+        return self.batched.get(name, False)  # constants are unbatched
+
+    def _set(self, name: str, value: bool) -> None:
+        self.batched[name] = value or name in self.program.force_batched
+
+    def _write(self, target: str, batched_source: bool) -> None:
+        if batched_source and not self.b(target):
+            root = self.root.get(target, target)
+            if root in self.program.var_names:
+                self.program.uniform_vars.discard(self.program.var_names[root])
+            elif root in self.program.force_batched or root not in self.batched:
+                raise RuntimeError(
+                    f"The fast executor cannot write a per-replica value into {root}, a value "
+                    "shared by all replicas (a constant). Run with executor='reference' and "
+                    "report this program."
+                )
+            else:
+                self.program.force_batched.add(root)
+            raise _Conflict(root)
+
+    def _block(self, flat: list[FlatOp]) -> None:
+        for f in flat:
+            getattr(self, f"_{f.kind}")(f)
+
+    def _torch(self, f: FlatOp) -> None:
+        target = f.op.attrs["target"]
+        ins = [self.b(n) for n in f.ins]
+        any_b = any(ins)
+        name = getattr(target, "_opname", "")
+        if getattr(target, "namespace", "") == "torch_popxl":
+            group_size = f.op.attrs["args"][-2]
+            full = name in _FULL_GROUP_OPS and group_size == self.R
+            out_b = False if full else (self.R > 1)
+            if name in _FULL_GROUP_OPS and group_size == 1:
+                out_b = any_b
         else:
-            self.lines.append(f"        {fn}(rt, *_c)")
-        for i, t in enumerate(op.outputs):
-            self.lines.append(f"    {self.define(t)} = _c[{i}]")
+            out_b = any_b or _is_random(target)
+        written, aliases = _schema_effects(f.op)
+        for i in written:
+            self._write(f.ins[i], any_b)
+        for k, out in enumerate(f.outs):
+            if k in aliases:
+                src = f.ins[aliases[k]]
+                self.root.setdefault(out, self.root.get(src, src))
+                self._set(out, self.b(src))
+            elif out not in self.batched:
+                self._set(out, out_b)
+
+    def _mm_all_reduce(self, f: FlatOp) -> None:
+        self._set(f.outs[0], False)
+
+    def _alias(self, f: FlatOp) -> None:
+        self._set(f.outs[0], self.b(f.ins[0]))
+
+    def _clone(self, f: FlatOp) -> None:
+        self._set(f.outs[0], self.b(f.ins[0]))
+
+    def _host_load(self, f: FlatOp) -> None:
+        self._set(f.outs[0], self.R > 1)
+
+    def _remote_load(self, f: FlatOp) -> None:
+        self._set(f.outs[0], self.R > 1)
+
+    def _remote_load_(self, f: FlatOp) -> None:
+        self._write(f.ins[0], self.R > 1)
+
+    def _host_store(self, f: FlatOp) -> None:
+        pass
+
+    _remote_store = _host_store
+    _print = _host_store
+
+    def _loop(self, f: FlatOp) -> None:
+        for carried, arg in zip(f.outs, f.ins):
+            self._set(carried, self.b(arg))
+            self.root[carried] = carried
+        self._block(f.body)
+        for carried, result in zip(f.outs, f.extra["results"]):
+            if self.b(result) and not self.b(carried):
+                self.program.force_batched.add(carried)
+                raise _Conflict(carried)
 
 
-def _is_aten(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatOp]:
+    """Note [fold replicas into the matmul]."""
+    uses: dict[str, int] = {}
+
+    def count(ops):
+        for f in ops:
+            for n in f.ins:
+                uses[n] = uses.get(n, 0) + 1
+            if f.kind == "loop":
+                count(f.body)
+                for n in f.extra["results"]:
+                    uses[n] = uses.get(n, 0) + 1
+
+    count(flat)
+    producer: dict[str, FlatOp] = {}
+    for f in flat:
+        for n in f.outs:
+            producer[n] = f
+    removed: set[int] = set()
+    result: list[FlatOp] = []
+    for f in flat:
+        if f.kind == "torch" and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce":
+            args = f.op.attrs["args"]
+            op_name, group_size = args[1], args[2]
+            src = f.ins[0]
+            views: list[FlatOp] = []
+            p = producer.get(src)
+            while p is not None and p.kind == "torch" and p.op.attrs["target"] in _VIEW_OPS and uses.get(src) == 1:
+                views.append(p)
+                src = p.ins[0]
+                p = producer.get(src)
+            if (group_size == R and R > 1 and op_name in ("add", "mean") and p is not None
+                    and p.kind == "torch" and p.op.attrs["target"] is _aten.mm.default
+                    and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
+                removed.add(id(p))
+                removed.update(id(v) for v in views)
+                prev = analysis.program.fresh()
+                result.append(FlatOp("mm_all_reduce", None, list(p.ins), [prev], extra={"op": op_name}))
+                for v in reversed(views):  # re-apply the view ops, in forward order
+                    out = analysis.program.fresh()
+                    result.append(FlatOp("torch", v.op, [prev], [out]))
+                    prev = out
+                result.append(FlatOp("alias", None, [prev], [f.outs[0]]))
+                continue
+        result.append(f)
+    return [f for f in result if id(f) not in removed]
 
 
-class Lowered:
-    """The generated functions of one Ir for one device (shared globals and constants)."""
+# ---- phase 3: emit ------------------------------------------------------------------------
 
-    def __init__(self, device: torch.device):
+
+class Program:
+    """Generated code for one Ir on one device: globals, constants and fragment functions."""
+
+    def __init__(self, device: torch.device, num_replicas: int):
         self.device = device
+        self.R = num_replicas
         self.globals: dict[str, Any] = {
             "DEVICE": device,
             "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
+            "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
         }
-        self._literal_ids: dict[int, str] = {}
+        self._counter = itertools.count()
+        self._literals: dict[int, str] = {}
         self._keepalive: list[Any] = []
         self._constants: dict[int, str] = {}
-        self._graph_fns: dict[int, str] = {}
         self.sources: dict[str, str] = {}
+        self.uniform_vars: set[str] = set()
+        self.var_names: dict[str, str] = {}
+        self.force_batched: set[str] = set()
+
+    def fresh(self) -> str:
+        return f"v{next(self._counter)}"
 
     def literal(self, x: Any) -> str:
         key = id(x)
-        if key not in self._literal_ids:
-            name = f"k{len(self._literal_ids)}"
-            self._literal_ids[key] = name
+        if key not in self._literals:
+            name = f"k{len(self._literals)}"
+            self._literals[key] = name
             self._keepalive.append(x)
             self.globals[name] = x
-        return self._literal_ids[key]
+        return self._literals[key]
 
     def constant(self, t: Constant) -> str:
         key = id(t)
         if key not in self._constants:
             name = f"c{len(self._constants)}"
             self._constants[key] = name
+            self._keepalive.append(t)
             self.globals[name] = t._data.to(self.device)
         return self._constants[key]
 
-    def graph_fn(self, graph: Graph) -> str:
-        key = id(graph)
-        if key not in self._graph_fns:
-            name = f"g{len(self._graph_fns)}"
-            self._graph_fns[key] = name
-            self.globals[name] = self.compile(graph, list(graph._inputs), graph._ops, graph._outputs, name)
-        return self._graph_fns[key]
 
-    def compile(self, graph: Graph, params, ops, outputs, name: str) -> Callable:
-        src = _Emitter(self, graph, params, list(ops), list(outputs)).emit()
-        self.sources[name] = src
-        scope: dict[str, Any] = {}
-        exec(compile(src, f"<torch_popxl {graph.id} {name}>", "exec"), self.globals, scope)
-        return scope["fn"]
+class _Emitter:
+    def __init__(self, program: Program, analysis: _Analysis):
+        self.p = program
+        self.a = analysis
+        self.lines: list[str] = []
+
+    def literal(self, x: Any, f: FlatOp) -> str:
+        if isinstance(x, Slot):
+            return f.ins[x.index]
+        if isinstance(x, list):
+            return "[" + ", ".join(self.literal(y, f) for y in x) + "]"
+        if isinstance(x, tuple):
+            return "(" + "".join(self.literal(y, f) + ", " for y in x) + ")"
+        if isinstance(x, torch.device):
+            return "DEVICE"
+        if isinstance(x, float) and math.isfinite(x):
+            return repr(x)
+        if isinstance(x, _SIMPLE):
+            return repr(x)
+        return self.p.literal(x)
+
+    def block(self, flat: list[FlatOp], indent: str) -> None:
+        for f in flat:
+            getattr(self, f"_{f.kind}")(f, indent)
+            for n in f.outs:
+                if n in self.p.force_batched and f.kind != "loop":
+                    self.lines.append(f"{indent}{n} = rt.batch({n})")
+
+    def _torch(self, f: FlatOp, ind: str) -> None:
+        target = f.op.attrs["target"]
+        is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+        fn = self.p.literal(target._op if is_aten else target)
+        args = [self.literal(x, f) for x in f.op.attrs["args"]]
+        if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
+                and f.op.attrs["args"][-2] > 1 and not self.a.b(f.ins[0])):  # fmt: skip
+            # A collective needs its input batched to reach its vmap rule (it is the same
+            # value on every replica, so this is a broadcast, not a copy per replica of work).
+            args[0] = f"rt.batch({args[0]})"
+        args += [f"{k}={self.literal(v, f)}" for k, v in f.op.attrs["kwargs"].items()]
+        call = f"{fn}({', '.join(args)})"
+        paths = f.op.attrs["out_paths"]
+        if not f.outs:
+            self.lines.append(f"{ind}{call}")
+        elif len(paths) == 1 and paths[0] == ():
+            self.lines.append(f"{ind}{f.outs[0]} = {call}")
+        else:
+            self.lines.append(f"{ind}_r = {call}")
+            for out, path in zip(f.outs, paths):
+                self.lines.append(f"{ind}{out} = _r{''.join(f'[{i}]' for i in path)}")
+
+    def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
+        a, b = f.ins
+        self.lines.append(f"{ind}{f.outs[0]} = MM_ALL_REDUCE({a}, {b}, {f.extra['op']!r})")
+
+    def _clone(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}.clone()")
+
+    def _alias(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
+
+    def _host_load(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.op.attrs['stream']._index})")
+
+    def _host_store(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}rt.host_store({f.op.attrs['stream']._index}, {f.ins[0]})")
+
+    def _remote_load(self, f: FlatOp, ind: str) -> None:
+        bid = f.op.attrs["buffer"].remote_buffer_id
+        self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
+
+    def _remote_load_(self, f: FlatOp, ind: str) -> None:
+        bid = f.op.attrs["buffer"].remote_buffer_id
+        self.lines.append(f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))")
+
+    def _remote_store(self, f: FlatOp, ind: str) -> None:
+        bid = f.op.attrs["buffer"].remote_buffer_id
+        self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
+
+    def _print(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}rt.print({self.p.literal(f.op.attrs)}, {f.ins[0]})")
+
+    def _loop(self, f: FlatOp, ind: str) -> None:
+        for carried, arg in zip(f.outs, f.ins):
+            self.lines.append(f"{ind}{carried} = {arg}")
+            if carried in self.p.force_batched:
+                self.lines.append(f"{ind}{carried} = rt.batch({carried})")
+        self.lines.append(f"{ind}for _ in range({f.extra['count']}):")
+        self.block(f.body, ind + "    ")
+        results = f.extra["results"]
+        if results:
+            lhs = "".join(c + ", " for c in f.outs[: len(results)])
+            rhs = "".join(r + ", " for r in results)
+            self.lines.append(f"{ind}    {lhs}= {rhs}")
 
 
-def compile_graph(lowered: Lowered, graph: Graph, params: list[Tensor], ops: list[Op], name: str) -> Callable:
-    """Compile ``ops`` of ``graph`` with ``params`` as arguments (no outputs)."""
-    return lowered.compile(graph, params, ops, [], name)
+def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: list[Op],
+                   outputs: list[Tensor], name: str, batched_params: list[bool]) -> Callable:  # fmt: skip
+    """Compile ``ops`` of the main graph into ``fn(rt, *params) -> outputs``."""
+    scope = {}
+    param_names = []
+    for t in params:
+        n = program.fresh()
+        scope[t.id] = n
+        param_names.append(n)
+    program.var_names.update({n: t.id for t, n in zip(params, param_names)})
+    flat = _Flattener(program).flatten(ops, scope)
+    out_names = [scope[t.id] for t in outputs]
+    analysis = _Analysis(program, program.R)
+    while True:
+        batched = {}
+        for t, n, default in zip(params, param_names, batched_params):
+            batched[n] = default if t.id not in program.uniform_vars else False
+        try:
+            analysis.run(flat, batched)
+            break
+        except _Conflict:
+            continue
+    if program.R > 1:
+        flat = _fold_matmuls(flat, analysis, program.R)
+    em = _Emitter(program, analysis)
+    em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
+    em.block(flat, "    ")
+    em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")
+    src = "\n".join(em.lines)
+    program.sources[name] = src
+    scope_: dict[str, Any] = {}
+    exec(compile(src, f"<torch_popxl {graph.id} {name}>", "exec"), program.globals, scope_)
+    fn = scope_["fn"]
+    fn.out_batched = [analysis.b(n) for n in out_names]
+    return fn

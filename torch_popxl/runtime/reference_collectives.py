@@ -163,32 +163,40 @@ def take_own(xs: list[torch.Tensor], group_size: int, stride: int) -> list[torch
     return out
 
 
-def _check_offset(buffer: torch.Tensor, offset: int, replica: int) -> None:
+def _check_offset(
+    buffer: torch.Tensor, offset: int, replica: int, buffer_id: int | None = None
+) -> None:
     entries = buffer.shape[0]
     if not 0 <= offset < entries:
+        which = "a buffer" if buffer_id is None else f"RemoteBuffer[id={buffer_id}]"
         raise ValueError(
-            f"replica {replica}: offset {offset} is out of range for a buffer with {entries} "
+            f"replica {replica}: offset {offset} is out of range for {which} with {entries} "
             f"entries; offsets must be in [0, {entries})"
         )
 
 
-def remote_load(buffers: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+def remote_load(
+    buffers: list[torch.Tensor], offsets: list[int], buffer_id: int | None = None
+) -> list[torch.Tensor]:
     """Replica r reads slot ``offsets[r]`` of its own buffer copy ``buffers[r]`` (popxl.md §4.1)."""
     out = []
     for r, (buffer, offset) in enumerate(zip(buffers, offsets, strict=True)):
-        _check_offset(buffer, int(offset), r)
+        _check_offset(buffer, int(offset), r, buffer_id)
         out.append(buffer[int(offset)].clone())
     return out
 
 
 def remote_store(
-    buffers: list[torch.Tensor], offsets: list[int], values: list[torch.Tensor]
+    buffers: list[torch.Tensor],
+    offsets: list[int],
+    values: list[torch.Tensor],
+    buffer_id: int | None = None,
 ) -> None:
     """Replica r writes ``values[r]`` into slot ``offsets[r]`` of its own buffer copy, in place.
 
     All offsets are checked first, so nothing is written if any is out of range.
     """
     for r, (buffer, offset) in enumerate(zip(buffers, offsets, strict=True)):
-        _check_offset(buffer, int(offset), r)
+        _check_offset(buffer, int(offset), r, buffer_id)
     for buffer, offset, value in zip(buffers, offsets, values, strict=True):
         buffer[int(offset)].copy_(value)

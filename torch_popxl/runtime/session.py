@@ -18,6 +18,7 @@ import torch
 from .. import dtypes as _dtypes
 from ..streams import DeviceToHostStream, HostToDeviceStream
 from ..tensor import Constant, Tensor, Variable
+from . import kernels
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 
 __all__ = ["Session"]
@@ -60,6 +61,7 @@ class Session:
         self._host_all: dict[str, np.ndarray] = {}
         for v, data in ir._variables.values():
             self._host[v.id] = np.array(data, copy=True)
+        self._last_run_counters: dict[str, int] | None = None  # traffic of the last run
         ir._sessions += 1
         self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(ir, self._torch_device)
         self._allocate()
@@ -121,7 +123,7 @@ class Session:
     def _allocate(self) -> None:
         R, dev = self._state.num_replicas, self._torch_device
         for v in self._executor.on_chip:
-            self._state.vars[v.id] = torch.zeros((R, *v.shape), dtype=v.dtype.as_torch(), device=dev)
+            self._state.vars[v.id] = self._executor.allocate(self._state, v)
         for rb in self._ir._remote_buffers:
             shape = (R, rb.entries, *rb.tensor_shape)
             self._state.buffers[rb.remote_buffer_id] = torch.zeros(shape, dtype=rb.tensor_dtype.as_torch(), device=dev)
@@ -134,7 +136,7 @@ class Session:
         """Upload every variable's host copy to every replica (then run WeightsFromHost)."""
         self._require_attached("weights_from_host")
         for v in self._executor.on_chip:
-            self._state.vars[v.id].copy_(self._per_replica(v, self._host[v.id]))
+            _write_rows(self._state.vars[v.id], self._per_replica(v, self._host[v.id]))
         from .. import remote as _remote
 
         _remote.upload_remote_variables(self)
@@ -166,7 +168,7 @@ class Session:
         firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
         rows = value.detach().cpu()
         host = _to_numpy(rows[firsts], v.dtype)
-        self._host[v.id] = host if rg.num_groups > 1 else host[0]
+        self._host[v.id] = host if rg.num_groups > 1 else host[0, ...]  # an ndarray, even 0-d
         self._host_all[v.id] = _to_numpy(rows, v.dtype)
 
     # ---- reading and writing tensors ------------------------------------------------------
@@ -267,8 +269,13 @@ class Session:
             self._verify_shape(s, np.asarray(arr), "output")
         nht = self._ir.num_host_transfers
         h2d = sorted(self._ir._h2d_streams, key=lambda s: s._index)
-        ins = [self._input_tensor(s, inputs.get(s), downcast_inputs) for s in h2d]
+        ins = [
+            self._input_tensor(s, inputs[s], downcast_inputs) if s in inputs else self._unused_input(s)
+            for s in h2d
+        ]
+        kernels.reset_traffic_counters()
         stored = self._executor.run(self._state, "normal", ins, nht)
+        self._last_run_counters = kernels.traffic_counters()
         self._in_sync = False
         for s, arr in outputs.items():
             values = stored.get(s._index)
@@ -314,11 +321,21 @@ class Session:
                 f"{expected} (num_host_transfers={nht}, replicas={irf}, stream shape {s.shape})."
             )
 
+    def _unused_input(self, s: HostToDeviceStream) -> torch.Tensor:
+        # A stream without host_load is not an expected input; its slot is never read.
+        nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        return torch.zeros((nht, R, *s.shape), dtype=s.dtype.as_torch(), device=self._torch_device)
+
     def _input_tensor(self, s: HostToDeviceStream, data, downcast: bool) -> torch.Tensor:
         """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device."""
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu().numpy()
         arr = np.asarray(data)
+        if arr.dtype.kind not in "biufc" and arr.dtype.fields is None:
+            raise TypeError(
+                f"Input for stream {s.tensor_id!r} has dtype {arr.dtype}, which cannot be converted "
+                f"to the stream dtype {s.dtype.name}; pass numbers (numpy, torch, lists, scalars)."
+            )
         if downcast:
             arr = _downcast(arr)
         self._verify_shape(s, arr, "input")
@@ -335,19 +352,40 @@ class Session:
     def _fill_output(self, s: DeviceToHostStream, arr: np.ndarray, values: torch.Tensor) -> None:
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
         count = min(values.shape[0], nht)
-        view = arr.reshape(nht, R, *s.shape)
+        # dim 0 may exceed nht (accepted by the shape check); reshape may copy, so write back.
+        target = arr[:nht] if nht > 1 else arr
+        view = target.reshape(nht, R, *s.shape)
+        copied = not np.may_share_memory(view, target)
         view[:count] = _to_numpy(values[:count].detach().cpu(), s.dtype)
         if count < values.shape[0]:  # more stores than entries: later ones wrap around
             for i in range(count, values.shape[0]):
                 view[i % nht] = _to_numpy(values[i].detach().cpu(), s.dtype)
+        if copied:
+            target[...] = view.reshape(target.shape)
 
     # ---- introspection --------------------------------------------------------------------
+
+    def memory_report(self, cost_model=None):
+        """Per-replica memory, per-run traffic (IR and runtime counters) and a step-time
+        estimate; see ``torch_popxl.runtime.report.MemoryReport``. ``print()`` it for a table."""
+        from .report import build_report
+
+        return build_report(self, cost_model)
 
     def generated_code(self) -> str:
         """The Python the fast executor generated for this Ir."""
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+def _write_rows(storage: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy ``rows`` ([R, *shape]) into a variable's storage; replica-invariant storage is an
+    expanded view of one copy, so it takes the (identical) first row."""
+    if storage.dim() > 0 and storage.stride(0) == 0 and storage.shape[0] > 1:
+        storage[0].copy_(rows[0])
+    else:
+        storage.copy_(rows)
 
 
 def _downcast(arr: np.ndarray) -> np.ndarray:

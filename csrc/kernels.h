@@ -1,0 +1,28 @@
+// Declarations of the "stacked" kernels behind torch.ops.torch_popxl.*.
+//
+// Stacked layout: dim 0 of every tensor argument is the replica dim, of size R (the number of
+// simulated replicas). A grouping is (group_size G, stride S) as in popxl.md §2.1.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "traffic.h"
+
+namespace torch_popxl {
+
+at::Tensor all_reduce_stacked(
+    const at::Tensor& x, c10::string_view op, int64_t group_size, int64_t stride);
+at::Tensor all_gather_stacked(const at::Tensor& x, int64_t group_size, int64_t stride);
+at::Tensor reduce_scatter_stacked(
+    const at::Tensor& x, c10::string_view op, int64_t group_size, int64_t stride);
+at::Tensor take_own_stacked(const at::Tensor& x, int64_t group_size, int64_t stride);
+
+at::Tensor remote_load_stacked(
+    const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id);
+void remote_store_stacked_(
+    const at::Tensor& buffer, const at::Tensor& offsets, const at::Tensor& value,
+    int64_t buffer_id);
+
+}  // namespace torch_popxl

@@ -1,0 +1,109 @@
+// Stacked remote-buffer kernels. Every replica owns a private copy of every remote buffer
+// (popxl.md §4.1), so the stacked buffer is [R, entries, *slot_shape] and replica r reads or
+// writes buffer[r, offsets[r]].
+//
+// On hardware an out-of-range offset is undefined behaviour (popxl.md §4.3); here every offset
+// is checked before any memory is touched, so a bad offset is a clear error and a failed
+// store leaves the buffer unchanged.
+#include "kernels.h"
+
+#include <vector>
+
+namespace torch_popxl {
+namespace {
+
+void check_buffer(const char* op_name, const at::Tensor& buffer, int64_t buffer_id) {
+  TORCH_CHECK_VALUE(
+      buffer.dim() >= 2, op_name, ": expected the stacked RemoteBuffer[id=", buffer_id,
+      "] of shape [R, entries, *slot_shape], got a tensor of shape ", buffer.sizes(), ".");
+}
+
+// Validates the offsets and returns them as a CPU int64 tensor of shape [R].
+at::Tensor checked_offsets(
+    const char* op_name, const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id) {
+  const int64_t replicas = buffer.size(0);
+  const int64_t entries = buffer.size(1);
+  TORCH_CHECK_TYPE(
+      at::isIntegralType(offsets.scalar_type(), /*includeBool=*/false), op_name,
+      ": offsets must be an integer tensor, got dtype ", offsets.scalar_type(), ".");
+  TORCH_CHECK_VALUE(
+      offsets.dim() <= 1 && offsets.numel() == replicas, op_name,
+      ": expected one offset per replica, i.e. offsets of shape [", replicas,
+      "] to match dim 0 of RemoteBuffer[id=", buffer_id, "] (shape ", buffer.sizes(),
+      "), got offsets of shape ", offsets.sizes(), ".");
+  const at::Tensor cpu =
+      offsets.to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous().reshape({replicas});
+  const int64_t* values = cpu.data_ptr<int64_t>();
+  for (int64_t r = 0; r < replicas; ++r) {
+    TORCH_CHECK_VALUE(
+        values[r] >= 0 && values[r] < entries, op_name, ": offset ", values[r],
+        " is out of range for RemoteBuffer[id=", buffer_id, "] with ", entries,
+        " entries (replica ", r, "); offsets must be in [0, ", entries, ").");
+  }
+  return cpu;
+}
+
+// Advanced-indexing key (replica r, slot offsets[r]) for every replica at once: it reads or
+// writes only the addressed slots, even when the buffer is a non-contiguous view.
+c10::List<std::optional<at::Tensor>> slot_index(
+    const at::Tensor& buffer, const at::Tensor& offsets_cpu) {
+  const auto options = at::TensorOptions().device(buffer.device()).dtype(at::kLong);
+  c10::List<std::optional<at::Tensor>> index;
+  index.push_back(at::arange(buffer.size(0), options));
+  index.push_back(offsets_cpu.to(buffer.device()));
+  return index;
+}
+
+int64_t slot_bytes(const at::Tensor& buffer) {
+  int64_t numel = 1;
+  for (int64_t d = 2; d < buffer.dim(); ++d) numel *= buffer.size(d);
+  return numel * static_cast<int64_t>(buffer.element_size());
+}
+
+}  // namespace
+
+at::Tensor remote_load_stacked(
+    const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id) {
+  const char* name = "remote_load";
+  check_buffer(name, buffer, buffer_id);
+  const at::Tensor offsets_cpu = checked_offsets(name, buffer, offsets, buffer_id);
+
+  at::Tensor out = at::index(buffer, slot_index(buffer, offsets_cpu));  // [R, *slot_shape]
+  if (out.is_alias_of(buffer) || !out.is_contiguous()) {
+    out = out.clone(at::MemoryFormat::Contiguous);
+  }
+  count_remote_load(buffer.size(0) * slot_bytes(buffer));
+  return out;
+}
+
+void remote_store_stacked_(
+    const at::Tensor& buffer, const at::Tensor& offsets, const at::Tensor& value,
+    int64_t buffer_id) {
+  const char* name = "remote_store";
+  check_buffer(name, buffer, buffer_id);
+  const at::Tensor offsets_cpu = checked_offsets(name, buffer, offsets, buffer_id);
+
+  std::vector<int64_t> expected = {buffer.size(0)};
+  for (int64_t d = 2; d < buffer.dim(); ++d) expected.push_back(buffer.size(d));
+  // PopXL raises ValueError for both a shape and a dtype mismatch (popxl.md §4.2, §4.3).
+  TORCH_CHECK_VALUE(
+      value.sizes() == at::IntArrayRef(expected), name, ": value of shape ", value.sizes(),
+      " does not match RemoteBuffer[id=", buffer_id, "]: expected [R, *slot_shape] = ",
+      at::IntArrayRef(expected), " (buffer shape ", buffer.sizes(), ").");
+  TORCH_CHECK_VALUE(
+      value.scalar_type() == buffer.scalar_type(), name, ": value has dtype ",
+      value.scalar_type(), " but RemoteBuffer[id=", buffer_id, "] holds ",
+      buffer.scalar_type(), "; convert the value with .to(", buffer.scalar_type(),
+      ") before storing.");
+  TORCH_CHECK_VALUE(
+      value.device() == buffer.device(), name, ": value is on ", value.device(),
+      " but RemoteBuffer[id=", buffer_id, "] is on ", buffer.device(), ".");
+
+  // A value that shares memory with the buffer (e.g. a view of another slot) would make the
+  // indexed write read memory it is overwriting; copy it first.
+  const at::Tensor source = value.is_alias_of(buffer) ? value.clone() : value;
+  buffer.index_put_(slot_index(buffer, offsets_cpu), source);
+  count_remote_store(buffer.size(0) * slot_bytes(buffer));
+}
+
+}  // namespace torch_popxl

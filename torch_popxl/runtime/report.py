@@ -1,0 +1,330 @@
+"""Memory and traffic report of a ``Session`` (``session.memory_report()``).
+
+Everything is computed from the IR, per replica for memory and per ``run`` for traffic, and
+set next to what the runtime counted during the last ``run`` (``kernels.traffic_counters``),
+so the two can be checked against each other.
+
+Note [traffic formulas]
+~~~~~~~~~~~~~~~~~~~~~~~
+Bytes are summed over all R replicas and use the ring formulas of the C++ counters
+(csrc/traffic.cpp, Note [traffic accounting]); with n = bytes of one replica's input and
+G = group size:
+
+* all_reduce      (R / G) * 2 * (G - 1) * n
+* all_gather      R * (G - 1) * n
+* reduce_scatter  R * (G - 1) * ceil(elements / G) * itemsize
+* local slices    0 (``replica_sharded_slice``, ``replicated_slice``, the grad of all_gather)
+* remote_load / remote_store: R * slot bytes; host_load / host_store: R * entry bytes.
+
+Ops inside called graphs count once per call, and ``repeat_count`` times inside ``repeat``.
+
+Note [peak intermediates]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The peak is taken over the main program's op order (the simulator's schedule): an op's
+outputs become live when it runs and die after their last reader. Variables, constants and
+RTS shards are counted separately, so they are not intermediates. A call adds the callee's
+own peak while it runs. Views are counted as copies, so the figure is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..graph import Graph, Op, Slot
+from ..tensor import Constant, Tensor, Variable
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["CostModel", "MemoryReport", "TRAFFIC_KINDS", "build_report"]
+
+TRAFFIC_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "local_slice",
+    "remote_load",
+    "remote_store",
+    "host_to_device",
+    "device_to_host",
+)
+_COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates that turn one run's traffic and matmul FLOPs into an estimated step time.
+
+    Every rate is per replica: replicas run in parallel, so a replica's time is its share of
+    the bytes (total / R) over the rate. Phases are added with no overlap, so the estimate is
+    an upper bound of a perfectly scheduled step.
+
+    Defaults (rough IPU-POD figures):
+
+    * ``replica_link_bytes_per_s`` 64 GB/s: IPU-Link bandwidth a replica gets for collectives.
+    * ``streaming_memory_bytes_per_s`` 8 GB/s: remote loads and stores; the seeds put streaming
+      memory 3x to 20x below the replica links, 8x here.
+    * ``host_bytes_per_s`` 8 GB/s: host streams (PCIe / gateway).
+    * ``flops_per_s`` 60 TFLOP/s: matmul throughput (aten.mm / addmm / bmm / baddbmm / mv / dot).
+    """
+
+    replica_link_bytes_per_s: float = 64e9
+    streaming_memory_bytes_per_s: float = 8e9
+    host_bytes_per_s: float = 8e9
+    flops_per_s: float = 60e12
+
+    def __post_init__(self):
+        for name in ("replica_link_bytes_per_s", "streaming_memory_bytes_per_s",
+                     "host_bytes_per_s", "flops_per_s"):  # fmt: skip
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"CostModel.{name} must be a positive finite number; got {value!r}.")
+
+    def breakdown(self, traffic: Mapping[str, int], flops: int, num_replicas: int) -> dict[str, float]:
+        """Seconds per phase of one run: compute, replica_links, streaming_memory, host_io."""
+        per_replica = {k: v / num_replicas for k, v in traffic.items()}
+        links = sum(per_replica.get(k, 0) for k in _COLLECTIVE_KINDS)
+        remote = per_replica.get("remote_load", 0) + per_replica.get("remote_store", 0)
+        host = per_replica.get("host_to_device", 0) + per_replica.get("device_to_host", 0)
+        return {
+            "compute": flops / self.flops_per_s,
+            "replica_links": links / self.replica_link_bytes_per_s,
+            "streaming_memory": remote / self.streaming_memory_bytes_per_s,
+            "host_io": host / self.host_bytes_per_s,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-replica memory and per-run traffic of a session's program.
+
+    Memory fields are bytes on ONE replica. ``traffic`` / ``op_counts`` are per ``run``, bytes
+    summed over all replicas, keyed by ``TRAFFIC_KINDS``. ``predicted_counters`` restates them
+    with the names of ``kernels.traffic_counters()``; ``measured_counters`` is what the
+    runtime counted in the session's last ``run`` (``None`` before the first run, and with the
+    reference executor, whose Python collectives do not feed the C++ counters).
+    """
+
+    num_replicas: int
+    variable_bytes: int
+    rts_shard_bytes: int
+    constant_bytes: int
+    peak_intermediate_bytes: int
+    streaming_bytes: int
+    buffers: tuple[tuple[int, int, int], ...]  # (remote_buffer_id, entries, slot bytes)
+    traffic: Mapping[str, int]
+    op_counts: Mapping[str, int]
+    flops: int
+    predicted_counters: Mapping[str, int]
+    measured_counters: Mapping[str, int] | None
+    cost_model: CostModel = field(default_factory=CostModel)
+
+    @property
+    def on_chip_bytes(self) -> int:
+        """Variables + RTS shards + constants + peak live intermediates, per replica."""
+        return self.variable_bytes + self.rts_shard_bytes + self.constant_bytes + self.peak_intermediate_bytes
+
+    @property
+    def time_breakdown_s(self) -> dict[str, float]:
+        return self.cost_model.breakdown(self.traffic, self.flops, self.num_replicas)
+
+    @property
+    def estimated_step_time_s(self) -> float:
+        """The cost model's device time for one ``run`` (no overlap between phases)."""
+        return sum(self.time_breakdown_s.values())
+
+    def __str__(self) -> str:
+        def row(label, *cells) -> str:
+            return f"  {label:<34}" + "".join(f"{c:>14}" for c in cells)
+
+        lines = [f"Memory per replica (R={self.num_replicas})".ljust(36) + f"{'bytes':>14}"]
+        for label, value in (
+            ("on-chip variables", self.variable_bytes),
+            ("RTS shards (persistent)", self.rts_shard_bytes),
+            ("constants", self.constant_bytes),
+            ("peak live intermediates", self.peak_intermediate_bytes),
+            ("on-chip total", self.on_chip_bytes),
+            ("streaming memory (remote buffers)", self.streaming_bytes),
+        ):
+            lines.append(row(label, f"{value:,}"))
+        lines += ["", "Traffic per run (all replicas)".ljust(36) + f"{'ops':>14}{'bytes':>14}"]
+        for kind in TRAFFIC_KINDS:
+            lines.append(row(kind, self.op_counts[kind], f"{self.traffic[kind]:,}"))
+        lines += ["", "Counters".ljust(36) + f"{'IR':>14}{'runtime':>14}"]
+        measured = self.measured_counters
+        for name, value in self.predicted_counters.items():
+            lines.append(row(name, f"{value:,}", "-" if measured is None else f"{measured[name]:,}"))
+        lines += ["", f"Estimated step time (matmul FLOPs per replica: {self.flops:,})".ljust(36)
+                  + f"{'us':>14}"]  # fmt: skip
+        for phase, seconds in self.time_breakdown_s.items():
+            lines.append(row(phase, f"{seconds * 1e6:.3f}"))
+        lines.append(row("total", f"{self.estimated_step_time_s * 1e6:.3f}"))
+        return "\n".join(lines)
+
+
+# ---- building the report ------------------------------------------------------------------
+
+
+def _bytes(t: Tensor) -> int:
+    return math.prod(t.shape) * _itemsize(t.dtype)
+
+
+def _itemsize(dt) -> int:
+    tdt = dt.as_torch()
+    return tdt.itemsize if tdt is not None else 1
+
+
+def build_report(session: Session, cost_model: CostModel | None = None) -> MemoryReport:
+    """The report for ``session`` (see ``Session.memory_report``)."""
+    from .executor import ReferenceExecutor
+
+    ir = session.ir
+    R = ir.instance_replication_factor
+    on_chip, defined = session._executor.on_chip, session._executor.defined
+    main = ir.main_graph
+    persistent = {t.id for t in defined}
+    constants = {id(c): c for g in ir.graphs for c in g.constants}
+    buffers = tuple(
+        (rb.remote_buffer_id, rb.entries, math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype))
+        for rb in ir._remote_buffers
+    )
+    counter = _TrafficCounter(R)
+    counter.count(main._ops_in_context("normal"), 1)
+    traffic = {k: counter.bytes[k] for k in TRAFFIC_KINDS}
+    counts = {k: counter.calls[k] for k in TRAFFIC_KINDS}
+    predicted = {
+        "collective_bytes": sum(traffic[k] for k in _COLLECTIVE_KINDS),
+        "remote_load_bytes": traffic["remote_load"],
+        "remote_store_bytes": traffic["remote_store"],
+        "host_bytes": traffic["host_to_device"] + traffic["device_to_host"],
+        "num_collectives": sum(counts[k] for k in _COLLECTIVE_KINDS),
+        "num_remote_loads": counts["remote_load"],
+        "num_remote_stores": counts["remote_store"],
+    }
+    measured = getattr(session, "_last_run_counters", None)
+    if isinstance(session._executor, ReferenceExecutor):
+        measured = None
+    return MemoryReport(
+        num_replicas=R,
+        variable_bytes=sum(_bytes(v) for v in on_chip),
+        rts_shard_bytes=sum(_bytes(t) for t in defined),
+        constant_bytes=sum(_bytes(c) for c in constants.values()),
+        peak_intermediate_bytes=_Liveness(persistent).peak(main, main._ops_in_context("normal")),
+        streaming_bytes=sum(entries * slot for _, entries, slot in buffers),
+        buffers=buffers,
+        traffic=MappingProxyType(traffic),
+        op_counts=MappingProxyType(counts),
+        flops=counter.flops,
+        predicted_counters=MappingProxyType(predicted),
+        measured_counters=None if measured is None else MappingProxyType(dict(measured)),
+        cost_model=cost_model or CostModel(),
+    )
+
+
+def _arg(op: Op, i: int) -> Tensor:
+    a = op.attrs["args"][i]
+    assert isinstance(a, Slot), f"{op.name}: argument {i} is not a tensor"
+    return op.inputs[a.index]
+
+
+# The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
+_MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
+
+
+class _TrafficCounter:
+    def __init__(self, num_replicas: int):
+        self.R = num_replicas
+        self.bytes = dict.fromkeys(TRAFFIC_KINDS, 0)
+        self.calls = dict.fromkeys(TRAFFIC_KINDS, 0)
+        self.flops = 0
+        self._ops = torch.ops.torch_popxl
+
+    def add(self, kind: str, nbytes: int, times: int) -> None:
+        self.bytes[kind] += nbytes * times
+        self.calls[kind] += times
+
+    def count(self, ops, times: int) -> None:
+        R = self.R
+        for op in ops:
+            if op.kind in ("call", "repeat"):
+                self.count(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
+            elif op.kind in ("remote_load", "remote_load_", "remote_store"):
+                rb = op.attrs["buffer"]
+                slot = math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype)
+                self.add("remote_store" if op.kind == "remote_store" else "remote_load", R * slot, times)
+            elif op.kind == "host_load":
+                self.add("host_to_device", R * _bytes(op.outputs[0]), times)
+            elif op.kind == "host_store":
+                self.add("device_to_host", R * _bytes(op.inputs[0]), times)
+            elif op.kind == "torch":
+                self._torch(op, times)
+
+    def _torch(self, op: Op, times: int) -> None:
+        target = op.attrs["target"]
+        ops, R = self._ops, self.R
+        args = op.attrs["args"]
+        if target == ops.replicated_all_reduce.default:
+            G = args[2]
+            self.add("all_reduce", R // G * 2 * (G - 1) * _bytes(_arg(op, 0)), times)
+        elif target == ops.replicated_all_gather.default:
+            self.add("all_gather", R * (args[1] - 1) * _bytes(_arg(op, 0)), times)
+        elif target == ops.replicated_reduce_scatter.default:
+            x, G = _arg(op, 0), args[2]
+            if args[1] == "local":
+                self.add("local_slice", 0, times)
+            else:
+                chunk = -(-math.prod(x.shape) // G)
+                self.add("reduce_scatter", R * (G - 1) * chunk * _itemsize(x.dtype), times)
+        elif target == ops.replicated_take_own.default:
+            self.add("local_slice", 0, times)
+        elif getattr(target, "namespace", None) == "aten":
+            k_arg = _MATMUL_K_ARG.get(target._schema.name.split("::")[-1])
+            if k_arg is not None:
+                k = _arg(op, k_arg).shape[-1]
+                self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * times
+
+
+class _Liveness:
+    """Peak bytes of live intermediates over a graph's op order (Note [peak intermediates])."""
+
+    def __init__(self, persistent: set[str]):
+        self.persistent = persistent
+        self._callee_peaks: dict[int, int] = {}
+
+    def _is_intermediate(self, t: Tensor, graph: Graph) -> bool:
+        if isinstance(t, Variable | Constant) or t.id in self.persistent:
+            return False
+        return all(t.id != x.id for x in graph._inputs)
+
+    def peak(self, graph: Graph, ops: list[Op]) -> int:
+        last_use: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            for t in op.inputs:
+                last_use[t.id] = i
+        for t in graph._outputs:
+            last_use[t.id] = len(ops)
+        live: dict[str, int] = {}
+        total = peak = 0
+        for i, op in enumerate(ops):
+            if op.kind in ("call", "repeat"):
+                peak = max(peak, total + self._callee_peak(op.attrs["graph"]))
+            for t in op.outputs:
+                if t.id not in live and self._is_intermediate(t, graph):
+                    live[t.id] = _bytes(t)
+                    total += live[t.id]
+            peak = max(peak, total)
+            for tid in [tid for tid in live if last_use.get(tid, i) <= i]:
+                total -= live.pop(tid)
+        return peak
+
+    def _callee_peak(self, graph: Graph) -> int:
+        key = id(graph)
+        if key not in self._callee_peaks:
+            self._callee_peaks[key] = self.peak(graph, graph._ops)
+        return self._callee_peaks[key]

@@ -418,10 +418,11 @@ class Program:
 
 
 class _Emitter:
-    def __init__(self, program: Program, analysis: _Analysis):
+    def __init__(self, program: Program, analysis: _Analysis, params: list[str]):
         self.p = program
         self.a = analysis
         self.lines: list[str] = []
+        self.defined: set[str] = set(params)
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -442,8 +443,11 @@ class _Emitter:
         for f in flat:
             getattr(self, f"_{f.kind}")(f, indent)
             for n in f.outs:
-                if n in self.p.force_batched and f.kind != "loop":
+                # Materialise a forced value once, where it is defined (not after in-place
+                # ops that return it again, which would break aliasing).
+                if n in self.p.force_batched and f.kind != "loop" and n not in self.defined:
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
+                self.defined.add(n)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
         target = f.op.attrs["target"]
@@ -500,6 +504,7 @@ class _Emitter:
 
     def _loop(self, f: FlatOp, ind: str) -> None:
         for carried, arg in zip(f.outs, f.ins):
+            self.defined.add(carried)
             self.lines.append(f"{ind}{carried} = {arg}")
             if carried in self.p.force_batched:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
@@ -508,7 +513,12 @@ class _Emitter:
         results = f.extra["results"]
         if results:
             lhs = "".join(c + ", " for c in f.outs[: len(results)])
-            rhs = "".join(r + ", " for r in results)
+            # A carried value forced batched must stay batched when the body's result is a
+            # replica-invariant (unbatched) value, e.g. a full-group all-reduce.
+            rhs = "".join(
+                (f"rt.batch({r})" if c in self.p.force_batched and not self.a.b(r) else r) + ", "
+                for c, r in zip(f.outs, results)
+            )
             self.lines.append(f"{ind}    {lhs}= {rhs}")
 
 
@@ -536,7 +546,7 @@ def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: li
             continue
     if program.R > 1:
         flat = _fold_matmuls(flat, analysis, program.R)
-    em = _Emitter(program, analysis)
+    em = _Emitter(program, analysis, param_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

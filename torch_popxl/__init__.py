@@ -39,6 +39,7 @@ from .streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_str
 from .tensor import Constant, Tensor, TensorByRef, TensorSpec, Variable, constant, graph_input, graph_output, variable
 from . import ops, transforms  # noqa: E402  (ops import the classes above)
 from .runtime.session import Session  # noqa: E402
+from .compile import InferenceProgram, Trainer, compile  # noqa: E402
 from .remote import (  # noqa: E402
     remote_replica_sharded_variable,
     remote_variable,
@@ -57,7 +58,7 @@ __all__ = [
     "replica_sharded_buffer", "replica_sharded_variable",
     "gcg", "gmg", "gir", "get_current_context", "get_main_graph", "in_sequence", "io_tiles",
     "ipu", "name_scope",
-    "ops", "transforms", "dtypes", "dtype",
+    "ops", "transforms", "dtypes", "dtype", "compile", "Trainer", "InferenceProgram",
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float8_143", "float8_152", "float16", "float32", "float64", "complex64", "complex128",
     "half", "float", "double",

@@ -138,6 +138,7 @@ class _Replay:
         self.graph = graph
         self.value: dict[str, torch.Tensor] = {}
         self.fwd_of: dict[int, Tensor] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused
         required_ids = {t.id for t in required}
         with fake_mode():
             for t in graph._inputs:
@@ -148,16 +149,20 @@ class _Replay:
             with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
                 self._run_ops(graph._ops, self.value)
 
+    def _note(self, fake: torch.Tensor, t: Tensor) -> None:
+        self._alive.append(fake)
+        self.fwd_of.setdefault(id(fake), t)
+
     def _bind(self, t: Tensor, fake: torch.Tensor) -> None:
         self.value[t.id] = fake
-        self.fwd_of.setdefault(id(fake), t)
+        self._note(fake, t)
 
     def _get(self, t: Tensor, env) -> torch.Tensor:
         if t.id not in env and isinstance(t, Constant):
             with fake_mode() as fm:
                 fake = fm.from_tensor(t._data)
             env[t.id] = fake
-            self.fwd_of.setdefault(id(fake), t)
+            self._note(fake, t)
         return env[t.id]
 
     def _run_ops(self, ops: Iterable[Op], env) -> None:
@@ -171,7 +176,7 @@ class _Replay:
                 for t in op.outputs:
                     fake = _fake_like(t.shape, t.dtype)
                     env[t.id] = fake
-                    self.fwd_of.setdefault(id(fake), t)
+                    self._note(fake, t)
 
     def _run_torch(self, op: Op, env) -> None:
         ins = [self._get(t, env) for t in op.inputs]
@@ -189,7 +194,7 @@ class _Replay:
                 value = value[i]
             env[t.id] = value
             if env is self.value:
-                self.fwd_of.setdefault(id(value), t)
+                self._note(value, t)
 
     def _run_call(self, op: Op, env) -> None:
         callee: Graph = op.attrs["graph"]
@@ -199,7 +204,7 @@ class _Replay:
             value = sub[gt.id]
             env[pt.id] = value
             if env is self.value:
-                self.fwd_of.setdefault(id(value), pt)
+                self._note(value, pt)
 
 
 def _has_no_gradient(target) -> bool:
@@ -233,13 +238,18 @@ def _stitch_output(graph: Graph, t: Tensor) -> None:
 def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
              grads_required: Iterable[Tensor] | None = None,
              called_graphs_grad_info: dict | None = None,
-             return_all_grad_graphs: bool = False):  # fmt: skip
-    """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8)."""
+             return_all_grad_graphs: bool = False, *, _allow_modifying: bool = False):  # fmt: skip
+    """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8).
+
+    ``_allow_modifying`` (used by ``popxl.compile``) accepts in-place updates of inputs that
+    carry no gradient, such as BatchNorm running statistics.
+    """
     if not isinstance(graph, Graph):
         raise TypeError(f"autodiff expects a popxl Graph; got {type(graph).__name__}.")
-    _check_differentiable(graph)
-    for callee in graph.called_graphs:
-        _check_differentiable(callee)
+    if not _allow_modifying:
+        _check_differentiable(graph)
+        for callee in graph.called_graphs:
+            _check_differentiable(callee)
     explicit_required = grads_required is not None
     provided = list(graph._outputs) if grads_provided is None else list(grads_provided)
     required = list(graph._inputs) if grads_required is None else list(grads_required)
@@ -308,7 +318,9 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                         f"gradient path from the provided outputs of {graph.id!r}."
                     )
                 continue
-            handle = grad_graph._tensor_for_fake(g) or resolve(g)
+            handle = grad_graph._tensor_for_fake(g)
+            if handle is None:
+                handle = resolve(g)
             if handle is None:
                 raise AssertionError(f"gradient of {t.id} was not captured")
             graph_output(handle)

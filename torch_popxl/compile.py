@@ -185,6 +185,7 @@ class Trainer:
         self.session: Session | None = None
         self._shapes = None
         self._dirty = False
+        _install_lazy_sync(model, self)
 
     # ---- building -------------------------------------------------------------------------
 
@@ -357,6 +358,7 @@ class Trainer:
         """Copy the trained parameters and buffers back into ``model``."""
         if self.session is None or not self._dirty:
             return
+        self._dirty = False
         handles = [s.var for s in self._slots] + list(self._buffer_vars.values())
         data = self.session.get_tensors_data(handles)
         with torch.no_grad():
@@ -477,6 +479,31 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+_SYNC_ON = frozenset({"_parameters", "_buffers", "_modules", "state_dict", "parameters",
+                      "named_parameters", "buffers", "named_buffers", "forward", "__call__"})  # fmt: skip
+
+
+def _install_lazy_sync(model: torch.nn.Module, trainer: Trainer) -> None:
+    """Make ``model`` pull trained weights from the session when its tensors are read.
+
+    The model's class is swapped for a subclass whose attribute access syncs first (only
+    when a step ran since the last sync), so ``model.fc.weight`` is always current.
+    """
+    cls = type(model)
+    if getattr(cls, "_popxl_lazy_sync", False):
+        cls = cls.__mro__[1]
+
+    def __getattribute__(self, name):
+        if name in _SYNC_ON:
+            tr = object.__getattribute__(self, "__dict__").get("_popxl_trainer")
+            if tr is not None and tr._dirty:
+                tr.sync_weights()
+        return cls.__getattribute__(self, name)
+
+    model.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "_popxl_lazy_sync": True,
+                                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__})  # fmt: skip
+    model.__dict__["_popxl_trainer"] = trainer
 
 
 def _check_positive(name: str, value) -> None:

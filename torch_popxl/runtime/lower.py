@@ -83,6 +83,11 @@ def _schema_effects(op: Op):
                     written.add(s.index)
                 for a in info.before_set:
                     sets.setdefault(a, s.index)
+    hidden = _HIDDEN_WRITES.get(op.attrs["target"])
+    if hidden is not None:
+        for i in hidden(args):
+            if i < len(args) and isinstance(args[i], Slot):
+                written.add(args[i].index)
     for k, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is not None:
@@ -91,6 +96,12 @@ def _schema_effects(op: Op):
                     aliases[k] = sets[a]
     return written, aliases
 
+
+# Ops that update inputs in place without saying so in their schema: native_batch_norm
+# writes the running statistics (arguments 3 and 4) when training.
+_HIDDEN_WRITES = {
+    _aten.native_batch_norm.default: lambda args: (3, 4) if len(args) > 5 and args[5] else (),
+}
 
 _mutated_cache: dict[tuple[int, int], frozenset[int]] = {}
 
@@ -315,7 +326,7 @@ class _Analysis:
     def _loop(self, f: FlatOp) -> None:
         for carried, arg in zip(f.outs, f.ins):
             self._set(carried, self.b(arg))
-            self.root[carried] = carried
+            self.root[carried] = self.root.get(arg, arg)  # a by-ref carry aliases its source
         self._block(f.body)
         for carried, result in zip(f.outs, f.extra["results"]):
             if self.b(result) and not self.b(carried):
@@ -374,6 +385,20 @@ def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatO
 # ---- phase 3: emit ------------------------------------------------------------------------
 
 
+def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
+    """``aten.view`` that tolerates vmap's physical layout.
+
+    Under vmap a per-replica view can fail where the single-replica program's view succeeds,
+    because the batched tensor's memory layout differs (for example after a batching
+    fallback). A copy is then the only option; when the view works it is used, so aliasing
+    is preserved wherever the program could observe it.
+    """
+    try:
+        return _aten.view.default(x, shape)
+    except RuntimeError:
+        return _aten.reshape.default(x, shape)
+
+
 class Program:
     """Generated code for one Ir on one device: globals, constants and fragment functions."""
 
@@ -385,6 +410,7 @@ class Program:
             "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
+            "VIEW": _batched_view,
         }
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
@@ -452,7 +478,10 @@ class _Emitter:
     def _torch(self, f: FlatOp, ind: str) -> None:
         target = f.op.attrs["target"]
         is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-        fn = self.p.literal(target._op if is_aten else target)
+        if target is _aten.view.default and self.p.R > 1:
+            fn = "VIEW"
+        else:
+            fn = self.p.literal(target._op if is_aten else target)
         args = [self.literal(x, f) for x in f.op.attrs["args"]]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
                 and f.op.attrs["args"][-2] > 1 and not self.a.b(f.ins[0])):  # fmt: skip
@@ -516,7 +545,7 @@ class _Emitter:
             # A carried value forced batched must stay batched when the body's result is a
             # replica-invariant (unbatched) value, e.g. a full-group all-reduce.
             rhs = "".join(
-                (f"rt.batch({r})" if c in self.p.force_batched and not self.a.b(r) else r) + ", "
+                (f"rt.batch({r})" if self.a.b(c) and not self.a.b(r) else r) + ", "
                 for c, r in zip(f.outs, results)
             )
             self.lines.append(f"{ind}    {lhs}= {rhs}")

@@ -67,7 +67,9 @@ class Graph:
         g._id = graph_id
         g._name = name
         g._tensors: dict[str, Tensor] = {}
-        g._by_fake: dict[int, Tensor] = {}
+        # id(fake) -> (fake, handle). The fake is kept alive so its id cannot be reused by
+        # a later fake tensor (which would then resolve to the wrong handle).
+        g._by_fake: dict[int, tuple[torch.Tensor, Tensor]] = {}
         g._inputs: list[Tensor] = []
         g._by_ref: set[str] = set()
         g._outputs: list[Tensor] = []
@@ -184,9 +186,9 @@ class Graph:
 
     # ---- builders (used by tensor.py, capture.py and ops) ---------------------------------
 
-    def _register_tensor(self, t: Tensor, name: str) -> str:
+    def _register_tensor(self, t: Tensor, name: str, scoped: bool = True) -> str:
         self._ir._check_mutable()
-        base = _ctx.current_name_scope() + name
+        base = _ctx.current_name_scope() + name if scoped else name
         tid = base if self.main_graph else f"{self._id}/{base}"
         if tid in self._tensors:
             k = 1
@@ -194,15 +196,23 @@ class Graph:
                 k += 1
             tid = f"{tid}__t{k}"
         self._tensors[tid] = t
-        self._by_fake[id(t._fake)] = t
+        self._by_fake[id(t._fake)] = (t._fake, t)
         self._version += 1
         return tid
 
+    def _rename_tensor(self, t: Tensor, name: str) -> None:
+        """Give a just-created tensor a PopXL-style name (e.g. ``<name>_sharded_slice``).
+
+        ``name`` is graph-relative and already scoped (like ``Tensor.name``)."""
+        del self._tensors[t._id]
+        t._id = self._register_tensor(t, name, scoped=False)
+
     def _rebind_fake(self, t: Tensor, fake: torch.Tensor) -> None:
-        self._by_fake[id(fake)] = t
+        self._by_fake[id(fake)] = (fake, t)
 
     def _tensor_for_fake(self, fake: torch.Tensor) -> Tensor | None:
-        return self._by_fake.get(id(fake))
+        entry = self._by_fake.get(id(fake))
+        return entry[1] if entry is not None and entry[0] is fake else None
 
     def _add_input(self, t: Tensor, by_ref: bool) -> None:
         self._inputs.append(t)

@@ -1,32 +1,418 @@
-"""Remote variables and replicated tensor sharding (spec §4.4-§4.8): host transfers."""
+"""Remote variables and replicated tensor sharding (RTS), spec §4.4-§4.8.
+
+A remote variable is a ``Variable`` whose value lives in a remote buffer slot, not on chip:
+``v._remote = (buffer, offset)``. An RTS variable is a remote variable whose per-group value
+is split into ``shard_over`` 1-D shards: ``v._shard`` is its ``RtsLayout``. The handle's
+``shape`` is always the full per-group shape; only the host transfers below (called by the
+``Session``) know the layout.
+
+Note [RTS layout]
+~~~~~~~~~~~~~~~~~
+For a per-group value of ``n`` elements sharded over ``k`` replicas, the flattened value is
+zero-padded at the end to ``k * ceil(n / k)`` elements and cut into ``k`` contiguous chunks.
+Within each group of the *constant* grouping (``replica_grouping.const_rg``), the member with
+index-in-group ``i`` holds chunk ``i % k``; so when ``k < group_size`` each block of ``k``
+consecutive members holds a full copy. This is the natural layout the collectives use
+(``replicated_reduce_scatter`` / ``replica_sharded_slice`` / ``replicated_all_gather``), so
+every observable round trip is exact. Host reads gather the chunks from the first ``k``
+members of the first constant group of each user group and drop the padding.
+"""
 
 from __future__ import annotations
 
-__all__ = ["upload_remote_variables", "download_remote_variables"]
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import dtypes as _dtypes
+from .context import gcg
+from .remote_buffer import RemoteBuffer
+from .tensor import (
+    HostTensor,
+    Tensor,
+    Variable,
+    _check_retrieval_mode,
+    _fake_like,
+    _host_array,
+    _per_replica_shape,
+    _torch_from_numpy,
+)
+
+if TYPE_CHECKING:
+    from .replica_grouping import ReplicaGrouping
+
+__all__ = [
+    "RtsLayout",
+    "remote_variable",
+    "remote_replica_sharded_variable",
+    "replica_sharded_buffer",
+    "replica_sharded_variable",
+    "upload_remote_variables",
+    "download_remote_variables",
+]
+
+
+@dataclass(frozen=True)
+class RtsLayout:
+    """How an RTS variable's per-group value is split (Note [RTS layout])."""
+
+    shard_over: int
+    num_elements: int
+
+    @property
+    def shard_elements(self) -> int:
+        return -(-self.num_elements // self.shard_over)  # ceil(n / k)
+
+
+# ---- construction -------------------------------------------------------------------------
+
+
+def _main_graph_only(what: str):
+    graph = gcg()
+    if graph is not graph.ir.main_graph:
+        raise ValueError(
+            f"popxl.{what} must be created in the main graph; the current graph is "
+            f"{graph.id!r}. Create it under `with ir.main_graph:` and pass it to subgraphs."
+        )
+    return graph
+
+
+def _check_buffer(remote_buffer, what: str, ir) -> RemoteBuffer:
+    if not isinstance(remote_buffer, RemoteBuffer):
+        raise TypeError(
+            f"popxl.{what} expects a RemoteBuffer (from popxl.remote_buffer); got "
+            f"{type(remote_buffer).__name__}."
+        )
+    if remote_buffer._ir is not ir:
+        raise ValueError(
+            f"popxl.{what}: {remote_buffer!r} belongs to {remote_buffer._ir!r}, not the current "
+            f"{ir!r}. Create the buffer in the same Ir as the variable."
+        )
+    return remote_buffer
+
+
+def _check_offset(offset, what: str) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int | np.integer) or offset < 0:
+        raise ValueError(f"popxl.{what}: offset must be a non-negative int; got {offset!r}.")
+    return int(offset)
+
+
+def _require_replication(ir, what: str) -> None:
+    if ir.replication_factor <= 1:
+        raise ValueError(
+            f"popxl.{what} needs replication: {ir!r} has replication_factor "
+            f"{ir.replication_factor}. Create the Ir with popxl.Ir(replication=R), R > 1, or use "
+            "popxl.remote_variable for an unsharded remote variable."
+        )
+
+
+def _host_data(data, dtype, downcast, log2_scale, nan_on_overflow):
+    dt = _dtypes.dtype.as_dtype(dtype) if dtype is not None else None
+    arr = _host_array(data, dt, downcast, log2_scale, nan_on_overflow)
+    return arr, dt or _dtypes.dtype.as_dtype(arr.dtype)
+
+
+def _make_remote(graph, arr: np.ndarray, dt, rb: RemoteBuffer, offset: int, name, rg,
+                 retrieval_mode, shard: RtsLayout | None) -> Variable:  # fmt: skip
+    shape = _per_replica_shape(arr.shape, rg, name)
+    v = Variable._create(
+        graph,
+        name or "remote_variable",
+        _fake_like(shape, dt),
+        _replica_grouping=rg,
+        _retrieval_mode=retrieval_mode,
+        _remote=(rb, offset),
+        _shard=shard,
+    )
+    graph.ir._add_variable(v, arr)
+    return v
+
+
+def remote_variable(
+    data: HostTensor,
+    remote_buffer: RemoteBuffer,
+    offset: int = 0,
+    dtype=None,
+    name: str | None = None,
+    downcast: bool = True,
+    replica_grouping: ReplicaGrouping | None = None,
+    retrieval_mode: str | None = "one_per_group",
+    log2_scale: int | None = None,
+    nan_on_overflow: bool | None = None,
+) -> Variable:
+    """A variable stored in slot ``offset`` of ``remote_buffer`` on every replica (§4.4).
+
+    The returned handle is host-only: load the value on device with
+    ``ops.remote_load(remote_buffer, offset)``. ``weights_from_host`` writes the group's
+    value into the slot of every replica; host reads take the first member of each group
+    (``one_per_group``) or every replica (``all_replicas``).
+    """
+    graph = _main_graph_only("remote_variable")
+    rb = _check_buffer(remote_buffer, "remote_variable", graph.ir)
+    offset = _check_offset(offset, "remote_variable")
+    rg = graph.ir._check_grouping(replica_grouping)
+    _check_retrieval_mode(retrieval_mode)
+    arr, dt = _host_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    return _make_remote(graph, arr, dt, rb, offset, name, rg, retrieval_mode, None)
+
+
+def replica_sharded_buffer(
+    shape,
+    dtype,
+    replica_grouping: ReplicaGrouping | None = None,
+    shard_over: int | None = None,
+    entries: int = 1,
+) -> RemoteBuffer:
+    """A remote buffer for RTS variables of host shape ``shape`` sharded over ``shard_over``.
+
+    ``shape`` includes the group dimension when the grouping has more than one group. The
+    buffer's slot is 1-D, ``(ceil(n / shard_over),)``, and its ``meta_shape`` is the full
+    per-group shape.
+    """
+    ir = gcg().ir
+    user_rg = ir._check_grouping(replica_grouping)
+    shape = tuple(int(s) for s in shape)
+    if user_rg.num_groups > 1:
+        if not shape or shape[0] != user_rg.num_groups:
+            raise ValueError(
+                f"replica_sharded_buffer: shape {shape} has no group dimension; the grouping "
+                f"{user_rg!r} has {user_rg.num_groups} groups, so pass ({user_rg.num_groups}, *shape)."
+            )
+        shape = shape[1:]
+    # Sharding happens inside the groups of the constant refinement (Note [RTS layout]).
+    shard_over = _check_shard_over(shard_over, user_rg.const_rg)
+    n = math.prod(shape)
+    rb = RemoteBuffer((-(-n // shard_over),), dtype, entries)
+    rb.meta_shape = shape
+    rb._rts_shard_over = shard_over
+    return rb
+
+
+def _check_shard_over(shard_over, rg) -> int:
+    group_size = rg.group_size
+    if shard_over is None:
+        return group_size
+    if (
+        isinstance(shard_over, bool)
+        or not isinstance(shard_over, int | np.integer)
+        or shard_over < 1
+    ):
+        raise ValueError(f"shard_over must be a positive int or None; got {shard_over!r}.")
+    if shard_over > group_size:
+        raise ValueError(
+            f"shard_over={shard_over} is larger than the replica group size {group_size} of "
+            f"{rg!r}. A tensor can only be sharded over replicas of one group: pick "
+            f"shard_over <= {group_size}."
+        )
+    if group_size % shard_over != 0:
+        raise ValueError(
+            f"shard_over={shard_over} does not divide the replica group size {group_size} of "
+            f"{rg!r}. Pick a divisor of {group_size} so every block of shard_over replicas "
+            "holds a full copy."
+        )
+    return int(shard_over)
+
+
+def _infer_shard_over(rb: RemoteBuffer, n: int, rg, name) -> int:
+    """The shard count of a user-made buffer: the divisor k of the group size whose shard size
+    ``ceil(n / k)`` is the buffer's slot size (the largest such k when several fit)."""
+    slot = math.prod(rb.tensor_shape)
+    group_size = rg.const_rg.group_size
+    fits = [k for k in range(1, group_size + 1) if group_size % k == 0 and -(-n // k) == slot]
+    if not fits:
+        sizes = sorted({-(-n // k) for k in range(1, group_size + 1) if group_size % k == 0})
+        raise ValueError(
+            f"remote_replica_sharded_variable {name or 'variable'!r}: {rb!r} has slots of {slot} "
+            f"elements, but a {n}-element tensor sharded over a divisor of the group size "
+            f"{group_size} needs one of {sizes} elements per shard. Create the buffer with "
+            f"tensor_shape=(ceil({n} / shard_over),), or use popxl.replica_sharded_buffer."
+        )
+    return max(fits)
+
+
+def remote_replica_sharded_variable(
+    data: HostTensor,
+    remote_buffer: RemoteBuffer,
+    offset: int = 0,
+    dtype=None,
+    name: str | None = None,
+    downcast: bool = True,
+    replica_grouping: ReplicaGrouping | None = None,
+    retrieval_mode: str | None = "one_per_group",
+    log2_scale: int | None = None,
+    nan_on_overflow: bool | None = None,
+) -> Variable:
+    """A variable sharded across the replicas of each group and stored remotely (§4.7).
+
+    Returns the full handle (``shape`` is the unsharded per-group shape). On device,
+    ``ops.remote_load(remote_buffer, offset)`` gives this replica's 1-D shard, with
+    ``meta_shape`` equal to the full shape. Sets ``remote_buffer.meta_shape`` if unset.
+    """
+    graph = _main_graph_only("remote_replica_sharded_variable")
+    ir = graph.ir
+    _require_replication(ir, "remote_replica_sharded_variable")
+    rb = _check_buffer(remote_buffer, "remote_replica_sharded_variable", ir)
+    offset = _check_offset(offset, "remote_replica_sharded_variable")
+    rg = ir._check_grouping(replica_grouping)
+    _check_retrieval_mode(retrieval_mode)
+    arr, dt = _host_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    shape = _per_replica_shape(arr.shape, rg, name)
+    if not rb.meta_shape:
+        rb.meta_shape = shape
+    elif tuple(rb.meta_shape) != shape:
+        raise ValueError(
+            f"Cannot use RemoteBuffer[id={rb.remote_buffer_id}] for replica sharded variable of "
+            f"shape {shape}: the buffer's meta_shape is {tuple(rb.meta_shape)}. Every RTS variable "
+            "in one buffer must have the same full shape; create another buffer."
+        )
+    n = math.prod(shape)
+    shard_over = getattr(rb, "_rts_shard_over", None) or _infer_shard_over(rb, n, rg, name)
+    return _make_remote(
+        graph, arr, dt, rb, offset, name, rg, retrieval_mode, RtsLayout(shard_over, n)
+    )
+
+
+def replica_sharded_variable(
+    data: HostTensor,
+    dtype=None,
+    name: str | None = None,
+    downcast: bool = True,
+    replica_grouping: ReplicaGrouping | None = None,
+    shard_over: int | None = None,
+    retrieval_mode: str | None = "one_per_group",
+    log2_scale: int | None = None,
+    nan_on_overflow: bool | None = None,
+) -> tuple[Variable, Tensor]:
+    """An RTS variable whose shard stays on device for the whole session (§4.8).
+
+    Returns ``(full_handle, shard)``. The shard is loaded from its one-entry buffer in the
+    WeightsFromHost program and stored back in the WeightsToHost program, so it can be
+    updated in place during ``run`` with no explicit load or store.
+    """
+    graph = _main_graph_only("replica_sharded_variable")
+    # Checked before the buffer is made, so a failing call leaves the Ir unchanged.
+    _require_replication(graph.ir, "replica_sharded_variable")
+    _check_retrieval_mode(retrieval_mode)
+    arr, dt = _host_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    rb = replica_sharded_buffer(arr.shape, dt, replica_grouping, shard_over, entries=1)
+    var = remote_replica_sharded_variable(arr, rb, 0, dt, name, False, replica_grouping,
+                                          retrieval_mode)  # fmt: skip
+    from .ops.remote import remote_load, remote_store
+
+    previous = graph._op_context
+    try:
+        graph._op_context = "weights_from_host"
+        shard = remote_load(rb, 0, var.name + "_rts")
+        graph._op_context = "weights_to_host"
+        remote_store(rb, 0, shard)
+    finally:
+        graph._op_context = previous
+    return var, shard
+
+
+# ---- host transfers (called by Session.weights_from_host / weights_to_host) -----------------
+
+
+def _remote_variables(ir) -> list[Variable]:
+    return [v for v in ir._all_variables if getattr(v, "_remote", None) is not None]
+
+
+def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
+    if offset >= rb.entries:
+        raise ValueError(
+            f"Remote variable {v.id!r} is at offset {offset} of {rb!r}, which has only "
+            f"{rb.entries} entries (valid offsets: 0 to {rb.entries - 1}). Create the buffer with "
+            f"entries > {offset}, or use another offset."
+        )
+    if v.dtype != rb.tensor_dtype:
+        raise ValueError(
+            f"Remote variable {v.id!r} has dtype {v.dtype.name} but {rb!r} holds "
+            f"{rb.tensor_dtype.name}. Create the variable with dtype={rb.tensor_dtype.name}."
+        )
+    slot = math.prod(rb.tensor_shape)
+    want = v._shard.shard_elements if v._shard is not None else math.prod(v.shape)
+    if want != slot:
+        what = f"its {v._shard.shard_over}-way shard has" if v._shard is not None else "it has"
+        raise ValueError(
+            f"Remote variable {v.id!r} does not fit {rb!r}: {what} {want} elements, a slot holds "
+            f"{slot}. Create the buffer with the per-replica shape (without the group dimension)."
+        )
+
+
+def _per_replica_values(session, v: Variable) -> torch.Tensor:
+    """``[R, *slot_shape]``: what replica r's slot holds after the upload of ``v``."""
+    rb, _ = v._remote
+    host = session._host[v.id]
+    groups = list(v.replica_grouping.assignment)
+    data = _torch_from_numpy(np.asarray(host), v.dtype)
+    if v.replica_grouping.num_groups == 1:
+        data = data.unsqueeze(0)
+    per_group = data.reshape(data.shape[0], -1)  # [num_user_groups, n]
+    if v._shard is not None:
+        rows = _shards_of(per_group, v)
+    else:
+        rows = per_group[torch.tensor(groups)]
+    return rows.reshape(len(groups), *rb.tensor_shape)
+
+
+def _shards_of(per_group: torch.Tensor, v: Variable) -> torch.Tensor:
+    """Replica r's shard (Note [RTS layout]) from the ``[num_user_groups, n]`` values."""
+    layout: RtsLayout = v._shard
+    k, c = layout.shard_over, layout.shard_elements
+    padded = torch.nn.functional.pad(per_group, (0, k * c - layout.num_elements))
+    chunks = padded.reshape(per_group.shape[0], k, c)
+    rg = v.replica_grouping
+    const = rg.const_rg
+    R = len(rg.assignment)
+    user = [rg.assignment[r] for r in range(R)]
+    shard = [const._index_in_group(r) % k for r in range(R)]
+    return chunks[torch.tensor(user), torch.tensor(shard)]
 
 
 def upload_remote_variables(session) -> None:
-    """Write every remote variable's host data into its buffer slot on every replica."""
-    for v in session.ir._all_variables:
-        if getattr(v, "_remote", None) is not None:
-            raise NotImplementedError("remote variables are not implemented yet")
+    """Write every remote variable's host copy into its slot on every replica (§6.4).
+
+    Every slot is checked before any buffer is written, so a bad variable leaves the buffers
+    unchanged.
+    """
+    variables = _remote_variables(session.ir)
+    for v in variables:
+        _slot_check(v, *v._remote)
+    for v in variables:
+        rb, offset = v._remote
+        buffer = session._state.buffers[rb.remote_buffer_id]
+        buffer[:, offset] = _per_replica_values(session, v).to(buffer.device)
 
 
 def download_remote_variables(session) -> None:
-    """Read every remote variable back from its buffer slot into the host copy."""
+    """Read every remote variable back from its slots into the session's host copies."""
+    for v in _remote_variables(session.ir):
+        rb, offset = v._remote
+        rows = session._state.buffers[rb.remote_buffer_id][:, offset].detach().cpu()
+        if v._shard is None:
+            session._store_host(v, rows.reshape(rows.shape[0], *v.shape))
+        else:
+            _store_sharded(session, v, rows.reshape(rows.shape[0], -1))
 
 
-def remote_variable(*args, **kwargs):
-    raise NotImplementedError("remote_variable is not implemented yet")
+def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
+    from .runtime.session import _to_numpy
 
-
-def remote_replica_sharded_variable(*args, **kwargs):
-    raise NotImplementedError("remote_replica_sharded_variable is not implemented yet")
-
-
-def replica_sharded_buffer(*args, **kwargs):
-    raise NotImplementedError("replica_sharded_buffer is not implemented yet")
-
-
-def replica_sharded_variable(*args, **kwargs):
-    raise NotImplementedError("replica_sharded_variable is not implemented yet")
+    layout: RtsLayout = v._shard
+    rg = v.replica_grouping
+    const = rg.const_rg
+    assignment = rg.assignment
+    full = []
+    for u in range(rg.num_groups):
+        first_const_group = const.assignment[assignment.index(u)]
+        members = const._members(first_const_group)[: layout.shard_over]
+        flat = torch.cat([rows[m] for m in members])[: layout.num_elements]
+        full.append(flat.reshape(v.shape))
+    groups = torch.stack(full)  # [num_user_groups, *shape]
+    host = _to_numpy(groups, v.dtype)
+    session._host[v.id] = host if rg.num_groups > 1 else host[0]
+    # all_replicas: the reconstructed group value is copied to every member (§4.5).
+    session._host_all[v.id] = host[assignment]

@@ -165,10 +165,13 @@ class Tensor:
         return repr(self)
 
     def __bool__(self):
-        raise TypeError(
-            f"The truth value of popxl tensor {self._id!r} is not known while building a graph. "
-            "Use ops (for example popxl.ops.where) instead of Python control flow."
-        )
+        raise _data_dependent(self, "bool()")
+
+    def __float__(self):
+        raise _data_dependent(self, "float()")
+
+    def __int__(self):
+        raise _data_dependent(self, "int()")
 
     # ---- shape and type -------------------------------------------------------------------
 
@@ -358,6 +361,20 @@ class Tensor:
     def __ror__(self, o):
         return self._binary(torch.logical_or, o, True)
 
+    # Comparisons record ops (torch.Tensor semantics) so `if t.sum() > 0:` reaches __bool__ and
+    # fails with DataDependentError; `==` stays PopXL's identity test.
+    def __gt__(self, o):
+        return self._binary(torch.gt, o)
+
+    def __ge__(self, o):
+        return self._binary(torch.ge, o)
+
+    def __lt__(self, o):
+        return self._binary(torch.lt, o)
+
+    def __le__(self, o):
+        return self._binary(torch.le, o)
+
     def __invert__(self):
         return _capture().call_torch(torch.logical_not, (self,), {})
 
@@ -384,6 +401,8 @@ class Tensor:
         # instead of keeping a hand-written list.
         if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
             raise AttributeError(name)
+        if name in ("item", "tolist", "numpy"):
+            raise _data_dependent(self, f".{name}()")
         method = getattr(torch.Tensor, name, None)
         if method is None or not callable(method):
             raise AttributeError(f"popxl Tensor has no attribute {name!r}")
@@ -393,6 +412,16 @@ class Tensor:
 
         bound.__name__ = name
         return bound
+
+
+def _data_dependent(t: Tensor, what: str):
+    from .errors import DataDependentError
+
+    return DataDependentError(
+        f"{what} needs the value of popxl tensor {t._id!r}, which is not known while the graph is "
+        "being built (for example `if t.sum() > 0:`). Express the choice with ops such as "
+        "popxl.ops.where / torch.where instead of Python control flow."
+    )
 
 
 def _div(a, b):

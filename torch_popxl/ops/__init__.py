@@ -418,15 +418,20 @@ def _axes(t: Tensor, axis) -> list[int]:
     return [axis] if isinstance(axis, int) else list(axis)
 
 
-def _reduce(fn, t: Tensor, axis, keepdims):
+def _reduce(fn, t: Tensor, axis, keepdims, **kwargs):
     axes = _axes(t, axis)
     if not axes:
         return call_torch(torch.clone, (t,), {})
-    return call_torch(fn, (t, axes), {"keepdim": keepdims})
+    return call_torch(fn, (t, axes), {"keepdim": keepdims, **kwargs})
+
+
+def _same_int_dtype(t: Tensor) -> dict:
+    # PopXL reductions keep the input dtype; torch promotes integer sums and products to int64.
+    return {"dtype": t.dtype.as_torch()} if t.dtype.is_int else {}
 
 
 def reduce_sum(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
-    return _reduce(torch.sum, t, axis, keepdims)
+    return _reduce(torch.sum, t, axis, keepdims, **_same_int_dtype(t))
 
 
 def reduce_mean(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
@@ -444,7 +449,7 @@ def reduce_min(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
 def reduce_prod(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
     out = t
     for ax in sorted(_axes(t, axis), reverse=True):
-        out = call_torch(torch.prod, (out, ax), {"keepdim": keepdims})
+        out = call_torch(torch.prod, (out, ax), {"keepdim": keepdims, **_same_int_dtype(t)})
     return out
 
 
@@ -545,7 +550,34 @@ def _getitem(t: Tensor, key) -> Tensor:
         if idx.dtype == _dtypes.bool:
             return where(idx, t, 0)
         return gather(t, idx, 0)
+    t, key = _positive_steps(t, key)
     return call_torch(torch.Tensor.__getitem__, (t, key), {})
+
+
+def _positive_steps(t: Tensor, key):
+    """Rewrite negative-step slices (numpy semantics; torch has none) as flip + positive step.
+
+    Original indices ``start, start+step, ...`` (step < 0) are ``dim-1-start, ...`` counting
+    from the end, so flipping the axis turns them into an increasing slice.
+    """
+    items = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, builtins_slice) and k.step is not None and k.step < 0 for k in items):
+        return t, key
+    used = sum(1 for k in items if k is not None and k is not Ellipsis)
+    out, flips, ax = [], [], 0
+    for k in items:
+        if k is Ellipsis:
+            ax += t.rank - used
+        elif isinstance(k, builtins_slice) and k.step is not None and k.step < 0:
+            dim = t.shape[ax]
+            start, stop, step = k.indices(dim)
+            n = len(range(start, stop, step))
+            k = builtins_slice(dim - 1 - start, dim - 1 - start + n * -step if n else dim - 1 - start, -step)
+            flips.append(ax)
+        if k is not None and k is not Ellipsis:
+            ax += 1
+        out.append(k)
+    return call_torch(torch.flip, (t, flips), {}), tuple(out)
 
 
 # ---- host IO and printing -----------------------------------------------------------------

@@ -150,6 +150,8 @@ def replica_sharded_slice(t: Tensor, group: ReplicaGrouping | None = None) -> Te
     g, s = _group(t, group)
     out = call_torch(_ops().replicated_reduce_scatter, (t, "local", g, s), {})
     out._meta_shape = tuple(t.shape)
+    # Programs pair shards with their variables by sorted name (spec addons §16).
+    out.graph._rename_tensor(out, f"{t.name}_sharded_slice")
     return out
 
 

@@ -206,22 +206,26 @@ def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tens
     if decay and weight is None:
         raise ValueError("adam_updater: weight decay needs `weight` to be given.")
     out_like = weight if (decay and weight is not None) else m
+    # The update is computed in the second moment's precision (float32 in mixed-precision
+    # Adam, where m is float16): v is tiny (~(1-b2) g^2) and underflows in float16, which
+    # would turn m / (sqrt(v) + eps) into m / eps. Only the result is cast (spec addons §8).
+    calc = v
     if time_step is not None:
         if beta1 is None or beta2 is None:
             raise ValueError("adam_updater: bias correction (time_step given) needs beta1 and beta2.")
         _t(torch.Tensor.add_, time_step, 1)
-        t = _cast(time_step, m) if time_step.dtype != m.dtype else time_step
-        b1 = _as_tensor(beta1, m.dtype) if not isinstance(beta1, Tensor) else _cast(beta1, m)
-        b2 = _as_tensor(beta2, m.dtype) if not isinstance(beta2, Tensor) else _cast(beta2, m)
-        mc = _t(torch.div, m, _t(torch.rsub, _t(torch.pow, b1, t), 1.0))
-        vc = _t(torch.div, _cast(v, m), _t(torch.rsub, _t(torch.pow, b2, t), 1.0))
+        t = _cast(time_step, calc)
+        b1 = _as_tensor(beta1, calc.dtype) if not isinstance(beta1, Tensor) else _cast(beta1, calc)
+        b2 = _as_tensor(beta2, calc.dtype) if not isinstance(beta2, Tensor) else _cast(beta2, calc)
+        mc = _t(torch.div, _cast(m, calc), _t(torch.rsub, _t(torch.pow, b1, t), 1.0))
+        vc = _t(torch.div, v, _t(torch.rsub, _t(torch.pow, b2, t), 1.0))
     else:
-        mc, vc = m, _cast(v, m)
-    eps = _cast(epsilon, m) if isinstance(epsilon, Tensor) else float(epsilon)
+        mc, vc = _cast(m, calc), v
+    eps = _cast(epsilon, calc) if isinstance(epsilon, Tensor) else float(epsilon)
     x = _t(torch.div, mc, _t(torch.add, _t(torch.sqrt, vc), eps))
     if decay:
-        wd = _cast(weight_decay, m) if isinstance(weight_decay, Tensor) else float(weight_decay)
-        x = _t(torch.add, x, _t(torch.mul, _cast(weight, m), wd))
+        wd = _cast(weight_decay, calc) if isinstance(weight_decay, Tensor) else float(weight_decay)
+        x = _t(torch.add, x, _t(torch.mul, _cast(weight, calc), wd))
     return _cast(x, out_like)
 
 

@@ -84,9 +84,13 @@ class CostModel:
                      "host_bytes_per_s", "flops_per_s"):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"CostModel.{name} must be a positive finite number; got {value!r}.")
+                raise ValueError(
+                    f"CostModel.{name} must be a positive finite number; got {value!r}."
+                )
 
-    def breakdown(self, traffic: Mapping[str, int], flops: int, num_replicas: int) -> dict[str, float]:
+    def breakdown(
+        self, traffic: Mapping[str, int], flops: int, num_replicas: int
+    ) -> dict[str, float]:
         """Seconds per phase of one run: compute, replica_links, streaming_memory, host_io."""
         per_replica = {k: v / num_replicas for k, v in traffic.items()}
         links = sum(per_replica.get(k, 0) for k in _COLLECTIVE_KINDS)
@@ -128,7 +132,12 @@ class MemoryReport:
     @property
     def on_chip_bytes(self) -> int:
         """Variables + RTS shards + constants + peak live intermediates, per replica."""
-        return self.variable_bytes + self.rts_shard_bytes + self.constant_bytes + self.peak_intermediate_bytes
+        return (
+            self.variable_bytes
+            + self.rts_shard_bytes
+            + self.constant_bytes
+            + self.peak_intermediate_bytes
+        )
 
     @property
     def time_breakdown_s(self) -> dict[str, float]:
@@ -159,7 +168,9 @@ class MemoryReport:
         lines += ["", "Counters".ljust(36) + f"{'IR':>14}{'runtime':>14}"]
         measured = self.measured_counters
         for name, value in self.predicted_counters.items():
-            lines.append(row(name, f"{value:,}", "-" if measured is None else f"{measured[name]:,}"))
+            lines.append(
+                row(name, f"{value:,}", "-" if measured is None else f"{measured[name]:,}")
+            )
         lines += ["", f"Estimated step time (matmul FLOPs per replica: {self.flops:,})".ljust(36)
                   + f"{'us':>14}"]  # fmt: skip
         for phase, seconds in self.time_breakdown_s.items():
@@ -257,7 +268,9 @@ class _TrafficCounter:
             elif op.kind in ("remote_load", "remote_load_", "remote_store"):
                 rb = op.attrs["buffer"]
                 slot = math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype)
-                self.add("remote_store" if op.kind == "remote_store" else "remote_load", R * slot, times)
+                self.add(
+                    "remote_store" if op.kind == "remote_store" else "remote_load", R * slot, times
+                )
             elif op.kind == "host_load":
                 self.add("host_to_device", R * _bytes(op.outputs[0]), times)
             elif op.kind == "host_store":

@@ -253,6 +253,7 @@ class Session:
 
     def run(self, inputs: Mapping | None = None, downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
         """Run the main program once; returns one array per d2h stream."""
+        self._require_attached("run")
         outputs = self.create_host_outputs()
         self.run_with_outputs(inputs, outputs, downcast_inputs)
         return outputs
@@ -260,7 +261,7 @@ class Session:
     def run_with_outputs(self, inputs: Mapping | None = None, outputs: Mapping | None = None,
                          downcast_inputs: bool = True) -> None:  # fmt: skip
         """Run the main program once, filling the caller's ``outputs`` arrays in place."""
-        self._require_attached("run")
+        self._require_attached("run_with_outputs")
         inputs = dict(inputs or {})
         outputs = dict(outputs or {})
         self._verify_streams(inputs, self._ir.get_all_h2d_streams(), "input")
@@ -285,7 +286,7 @@ class Session:
 
     def _verify_streams(self, given: Mapping, expected: set, kind: str) -> None:
         given_set = set(given)
-        unexpected = [s.tensor_id if hasattr(s, "tensor_id") else repr(s) for s in given_set - expected]
+        unexpected = [_describe_key(s, self._ir) for s in given_set - expected]
         missing = [s.tensor_id for s in expected - given_set]
         if unexpected:
             raise ValueError(f"Unexpected {kind} streams: {sorted(unexpected)}. Expected exactly "
@@ -386,6 +387,12 @@ def _write_rows(storage: torch.Tensor, rows: torch.Tensor) -> None:
         storage[0].copy_(rows[0])
     else:
         storage.copy_(rows)
+
+
+def _describe_key(s, ir) -> str:
+    if not hasattr(s, "tensor_id"):
+        return repr(s)
+    return s.tensor_id if s._ir is ir else f"{s.tensor_id} (a stream of another Ir)"
 
 
 def _downcast(arr: np.ndarray) -> np.ndarray:

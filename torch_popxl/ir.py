@@ -150,6 +150,7 @@ class Ir:
         return f"{name}_subgraph({next(self._graph_counter)})"
 
     def create_empty_graph(self, name: str | None = None) -> Graph:
+        self._check_mutable()
         gid = self._new_graph_id(name or "graph")
         g = Graph._create(self, gid, name or "graph")
         self._graphs.append(g)

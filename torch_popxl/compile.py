@@ -123,8 +123,10 @@ def _adam_update(p, g, step, exp_avg, exp_avg_sq, h: _Hyper):
         p.mul_(1.0 - h.lr * h.weight_decay)
     elif h.weight_decay:
         g = g + p * h.weight_decay
-    exp_avg.lerp_(g, 1.0 - h.beta1)
-    exp_avg_sq.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
+    # torch's formulas; out-of-place + copy_ because vmap has no batching rule for
+    # lerp_ / addcmul_ (it would fall back to a slow per-replica loop).
+    exp_avg.copy_(torch.lerp(exp_avg, g, 1.0 - h.beta1))
+    exp_avg_sq.copy_(torch.addcmul(exp_avg_sq * h.beta2, g, g, value=1.0 - h.beta2))
     bias_correction1 = 1.0 - torch.pow(h.beta1, t)
     bias_correction2 = 1.0 - torch.pow(h.beta2, t)
     step_size = h.lr / bias_correction1

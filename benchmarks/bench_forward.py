@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
 import torch_popxl.ops as ops  # noqa: E402
-from common import interleaved  # noqa: E402
+from timing import interleaved  # noqa: E402
 
 BATCH, SIZES = 256, (784, 512, 512, 512, 10)
 

@@ -1,4 +1,4 @@
-"""Two copies of an ``Add`` layer whose weights live in one remote buffer (seed 003).
+"""Reproduces seed 003's remote-buffer example: two ``Add`` layers whose weights share one remote buffer.
 
 The popxl-addons tutorial builds this with ``addons.Module`` and ``named_variable_buffers``;
 this is the same program in plain PopXL: one buffer with two entries, a load graph and a
@@ -6,8 +6,10 @@ store graph taking the entry index, and the layer graph called with each loaded 
 
 Expected output (every element): w_0 1 -> 2, output0 2 -> 3, w_1 1 -> 3, output1 2 -> 4.
 
-Run: ``PYTHONPATH=. python examples/remote_buffer.py``
+Run: ``.venv/bin/python examples/remote_buffer.py``
 """
+
+import argparse
 
 import numpy as np
 
@@ -101,4 +103,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .context import gcg
 from .errors import DataDependentError
 from .graph import Graph, Op, Slot
-from .tensor import Constant, Tensor, _constant_from_torch
+from .tensor import Tensor, _constant_from_torch
 
 __all__ = ["call_torch", "fake_mode", "record_into"]
 
@@ -231,6 +231,3 @@ def call_torch(func, args, kwargs) -> Any:
         result = func(*fargs, **fkwargs)
     return pytree.tree_map(lambda x: _from_fake(graph, x), result)
 
-
-def constant_handles(graph: Graph) -> list[Constant]:
-    return list(graph.constants)

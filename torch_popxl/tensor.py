@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -87,9 +87,6 @@ class TensorSpec(Mapping):
 
 class TensorByRef:
     """Annotation marking a ``create_graph`` parameter as pass-by-reference."""
-
-
-_NOT_SET = object()
 
 
 class Tensor:
@@ -624,6 +621,3 @@ def _iter_tensors(x) -> Iterator[Tensor]:
         for y in x.values():
             yield from _iter_tensors(y)
 
-
-def _unused(*_: Any) -> None:  # pragma: no cover - keeps _NOT_SET referenced for future use
-    return None

@@ -6,6 +6,7 @@ arithmetic at aten level and the executor performs it in place on the runtime va
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import dtypes as _dtypes
@@ -108,7 +109,8 @@ def _moving_average(t: Tensor, X: Tensor, f, op: str) -> Tensor:
         _t(torch.Tensor.mul_, t, f)
         return _t(torch.Tensor.add_, t, _t(torch.mul, X, _t(torch.rsub, f, 1.0)))
     _t(torch.Tensor.mul_, t, float(f))
-    return _t(torch.Tensor.add_, t, X, alpha=1.0 - float(f))
+    # The device forms 1 - f in float32 (documented: v = 9.9998715e-06 for g = 0.1, f = 0.999).
+    return _t(torch.Tensor.add_, t, X, alpha=float(np.float32(1.0) - np.float32(f)))
 
 
 def accumulate_moving_average_(t: Tensor, X: Tensor, f: float | Tensor) -> Tensor:

@@ -1,0 +1,5 @@
+"""Layers of popxl-addons."""
+
+from .linear import Linear
+
+__all__ = ["Linear"]

@@ -1,0 +1,98 @@
+"""``cross_entropy`` and ``cross_entropy_with_grad`` (spec addons §8).
+
+``p = softmax(x)`` over the last axis; per item loss ``-log(max(p[label], eps))``. The
+gradient ``(p - onehot(label)) * loss_scaling / D`` is computed directly (D = number of
+non-ignored items for "mean", 1 for "sum"); the loss itself is never scaled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import dtypes as _dtypes
+from ...tensor import Tensor
+
+__all__ = ["cross_entropy", "cross_entropy_with_grad"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _eps(x: Tensor) -> float:
+    return 6.104e-5 if x.dtype == _dtypes.float16 else 1e-7
+
+
+def _check(x: Tensor, labels: Tensor, reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
+    if tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: labels have shape {labels.shape}, expected x.shape[:-1] = {x.shape[:-1]} "
+            f"(x has shape {x.shape}; classes are on the last axis)."
+        )
+    if labels.dtype.is_floating_point:
+        raise TypeError(
+            f"cross_entropy: labels must be integers (int32/uint32); got {labels.dtype.name}."
+        )
+
+
+def _parts(x: Tensor, labels: Tensor, ignore_index: int | None):
+    """(probabilities, one-hot labels, mask of counted items or None, per-item loss)."""
+    p = torch.softmax(x, dim=-1)
+    lab = labels.to(torch.int64)
+    mask = None
+    if ignore_index is not None:
+        mask = torch.ne(lab, ignore_index)
+        lab = torch.where(mask, lab, torch.zeros_like(lab))
+    classes = torch.arange(x.shape[-1], dtype=torch.int64)
+    onehot = torch.eq(lab.unsqueeze(-1), classes).to(p.dtype.as_torch())
+    picked = torch.sum(p * onehot, dim=-1)
+    item_loss = torch.neg(torch.log(torch.clamp(picked, min=_eps(x))))
+    if mask is not None:
+        item_loss = torch.where(mask, item_loss, torch.zeros_like(item_loss))
+    return p, onehot, mask, item_loss
+
+
+def _divisor(x: Tensor, mask, reduction: str, num_items: int):
+    if reduction != "mean":
+        return None
+    if mask is None:
+        return float(num_items)
+    return torch.clamp(torch.sum(mask.to(x.dtype.as_torch())), min=1.0)
+
+
+def _reduce(item_loss, divisor, reduction: str):
+    if reduction == "none":
+        return item_loss
+    total = torch.sum(item_loss)
+    return total if divisor is None else torch.div(total, divisor)
+
+
+def cross_entropy(
+    x: Tensor, labels: Tensor, ignore_index: int | None = None, reduction: str = "mean"
+) -> Tensor:
+    """Softmax cross entropy of logits ``x`` (classes on the last axis) against ``labels``."""
+    _check(x, labels, reduction)
+    _, _, mask, item_loss = _parts(x, labels, ignore_index)
+    num_items = int(torch.Size(labels.shape).numel())
+    return _reduce(item_loss, _divisor(x, mask, reduction, num_items), reduction)
+
+
+def cross_entropy_with_grad(x: Tensor, labels: Tensor, loss_scaling: float | Tensor = 1,
+                            ignore_index: int | None = None,
+                            reduction: str = "mean") -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(loss, dloss/dx * loss_scaling)``; the loss is not scaled."""
+    _check(x, labels, reduction)
+    p, onehot, mask, item_loss = _parts(x, labels, ignore_index)
+    num_items = int(torch.Size(labels.shape).numel())
+    divisor = _divisor(x, mask, reduction, num_items)
+    loss = _reduce(item_loss, divisor, reduction)
+    dx = torch.sub(p, onehot)
+    if mask is not None:
+        dx = dx * mask.unsqueeze(-1).to(dx.dtype.as_torch())
+    if isinstance(loss_scaling, Tensor):
+        dx = dx * loss_scaling.to(dx.dtype.as_torch())
+    elif float(loss_scaling) != 1.0:
+        dx = dx * float(loss_scaling)
+    if divisor is not None:
+        dx = torch.div(dx, divisor)
+    return loss, dx

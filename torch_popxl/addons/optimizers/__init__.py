@@ -1,0 +1,5 @@
+"""Optimizers of popxl-addons."""
+
+from .adam import AdamOptimizerStep
+
+__all__ = ["AdamOptimizerStep"]

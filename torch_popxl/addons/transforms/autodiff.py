@@ -1,0 +1,142 @@
+"""``addons.autodiff`` and ``autodiff_with_accumulation`` (spec addons §7).
+
+Both wrap ``popxl.transforms.autodiff``, which *mutates the forward graph*: forward tensors the
+backward needs become extra forward outputs, so create forward call sites after autodiff and
+use ``outputs[0]`` for the real output.
+
+Note [running-mean accumulation]
+    ``autodiff_with_accumulation`` gives the grad graph by-ref accumulator inputs updated with
+    ``accum = accum * c/(c+1) + g/(c+1)`` where ``c`` is the ``mean_accum_counter`` before the
+    call, then ``c += 1``. After N calls since the counter was last zeroed each accumulator is
+    the mean of the N gradients; the first call after a reset overwrites it, so a reset only
+    zeroes the counter (``ops.var_updates.accumulator_scale_(counter, 0.0)``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from functools import partial
+
+import numpy as np
+
+from ... import dtypes as _dtypes
+from ... import ops
+from ...context import in_sequence
+from ...graph import Graph
+from ...tensor import Tensor, constant
+from ...transforms.autodiff import autodiff as _popxl_autodiff
+from ..graph import GraphWithNamedArgs
+from ..named_replica_grouping import NamedReplicaGrouping
+from ..named_tensors import NamedTensors
+from ..variable_factory import NamedVariableFactories, VariableFactory
+
+__all__ = ["autodiff", "autodiff_with_accumulation"]
+
+
+def _as_graph(graph: GraphWithNamedArgs | Graph) -> tuple[Graph, GraphWithNamedArgs | None]:
+    if isinstance(graph, GraphWithNamedArgs):
+        return graph.graph, graph
+    if isinstance(graph, Graph):
+        return graph, None
+    raise TypeError(
+        f"autodiff expects a GraphWithNamedArgs or a popxl Graph; got {type(graph).__name__}."
+    )
+
+
+def _merged_grad_info(named: GraphWithNamedArgs | None, given: Mapping | None) -> dict:
+    merged = dict(named.called_graphs_grad_info) if named is not None else {}
+    merged.update(given or {})
+    return merged
+
+
+def autodiff(graph: GraphWithNamedArgs | Graph, grads_provided: Iterable[Tensor] | None = None,
+             grads_required: Iterable[Tensor] | None = None,
+             called_graphs_grad_info: Mapping | None = None) -> GraphWithNamedArgs:  # fmt: skip
+    """The gradient graph of ``graph``.
+
+    Defaults: gradients for every forward output are provided (in order) and gradients of
+    every forward input are required, in graph-input order (tensor arguments first).
+    """
+    g, named = _as_graph(graph)
+    info = _popxl_autodiff(
+        g, grads_provided, grads_required, _merged_grad_info(named, called_graphs_grad_info)
+    )
+    if named is not None:
+        named.autodiff_applied = True
+    return GraphWithNamedArgs.from_grad_graph(info)
+
+
+def _accum_name(t: Tensor, key_of: Mapping[Tensor, str]) -> str:
+    if t in key_of:
+        return key_of[t]
+    name = re.sub(r"\W", "_", t.name)
+    return f"_{name}" if name[:1].isdigit() else name
+
+
+def autodiff_with_accumulation(graph: GraphWithNamedArgs | Graph, tensors_to_accumulate_grads: Iterable[Tensor],
+                               grads_provided: Iterable[Tensor] | None = None,
+                               grads_required: Iterable[Tensor] | None = None,
+                               called_graphs_grad_info: Mapping | None = None,
+                               replica_groupings: NamedReplicaGrouping | None = None,
+                               ) -> tuple[NamedVariableFactories, GraphWithNamedArgs]:  # fmt: skip
+    """Autodiff whose gradients of ``tensors_to_accumulate_grads`` go into running-mean accumulators.
+
+    Returns the accumulator factories (``mean_accum_counter`` and ``accum.<key>``) and the grad
+    graph, whose remaining outputs are the gradients of ``grads_required`` (default: none).
+    See Note [running-mean accumulation].
+    """
+    g, named = _as_graph(graph)
+    accumulate = list(tensors_to_accumulate_grads)
+    plain = list(grads_required or [])
+    info = _popxl_autodiff(
+        g, grads_provided, plain + accumulate, _merged_grad_info(named, called_graphs_grad_info)
+    )
+    if named is not None:
+        named.autodiff_applied = True
+    grad_graph = info.graph
+    outputs = list(grad_graph.outputs)
+    assert len(outputs) == len(plain) + len(accumulate), (
+        "autodiff must give one output per required tensor"
+    )
+    key_of = {t: k for k, t in named.args.to_dict().items()} if named is not None else {}
+
+    facts: dict[str, VariableFactory] = {}
+    inputs: dict[str, Tensor] = {}
+    with grad_graph, in_sequence(True):
+        counter_f = VariableFactory(
+            partial(np.zeros, ()), _dtypes.float32, "mean_accum_counter", by_ref=True
+        )
+        counter = counter_f.create_input()
+        facts["mean_accum_counter"], inputs["mean_accum_counter"] = counter_f, counter
+        for t, grad in zip(accumulate, outputs[len(plain) :], strict=True):
+            name = _accum_name(t, key_of)
+            key = f"accum.{name}"
+            if key in facts:
+                raise ValueError(
+                    f"autodiff_with_accumulation: {t.id!r} is accumulated twice (key {key!r})."
+                )
+            f = _accumulator_factory(t, key, _grouping(replica_groupings, name))
+            accum = f.create_input()
+            facts[key], inputs[key] = f, accum
+            ops.var_updates.accumulate_mean_(accum, grad, counter)
+        ops.var_updates.accumulate_(counter, constant(1.0, _dtypes.float32, "one"))
+    grad_graph._outputs[:] = outputs[: len(plain)]
+    grad_graph._version += 1
+    named_facts = NamedVariableFactories.from_dict(facts)
+    return named_facts, GraphWithNamedArgs(grad_graph, NamedTensors.from_dict(inputs), info)
+
+
+def _grouping(groupings: NamedReplicaGrouping | None, key: str):
+    if groupings is None or key not in groupings:
+        return None
+    return groupings.get(key)
+
+
+def _accumulator_factory(t: Tensor, key: str, rg) -> VariableFactory:
+    if t.meta_shape:  # a sharded forward input gets a sharded accumulator of the same layout
+        shard_over = int(np.prod(t.meta_shape)) // int(np.prod(t.shape))
+        return VariableFactory(partial(np.zeros, t.meta_shape), t.dtype, key, True, rg, shard_over)
+    return VariableFactory(
+        partial(np.zeros, t.shape), t.dtype, key, by_ref=True, replica_grouping=rg
+    )

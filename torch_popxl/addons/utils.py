@@ -1,0 +1,56 @@
+"""Small helpers shared by the addons: a readable ``OrderedDict``, ``WeightsDict``, ``timer``."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["OrderedDict", "WeightsDict", "timer"]
+
+
+class OrderedDict(collections.OrderedDict):
+    """An ``OrderedDict`` whose repr prints one ``key: value,`` per line."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "{}"
+        lines = "".join(f"  {k}: {v!r},\n" for k, v in self.items())
+        return "{\n" + lines + "}"
+
+
+class WeightsDict(dict):
+    """``{Variable: ndarray}`` that checks dtype and ``shape_on_host`` on insertion."""
+
+    def __setitem__(self, var, data) -> None:
+        data = np.asarray(data)
+        want = var.dtype.as_numpy()
+        if data.dtype != want:
+            raise TypeError(
+                f"WeightsDict: data for {var.id!r} has dtype {data.dtype}, the variable has dtype "
+                f"{want}. Cast the array first (data.astype(...))."
+            )
+        if tuple(data.shape) != tuple(var.shape_on_host):
+            raise ValueError(
+                f"WeightsDict: data for {var.id!r} has shape {tuple(data.shape)}, the variable "
+                f"expects shape_on_host {tuple(var.shape_on_host)}."
+            )
+        super().__setitem__(var, data)
+
+    def update(self, *args, **kwargs) -> None:  # route through the checks
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+
+@contextlib.contextmanager
+def timer(title: str = "", print_fn=print) -> Iterator[None]:
+    """Print how long the block took."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        print_fn(f"{title} took {time.perf_counter() - start:.3f}s")
+

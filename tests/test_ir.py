@@ -460,3 +460,21 @@ def test_in_sequence_validates_its_mode():
     for mode in (True, False, "pass"):
         with popxl.in_sequence(mode):
             pass
+
+
+def test_popxl_module_paths_import_like_upstream():
+    """Programs import submodules directly (issue 2, item 5)."""
+    import importlib
+
+    import torch_popxl
+
+    for name in ("ops", "ops.collectives", "ops.var_updates", "ops.call", "dtypes", "transforms",
+                 "transforms.autodiff", "tensor", "remote_buffer", "streams", "replica_grouping",
+                 "context", "errors"):  # fmt: skip
+        importlib.import_module(f"torch_popxl.{name}")
+    from torch_popxl.ops.call import CallSiteInfo
+    from torch_popxl.transforms.autodiff import GradGraphInfo
+
+    assert CallSiteInfo and GradGraphInfo
+    assert torch_popxl.ops.collectives.replicated_all_reduce and torch_popxl.transforms.autodiff
+    assert torch_popxl.dtypes.float32 is torch_popxl.float32

@@ -47,3 +47,22 @@ def test_every_example_has_help(script):
     out = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout.lower()
+
+
+def test_seed000_replicated_rts_mnist_matches_single_replica_accuracy():
+    """Seed 000: R=2 x batch 4 gives accuracy similar to R=1 x batch 8 (same global batch)."""
+    import mnist_rts
+
+    rts = mnist_rts.main(["--quiet", "--replication-factor", "2", "--batch-size", "4", "--max-steps", "1200"])
+    plain = mnist_rts.main(["--quiet", "--replication-factor", "1", "--batch-size", "8", "--max-steps", "1200"])
+    assert rts >= 0.88 and plain >= 0.88
+    assert abs(rts - plain) < 0.01
+
+
+def test_missing_dataset_says_how_to_provide_it(tmp_path, monkeypatch):
+    import common
+
+    monkeypatch.setattr(common, "_REPO", tmp_path)  # no cache, no ../shared beside it
+    monkeypatch.delenv(common.DEFAULT_DATA_ENV, raising=False)
+    with pytest.raises(FileNotFoundError, match="--data-dir.*TORCH_POPXL_MNIST_DIR.*--download"):
+        common.mnist_root(str(tmp_path / "nowhere"))

@@ -35,6 +35,9 @@ TORCH_LIBRARY(torch_popxl, m) {
   // No tensor arguments, so there is nothing to dispatch on: one kernel for every backend.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
   m.def("add_host_bytes(int n) -> ()", TORCH_FN(torch_popxl::add_host_bytes));
+  m.def(
+      "add_collective_traffic(int bytes, int calls) -> ()",
+      TORCH_FN(torch_popxl::add_collective_traffic));
   m.def("reset_traffic_counters() -> ()", TORCH_FN(torch_popxl::reset_traffic_counters));
 }
 

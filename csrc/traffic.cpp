@@ -55,6 +55,15 @@ void count_collective(int64_t bytes) {
   bump(kNumCollectives, 1);
 }
 
+// Collectives that run outside the stacked kernels (torch.distributed, runtime/distributed.py)
+// report here. Under several processes each one counts its own replicas' share of the bytes;
+// the correction for a kernel that ran over every instance's rows is negative.
+void add_collective_traffic(int64_t bytes, int64_t calls) {
+  TORCH_CHECK_VALUE(calls >= 0, "add_collective_traffic: expected calls >= 0, got ", calls, ".");
+  bump(kCollectiveBytes, bytes);
+  bump(kNumCollectives, calls);
+}
+
 void count_remote_load(int64_t bytes) {
   bump(kRemoteLoadBytes, bytes);
   bump(kNumRemoteLoads, 1);

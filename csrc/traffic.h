@@ -9,6 +9,7 @@
 namespace torch_popxl {
 
 void count_collective(int64_t bytes);
+void add_collective_traffic(int64_t bytes, int64_t calls);
 void count_remote_load(int64_t bytes);
 void count_remote_store(int64_t bytes);
 std::vector<int64_t> traffic_counters();

@@ -768,11 +768,13 @@ def test_fast_and_reference_executors_agree_on_a_mixed_remote_program():
 # ---- the example ----------------------------------------------------------------------------
 
 
-def test_remote_buffer_example_prints_the_seed_values(capsys):
+def test_remote_buffer_example_prints_the_seed_values(capsys, monkeypatch):
     import runpy
+    import sys
     from pathlib import Path
 
     path = Path(__file__).parent.parent / "examples" / "remote_buffer.py"
+    monkeypatch.setattr(sys, "argv", [str(path)])  # the example parses its command line
     runpy.run_path(str(path), run_name="__main__")
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
     values = {}

@@ -30,6 +30,7 @@ from . import ops
 from .capture import call_torch
 from .dtypes import dtype as _dtype
 from .ir import Ir
+from .runtime import distributed as _distributed
 from .runtime.session import Session
 from .tensor import Tensor, constant, graph_input, graph_output, variable
 from .transforms.autodiff import autodiff
@@ -196,9 +197,9 @@ class Trainer:
 
     def _build(self, x: np.ndarray, t: np.ndarray) -> None:
         R, GA = self.replication_factor, self.gradient_accumulation
-        micro = x.shape[0] // (R * GA)
+        micro = x.shape[0] // (_distributed.local_replicas(R) * GA)
         self._target_dtype = t.dtype
-        ir = Ir(replication=R)
+        ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
         with ir.main_graph, _in_sequence():
             x_stream = _h2d((micro, *x.shape[1:]), x.dtype, "inputs")
@@ -321,7 +322,7 @@ class Trainer:
     # ---- running --------------------------------------------------------------------------
 
     def _split(self, a: np.ndarray) -> np.ndarray:
-        R, GA = self.replication_factor, self.gradient_accumulation
+        R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         micro = a.shape[0] // (R * GA)
         a = a.reshape(GA, R, micro, *a.shape[1:])
         if R == 1:
@@ -331,9 +332,13 @@ class Trainer:
         return a
 
     def step(self, inputs, targets) -> float:
-        """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss."""
+        """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
+
+        Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
+        its local replicas; the returned loss is the mean over all instances.
+        """
         x, t = _array(inputs, "inputs"), _array(targets, "targets")
-        R, GA = self.replication_factor, self.gradient_accumulation
+        R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         if x.shape[0] != t.shape[0]:
             raise ValueError(f"inputs have {x.shape[0]} samples but targets have {t.shape[0]}.")
         if x.shape[0] == 0 or x.shape[0] % (R * GA):
@@ -352,7 +357,7 @@ class Trainer:
         x_stream, t_stream, loss_stream = self._streams
         out = self.session.run({x_stream: self._split(x), t_stream: self._split(t)})
         self._dirty = True
-        return float(np.mean(out[loss_stream]))
+        return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -429,8 +434,8 @@ class InferenceProgram:
         self._shape = None
 
     def _build(self, x: np.ndarray) -> None:
-        R = self.replication_factor
-        ir = Ir(replication=R)
+        R = _distributed.local_replicas(self.replication_factor)
+        ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         with ir.main_graph, _in_sequence():
@@ -447,7 +452,7 @@ class InferenceProgram:
 
     def __call__(self, inputs) -> torch.Tensor:
         x = _array(inputs, "inputs")
-        R = self.replication_factor
+        R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         if x.shape[0] == 0 or x.shape[0] % R:
             raise ValueError(f"The batch of {x.shape[0]} samples must be a positive multiple of replication_factor={R}.")
         if self.ir is None:

@@ -28,7 +28,10 @@ class Ir:
     """A PopXL program: a main graph, subgraphs, variables and streams.
 
     ``replication`` is the number of data-parallel replicas (an int), or ``"popdist"`` to
-    take the layout from an initialised ``torch.distributed`` process group.
+    take the layout from ``torch.distributed`` (``torchrun``): every process is one instance
+    holding ``replication_factor / world_size`` replicas. The global replica count is
+    ``$TORCH_POPXL_REPLICATION_FACTOR``, or the world size when unset (see
+    ``torch_popxl.runtime.distributed``).
     """
 
     def __init__(self, replication: int | str = 1):
@@ -52,15 +55,13 @@ class Ir:
             self._replication_factor = 1
             self.replication_factor = replication
 
-    def _init_distributed(self) -> None:
-        import torch.distributed as dist
+    def _init_distributed(self, replication_factor: int | None = None) -> None:
+        from .runtime import distributed
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ImportError(
-                "Ir(replication='popdist') needs an initialised torch.distributed process group "
-                "(launch with torchrun); none is initialised."
-            )
-        raise NotImplementedError("Multi-process replication is not implemented yet.")
+        layout = distributed.instance_layout(replication_factor)
+        self._num_instances = layout.num_instances
+        self._instance_index = layout.instance_index
+        self._replication_factor = layout.instance_replication_factor
 
     # ---- identity -------------------------------------------------------------------------
 

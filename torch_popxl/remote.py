@@ -384,14 +384,14 @@ def upload_remote_variables(session) -> None:
     for v in variables:
         rb, offset = v._remote
         buffer = session._state.buffers[rb.remote_buffer_id]
-        buffer[:, offset] = _per_replica_values(session, v).to(buffer.device)
+        buffer[:, offset] = session._local_rows(_per_replica_values(session, v)).to(buffer.device)
 
 
 def download_remote_variables(session) -> None:
     """Read every remote variable back from its slots into the session's host copies."""
     for v in _remote_variables(session.ir):
         rb, offset = v._remote
-        rows = session._state.buffers[rb.remote_buffer_id][:, offset].detach().cpu()
+        rows = session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset]).detach().cpu()
         if v._shard is None:
             session._store_host(v, rows.reshape(rows.shape[0], *v.shape))
         else:

@@ -102,11 +102,14 @@ class FastExecutor:
         self.ir = ir
         self.device = device
         self.R = ir.instance_replication_factor
+        # The program is compiled for the GLOBAL replica count (full-group collectives span
+        # every instance); it runs under vmap over this process's R local replicas.
+        self.global_R = ir.replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
-        uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1} if self.R > 1 else set()
+        uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1} if self.global_R > 1 else set()
         forced: set[str] = set()
         while True:  # the fragments share variables: iterate until all agree
-            self.program = Program(device, self.R)
+            self.program = Program(device, self.global_R)
             self.program.uniform_vars = set(uniform)
             self.program.force_batched = set(forced)
             self._compile()
@@ -153,7 +156,7 @@ class FastExecutor:
             outs = fn(rt, *var_vals)
             return outs, rt.outs, rt.prints
 
-        if R == 1:
+        if self.global_R == 1:
             outs, stored, prints = step(
                 [v[0] for v in values], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
             )
@@ -259,7 +262,7 @@ class ReferenceExecutor:
         target = op.attrs["target"]
         args, kwargs = op.attrs["args"], op.attrs["kwargs"]
         if target in self.collectives:
-            result = self.collectives[target](ins[0], *args[1:])
+            result = kernels.collectives().reference(self.collectives[target], ins[0], *args[1:])
             env[op.outputs[0].id] = result
             return
         per_replica = []

@@ -43,7 +43,9 @@ program records the stacked calls made by the vmap rules, not the per-replica op
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -59,7 +61,10 @@ except ImportError as error:  # pragma: no cover - depends on the build state
 
 __all__ = [
     "VALID_OPS",
+    "Collectives",
+    "SimulatorCollectives",
     "add_host_bytes",
+    "collectives",
     "remote_load",
     "remote_store_",
     "replicated_all_gather",
@@ -68,6 +73,7 @@ __all__ = [
     "replicated_take_own",
     "reset_traffic_counters",
     "traffic_counters",
+    "use_collectives",
 ]
 
 _ops = torch.ops.torch_popxl
@@ -286,6 +292,106 @@ torch.library.register_autograd(
 
 
 # --------------------------------------------------------------------------------------------
+# Collective backends (Note [collective backends])
+#
+# Note [collective backends]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The vmap rules of the per-replica collectives hand the stacked local replicas to the active
+# backend. The default, ``SimulatorCollectives``, holds every replica in this process, so the
+# vmap batch is all R replicas and the stacked C++ kernels are the whole story. Under
+# ``torch.distributed`` each process is one PopXL instance holding a contiguous block of the
+# global replicas; ``runtime/distributed.py`` implements the same protocol with the stacked
+# kernels for the local part and ``torch.distributed`` across instances. A distributed
+# ``Session`` activates its backend (``use_collectives``) only while it runs a program.
+
+
+class Collectives(Protocol):
+    """What the collective vmap rules need. Tensors are stacked over the LOCAL replicas
+    (``[R_local, ...]``); groupings ``(group_size, stride)`` are over the GLOBAL replicas."""
+
+    def num_replicas(self, batch_size: int) -> int:
+        """The global replica count, given the vmap batch (the local replica count)."""
+        ...
+
+    def all_reduce(self, x: Tensor, op: str, group_size: int, stride: int) -> Tensor: ...
+
+    def all_reduce_full(self, x: Tensor, op: str) -> Tensor:
+        """One group of all replicas: ``[R_local, *s] -> [*s]`` (the same on every replica)."""
+        ...
+
+    def all_gather(self, x: Tensor, group_size: int, stride: int) -> Tensor: ...
+
+    def all_gather_full(self, x: Tensor) -> Tensor:
+        """One group of all replicas: ``[R_local, *s] -> [R, *s]``."""
+        ...
+
+    def reduce_scatter(self, x: Tensor, op: str, group_size: int, stride: int) -> Tensor: ...
+
+    def take_own(self, x: Tensor, group_size: int, stride: int) -> Tensor: ...
+
+    def mm_all_reduce(self, a: Tensor, b: Tensor, op: str) -> Tensor: ...
+
+    def reference(self, fn, values: list[Tensor], *args):
+        """Run a ``reference_collectives`` function (one list entry per replica) over all
+        replicas and return the local replicas' entries (the reference executor's path)."""
+        ...
+
+
+class SimulatorCollectives:
+    """Every replica lives in this process: the stacked kernels over the vmap dim."""
+
+    def num_replicas(self, batch_size: int) -> int:
+        return batch_size
+
+    def all_reduce(self, x, op, group_size, stride):
+        return _ops.all_reduce_stacked(x, op, group_size, stride)
+
+    def all_reduce_full(self, x, op):
+        return _ops.all_reduce_full(x, op)
+
+    def all_gather(self, x, group_size, stride):
+        return _ops.all_gather_stacked(x, group_size, stride)
+
+    def all_gather_full(self, x):
+        return _ops.all_gather_full(x)
+
+    def reduce_scatter(self, x, op, group_size, stride):
+        return _ops.reduce_scatter_stacked(x, op, group_size, stride)
+
+    def take_own(self, x, group_size, stride):
+        return _ops.take_own_stacked(x, group_size, stride)
+
+    def mm_all_reduce(self, a, b, op):
+        return _ops.mm_all_reduce_stacked(a, b, op)
+
+    def reference(self, fn, values, *args):
+        return fn(values, *args)
+
+
+_SIMULATOR = SimulatorCollectives()
+_active: list[Collectives] = []
+
+
+def collectives() -> Collectives:
+    """The backend the collective vmap rules use now (the simulator unless a distributed
+    Session is running)."""
+    return _active[-1] if _active else _SIMULATOR
+
+
+@contextlib.contextmanager
+def use_collectives(backend: Collectives | None):
+    """Route collectives to ``backend`` inside the block (``None``: leave them as they are)."""
+    if backend is None:
+        yield
+        return
+    _active.append(backend)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+# --------------------------------------------------------------------------------------------
 # Per-replica ops
 
 
@@ -325,14 +431,13 @@ def _(x, op, group_size, stride):
 def _(info, in_dims, x, op, group_size, stride):
     # A full-group result is the same on every replica: return it unbatched (stored once),
     # which lets the executor keep replica-invariant values unbatched (see runtime/lower.py).
-    if group_size == info.batch_size > 1:
+    backend = collectives()
+    if group_size == backend.num_replicas(info.batch_size) > 1:
         stacked = _stacked(x, in_dims[0], info.batch_size)
-        return _ops.all_reduce_full(stacked, op), None
+        return backend.all_reduce_full(stacked, op), None
     if in_dims[0] is None and group_size == 1:
         return _ops.all_reduce_stacked(x.unsqueeze(0), op, 1, 1).squeeze(0), None
-    return _ops.all_reduce_stacked(
-        _stacked(x, in_dims[0], info.batch_size), op, group_size, stride
-    ), 0
+    return backend.all_reduce(_stacked(x, in_dims[0], info.batch_size), op, group_size, stride), 0
 
 
 replicated_all_reduce.register_autograd(_all_reduce_stacked_backward)
@@ -352,11 +457,12 @@ def _(x, group_size, stride):
 
 @replicated_all_gather.register_vmap
 def _(info, in_dims, x, group_size, stride):
-    if group_size == info.batch_size > 1:  # full group: the same [G, *s] on every replica
-        return _ops.all_gather_full(_stacked(x, in_dims[0], info.batch_size)), None
+    backend = collectives()
+    if group_size == backend.num_replicas(info.batch_size) > 1:  # full group: the same [G, *s]
+        return backend.all_gather_full(_stacked(x, in_dims[0], info.batch_size)), None
     if in_dims[0] is None and group_size == 1:
         return _ops.all_gather_stacked(x.unsqueeze(0), 1, 1).squeeze(0), None
-    return _ops.all_gather_stacked(_stacked(x, in_dims[0], info.batch_size), group_size, stride), 0
+    return backend.all_gather(_stacked(x, in_dims[0], info.batch_size), group_size, stride), 0
 
 
 @torch.library.custom_op("torch_popxl::replicated_take_own", mutates_args=())
@@ -378,7 +484,8 @@ def _(x, group_size, stride):
 
 @replicated_take_own.register_vmap
 def _(info, in_dims, x, group_size, stride):
-    return _ops.take_own_stacked(_stacked(x, in_dims[0], info.batch_size), group_size, stride), 0
+    stacked = _stacked(x, in_dims[0], info.batch_size)
+    return collectives().take_own(stacked, group_size, stride), 0
 
 
 def _replicated_all_gather_backward(ctx, grad):
@@ -415,7 +522,7 @@ def _(x, op, group_size, stride):
 def _(info, in_dims, x, op, group_size, stride):
     stacked = _stacked(x, in_dims[0], info.batch_size)
     flat = stacked.reshape(stacked.shape[0], math.prod(stacked.shape[1:]))
-    return _ops.reduce_scatter_stacked(flat, op, group_size, stride), 0
+    return collectives().reduce_scatter(flat, op, group_size, stride), 0
 
 
 def _replicated_reduce_scatter_backward(ctx, grad):
@@ -536,7 +643,7 @@ def _(info, in_dims, a, b, op):
     R = info.batch_size
     a = _stacked(a, in_dims[0], R)  # [R, M, K]
     b = _stacked(b, in_dims[1], R)  # [R, K, N]
-    return _ops.mm_all_reduce_stacked(a, b, op), None
+    return collectives().mm_all_reduce(a, b, op), None
 
 
 @torch.library.register_fake("torch_popxl::all_reduce_full")

@@ -284,7 +284,9 @@ class _TrafficCounter:
         args = op.attrs["args"]
         if target == ops.replicated_all_reduce.default:
             G = args[2]
-            self.add("all_reduce", R // G * 2 * (G - 1) * _bytes(_arg(op, 0)), times)
+            # R * ... // G, not R // G * ...: under torch.distributed R is this instance's
+            # replica count, which a group may exceed (its share of the bytes, not 0).
+            self.add("all_reduce", R * 2 * (G - 1) * _bytes(_arg(op, 0)) // G, times)
         elif target == ops.replicated_all_gather.default:
             self.add("all_gather", R * (args[1] - 1) * _bytes(_arg(op, 0)), times)
         elif target == ops.replicated_reduce_scatter.default:

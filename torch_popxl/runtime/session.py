@@ -64,6 +64,14 @@ class Session:
         self._last_run_counters: dict[str, int] | None = None  # traffic of the last run
         ir._sessions += 1
         self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(ir, self._torch_device)
+        # One PopXL instance per process under torch.distributed (runtime/distributed.py): this
+        # session holds the local replicas [offset, offset + R) of the global ones.
+        self._replica_offset = ir._instance_index * R
+        self._collectives = None
+        if ir._num_instances > 1:
+            from . import distributed
+
+            self._collectives = distributed.collectives_for(ir, self._torch_device)
         self._allocate()
 
     # ---- properties -----------------------------------------------------------------------
@@ -130,7 +138,23 @@ class Session:
 
     def _replica_groups(self, v: Variable) -> list[int]:
         """Global group index of every local replica for ``v``'s grouping."""
-        return list(v.replica_grouping.assignment)
+        R = self._state.num_replicas
+        return list(v.replica_grouping.assignment)[self._replica_offset : self._replica_offset + R]
+
+    def _run_fragment(self, fragment: str, ins: list[torch.Tensor], nht: int):
+        with kernels.use_collectives(self._collectives):
+            return self._executor.run(self._state, fragment, ins, nht)
+
+    def _global_rows(self, rows: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """``[R_local, ...]`` -> ``[R, ...]`` in global replica order (gathered from every
+        instance; ``invariant`` rows are the same everywhere and need no gather)."""
+        if self._collectives is None:
+            return rows
+        return self._collectives.gather_rows(rows, invariant)
+
+    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, ...]`` -> this instance's ``[R_local, ...]``."""
+        return rows[self._replica_offset : self._replica_offset + self._state.num_replicas]
 
     def weights_from_host(self) -> None:
         """Upload every variable's host copy to every replica (then run WeightsFromHost)."""
@@ -140,7 +164,7 @@ class Session:
         from .. import remote as _remote
 
         _remote.upload_remote_variables(self)
-        self._executor.run(self._state, "weights_from_host", [], 1)
+        self._run_fragment("weights_from_host", [], 1)
 
     def _per_replica(self, v: Variable, host: np.ndarray) -> torch.Tensor:
         groups = self._replica_groups(v)
@@ -153,9 +177,10 @@ class Session:
     def weights_to_host(self) -> None:
         """Read every variable back into its host copy (after running WeightsToHost)."""
         self._require_attached("weights_to_host")
-        self._executor.run(self._state, "weights_to_host", [], 1)
+        self._run_fragment("weights_to_host", [], 1)
+        invariant = getattr(self._executor, "uniform", frozenset())
         for v in self._executor.on_chip:
-            value = self._state.vars[v.id]
+            value = self._global_rows(self._state.vars[v.id], v.id in invariant)
             self._store_host(v, value)
         from .. import remote as _remote
 
@@ -200,7 +225,7 @@ class Session:
 
     def _all_from_host(self, v: Variable) -> np.ndarray:
         host = self._host[v.id]
-        groups = self._replica_groups(v)
+        groups = list(v.replica_grouping.assignment)  # every global replica
         if v.replica_grouping.num_groups == 1:
             return np.stack([host] * len(groups))
         return host[groups]
@@ -275,7 +300,7 @@ class Session:
             for s in h2d
         ]
         kernels.reset_traffic_counters()
-        stored = self._executor.run(self._state, "normal", ins, nht)
+        stored = self._run_fragment("normal", ins, nht)
         self._last_run_counters = kernels.traffic_counters()
         self._in_sync = False
         for s, arr in outputs.items():

@@ -1,0 +1,578 @@
+"""Many processes, one PopXL program: replication over ``torch.distributed`` (DESIGN.md §4).
+
+Launch the same script on every process with ``torchrun`` and build the Ir with
+``popxl.Ir(replication="popdist")`` (``popxl.compile`` does this by itself under ``torchrun``).
+Each process is then one PopXL *instance* (popxl.md §10):
+
+* the global replica count R is ``$TORCH_POPXL_REPLICATION_FACTOR``, or the world size W when
+  unset, and must be a multiple of W;
+* instance k holds the contiguous block of global replicas ``[k * R/W, (k+1) * R/W)`` and
+  runs them together under ``vmap``, exactly as the simulator runs all R;
+* groupings, collectives, sharding and variable host data are global; ``session.run`` arrays
+  hold the local replicas only (``ir.instance_replication_factor = R / W`` rows);
+* host reads (``weights_to_host``, ``get_tensor_data``) assemble the full global value on every
+  instance, so they are collective: every instance must make them, in the same order.
+
+Environment:
+
+* ``TORCH_POPXL_REPLICATION_FACTOR``: the global R for ``Ir(replication="popdist")``.
+* ``TORCH_POPXL_DIST_TIMEOUT_S`` (default 60): how long any collective, group creation or
+  process-group start may wait for the other instances before every waiting rank raises
+  :class:`DistributedError`.
+* ``TORCH_POPXL_DIST_BACKEND``: the backend when torch_popxl starts the process group itself
+  (default ``gloo``, or ``cpu:gloo,cuda:nccl`` when CUDA is available).
+
+Note [cross-instance collectives]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A grouping ``(group_size G, stride S)`` links the instances that hold members of one group.
+The connected sets of instances (its *components*) are computed per grouping and become
+``torch.distributed`` process groups, created eagerly and in the same order on every rank
+when a Session is built (``new_group`` is collective) and cached by rank set.
+
+* No group crosses an instance (``G == 1`` or ``R/W`` a multiple of ``G*S``): the stacked
+  kernel runs on the local rows, no communication.
+* One group of all replicas (the data-parallel case): all-reduce and matmul+all-reduce send
+  one partial reduction of the local replicas through ``dist.all_reduce``; all-gather is one
+  ``all_gather_single``; reduce-scatter is that all-reduce followed by taking the own chunk.
+* Anything else: the component's rows are all-gathered into a global ``[R, ...]`` tensor
+  (zeros outside the component), the stacked kernel runs over the global replica dim and the
+  local rows are kept. Correct for every grouping; it moves ``R/W * |component|`` rows.
+* ``take_own`` and the ``'local'`` reduce-scatter move nothing: they pick the member index of
+  each local replica from its *global* index.
+
+Floating-point sums reduce locally first, so they can differ from the single-process
+simulator in the last bits; integer and min/max results are identical.
+
+Traffic counters (``kernels.traffic_counters``) count per instance: one call per collective,
+and this instance's replicas' share of the ring-model bytes (csrc/traffic.cpp), so the bytes
+summed over the instances equal the single-process figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from . import reference_collectives as refc
+
+__all__ = [
+    "ENV_BACKEND",
+    "ENV_REPLICATION_FACTOR",
+    "ENV_TIMEOUT",
+    "DistributedError",
+    "InstanceLayout",
+    "TorchDistributedCollectives",
+    "collectives_for",
+    "init_process_group",
+    "instance_batch",
+    "instance_layout",
+    "launched",
+    "local_replicas",
+    "make_ir",
+    "mean_over_instances",
+    "num_instances",
+    "timeout_s",
+]
+
+ENV_REPLICATION_FACTOR = "TORCH_POPXL_REPLICATION_FACTOR"
+ENV_TIMEOUT = "TORCH_POPXL_DIST_TIMEOUT_S"
+ENV_BACKEND = "TORCH_POPXL_DIST_BACKEND"
+DEFAULT_TIMEOUT_S = 60.0
+
+_COLLECTIVE_OPS = frozenset(
+    {
+        "replicated_all_reduce",
+        "replicated_all_gather",
+        "replicated_reduce_scatter",
+        "replicated_take_own",
+    }
+)
+# Reduced in float32 on the wire: partial sums in these dtypes would round twice.
+_NARROW_FLOATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class DistributedError(RuntimeError):
+    """Instances could not communicate: a peer exited, crashed, or ran a different program."""
+
+
+# ---- the process group and the instance layout --------------------------------------------
+
+
+@dataclass(frozen=True)
+class InstanceLayout:
+    """This process's place among the instances (popxl.md §10)."""
+
+    num_instances: int
+    instance_index: int
+    instance_replication_factor: int
+
+    @property
+    def replication_factor(self) -> int:
+        return self.num_instances * self.instance_replication_factor
+
+    @property
+    def replica_offset(self) -> int:
+        return self.instance_index * self.instance_replication_factor
+
+
+def timeout_s() -> float:
+    """``$TORCH_POPXL_DIST_TIMEOUT_S`` (seconds), 60 when unset."""
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{ENV_TIMEOUT} must be a positive number of seconds; got {raw!r}.")
+    return value
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_s())
+
+
+def _torchrun_env() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launched() -> bool:
+    """Whether this process is one of several instances: a process group is initialised, or
+    the ``torchrun`` environment is there to start one."""
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return True
+    return _torchrun_env() and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def init_process_group() -> None:
+    """Start the default process group from the ``torchrun`` environment, unless one exists.
+
+    The backend is ``$TORCH_POPXL_DIST_BACKEND`` or ``gloo`` (``cpu:gloo,cuda:nccl`` with
+    CUDA); the start waits at most ``$TORCH_POPXL_DIST_TIMEOUT_S`` for the other processes.
+    """
+    if dist.is_initialized():
+        return
+    if not (dist.is_available() and _torchrun_env()):
+        raise ImportError(
+            "Ir(replication='popdist') needs torch.distributed: launch the script with torchrun "
+            "(`torchrun --nproc_per_node=N script.py`), or call "
+            "torch.distributed.init_process_group() before building the Ir."
+        )
+    cuda = torch.cuda.is_available()
+    backend = os.environ.get(ENV_BACKEND) or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    if cuda and "nccl" in backend and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    try:
+        dist.init_process_group(backend, timeout=_timeout())
+    except RuntimeError as error:
+        raise DistributedError(
+            f"torch_popxl: starting the {backend} process group failed (rank "
+            f"{os.environ['RANK']} of {os.environ['WORLD_SIZE']}, master "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, timeout "
+            f"{timeout_s():g} s from {ENV_TIMEOUT}): {error}"
+        ) from error
+
+
+def instance_layout(replication_factor: int | None = None) -> InstanceLayout:
+    """The layout of ``Ir(replication="popdist")``; starts the process group if needed.
+
+    ``replication_factor`` is the global R; ``None`` reads ``$TORCH_POPXL_REPLICATION_FACTOR``
+    and falls back to the world size.
+    """
+    init_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    source = "replication_factor"
+    if replication_factor is None:
+        raw = os.environ.get(ENV_REPLICATION_FACTOR)
+        source = ENV_REPLICATION_FACTOR
+        try:
+            replication_factor = int(raw) if raw else world
+        except ValueError:
+            replication_factor = -1
+    if isinstance(replication_factor, bool) or replication_factor < 1 or replication_factor % world:
+        raise ValueError(
+            f"Ir(replication='popdist'): the global replication factor {replication_factor!r} "
+            f"(from {source}) must be a positive multiple of the number of processes, "
+            f"{world}, so every instance holds the same number of replicas. Set "
+            f"{ENV_REPLICATION_FACTOR} to a multiple of {world} (e.g. {2 * world})."
+        )
+    return InstanceLayout(world, rank, replication_factor // world)
+
+
+def num_instances() -> int:
+    """The number of instances this process is one of (1 without torchrun)."""
+    if not launched():
+        return 1
+    init_process_group()
+    return dist.get_world_size()
+
+
+def local_replicas(replication_factor: int) -> int:
+    """This instance's share of ``replication_factor`` global replicas."""
+    n = num_instances()
+    if replication_factor % n:
+        raise ValueError(
+            f"replication_factor={replication_factor} is not a multiple of the {n} processes "
+            f"launched; every instance must hold the same number of replicas. Use a multiple of {n}."
+        )
+    return replication_factor // n
+
+
+def instance_batch(batch, replication_factor: int, gradient_accumulation: int = 1):
+    """This instance's share of a global batch, laid out as ``popxl.compile`` splits it.
+
+    The single-process Trainer gives replica r of micro-batch step a the rows
+    ``[(a * R + r) * micro, (a * R + r + 1) * micro)``; passing every instance the rows of its
+    own replicas makes a torchrun job compute exactly what one process does with the global
+    batch. Without torchrun the batch is returned unchanged.
+    """
+    n = num_instances()
+    if n == 1:
+        return batch
+    R, GA = replication_factor, gradient_accumulation
+    if len(batch) % (R * GA):
+        raise ValueError(
+            f"instance_batch: a global batch of {len(batch)} samples does not split into "
+            f"replication_factor * gradient_accumulation = {R} * {GA} equal micro-batches."
+        )
+    local = local_replicas(R)
+    offset = dist.get_rank() * local
+    micro = len(batch) // (R * GA)
+    rows = batch.reshape(GA, R, micro, *batch.shape[1:])[:, offset : offset + local]
+    return rows.reshape(GA * local * micro, *batch.shape[1:])
+
+
+def make_ir(replication_factor: int):
+    """``Ir(replication=R)`` in one process; under torchrun a popdist Ir with R global replicas."""
+    from ..ir import Ir
+
+    if num_instances() == 1:
+        return Ir(replication=replication_factor)
+    ir = Ir()
+    ir._init_distributed(replication_factor)
+    return ir
+
+
+def mean_over_instances(value: float) -> float:
+    """The mean of a per-instance number over all instances (the value itself in one process)."""
+    if num_instances() == 1:
+        return value
+    world = _process_group(tuple(range(dist.get_world_size())))
+    backend = str(dist.get_backend(world))
+    nccl_only = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    _comm("all-reduce of a host value", lambda: dist.all_reduce(t, group=world))
+    return float(t.item()) / dist.get_world_size()
+
+
+# ---- process groups -----------------------------------------------------------------------
+
+_groups: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _process_group(ranks: tuple[int, ...]):
+    """A process group over ``ranks`` with our timeout, made once per default group. Every rank
+    must call this with the same ``ranks`` in the same order (``new_group`` is collective)."""
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _groups:
+        _groups[key] = _comm(
+            f"creation of the process group {list(ranks)}",
+            lambda: dist.new_group(list(ranks), timeout=_timeout()),
+        )
+    return _groups[key]
+
+
+def _comm(what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except RuntimeError as error:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        world = dist.get_world_size() if dist.is_initialized() else "?"
+        raise DistributedError(
+            f"torch_popxl: the {what} across instances failed on rank {rank} of {world} "
+            f"(timeout {timeout_s():g} s, set with {ENV_TIMEOUT}). Another instance has probably "
+            "exited, crashed or stopped making the same calls: every instance must build the same "
+            "Ir and make the same Session calls (runs and host reads such as get_tensor_data) in "
+            f"the same order. Cause: {error}"
+        ) from error
+
+
+def _components(layout: InstanceLayout, group_size: int, stride: int) -> list[tuple[int, ...]]:
+    """Sets of instances joined by the groups of ``(group_size, stride)``, ascending."""
+    local = layout.instance_replication_factor
+    parent = list(range(layout.num_instances))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for members in refc.groups(layout.replication_factor, group_size, stride):
+        first, *rest = (r // local for r in members)
+        for other in rest:
+            parent[root(other)] = root(first)
+    sets: dict[int, list[int]] = {}
+    for i in range(layout.num_instances):
+        sets.setdefault(root(i), []).append(i)
+    return sorted(tuple(s) for s in sets.values())
+
+
+def _ir_groupings(ir) -> list[tuple[int, int]]:
+    """Every ``(group_size, stride)`` a collective of the Ir uses, in a fixed order."""
+    found: set[tuple[int, int]] = set()
+    for graph in ir._graphs:
+        for op in graph._ops:
+            target = op.attrs.get("target") if op.kind == "torch" else None
+            if (
+                getattr(target, "namespace", "") == "torch_popxl"
+                and getattr(target, "_opname", "") in _COLLECTIVE_OPS
+            ):
+                group_size, stride = op.attrs["args"][-2:]
+                found.add((group_size, 1 if group_size == 1 else stride))
+    return sorted(found)
+
+
+def collectives_for(ir, device: torch.device) -> TorchDistributedCollectives:
+    """The backend of a Session on ``ir`` (a popdist Ir); creates its process groups."""
+    layout = InstanceLayout(ir._num_instances, ir._instance_index, ir.instance_replication_factor)
+    return TorchDistributedCollectives(layout, _ir_groupings(ir), device)
+
+
+# ---- the backend --------------------------------------------------------------------------
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """A dtype every backend can move byte for byte (gathers only, no arithmetic)."""
+    x = x.contiguous()
+    if x.dtype == torch.bool or x.dtype in _NARROW_FLOATS[2:]:
+        return x.view(torch.uint8)
+    return x
+
+
+def _unwire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.view(dtype) if x.dtype != dtype else x
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one replica's input in a stacked ``[R_local, ...]`` tensor."""
+    return math.prod(x.shape[1:]) * x.element_size()
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TorchDistributedCollectives:
+    """``kernels.Collectives`` across processes (Note [cross-instance collectives])."""
+
+    def __init__(
+        self, layout: InstanceLayout, groupings: Sequence[tuple[int, int]], device: torch.device
+    ):
+        self.layout = layout
+        self.device = device
+        world = tuple(range(layout.num_instances))
+        self._world = _process_group(world)
+        # grouping -> (process group, member instances) of this rank's component; None when
+        # no group crosses an instance.
+        self._links: dict[tuple[int, int], tuple[Any, tuple[int, ...]] | None] = {}
+        for grouping in groupings:
+            self._links[grouping] = self._link(*grouping)
+
+    # -- layout
+
+    @property
+    def R(self) -> int:
+        return self.layout.replication_factor
+
+    @property
+    def local(self) -> int:
+        return self.layout.instance_replication_factor
+
+    @property
+    def offset(self) -> int:
+        return self.layout.replica_offset
+
+    def _link(self, group_size: int, stride: int):
+        if group_size == 1 or self.local % (group_size * stride) == 0:
+            return None
+        mine = None
+        for component in _components(self.layout, group_size, stride):
+            if len(component) > 1:
+                pg = _process_group(component)  # every rank creates every group, in order
+                if self.layout.instance_index in component:
+                    mine = (pg, component)
+        return mine
+
+    def _link_for(self, group_size: int, stride: int):
+        stride = 1 if group_size == 1 else stride
+        if (group_size, stride) not in self._links:
+            # Not seen when the Session was built: the world group always works (all instances
+            # run the same program) at the price of gathering every instance's rows.
+            local = group_size == 1 or self.local % (group_size * stride) == 0
+            world = tuple(range(self.layout.num_instances))
+            self._links[(group_size, stride)] = None if local else (self._world, world)
+        return self._links[(group_size, stride)]
+
+    def _member_index(self, group_size: int, stride: int) -> torch.Tensor:
+        """``i(r)`` of every local replica r, from its global index (popxl.md §2.1)."""
+        rows = [
+            0 if group_size == 1 else ((self.offset + r) % (stride * group_size)) // stride
+            for r in range(self.local)
+        ]
+        return torch.tensor(rows, device=self.device)
+
+    # -- moving rows
+
+    def _gather(self, x: torch.Tensor, pg, members: tuple[int, ...]) -> torch.Tensor:
+        """``[R_local, ...]`` -> ``[R, ...]``: the rows of ``members``, zeros elsewhere."""
+        wire = _wire(x)
+        buf = wire.new_empty((len(members) * self.local, *x.shape[1:]))
+        _comm("all-gather", lambda: _all_gather_single(buf, wire, group=pg))
+        rows = _unwire(buf, x.dtype)
+        if len(members) == self.layout.num_instances:
+            return rows
+        out = x.new_zeros((self.R, *x.shape[1:]))
+        for j, m in enumerate(members):
+            out[m * self.local : (m + 1) * self.local] = rows[j * self.local : (j + 1) * self.local]
+        return out
+
+    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[self.offset : self.offset + self.local]
+
+    def _count(self, total: int, counted: int = 0, calls: int = 0) -> None:
+        """Record this instance's share of ``total`` ring bytes (Note [traffic accounting]),
+        less the ``counted`` bytes a stacked kernel already recorded here."""
+        share = total * self.local // self.R
+        if self.layout.instance_index == 0:  # the rounding remainder, so shares sum to total
+            share += total - share * self.layout.num_instances
+        kernels._ops.add_collective_traffic(share - counted, calls)
+
+    def _all_reduce_(self, t: torch.Tensor, op) -> torch.Tensor:
+        _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
+        return t
+
+    def gather_rows(self, rows: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """Every instance's local rows, ``[R, ...]`` in global replica order."""
+        if invariant:
+            return rows[:1].expand(self.R, *rows.shape[1:])
+        return self._gather(rows, self._world, tuple(range(self.layout.num_instances)))
+
+    # -- kernels.Collectives
+
+    def num_replicas(self, batch_size: int) -> int:
+        if batch_size != self.local:
+            raise RuntimeError(
+                f"torch_popxl: a collective ran under a vmap of {batch_size} replicas, but this "
+                f"instance holds {self.local}. Distributed collectives only run inside a Session."
+            )
+        return self.R
+
+    def all_reduce(self, x, op, group_size, stride):
+        link = self._link_for(group_size, stride)
+        if link is None:
+            return kernels._ops.all_reduce_stacked(x, op, group_size, stride)
+        full = kernels._ops.all_reduce_stacked(self._gather(x, *link), op, group_size, stride)
+        total = self.R // group_size * 2 * (group_size - 1) * _row_bytes(x)
+        self._count(total, counted=total)
+        return self._local_rows(full)
+
+    def all_reduce_full(self, x, op):
+        self._count(2 * (self.R - 1) * _row_bytes(x), calls=1)
+        return self._reduce_all(x, op)
+
+    def _reduce_all(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        kernels._check_op("replicated_all_reduce", op, x.dtype)
+        dtype = x.dtype
+        if op in ("min", "max"):
+            wide = torch.uint8 if dtype == torch.bool else dtype
+            part = (x.amin(0) if op == "min" else x.amax(0)).to(wide).contiguous()
+            red = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
+            return self._all_reduce_(part, red).to(dtype)
+        if op in ("and", "or"):
+            part = ((x != 0).all(0) if op == "and" else (x != 0).any(0)).to(torch.uint8)
+            red = dist.ReduceOp.MIN if op == "and" else dist.ReduceOp.MAX
+            return self._all_reduce_(part, red).to(dtype)
+        mean = op in ("mean", "mul")  # PopXL maps 'mul' to MEAN (popxl.md §5)
+        if dtype in _NARROW_FLOATS:
+            wide = torch.float32
+        elif mean and not (dtype.is_floating_point or dtype.is_complex):
+            wide = torch.int64  # exact sum, then truncating division, as the kernel does
+        else:
+            wide = dtype
+        v = x.to(wide)
+        part = (v * v if op == "square_add" else v).sum(0, dtype=wide).contiguous()
+        total = self._all_reduce_(part, dist.ReduceOp.SUM)
+        if mean:
+            total = (
+                total / self.R
+                if wide.is_floating_point
+                else torch.div(total, self.R, rounding_mode="trunc")
+            )
+        return total.to(dtype)
+
+    def all_gather(self, x, group_size, stride):
+        link = self._link_for(group_size, stride)
+        if link is None:
+            return kernels._ops.all_gather_stacked(x, group_size, stride)
+        full = kernels._ops.all_gather_stacked(self._gather(x, *link), group_size, stride)
+        total = self.R * (group_size - 1) * _row_bytes(x)
+        self._count(total, counted=total)
+        return self._local_rows(full)
+
+    def all_gather_full(self, x):
+        self._count(self.R * (self.R - 1) * _row_bytes(x), calls=1)
+        return self._gather(x, self._world, tuple(range(self.layout.num_instances)))
+
+    def reduce_scatter(self, x, op, group_size, stride):
+        link = self._link_for(group_size, stride)
+        if link is None:
+            return kernels._ops.reduce_scatter_stacked(x, op, group_size, stride)
+        chunk = -(-x.shape[1] // group_size)  # ceil(n / G), popxl.md §5.2
+        total = 0 if op == "local" else self.R * (group_size - 1) * chunk * x.element_size()
+        if op == "local" or group_size == self.R:
+            # Member i keeps chunk i: of its own row ('local') or of the all-reduced row.
+            self._count(total, calls=1)
+            rows = (
+                x if op == "local" else self._reduce_all(x, op).unsqueeze(0).expand(self.local, -1)
+            )
+            padded = torch.nn.functional.pad(rows, (0, group_size * chunk - x.shape[1]))
+            chunks = padded.reshape(self.local, group_size, chunk)
+            own = chunks[
+                torch.arange(self.local, device=x.device),
+                self._member_index(group_size, stride).to(x.device),
+            ]
+            return own.contiguous()
+        full = kernels._ops.reduce_scatter_stacked(self._gather(x, *link), op, group_size, stride)
+        self._count(total, counted=total)
+        return self._local_rows(full)
+
+    def take_own(self, x, group_size, stride):
+        if self._link_for(group_size, stride) is None:
+            return kernels._ops.take_own_stacked(x, group_size, stride)
+        self._count(0, calls=1)  # PopXL's 'local' reduce-scatter: one call, no bytes
+        index = self._member_index(group_size, stride).to(x.device)
+        return x[torch.arange(self.local, device=x.device), index].contiguous()
+
+    def mm_all_reduce(self, a, b, op):
+        part = kernels._ops.mm_all_reduce_stacked(a, b, "add").contiguous()
+        row = part.numel() * part.element_size()
+        self._count(2 * (self.R - 1) * row, counted=2 * (self.local - 1) * row)
+        total = self._all_reduce_(part, dist.ReduceOp.SUM)
+        return total / self.R if op == "mean" else total
+
+    def reference(self, fn, values, *args):
+        stacked = torch.stack([v.contiguous() for v in values])
+        everyone = self._gather(stacked, self._world, tuple(range(self.layout.num_instances)))
+        return fn(list(everyone.unbind(0)), *args)[self.offset : self.offset + self.local]

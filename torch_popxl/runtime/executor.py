@@ -62,10 +62,11 @@ class _RunContext:
         _count_host_bytes(value, self.num_replicas)
         return value
 
-    def host_store(self, k: int, value: torch.Tensor) -> None:
+    def host_store(self, k: int, value: torch.Tensor, snapshot: bool = True) -> None:
         _count_host_bytes(value, self.num_replicas)
-        # A snapshot: later in-place ops on the stored tensor must not change the output.
-        self.outs.setdefault(k, []).append(value.clone())
+        # A snapshot when later in-place ops may change the stored tensor (the compiler
+        # passes snapshot=False when nothing can).
+        self.outs.setdefault(k, []).append(value.clone() if snapshot else value)
 
     def print(self, attrs: dict, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))

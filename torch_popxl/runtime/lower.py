@@ -248,6 +248,7 @@ class _Analysis:
     def run(self, flat: list[FlatOp], params: dict[str, bool]) -> None:
         self.batched = dict(params)
         self.root = {n: n for n in params}
+        self.written: set[str] = set()  # roots of every value updated in place
         self._block(flat)
 
     def b(self, name: str) -> bool:
@@ -257,6 +258,7 @@ class _Analysis:
         self.batched[name] = value or name in self.program.force_batched
 
     def _write(self, target: str, batched_source: bool) -> None:
+        self.written.add(self.root.get(target, target))
         if batched_source and not self.b(target):
             root = self.root.get(target, target)
             if root in self.program.var_names:
@@ -514,7 +516,10 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.op.attrs['stream']._index})")
 
     def _host_store(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}rt.host_store({f.op.attrs['stream']._index}, {f.ins[0]})")
+        # A stored value needs a snapshot only if something may update it in place later.
+        name = f.ins[0]
+        snapshot = self.a.root.get(name, name) in self.a.written
+        self.lines.append(f"{ind}rt.host_store({f.op.attrs['stream']._index}, {name}, {snapshot})")
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
         bid = f.op.attrs["buffer"].remote_buffer_id

@@ -280,19 +280,23 @@ class Session:
         """Run the main program once; returns one array per d2h stream."""
         self._require_attached("run")
         outputs = self.create_host_outputs()
-        self.run_with_outputs(inputs, outputs, downcast_inputs)
+        self._run(inputs, outputs, downcast_inputs, verify_outputs=False)
         return outputs
 
     def run_with_outputs(self, inputs: Mapping | None = None, outputs: Mapping | None = None,
                          downcast_inputs: bool = True) -> None:  # fmt: skip
         """Run the main program once, filling the caller's ``outputs`` arrays in place."""
         self._require_attached("run_with_outputs")
+        self._run(inputs, outputs, downcast_inputs, verify_outputs=True)
+
+    def _run(self, inputs, outputs, downcast_inputs: bool, verify_outputs: bool) -> None:
         inputs = dict(inputs or {})
         outputs = dict(outputs or {})
         self._verify_streams(inputs, self._ir.get_all_h2d_streams(), "input")
-        self._verify_streams(outputs, self._ir.get_all_d2h_streams(), "output")
-        for s, arr in outputs.items():
-            self._verify_shape(s, np.asarray(arr), "output")
+        if verify_outputs:  # arrays made by create_host_outputs are right by construction
+            self._verify_streams(outputs, self._ir.get_all_d2h_streams(), "output")
+            for s, arr in outputs.items():
+                self._verify_shape(s, np.asarray(arr), "output")
         nht = self._ir.num_host_transfers
         h2d = sorted(self._ir._h2d_streams, key=lambda s: s._index)
         ins = [
@@ -377,12 +381,17 @@ class Session:
 
     def _fill_output(self, s: DeviceToHostStream, arr: np.ndarray, values: torch.Tensor) -> None:
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
+        full = self._full_input_shape(s.shape)
+        if values.shape[0] == nht and arr.shape == full and values.dtype in _PLAIN_DTYPES:
+            # The common case: every entry written once; one copy straight into the array.
+            np.copyto(arr, values.detach().cpu().reshape(full).numpy(), casting="unsafe")
+            return
         count = min(values.shape[0], nht)
         # dim 0 may exceed nht (accepted by the shape check); reshape may copy, so write back.
         target = arr[:nht] if nht > 1 else arr
         view = target.reshape(nht, R, *s.shape)
         copied = not np.may_share_memory(view, target)
-        view[:count] = _to_numpy(values[:count].detach().cpu(), s.dtype)
+        view[:count] = _to_numpy(values[:count].detach().cpu(), s.dtype, copy=False)
         if count < values.shape[0]:  # more stores than entries: later ones wrap around
             for i in range(count, values.shape[0]):
                 view[i % nht] = _to_numpy(values[i].detach().cpu(), s.dtype)
@@ -426,7 +435,11 @@ def _downcast(arr: np.ndarray) -> np.ndarray:
     return arr.astype(to) if to is not None else arr
 
 
-def _to_numpy(t: torch.Tensor, dt: _dtypes.dtype) -> np.ndarray:
+_PLAIN_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.int32, torch.int64, torch.int8,
+                           torch.int16, torch.uint8, torch.bool, torch.complex64, torch.complex128})  # fmt: skip
+
+
+def _to_numpy(t: torch.Tensor, dt: _dtypes.dtype, copy: bool = True) -> np.ndarray:
     t = t.detach().cpu()
     np_dt = dt.as_numpy()
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -435,4 +448,4 @@ def _to_numpy(t: torch.Tensor, dt: _dtypes.dtype) -> np.ndarray:
         return t.float().numpy()
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
         return t.to(torch.int64).numpy().astype(np_dt)
-    return t.numpy().astype(np_dt, copy=True)
+    return t.numpy().astype(np_dt, copy=copy)

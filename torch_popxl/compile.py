@@ -247,6 +247,9 @@ class Trainer:
         dt = _dtype.as_dtype(p.dtype)
         var = variable(data, dt, name=name)
         accum = variable(np.zeros_like(data), dt, name=f"accum/{name}")
+        # Only summed over replicas by the update's reduction: the fast executor may keep it
+        # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
+        accum._replica_sum = True
         hyper = self._hyper[name]
         sharded = self._shard(data.size)
         state, shards, buffers = {}, {}, {}

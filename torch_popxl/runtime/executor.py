@@ -71,6 +71,18 @@ class _RunContext:
     def print(self, attrs: dict, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))
 
+    def sum_reduce(self, value: torch.Tensor, kind: str, R: int) -> torch.Tensor:
+        """Finish a full-group add/mean reduction of a replica-sum accumulator whose ``value``
+        is already reduced, counting the bytes the real collective moves (same formulas as
+        the C++ kernels): all-reduce 2(R-1)n; reduce-scatter R(R-1) * chunk."""
+        numel, item = value.numel(), value.element_size()
+        if kind == "all_reduce":
+            kernels._ops.add_collective_traffic(2 * (R - 1) * numel * item, 1)
+            return value
+        chunk = -(-numel // R)
+        kernels._ops.add_collective_traffic(R * (R - 1) * chunk * item, 0)  # the call is counted below
+        return torch.ops.torch_popxl.replicated_reduce_scatter(self.batch(value), "local", R, 1)
+
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""
         if self.anchor is None:
@@ -108,16 +120,22 @@ class FastExecutor:
         self.global_R = ir.replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
         uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1} if self.global_R > 1 else set()
+        # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
+        sums = ({v.id for v in self.on_chip if getattr(v, "_replica_sum", False)} & uniform
+                if self.global_R == self.R else set())  # fmt: skip
         forced: set[str] = set()
         while True:  # the fragments share variables: iterate until all agree
             self.program = Program(device, self.global_R)
             self.program.uniform_vars = set(uniform)
+            self.program.sum_vars = set(sums)
             self.program.force_batched = set(forced)
             self._compile()
-            if self.program.uniform_vars == uniform and self.program.force_batched == forced:
+            p = self.program
+            if p.uniform_vars == uniform and p.force_batched == forced and p.sum_vars == sums:
                 break
-            uniform, forced = set(self.program.uniform_vars), set(self.program.force_batched)
+            uniform, forced, sums = set(p.uniform_vars), set(p.force_batched), set(p.sum_vars)
         self.uniform = frozenset(uniform)
+        self.replica_sums = frozenset(sums)
 
     def _compile(self) -> None:
         main = self.ir.main_graph

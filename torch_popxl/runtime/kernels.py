@@ -660,3 +660,44 @@ def _(x):
 @torch.library.register_fake("torch_popxl::mm_all_reduce_stacked")
 def _(a, b, op):
     return a.new_empty((a.shape[1], b.shape[2]))
+
+
+# ---- replica sums (Note [replica-sum accumulators] in runtime/lower.py) -------------------
+
+
+@torch.library.custom_op("torch_popxl::replica_sum", mutates_args=())
+def replica_sum(x: Tensor) -> Tensor:
+    """The sum of ``x`` over all replicas, as one value (not a collective: no traffic)."""
+    return x.clone()
+
+
+@replica_sum.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@replica_sum.register_vmap
+def _(info, in_dims, x):
+    if in_dims[0] is None:
+        return x * info.batch_size, None
+    return x.sum(in_dims[0]), None
+
+
+@torch.library.custom_op("torch_popxl::mm_replica_sum", mutates_args=())
+def mm_replica_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``sum_r a_r @ b_r`` as one value; on one replica ``a @ b``."""
+    return a @ b
+
+
+@mm_replica_sum.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@mm_replica_sum.register_vmap
+def _(info, in_dims, a, b):
+    R = info.batch_size
+    a, b = _stacked(a, in_dims[0], R), _stacked(b, in_dims[1], R)  # [R, M, K], [R, K, N]
+    M, K, N = a.shape[1], a.shape[2], b.shape[2]
+    # Fold the replicas into the contraction: one [M, R*K] @ [R*K, N] matmul.
+    return a.permute(1, 0, 2).reshape(M, R * K) @ b.reshape(R * K, N), None

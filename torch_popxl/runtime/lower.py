@@ -6,7 +6,16 @@ Three phases, one direction:
    own names) and ``repeat`` kept as a loop whose body is flattened the same way. Pass-by-value
    becomes explicit clones (Note [pass by value]).
 2. **Analyse.** Which values are *batched* over replicas (Note [replica-invariant values]),
-   and rewrites that fold replicas into one op (Note [fold replicas into the matmul]).
+   and rewrites that fold replicas into one op (Note [replica-sum accumulators]
+    A gradient accumulator that is only ever added to, zeroed or scaled, and read only by a
+    full-group add/mean all-reduce or reduce-scatter, never needs its per-replica values:
+    every use depends on their sum. Such variables (marked ``_replica_sum`` by their builder,
+    ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
+    ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
+    matmul]) and the final reduction divides or slices it, counting the traffic the real
+    collective would move. Any other use keeps the per-replica layout.
+
+Note [fold replicas into the matmul]).
 3. **Emit.** One Python function per fragment; it runs under ``torch.func.vmap`` over the
    replica dimension, so R replicas cost one pass of Python.
 
@@ -248,6 +257,7 @@ class _Analysis:
     def run(self, flat: list[FlatOp], params: dict[str, bool]) -> None:
         self.batched = dict(params)
         self.root = {n: n for n in params}
+        self.sum_names = {n for n in params if self.program.var_names.get(n) in self.program.sum_vars}
         self.written: set[str] = set()  # roots of every value updated in place
         self._block(flat)
 
@@ -277,8 +287,43 @@ class _Analysis:
         for f in flat:
             getattr(self, f"_{f.kind}")(f)
 
+    def _sum_roots(self, f: FlatOp) -> list[int]:
+        return [i for i, n in enumerate(f.ins) if self.root.get(n, n) in self.sum_names]
+
+    def _disqualify(self, name: str) -> None:
+        root = self.root.get(name, name)
+        self.program.sum_vars.discard(self.program.var_names.get(root, root))
+        raise _Conflict(root)
+
+    def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> None:
+        """Note [replica-sum accumulators]: accept the allowed uses, else fall back."""
+        target = f.op.attrs["target"]
+        args = f.op.attrs["args"]
+        first = args[0].index if args and isinstance(args[0], Slot) else None
+        name = getattr(target, "_opname", "")
+        if uses == [first] and written == {first}:
+            if target is _aten.add_.Tensor and isinstance(args[1], Slot):
+                f.extra["sum_add"] = args[1].index
+                return
+            if target in (_aten.zero_.default, _aten.mul_.Scalar):
+                return
+            if target is _aten.mul_.Tensor and isinstance(args[1], Slot) and not self.b(f.ins[args[1].index]):
+                return
+        if (uses == [first] and not written and name in ("replicated_all_reduce", "replicated_reduce_scatter")
+                and args[1] in ("add", "mean") and args[2] == self.R):  # fmt: skip
+            f.extra["sum_read"] = name
+            return
+        self._disqualify(f.ins[uses[0]])
+
     def _torch(self, f: FlatOp) -> None:
         target = f.op.attrs["target"]
+        f.extra.pop("sum_add", None)
+        f.extra.pop("sum_read", None)
+        uses = self._sum_roots(f)
+        if uses:
+            self._sum_use(f, uses, _schema_effects(f.op)[0])
+            if "sum_add" in f.extra:  # the write is of a sum: replica-invariant by design
+                return
         ins = [self.b(n) for n in f.ins]
         any_b = any(ins)
         name = getattr(target, "_opname", "")
@@ -308,6 +353,8 @@ class _Analysis:
         self._set(f.outs[0], self.b(f.ins[0]))
 
     def _clone(self, f: FlatOp) -> None:
+        if self.root.get(f.ins[0], f.ins[0]) in self.sum_names:
+            self._disqualify(f.ins[0])
         self._set(f.outs[0], self.b(f.ins[0]))
 
     def _host_load(self, f: FlatOp) -> None:
@@ -316,13 +363,17 @@ class _Analysis:
     def _remote_load(self, f: FlatOp) -> None:
         self._set(f.outs[0], self.R > 1)
 
+    def _remote_store(self, f: FlatOp) -> None:
+        self._host_store(f)
+
     def _remote_load_(self, f: FlatOp) -> None:
         self._write(f.ins[0], self.R > 1)
 
     def _host_store(self, f: FlatOp) -> None:
-        pass
+        for n in f.ins:
+            if self.root.get(n, n) in self.sum_names:
+                self._disqualify(n)
 
-    _remote_store = _host_store
     _print = _host_store
 
     def _loop(self, f: FlatOp) -> None:
@@ -354,9 +405,48 @@ def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatO
     for f in flat:
         for n in f.outs:
             producer[n] = f
+    return _fold_block(flat, analysis, R, uses)
+
+
+def _matmul_behind(src: str, producer: dict[str, FlatOp], uses: dict[str, int], analysis: _Analysis):
+    """(mm op, view ops from src back to it) when ``src`` is only-used views of a batched mm."""
+    views: list[FlatOp] = []
+    p = producer.get(src)
+    while p is not None and p.kind == "torch" and p.op.attrs["target"] in _VIEW_OPS and uses.get(src) == 1:
+        views.append(p)
+        src = p.ins[0]
+        p = producer.get(src)
+    if (p is not None and p.kind == "torch" and p.op.attrs["target"] is _aten.mm.default
+            and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
+        return p, views
+    return None, views
+
+
+def _fold_block(flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str, int]) -> list[FlatOp]:
+    producer: dict[str, FlatOp] = {}
+    for f in flat:
+        for n in f.outs:
+            producer[n] = f
     removed: set[int] = set()
     result: list[FlatOp] = []
     for f in flat:
+        if f.kind == "loop":
+            f.body = _fold_block(f.body, analysis, R, uses)
+        if f.kind == "torch" and "sum_add" in f.extra:
+            # Note [replica-sum accumulators]: acc += sum_r (a_r @ b_r) as one matmul.
+            src = f.ins[f.extra["sum_add"]]
+            p, views = _matmul_behind(src, producer, uses, analysis)
+            if p is not None:
+                removed.add(id(p))
+                removed.update(id(v) for v in views)
+                prev = analysis.program.fresh()
+                result.append(FlatOp("mm_replica_sum", None, list(p.ins), [prev]))
+                for v in reversed(views):
+                    out = analysis.program.fresh()
+                    result.append(FlatOp("torch", v.op, [prev], [out]))
+                    prev = out
+                result.append(FlatOp("alias", None, [prev], [src]))
+                f.extra["presummed"] = True
         if f.kind == "torch" and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce":
             args = f.op.attrs["args"]
             op_name, group_size = args[1], args[2]
@@ -413,6 +503,8 @@ class Program:
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
             "VIEW": _batched_view,
+            "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
+            "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
         }
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
@@ -420,6 +512,7 @@ class Program:
         self._constants: dict[int, str] = {}
         self.sources: dict[str, str] = {}
         self.uniform_vars: set[str] = set()
+        self.sum_vars: set[str] = set()
         self.var_names: dict[str, str] = {}
         self.force_batched: set[str] = set()
 
@@ -484,7 +577,17 @@ class _Emitter:
             fn = "VIEW"
         else:
             fn = self.p.literal(target._op if is_aten else target)
+        if "sum_read" in f.extra:
+            self._sum_read(f, ind)
+            return
         args = [self.literal(x, f) for x in f.op.attrs["args"]]
+        if "sum_add" in f.extra:
+            x = f.ins[f.extra["sum_add"]]
+            if f.extra.get("presummed"):
+                summed = x
+            else:
+                summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
+            args = [summed if a == x else a for a in args]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
                 and f.op.attrs["args"][-2] > 1 and not self.a.b(f.ins[0])):  # fmt: skip
             # A collective needs its input batched to reach its vmap rule (it is the same
@@ -501,6 +604,17 @@ class _Emitter:
             self.lines.append(f"{ind}_r = {call}")
             for out, path in zip(f.outs, paths):
                 self.lines.append(f"{ind}{out} = _r{''.join(f'[{i}]' for i in path)}")
+
+    def _mm_replica_sum(self, f: FlatOp, ind: str) -> None:
+        self.lines.append(f"{ind}{f.outs[0]} = MM_REPLICA_SUM({f.ins[0]}, {f.ins[1]})")
+
+    def _sum_read(self, f: FlatOp, ind: str) -> None:
+        """The full-group reduction of a replica-sum accumulator (its value is the sum)."""
+        v = f.ins[0]
+        op = f.op.attrs["args"][1]
+        value = f"{v}.clone()" if op == "add" else f"({v} / {self.p.R})"
+        kind = "all_reduce" if f.extra["sum_read"] == "replicated_all_reduce" else "reduce_scatter"
+        self.lines.append(f"{ind}{f.outs[0]} = rt.sum_reduce({value}, {kind!r}, {self.p.R})")
 
     def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
         a, b = f.ins

@@ -515,6 +515,8 @@ def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad=1,
                                reduction: str = "mean") -> tuple[Tensor, Tensor]:  # fmt: skip
     """Loss of softmax ``probs`` and its gradient with respect to the softmax input."""
     _check_reduction(reduction)
+    if ignore_index is None and reduction != "none" and not isinstance(loss_grad, Tensor):
+        return _nll_softmax_grad_fused(probs, labels, float(loss_grad), reduction)
     if not isinstance(loss_grad, Tensor):
         loss_grad = constant(float(loss_grad), _dtypes.float32)
     p2, l1 = _label_rows(probs, labels)
@@ -539,6 +541,25 @@ def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad=1,
         # PopART divides the mean gradient by the first dimension only (see spec §9).
         dx = mul(dx, div(lg, float(probs.shape[0])))
     return loss, reshape(dx, probs.shape)
+
+
+def _nll_softmax_grad_torch(probs, labels, loss_grad: float, reduction: str):
+    # The same maths as the general path in a few fused torch ops (it runs every training
+    # step): -log(p[label] + 1e-7) and dx = (p - onehot) * scale.
+    p2 = probs.reshape(-1, probs.shape[-1])
+    l1 = labels.reshape(-1).long()
+    # gather + sum rather than nll_loss: under vmap nll_loss runs a Python decomposition.
+    picked = torch.log(p2.gather(1, l1.unsqueeze(1)) + 1e-7).sum()
+    loss = -picked if reduction == "sum" else -(picked / l1.shape[0])
+    minus_one = torch.full((l1.shape[0], 1), -1.0, dtype=p2.dtype, device=p2.device)
+    dx = p2.scatter_add(1, l1.unsqueeze(1), minus_one)
+    # PopART divides the mean gradient by the first dimension only (see spec §9).
+    scale = loss_grad if reduction == "sum" else loss_grad / probs.shape[0]
+    return loss, (dx * scale).reshape(probs.shape)
+
+
+def _nll_softmax_grad_fused(probs: Tensor, labels: Tensor, loss_grad: float, reduction: str):
+    return call_torch(_nll_softmax_grad_torch, (probs, labels, loss_grad, reduction), {})
 
 
 # ---- indexing -----------------------------------------------------------------------------

@@ -71,6 +71,9 @@ class _RunContext:
     def print(self, attrs: dict, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))
 
+    def count_collective_call(self) -> None:
+        kernels._ops.add_collective_traffic(0, 1)
+
     def sum_reduce(self, value: torch.Tensor, kind: str, R: int) -> torch.Tensor:
         """Finish a full-group add/mean reduction of a replica-sum accumulator whose ``value``
         is already reduced, counting the bytes the real collective moves (same formulas as

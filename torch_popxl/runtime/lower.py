@@ -580,6 +580,8 @@ class _Emitter:
         if "sum_read" in f.extra:
             self._sum_read(f, ind)
             return
+        if self._trivial_all_reduce(f, ind):
+            return
         args = [self.literal(x, f) for x in f.op.attrs["args"]]
         if "sum_add" in f.extra:
             x = f.ins[f.extra["sum_add"]]
@@ -607,6 +609,22 @@ class _Emitter:
 
     def _mm_replica_sum(self, f: FlatOp, ind: str) -> None:
         self.lines.append(f"{ind}{f.outs[0]} = MM_REPLICA_SUM({f.ins[0]}, {f.ins[1]})")
+
+    def _trivial_all_reduce(self, f: FlatOp, ind: str) -> bool:
+        """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
+        value through (no copy) when neither side is updated in place later."""
+        target = f.op.attrs["target"]
+        if getattr(target, "_opname", "") != "replicated_all_reduce":
+            return False
+        args = f.op.attrs["args"]
+        src, out = f.ins[0], f.outs[0]
+        if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
+            return False
+        if self.a.root.get(src, src) in self.a.written or self.a.root.get(out, out) in self.a.written:
+            return False
+        self.lines.append(f"{ind}{out} = {src}")
+        self.lines.append(f"{ind}rt.count_collective_call()")  # the runtime still sees one collective
+        return True
 
     def _sum_read(self, f: FlatOp, ind: str) -> None:
         """The full-group reduction of a replica-sum accumulator (its value is the sum)."""

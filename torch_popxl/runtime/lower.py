@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,14 +113,16 @@ _HIDDEN_WRITES = {
     _aten.native_batch_norm.default: lambda args: (3, 4) if len(args) > 5 and args[5] else (),
 }
 
-_mutated_cache: dict[tuple[int, int], frozenset[int]] = {}
+# Keyed by the graph object itself (weakly), so a freed graph's id can never hand its entry
+# to a new graph; the version invalidates the entry when the graph changes.
+_mutated_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def mutated_inputs(graph: Graph) -> frozenset[int]:
     """Indices of the graph's inputs that its ops may modify in place."""
-    key = (id(graph), graph._version)
-    if key in _mutated_cache:
-        return _mutated_cache[key]
+    cached = _mutated_cache.get(graph)
+    if cached is not None and cached[0] == graph._version:
+        return cached[1]
     root: dict[str, int] = {t.id: i for i, t in enumerate(graph._inputs)}
     mutated: set[int] = set()
     for op in graph._ops:
@@ -138,8 +141,9 @@ def mutated_inputs(graph: Graph) -> frozenset[int]:
             for i in mutated_inputs(op.attrs["graph"]) & set(op.attrs["modified"]):
                 if op.inputs[i].id in root:
                     mutated.add(root[op.inputs[i].id])
-    _mutated_cache[key] = frozenset(mutated)
-    return _mutated_cache[key]
+    result = frozenset(mutated)
+    _mutated_cache[graph] = (graph._version, result)
+    return result
 
 
 # ---- phase 1: flatten ---------------------------------------------------------------------

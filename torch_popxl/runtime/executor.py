@@ -173,10 +173,13 @@ class FastExecutor:
         values = [state.vars[t.id] if t.id in state.vars else state.persistent[t.id] for t in tensors]
         buffers = state.buffers
 
+        titles: list[dict] = []  # print attributes stay outside vmap (only tensors cross it)
+
         def step(var_vals, ins, buffers, anchor):
             rt = _RunContext(ins, buffers, nht, R, anchor)
             outs = fn(rt, *var_vals)
-            return outs, rt.outs, rt.prints
+            titles[:] = [attrs for attrs, _ in rt.prints]
+            return outs, rt.outs, [value for _, value in rt.prints]
 
         if self.global_R == 1:
             outs, stored, prints = step(
@@ -184,7 +187,7 @@ class FastExecutor:
             )
             outs = tuple(o.unsqueeze(0) for o in outs)
             stored = {k: [t.unsqueeze(0) for t in ts] for k, ts in stored.items()}
-            prints = [(a, v.unsqueeze(0)) for a, v in prints]
+            prints = [v.unsqueeze(0) for v in prints]
         else:
             # Note [replica-invariant values]: invariant variables enter vmap unbatched.
             var_vals = [v[0] if t.id in self.uniform else v for t, v in zip(tensors, values)]
@@ -196,7 +199,7 @@ class FastExecutor:
         if fragment == "weights_from_host":
             for t, value in zip(self.defined, outs):
                 state.persistent[t.id] = value
-        _emit_prints(prints, R)
+        _emit_prints(list(zip(titles, prints)), R)
         return {k: torch.stack(ts) for k, ts in stored.items()}
 
 

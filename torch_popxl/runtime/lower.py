@@ -242,7 +242,7 @@ _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._
 
 def _is_random(target) -> bool:
     schema = getattr(target, "_schema", None)
-    return schema is not None and any(str(a.type).startswith("Generator") for a in schema.arguments)
+    return schema is not None and any("Generator" in str(a.type) for a in schema.arguments)
 
 
 class _Conflict(Exception):
@@ -340,8 +340,11 @@ class _Analysis:
         else:
             out_b = any_b or _is_random(target)
         written, aliases = _schema_effects(f.op)
+        # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
+        # must be batched, like a write of a per-replica value.
+        write_b = any_b or (self.R > 1 and _is_random(target))
         for i in written:
-            self._write(f.ins[i], any_b)
+            self._write(f.ins[i], write_b)
         for k, out in enumerate(f.outs):
             if k in aliases:
                 src = f.ins[aliases[k]]

@@ -20,3 +20,5 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "[[5. 7. 9.]\n [5. 7. 9.]]" in text
     assert "[1.5 1.7 1.9]" in text
     assert "aten.gelu.default" in text
+    assert "[[0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]]" in text
+    assert "RTS shards (persistent)" in text

@@ -131,6 +131,7 @@ def train(args, x_train, y_train) -> dict:
                 if i % 100 == 0:
                     bar.set_postfix(loss=f"{float(out[loss_stream]):.4f}")
         trained = session.get_tensors_data(list(variables.values()))
+    train.report = session.memory_report()
     return {name: trained[v] for name, v in variables.items()}
 
 
@@ -165,6 +166,7 @@ def main(argv=None) -> float:
     trained = train(args, x_train, y_train)
     acc = test(args, trained, x_test, y_test)
     print(f"test accuracy: {acc * 100:.2f}%  ({time.time() - start:.1f} s)")
+    print(train.report)
     return acc
 
 

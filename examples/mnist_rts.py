@@ -161,6 +161,7 @@ def main(argv=None) -> float:
                 if i % 100 == 0:
                     bar.set_postfix(loss=f"{float(np.mean(out[loss_stream])):.4f}")
         trained = session.get_tensors_data([p.var for p in params.values()])
+    report = session.memory_report()
 
     test_global = args.test_batch_size * R
     test_ir, test_stream, test_params, out_stream = build_test_ir(args.test_batch_size, R)
@@ -176,6 +177,7 @@ def main(argv=None) -> float:
     acc = correct / total
     print(f"replication factor {R}, batch {args.batch_size} per replica: test accuracy {acc * 100:.2f}%  "
           f"({time.time() - start:.1f} s)")  # fmt: skip
+    print(report)
     return acc
 
 

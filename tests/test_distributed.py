@@ -285,6 +285,7 @@ def _worker_all(out: Path) -> None:
     except ValueError as error:
         results["error/bad_factor"] = np.array(str(error))
     np.savez(out / f"rank{rank}.npz", **results)
+    torch.distributed.destroy_process_group()  # clean teardown before the interpreter exits
 
 
 def _worker_failure(out: Path, mode: str) -> None:
@@ -344,7 +345,8 @@ def _launch(nproc: int, what: str, out: Path, env: dict[str, str]) -> subprocess
 def launches(tmp_path_factory):
     """Start every torchrun job at once; wait for all within LAUNCH_BUDGET_S."""
     root = tmp_path_factory.mktemp("distributed")
-    base = {"TORCH_POPXL_REPLICATION_FACTOR": str(R), "OMP_NUM_THREADS": "1"}
+    # A generous timeout for the jobs that must succeed: ten processes share two cores here.
+    base = {"TORCH_POPXL_REPLICATION_FACTOR": str(R), "OMP_NUM_THREADS": "1", "TORCH_POPXL_DIST_TIMEOUT_S": "180"}
     fail = {
         "TORCH_POPXL_REPLICATION_FACTOR": "2",
         "TORCH_POPXL_DIST_TIMEOUT_S": str(FAIL_TIMEOUT_S),

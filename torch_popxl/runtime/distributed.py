@@ -50,6 +50,7 @@ summed over the instances equal the single-process figures.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -155,6 +156,11 @@ def launched() -> bool:
     return _torchrun_env() and int(os.environ["WORLD_SIZE"]) > 1
 
 
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_process_group() -> None:
     """Start the default process group from the ``torchrun`` environment, unless one exists.
 
@@ -175,6 +181,9 @@ def init_process_group() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     try:
         dist.init_process_group(backend, timeout=_timeout())
+        # We started it, so we end it: tearing gloo's threads down explicitly at exit avoids
+        # an abort ("terminate called without an active exception") in interpreter shutdown.
+        atexit.register(_destroy_at_exit)
     except RuntimeError as error:
         raise DistributedError(
             f"torch_popxl: starting the {backend} process group failed (rank "

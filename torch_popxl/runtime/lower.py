@@ -177,6 +177,10 @@ class _Flattener:
             elif op.kind == "print":
                 scope[op.outputs[0].id] = ins[0]
                 out.append(FlatOp("print", op, ins, []))
+            elif op.kind == "torch" and op.attrs["target"] in _IDENTITY_VIEWS and op.outputs[0].id not in scope:
+                # detach/alias only matter to autograd: at run time they are the same tensor
+                # (a view of the same storage), so the name is simply shared.
+                scope[op.outputs[0].id] = ins[0]
             else:
                 outs = [self.define(t, scope) for t in op.outputs]
                 out.append(FlatOp(op.kind, op, ins, outs))
@@ -236,6 +240,7 @@ class _Flattener:
 
 # ---- phase 2: analysis --------------------------------------------------------------------
 
+_IDENTITY_VIEWS = frozenset({_aten.detach.default, _aten.alias.default})
 _FULL_GROUP_OPS = ("replicated_all_reduce", "replicated_all_gather")
 _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 

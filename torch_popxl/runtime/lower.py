@@ -441,47 +441,37 @@ def _fold_block(flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str,
             producer[n] = f
     removed: set[int] = set()
     result: list[FlatOp] = []
+
+    def fuse(kind: str, mm: FlatOp, views: list[FlatOp], name: str, extra: dict) -> None:
+        """Replace ``mm`` (and the views after it) by ``kind``; the views are re-applied."""
+        removed.add(id(mm))
+        removed.update(id(v) for v in views)
+        prev = analysis.program.fresh()
+        result.append(FlatOp(kind, None, list(mm.ins), [prev], extra=extra))
+        for v in reversed(views):  # forward order
+            out = analysis.program.fresh()
+            result.append(FlatOp("torch", v.op, [prev], [out]))
+            prev = out
+        result.append(FlatOp("alias", None, [prev], [name]))
+
     for f in flat:
         if f.kind == "loop":
             f.body = _fold_block(f.body, analysis, R, uses)
         if f.kind == "torch" and "sum_add" in f.extra:
             # Note [replica-sum accumulators]: acc += sum_r (a_r @ b_r) as one matmul.
             src = f.ins[f.extra["sum_add"]]
-            p, views = _matmul_behind(src, producer, uses, analysis)
-            if p is not None:
-                removed.add(id(p))
-                removed.update(id(v) for v in views)
-                prev = analysis.program.fresh()
-                result.append(FlatOp("mm_replica_sum", None, list(p.ins), [prev]))
-                for v in reversed(views):
-                    out = analysis.program.fresh()
-                    result.append(FlatOp("torch", v.op, [prev], [out]))
-                    prev = out
-                result.append(FlatOp("alias", None, [prev], [src]))
+            mm, views = _matmul_behind(src, producer, uses, analysis)
+            if mm is not None:
+                fuse("mm_replica_sum", mm, views, src, {})
                 f.extra["presummed"] = True
         if f.kind == "torch" and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce":
-            args = f.op.attrs["args"]
-            op_name, group_size = args[1], args[2]
-            src = f.ins[0]
-            views: list[FlatOp] = []
-            p = producer.get(src)
-            while p is not None and p.kind == "torch" and p.op.attrs["target"] in _VIEW_OPS and uses.get(src) == 1:
-                views.append(p)
-                src = p.ins[0]
-                p = producer.get(src)
-            if (group_size == R and R > 1 and op_name in ("add", "mean") and p is not None
-                    and p.kind == "torch" and p.op.attrs["target"] is _aten.mm.default
-                    and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
-                removed.add(id(p))
-                removed.update(id(v) for v in views)
-                prev = analysis.program.fresh()
-                result.append(FlatOp("mm_all_reduce", None, list(p.ins), [prev], extra={"op": op_name}))
-                for v in reversed(views):  # re-apply the view ops, in forward order
-                    out = analysis.program.fresh()
-                    result.append(FlatOp("torch", v.op, [prev], [out]))
-                    prev = out
-                result.append(FlatOp("alias", None, [prev], [f.outs[0]]))
-                continue
+            # Note [fold replicas into the matmul].
+            op_name, group_size = f.op.attrs["args"][1], f.op.attrs["args"][2]
+            if group_size == R and R > 1 and op_name in ("add", "mean"):
+                mm, views = _matmul_behind(f.ins[0], producer, uses, analysis)
+                if mm is not None:
+                    fuse("mm_all_reduce", mm, views, f.outs[0], {"op": op_name})
+                    continue
         result.append(f)
     return [f for f in result if id(f) not in removed]
 

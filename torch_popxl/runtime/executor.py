@@ -45,10 +45,12 @@ class _RunContext:
     """What generated code sees of one run: stream cursors, outputs, buffers."""
 
     def __init__(self, ins: list[torch.Tensor], buffers: dict[int, torch.Tensor], nht: int,
-                 num_replicas: int = 1, anchor: torch.Tensor | None = None):  # fmt: skip
+                 num_replicas: int = 1, anchor: torch.Tensor | None = None,
+                 explicit_R: int | None = None):  # fmt: skip
         self.ins = ins
         self.nht = nht
         self.anchor = anchor
+        self.explicit_R = explicit_R  # stacked [R, ...] values, no vmap
         self.num_replicas = num_replicas
         self.cursor = [0] * len(ins)
         self.outs: dict[int, list[torch.Tensor]] = {}
@@ -59,11 +61,11 @@ class _RunContext:
         i = self.cursor[k]
         self.cursor[k] = i + 1
         value = self.ins[k][i % self.nht]
-        _count_host_bytes(value, self.num_replicas)
+        _count_host_bytes(value, 1 if self.explicit_R else self.num_replicas)
         return value
 
     def host_store(self, k: int, value: torch.Tensor, snapshot: bool = True) -> None:
-        _count_host_bytes(value, self.num_replicas)
+        _count_host_bytes(value, 1 if self.explicit_R else self.num_replicas)
         # A snapshot when later in-place ops may change the stored tensor (the compiler
         # passes snapshot=False when nothing can).
         self.outs.setdefault(k, []).append(value.clone() if snapshot else value)
@@ -88,6 +90,8 @@ class _RunContext:
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""
+        if self.explicit_R is not None:
+            return value.unsqueeze(0).expand(self.explicit_R, *value.shape).clone()
         if self.anchor is None:
             return value
         if value.dtype == torch.bool:
@@ -132,6 +136,8 @@ class FastExecutor:
             self.program.uniform_vars = set(uniform)
             self.program.sum_vars = set(sums)
             self.program.force_batched = set(forced)
+            # Note [explicit batching] (runtime/explicit.py): only within one process.
+            self.program.explicit_ok = self.global_R == self.R > 1
             self._compile()
             p = self.program
             if p.uniform_vars == uniform and p.force_batched == forced and p.sum_vars == sums:
@@ -181,7 +187,13 @@ class FastExecutor:
             titles[:] = [attrs for attrs, _ in rt.prints]
             return outs, rt.outs, [value for _, value in rt.prints]
 
-        if self.global_R == 1:
+        if getattr(fn, "explicit", False):
+            # Note [explicit batching]: the fragment runs on the stacked tensors directly.
+            var_vals = [v[0] if t.id in self.uniform else v for t, v in zip(tensors, values)]
+            rt = _RunContext(ins, buffers, nht, R, None, explicit_R=R)
+            outs = tuple(o if b else o.expand(R, *o.shape) for o, b in zip(fn(rt, *var_vals), fn.out_batched))
+            stored, prints = rt.outs, []
+        elif self.global_R == 1:
             outs, stored, prints = step(
                 [v[0] for v in values], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
             )

@@ -54,6 +54,7 @@ import torch
 
 from ..graph import Graph, Op, Slot
 from ..tensor import Constant, Tensor
+from . import explicit as _explicit
 from . import kernels  # noqa: F401  (registers torch.ops.torch_popxl)
 
 __all__ = ["Program", "mutated_inputs", "lower_fragment"]
@@ -493,6 +494,20 @@ def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
         return _aten.reshape.default(x, shape)
 
 
+def _stacked_view(x: torch.Tensor, shape, R: int) -> torch.Tensor:
+    """A per-replica view on stacked ``[R, ...]`` storage (a copy only if a view is impossible)."""
+    try:
+        return x.view((R, *shape))
+    except RuntimeError:
+        return x.reshape((R, *shape))
+
+
+def _mm_fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_r a[r] @ b[r]`` as one matmul with the replicas folded into the contraction."""
+    R, M, K = a.shape
+    return a.permute(1, 0, 2).reshape(M, R * K) @ b.reshape(R * K, b.shape[2])
+
+
 class Program:
     """Generated code for one Ir on one device: globals, constants and fragment functions."""
 
@@ -507,6 +522,11 @@ class Program:
             "VIEW": _batched_view,
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
             "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
+            "MM_ALL_REDUCE_STACKED": torch.ops.torch_popxl.mm_all_reduce_stacked,
+            "ALL_REDUCE_FULL": torch.ops.torch_popxl.all_reduce_full,
+            "MM_FOLD": _mm_fold,
+            "STACKED_VIEW": _stacked_view,
+            "torch": torch,
         }
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
@@ -515,6 +535,7 @@ class Program:
         self.sources: dict[str, str] = {}
         self.uniform_vars: set[str] = set()
         self.sum_vars: set[str] = set()
+        self.explicit_ok = False  # set by the executor (single process, R > 1)
         self.var_names: dict[str, str] = {}
         self.force_batched: set[str] = set()
 
@@ -541,9 +562,10 @@ class Program:
 
 
 class _Emitter:
-    def __init__(self, program: Program, analysis: _Analysis, params: list[str]):
+    def __init__(self, program: Program, analysis: _Analysis, params: list[str], explicit: bool = False):
         self.p = program
         self.a = analysis
+        self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
         self.lines: list[str] = []
         self.defined: set[str] = set(params)
 
@@ -573,6 +595,12 @@ class _Emitter:
                 self.defined.add(n)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
+        if self.explicit:
+            _explicit.emit_torch(self, f, ind)
+        else:
+            self._torch_plain(f, ind)
+
+    def _torch_plain(self, f: FlatOp, ind: str) -> None:
         target = f.op.attrs["target"]
         is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
         if target is _aten.view.default and self.p.R > 1:
@@ -610,7 +638,8 @@ class _Emitter:
                 self.lines.append(f"{ind}{out} = _r{''.join(f'[{i}]' for i in path)}")
 
     def _mm_replica_sum(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}{f.outs[0]} = MM_REPLICA_SUM({f.ins[0]}, {f.ins[1]})")
+        fn = "MM_FOLD" if self.explicit else "MM_REPLICA_SUM"
+        self.lines.append(f"{ind}{f.outs[0]} = {fn}({f.ins[0]}, {f.ins[1]})")
 
     def _trivial_all_reduce(self, f: FlatOp, ind: str) -> bool:
         """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
@@ -638,7 +667,8 @@ class _Emitter:
 
     def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
         a, b = f.ins
-        self.lines.append(f"{ind}{f.outs[0]} = MM_ALL_REDUCE({a}, {b}, {f.extra['op']!r})")
+        fn = "MM_ALL_REDUCE_STACKED" if self.explicit else "MM_ALL_REDUCE"
+        self.lines.append(f"{ind}{f.outs[0]} = {fn}({a}, {b}, {f.extra['op']!r})")
 
     def _clone(self, f: FlatOp, ind: str) -> None:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}.clone()")
@@ -653,6 +683,8 @@ class _Emitter:
         # A stored value needs a snapshot only if something may update it in place later.
         name = f.ins[0]
         snapshot = self.a.root.get(name, name) in self.a.written
+        if self.explicit and not self.a.b(name):  # one row per replica on the host side
+            name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
         self.lines.append(f"{ind}rt.host_store({f.op.attrs['stream']._index}, {name}, {snapshot})")
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
@@ -714,7 +746,8 @@ def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: li
             continue
     if program.R > 1:
         flat = _fold_matmuls(flat, analysis, program.R)
-    em = _Emitter(program, analysis, param_names)
+    explicit = program.explicit_ok and program.R > 1 and _explicit.batchable(flat, analysis, program.R)
+    em = _Emitter(program, analysis, param_names, explicit)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")
@@ -724,4 +757,5 @@ def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: li
     exec(compile(src, f"<torch_popxl {graph.id} {name}>", "exec"), program.globals, scope_)
     fn = scope_["fn"]
     fn.out_batched = [analysis.b(n) for n in out_names]
+    fn.explicit = explicit
     return fn

@@ -28,10 +28,13 @@ import torch
 
 from . import ops
 from .capture import call_torch
+from .context import in_sequence
 from .dtypes import dtype as _dtype
 from .ir import Ir
+from .remote_buffer import remote_buffer
 from .runtime import distributed as _distributed
 from .runtime.session import Session
+from .streams import d2h_stream, h2d_stream
 from .tensor import Tensor, constant, graph_input, graph_output, variable
 from .transforms.autodiff import autodiff
 
@@ -201,7 +204,7 @@ class Trainer:
         self._target_dtype = t.dtype
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
-        with ir.main_graph, _in_sequence():
+        with ir.main_graph, in_sequence(True):
             x_stream = _h2d((micro, *x.shape[1:]), x.dtype, "inputs")
             t_stream = _h2d((micro, *t.shape[1:]), t.dtype, "targets")
             loss_stream = None
@@ -227,7 +230,7 @@ class Trainer:
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
                 for acc, g in zip(accs, grads):
                     ops.var_updates.accumulate_(acc, g)
-                loss_stream = _d2h(loss.shape, loss.dtype, "loss")
+                loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values())
 
@@ -263,7 +266,7 @@ class Trainer:
             elif sharded:
                 state[sname], shards[sname] = _remote.replica_sharded_variable(zeros, dt, name=vname)
             elif self.optimizer_state == "remote":
-                buf = _remote_buffer(zeros.shape, dt)
+                buf = remote_buffer(zeros.shape, dt, 1)
                 state[sname] = _remote.remote_variable(zeros, buf, 0, dt, name=vname)
                 buffers[sname] = buf
             else:
@@ -441,13 +444,13 @@ class InferenceProgram:
         ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        with ir.main_graph, _in_sequence():
+        with ir.main_graph, in_sequence(True):
             x_stream = _h2d((x.shape[0] // R, *x.shape[1:]), x.dtype, "inputs")
             pv = {n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n) for n, p in params.items()}
             bv = {n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n) for n, b in buffers.items()}
             xt = ops.host_load(x_stream, "x")
             y = call_torch(torch.func.functional_call, (self.model, {**pv, **bv}, (xt,)), {})
-            y_stream = _d2h(y.shape, y.dtype, "outputs")
+            y_stream = d2h_stream(y.shape, y.dtype, "outputs")
             ops.host_store(y_stream, y)
         self.ir, self._streams, self._shape = ir, (x_stream, y_stream), (x.shape, x.dtype)
         self.session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
@@ -537,28 +540,8 @@ def _array(x, what: str) -> np.ndarray:
 
 
 def _h2d(shape, np_dtype, name):
-    from .streams import h2d_stream
-
     dt = _dtype.as_dtype(np.dtype(np_dtype))
     if dt.name == "int64":  # host data is downcast to int32 (as PopXL does)
         dt = _dtype.as_dtype("int32")
     return h2d_stream(shape, dt, name)
-
-
-def _d2h(shape, dt, name):
-    from .streams import d2h_stream
-
-    return d2h_stream(shape, dt, name)
-
-
-def _remote_buffer(shape, dt):
-    from .remote_buffer import remote_buffer
-
-    return remote_buffer(shape, dt, 1)
-
-
-def _in_sequence():
-    from .context import in_sequence
-
-    return in_sequence(True)
 

@@ -76,23 +76,22 @@ def _unique(existing: list[_Stream], name: str) -> str:
     raise AssertionError("unreachable")
 
 
-def h2d_stream(shape, dtype, name: str | None = None) -> HostToDeviceStream:
-    """A host-to-device stream (always created in the main graph of the current Ir)."""
+def _new_stream(cls, shape, dtype, name: str | None):
+    """Create a stream of ``cls`` in the current Ir (its main graph), with a unique name."""
     ir = gcg().ir
     ir._check_mutable()
-    all_streams = ir._h2d_streams + ir._d2h_streams
-    s = HostToDeviceStream._create(ir, shape, dtype, _unique(all_streams, name or "h2d_stream"))
-    s._index = len(ir._h2d_streams)
-    ir._h2d_streams.append(s)
+    registry = ir._h2d_streams if cls is HostToDeviceStream else ir._d2h_streams
+    s = cls._create(ir, shape, dtype, _unique(ir._h2d_streams + ir._d2h_streams, name or cls._factory))
+    s._index = len(registry)
+    registry.append(s)
     return s
+
+
+def h2d_stream(shape, dtype, name: str | None = None) -> HostToDeviceStream:
+    """A host-to-device stream (always created in the main graph of the current Ir)."""
+    return _new_stream(HostToDeviceStream, shape, dtype, name)
 
 
 def d2h_stream(shape, dtype, name: str | None = None) -> DeviceToHostStream:
     """A device-to-host stream (always created in the main graph of the current Ir)."""
-    ir = gcg().ir
-    ir._check_mutable()
-    all_streams = ir._h2d_streams + ir._d2h_streams
-    s = DeviceToHostStream._create(ir, shape, dtype, _unique(all_streams, name or "d2h_stream"))
-    s._index = len(ir._d2h_streams)
-    ir._d2h_streams.append(s)
-    return s
+    return _new_stream(DeviceToHostStream, shape, dtype, name)

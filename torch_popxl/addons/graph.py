@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import ops
 from ..graph import Graph, Op
-from ..ops.call import CallSiteInfo
+from ..ops.call import CallSiteInfo, _flatten
 from ..tensor import Tensor
 from .named_tensors import NamedTensors
 
@@ -23,16 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["GraphWithNamedArgs", "BoundGraph"]
 
 TensorMap = Mapping[Tensor, Tensor]
-
-
-def _flatten(xs: Iterable[Any]) -> list[Any]:
-    out: list[Any] = []
-    for x in xs:
-        if isinstance(x, list | tuple):
-            out.extend(_flatten(x))
-        else:
-            out.append(x)
-    return out
 
 
 class BoundGraph:

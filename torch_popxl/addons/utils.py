@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-import numpy as np
+from ..runtime.session import check_host_data
 
 __all__ = ["OrderedDict", "WeightsDict", "timer"]
 
@@ -26,18 +26,7 @@ class WeightsDict(dict):
     """``{Variable: ndarray}`` that checks dtype and ``shape_on_host`` on insertion."""
 
     def __setitem__(self, var, data) -> None:
-        data = np.asarray(data)
-        want = var.dtype.as_numpy()
-        if data.dtype != want:
-            raise TypeError(
-                f"WeightsDict: data for {var.id!r} has dtype {data.dtype}, the variable has dtype "
-                f"{want}. Cast the array first (data.astype(...))."
-            )
-        if tuple(data.shape) != tuple(var.shape_on_host):
-            raise ValueError(
-                f"WeightsDict: data for {var.id!r} has shape {tuple(data.shape)}, the variable "
-                f"expects shape_on_host {tuple(var.shape_on_host)}."
-            )
+        data = check_host_data(var, data, "WeightsDict")
         super().__setitem__(var, data)
 
     def update(self, *args, **kwargs) -> None:  # route through the checks

@@ -414,10 +414,6 @@ def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatO
                     uses[n] = uses.get(n, 0) + 1
 
     count(flat)
-    producer: dict[str, FlatOp] = {}
-    for f in flat:
-        for n in f.outs:
-            producer[n] = f
     return _fold_block(flat, analysis, R, uses)
 
 

@@ -63,6 +63,10 @@ class Session:
             self._host[v.id] = np.array(data, copy=True)
         self._last_run_counters: dict[str, int] | None = None  # traffic of the last run
         ir._sessions += 1
+        # The Ir is frozen from here on: its stream sets are fixed, so compute them once.
+        self._inputs_expected = frozenset(ir.get_all_h2d_streams())
+        self._outputs_expected = frozenset(ir.get_all_d2h_streams())
+        self._outputs_in_order = sorted(self._outputs_expected, key=lambda s: s._index)
         self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(ir, self._torch_device)
         # One PopXL instance per process under torch.distributed (runtime/distributed.py): this
         # session holds the local replicas [offset, offset + R) of the global ones.
@@ -97,7 +101,7 @@ class Session:
         return self._extra_input_dims + tuple(shape)
 
     def expected_inputs(self) -> set[HostToDeviceStream]:
-        return self._ir.get_all_h2d_streams()
+        return set(self._inputs_expected)
 
     # ---- attach / detach ------------------------------------------------------------------
 
@@ -245,17 +249,7 @@ class Session:
                 if v.dtype.name.startswith("float8"):
                     raise TypeError(f"Cannot write a Python number to the float8 variable {v.id!r}.")
                 data = np.array(data, dtype=v.dtype.as_numpy())
-            data = np.asarray(data)
-            if data.dtype != v.dtype.as_numpy():
-                raise TypeError(
-                    f"write_variables_data: data for {v.id!r} has dtype {data.dtype}, the variable has "
-                    f"dtype {v.dtype.as_numpy()}. Convert it first (no implicit cast)."
-                )
-            if tuple(data.shape) != tuple(v.shape_on_host):
-                raise ValueError(
-                    f"write_variables_data: data for {v.id!r} has shape {tuple(data.shape)}, expected "
-                    f"shape_on_host {tuple(v.shape_on_host)}."
-                )
+            data = check_host_data(v, data, "write_variables_data")
             if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
                 raise NotImplementedError(
                     f"Writing the all_replicas variable {v.id!r} (group size > 1) is not supported by "
@@ -273,7 +267,7 @@ class Session:
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
         return {
             s: np.empty(self._full_input_shape(s.shape), dtype=s.dtype.as_numpy())
-            for s in sorted(self._ir.get_all_d2h_streams(), key=lambda s: s._index)
+            for s in self._outputs_in_order
         }
 
     def run(self, inputs: Mapping | None = None, downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
@@ -292,13 +286,13 @@ class Session:
     def _run(self, inputs, outputs, downcast_inputs: bool, verify_outputs: bool) -> None:
         inputs = dict(inputs or {})
         outputs = dict(outputs or {})
-        self._verify_streams(inputs, self._ir.get_all_h2d_streams(), "input")
+        self._verify_streams(inputs, self._inputs_expected, "input")
         if verify_outputs:  # arrays made by create_host_outputs are right by construction
-            self._verify_streams(outputs, self._ir.get_all_d2h_streams(), "output")
+            self._verify_streams(outputs, self._outputs_expected, "output")
             for s, arr in outputs.items():
                 self._verify_shape(s, np.asarray(arr), "output")
         nht = self._ir.num_host_transfers
-        h2d = sorted(self._ir._h2d_streams, key=lambda s: s._index)
+        h2d = self._ir._h2d_streams  # in index order (appended as created)
         ins = [
             self._input_tensor(s, inputs[s], downcast_inputs) if s in inputs else self._unused_input(s)
             for s in h2d
@@ -412,6 +406,23 @@ class Session:
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+def check_host_data(v: Variable, data, who: str) -> np.ndarray:
+    """``data`` as an array for ``v``: the exact numpy dtype (no implicit cast) and
+    ``shape_on_host``, or a TypeError / ValueError naming the variable."""
+    data = np.asarray(data)
+    if data.dtype != v.dtype.as_numpy():
+        raise TypeError(
+            f"{who}: data for {v.id!r} has dtype {data.dtype}, the variable has dtype "
+            f"{v.dtype.as_numpy()}. Convert it first (no implicit cast)."
+        )
+    if tuple(data.shape) != tuple(v.shape_on_host):
+        raise ValueError(
+            f"{who}: data for {v.id!r} has shape {tuple(data.shape)}, expected "
+            f"shape_on_host {tuple(v.shape_on_host)}."
+        )
+    return data
 
 
 def _write_rows(storage: torch.Tensor, rows: torch.Tensor) -> None:

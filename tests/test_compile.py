@@ -157,6 +157,12 @@ def test_state_dict_round_trip_restores_training_exactly():
     assert later_a == later_b
     _assert_same_params(a.model, b.model)
 
+    c = trainer_for(mlp())
+    c.load_state_dict(ckpt)  # before the first step: applied when the program is built
+    later_c = [c.step(x, y) for x, y in batches[2:]]
+    assert later_a == later_c
+    _assert_same_params(a.model, c.model)
+
 
 def test_memory_report_shows_sharding_and_offchip_savings_and_matches_allocations():
     def build(rts, state):

@@ -191,6 +191,7 @@ class Trainer:
         self.session: Session | None = None
         self._shapes = None
         self._dirty = False
+        self._pending: dict[str, Any] | None = None  # load_state_dict before the first step
         _install_lazy_sync(model, self)
 
     # ---- building -------------------------------------------------------------------------
@@ -242,6 +243,9 @@ class Trainer:
         self._shapes = (x.shape, x.dtype, t.shape, t.dtype)
         self.session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
         self.session.__enter__()
+        if self._pending is not None:  # a checkpoint loaded before the program existed
+            state, self._pending = self._pending, None
+            self.load_state_dict(state)
 
     def _make_slot(self, name: str, p: torch.nn.Parameter) -> _Slot:
         from . import remote as _remote
@@ -404,7 +408,7 @@ class Trainer:
         if "model" not in state or "optimizer" not in state:
             raise ValueError("load_state_dict expects the dict returned by Trainer.state_dict().")
         self.model.load_state_dict(state["model"])
-        if self.session is None:
+        if self.session is None:  # applied when the first step builds the program
             self._pending = state
             return
         writes = {}

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
-from .context import gcg
+from .context import current_ipu, current_tile_set, gcg
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -111,8 +111,6 @@ class Tensor:
         t._fake = fake
         t._dtype = _dtypes.dtype.as_dtype(fake.dtype)
         t._meta_shape = tuple(int(s) for s in meta_shape)
-        from .context import current_ipu, current_tile_set
-
         t._ipu = current_ipu()
         t._tile_set = current_tile_set()
         for k, v in extra.items():

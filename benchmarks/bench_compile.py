@@ -39,7 +39,7 @@ def main(repeats: int = 10) -> dict[str, float]:
 
     def eager_schedule():
         opt.zero_grad()
-        for xc, yc in zip(xt.split(R * MICRO), yt.split(R * MICRO)):
+        for xc, yc in zip(xt.split(R * MICRO), yt.split(R * MICRO), strict=True):
             (torch.nn.functional.cross_entropy(eager_model(xc), yc) / GA).backward()
         opt.step()
 

@@ -34,7 +34,7 @@ def build(model: torch.nn.Module):
 def main(repeats: int = 30) -> float:
     torch.manual_seed(0)
     layers = []
-    for a, b in zip(SIZES[:-1], SIZES[1:]):
+    for a, b in zip(SIZES[:-1], SIZES[1:], strict=True):
         layers += [torch.nn.Linear(a, b), torch.nn.GELU()]
     model = torch.nn.Sequential(*layers[:-1])
     ir, x_stream, y_stream = build(model)

@@ -42,9 +42,11 @@ def build(w_init):
         fwd = ir.create_graph(net, popxl.TensorSpec((MICRO, SIZES[0]), popxl.float32), *ws)
         bwd = autodiff(fwd, grads_provided=fwd.outputs[:1], grads_required=list(fwd.inputs[1:]))
         info = ops.call_with_info(fwd, ops.host_load(xs), *ws)
-        loss, dy = ops.nll_loss_with_softmax_grad(ops.softmax(info.outputs[0], axis=1), ops.host_load(ls))
+        loss, dy = ops.nll_loss_with_softmax_grad(
+            ops.softmax(info.outputs[0], axis=1), ops.host_load(ls)
+        )
         grads = ops.call(bwd.graph, dy, inputs_dict=bwd.inputs_dict(info))
-        for w, g in zip(ws, grads):
+        for w, g in zip(ws, grads, strict=True):
             ops.scaled_add_(w, ops.collectives.replicated_all_reduce(g, op="mean"), b=-LR)
         out = popxl.d2h_stream(loss.shape, loss.dtype, "loss")
         ops.host_store(out, loss)
@@ -53,7 +55,10 @@ def build(w_init):
 
 def main(repeats: int = 20) -> float:
     rng = np.random.default_rng(0)
-    w_init = [rng.normal(size=(a, b)).astype(np.float32) * 0.05 for a, b in zip(SIZES[:-1], SIZES[1:])]
+    w_init = [
+        rng.normal(size=(a, b)).astype(np.float32) * 0.05
+        for a, b in zip(SIZES[:-1], SIZES[1:], strict=True)
+    ]
     x = rng.normal(size=(R * MICRO, SIZES[0])).astype(np.float32)
     y = rng.integers(0, 10, size=R * MICRO).astype(np.int32)
     ir, xs, ls = build(w_init)

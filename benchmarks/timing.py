@@ -7,7 +7,9 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3
+) -> dict[str, float]:
     """Median seconds per call of each function, measured round-robin."""
     for fn in fns.values():
         for _ in range(warmup):

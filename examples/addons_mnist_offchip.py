@@ -240,7 +240,7 @@ def remote_step(var: popxl.Tensor, grad: popxl.Tensor, optimizer: addons.Module,
     state = facts.init_remote(buffers)
     # load remote variables: remote buffer -> device memory
     loaded_state = opt_load.call(0)
-    state = NamedTensors.from_dict(dict(zip(names, loaded_state)))
+    state = NamedTensors.from_dict(dict(zip(names, loaded_state, strict=True)))
 
     # bind optimizer to loaded vars and call optimizer
     opt_graph.bind(state).call(var, grad)
@@ -351,7 +351,7 @@ def train_program(opts, executor: str = "fast"):
                 sharded_vars = variables
 
             # ----- Optimizer  -----
-            grads_dict = dict(zip(sharded_vars.tensors, grads))
+            grads_dict = dict(zip(sharded_vars.tensors, grads, strict=True))
             optimizer = Adam(cache=True)
             # the optimizer step will update the shards in place (sharded vars are TensorByRef inputs)
             optimizer_step(sharded_vars, grads_dict, optimizer, counter, opts)
@@ -498,7 +498,7 @@ def main(argv=None) -> float:
                 ).squeeze()
 
                 inputs: Mapping[popxl.HostToDeviceStream, np.ndarray] = dict(
-                    zip(train_input_streams, [data.squeeze().float(), labels.int()])
+                    zip(train_input_streams, [data.squeeze().float(), labels.int()], strict=True)
                 )
                 loss = train_session.run(inputs)
                 losses_np = loss[
@@ -539,7 +539,9 @@ def main(argv=None) -> float:
     sum_acc = 0.0
     with test_session:
         for data, labels in tqdm(test_data, total=nr_batches):
-            inputs = dict(zip(test_input_streams, [data.squeeze().float(), labels.int()]))
+            inputs = dict(
+                zip(test_input_streams, [data.squeeze().float(), labels.int()], strict=True)
+            )
             output = test_session.run(inputs)
             sum_acc += accuracy(output[out_stream], labels)
     test_accuracy = sum_acc / len(test_data)

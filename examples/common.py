@@ -54,7 +54,9 @@ def mnist_root(data_dir: str | None = None, download: bool = False) -> Path:
         return cache
     raise FileNotFoundError(
         "MNIST not found. Either pass --data-dir (or set $TORCH_POPXL_MNIST_DIR) to a directory "
-        "holding the four files " + ", ".join(f + ".gz" for f in _FILES) + ", or run on a connected "
+        "holding the four files "
+        + ", ".join(f + ".gz" for f in _FILES)
+        + ", or run on a connected "
         "machine with --download to let torchvision fetch them."
     )
 

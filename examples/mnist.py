@@ -26,7 +26,9 @@ class Linear(popxl.Module):
         self.W: popxl.Tensor | None = None
         self.b: popxl.Tensor | None = None
 
-    def build(self, x: popxl.Tensor, out_features: int, bias: bool = True, gelu: bool = True) -> popxl.Tensor:
+    def build(
+        self, x: popxl.Tensor, out_features: int, bias: bool = True, gelu: bool = True
+    ) -> popxl.Tensor:
         self.W = popxl.graph_input((x.shape[-1], out_features), popxl.float32, "W")
         y = x @ self.W
         if bias:
@@ -48,12 +50,16 @@ def create_network_fwd_graph(ir: popxl.Ir, x: popxl.Tensor):
 
     linear_0 = Linear()
     linear_graph_0 = ir.create_graph(linear_0, x, out_features=32)
-    fwd_call_info_0 = ops.call_with_info(linear_graph_0, x, inputs_dict={linear_0.W: W0, linear_0.b: b0})
+    fwd_call_info_0 = ops.call_with_info(
+        linear_graph_0, x, inputs_dict={linear_0.W: W0, linear_0.b: b0}
+    )
     x1 = fwd_call_info_0.outputs[0]
 
     linear_1 = Linear()
     linear_graph_1 = ir.create_graph(linear_1, x1, out_features=10, gelu=False)
-    fwd_call_info_1 = ops.call_with_info(linear_graph_1, x1, inputs_dict={linear_1.W: W1, linear_1.b: b1})
+    fwd_call_info_1 = ops.call_with_info(
+        linear_graph_1, x1, inputs_dict={linear_1.W: W1, linear_1.b: b1}
+    )
     y = fwd_call_info_1.outputs[0]
 
     variables = {"W0": W0, "b0": b0, "W1": W1, "b1": b1}
@@ -71,7 +77,9 @@ def calculate_grads(dy, variables, x1, graphs, call_infos):
     bwd_graph_info_1 = transforms.autodiff(linear_graph_1)
     activations_1 = bwd_graph_info_1.inputs_dict(fwd_call_info_1)
     grads_1_call_info = ops.call_with_info(bwd_graph_info_1.graph, dy, inputs_dict=activations_1)
-    grads_1 = bwd_graph_info_1.fwd_parent_ins_to_grad_parent_outs(fwd_call_info_1, grads_1_call_info)
+    grads_1 = bwd_graph_info_1.fwd_parent_ins_to_grad_parent_outs(
+        fwd_call_info_1, grads_1_call_info
+    )
     grad_x_1 = grads_1[x1]
 
     # Layer 0: only the weight and bias gradients, returned directly by the call.
@@ -80,7 +88,12 @@ def calculate_grads(dy, variables, x1, graphs, call_infos):
     activations_0 = bwd_graph_info_0.inputs_dict(fwd_call_info_0)
     grad_w_0, grad_b_0 = ops.call(bwd_graph_info_0.graph, grad_x_1, inputs_dict=activations_0)
 
-    return {"W0": grad_w_0, "b0": grad_b_0, "W1": grads_1[variables["W1"]], "b1": grads_1[variables["b1"]]}
+    return {
+        "W0": grad_w_0,
+        "b0": grad_b_0,
+        "W1": grads_1[variables["W1"]],
+        "b1": grads_1[variables["b1"]],
+    }
 
 
 def build_train_ir(batch_size: int, lr: float):
@@ -115,7 +128,9 @@ def build_test_ir(batch_size: int):
 
 
 def train(args, x_train, y_train) -> dict:
-    ir, (img_stream, label_stream), variables, loss_stream = build_train_ir(args.batch_size, args.lr)
+    ir, (img_stream, label_stream), variables, loss_stream = build_train_ir(
+        args.batch_size, args.lr
+    )
     session = popxl.Session(ir, "ipu_hw")
     num_batches = len(x_train) // args.batch_size
     if args.max_steps:
@@ -124,7 +139,9 @@ def train(args, x_train, y_train) -> dict:
     with session:
         for epoch in range(args.epochs):
             order = np.random.default_rng(epoch).permutation(len(x_train))
-            bar = tqdm(range(num_batches), desc=f"epoch {epoch}", disable=args.quiet, mininterval=1.0)
+            bar = tqdm(
+                range(num_batches), desc=f"epoch {epoch}", disable=args.quiet, mininterval=1.0
+            )
             for i in bar:
                 idx = order[i * args.batch_size : (i + 1) * args.batch_size]
                 out = session.run({img_stream: images[idx], label_stream: y_train[idx]})
@@ -156,7 +173,9 @@ def main(argv=None) -> float:
     parser.add_argument("--test-batch-size", type=int, default=80)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--max-steps", type=int, default=0, help="limit training steps per epoch (0: all)")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="limit training steps per epoch (0: all)"
+    )
     parser.add_argument("--data-dir", default=None, help="directory with the four MNIST .gz files")
     parser.add_argument("--download", action="store_true", help="download MNIST with torchvision")
     parser.add_argument("--quiet", action="store_true")

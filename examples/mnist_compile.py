@@ -35,11 +35,18 @@ def main(argv=None) -> float:
     parser.add_argument("--replication-factor", type=int, default=4)
     parser.add_argument("--gradient-accumulation", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--rts-threshold", type=int, default=512, help="shard optimizer state with >= this many elements (0: off)")
+    parser.add_argument(
+        "--rts-threshold",
+        type=int,
+        default=512,
+        help="shard optimizer state with >= this many elements (0: off)",
+    )
     parser.add_argument("--optimizer-state", choices=("on_chip", "remote"), default="remote")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=0, help="limit optimizer steps per epoch (0: all)")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="limit optimizer steps per epoch (0: all)"
+    )
     parser.add_argument("--data-dir", default=None, help="directory with the four MNIST .gz files")
     parser.add_argument("--download", action="store_true", help="download MNIST with torchvision")
     parser.add_argument("--device", default="cpu")
@@ -77,7 +84,9 @@ def main(argv=None) -> float:
     with torch.no_grad():
         logits = model(torch.from_numpy(x_test))
     acc = float((logits.argmax(-1).numpy() == y_test).mean())
-    print(f"test accuracy: {acc * 100:.2f}%  ({train_s:.1f} s training, {steps * args.epochs} steps of {batch} samples)")
+    print(
+        f"test accuracy: {acc * 100:.2f}%  ({train_s:.1f} s training, {steps * args.epochs} steps of {batch} samples)"
+    )
     print(trainer.memory_report())
     return acc
 

@@ -69,10 +69,14 @@ def create_network(ir: popxl.Ir, x: popxl.Tensor, sharded: bool):
     }  # fmt: skip
     layer0, layer1 = Linear(), Linear()
     graph0 = ir.create_graph(layer0, x, out_features=32)
-    info0 = ops.call_with_info(graph0, x, inputs_dict={layer0.W: params["W0"].full, layer0.b: params["b0"].full})
+    info0 = ops.call_with_info(
+        graph0, x, inputs_dict={layer0.W: params["W0"].full, layer0.b: params["b0"].full}
+    )
     x1 = info0.outputs[0]
     graph1 = ir.create_graph(layer1, x1, out_features=10, gelu=False)
-    info1 = ops.call_with_info(graph1, x1, inputs_dict={layer1.W: params["W1"].full, layer1.b: params["b1"].full})
+    info1 = ops.call_with_info(
+        graph1, x1, inputs_dict={layer1.W: params["W1"].full, layer1.b: params["b1"].full}
+    )
     return params, x1, info1.outputs[0], (graph0, graph1), (info0, info1)
 
 
@@ -84,12 +88,19 @@ def train_step(ir, params, x1, dy, graphs, infos, lr: float, replicas: int) -> N
     grads1 = bwd1.fwd_parent_ins_to_grad_parent_outs(info1, call1)
     bwd0 = transforms.autodiff(graph0, grads_required=list(graph0.inputs[1:]))
     grad_w0, grad_b0 = ops.call(bwd0.graph, grads1[x1], inputs_dict=bwd0.inputs_dict(info0))
-    grads = {"W0": grad_w0, "b0": grad_b0, "W1": grads1[params["W1"].full], "b1": grads1[params["b1"].full]}
+    grads = {
+        "W0": grad_w0,
+        "b0": grad_b0,
+        "W1": grads1[params["W1"].full],
+        "b1": grads1[params["b1"].full],
+    }
     for name, p in params.items():
         g = grads[name]
         if p.shards is not None:
             # Mean over replicas, scattered so each replica gets the gradient of its shard.
-            g = ops.collectives.replicated_reduce_scatter(g, "mean", configure_output_for_replicated_tensor_sharding=True)
+            g = ops.collectives.replicated_reduce_scatter(
+                g, "mean", configure_output_for_replicated_tensor_sharding=True
+            )
             ops.scaled_add_(p.shards, g, b=-lr)
             if p.remote_buffer is not None:
                 ops.remote_store(p.remote_buffer, 0, p.shards)
@@ -118,7 +129,9 @@ def build_test_ir(batch_size: int, replicas: int):
     ir = popxl.Ir(replication=replicas)
     with ir.main_graph, popxl.in_sequence():
         img_stream = popxl.h2d_stream((batch_size, 28, 28), popxl.float32, "image")
-        params, _, y, _, _ = create_network(ir, ops.host_load(img_stream, "x"), sharded=replicas > 1)
+        params, _, y, _, _ = create_network(
+            ir, ops.host_load(img_stream, "x"), sharded=replicas > 1
+        )
         out_stream = popxl.d2h_stream(y.shape, y.dtype, "outputs")
         ops.host_store(out_stream, y)
     return ir, img_stream, params, out_stream
@@ -129,13 +142,17 @@ def _replicated(a: np.ndarray, replicas: int) -> np.ndarray:
 
 
 def main(argv=None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replication-factor", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per replica")
     parser.add_argument("--test-batch-size", type=int, default=80)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--max-steps", type=int, default=0, help="limit training steps (0: a full epoch)")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="limit training steps (0: a full epoch)"
+    )
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--download", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -146,7 +163,9 @@ def main(argv=None) -> float:
     global_batch = args.batch_size * R
     start = time.time()
 
-    ir, (img_stream, label_stream), params, loss_stream = build_train_ir(args.batch_size, R, args.lr)
+    ir, (img_stream, label_stream), params, loss_stream = build_train_ir(
+        args.batch_size, R, args.lr
+    )
     session = popxl.Session(ir, "ipu_hw")
     steps = len(x_train) // global_batch
     if args.max_steps:
@@ -157,7 +176,12 @@ def main(argv=None) -> float:
             bar = tqdm(range(steps), desc=f"epoch {epoch}", disable=args.quiet, mininterval=1.0)
             for i in bar:
                 idx = order[i * global_batch : (i + 1) * global_batch]
-                out = session.run({img_stream: _replicated(images[idx], R), label_stream: _replicated(y_train[idx], R)})
+                out = session.run(
+                    {
+                        img_stream: _replicated(images[idx], R),
+                        label_stream: _replicated(y_train[idx], R),
+                    }
+                )
                 if i % 100 == 0:
                     bar.set_postfix(loss=f"{float(np.mean(out[loss_stream])):.4f}")
         trained = session.get_tensors_data([p.var for p in params.values()])
@@ -166,7 +190,9 @@ def main(argv=None) -> float:
     test_global = args.test_batch_size * R
     test_ir, test_stream, test_params, out_stream = build_test_ir(args.test_batch_size, R)
     test_session = popxl.Session(test_ir, "ipu_hw")
-    test_session.write_variables_data({test_params[n].var: trained[p.var] for n, p in params.items()})
+    test_session.write_variables_data(
+        {test_params[n].var: trained[p.var] for n, p in params.items()}
+    )
     correct = total = 0
     with test_session:
         for i in range(len(x_test) // test_global):

@@ -55,7 +55,9 @@ def run_row(threshold, state, x, y, steps: int) -> dict:
         "modeled_samples_per_s": batch / report.estimated_step_time_s,
         "on_chip_bytes": report.on_chip_bytes,
         "streaming_bytes": report.streaming_bytes,
-        "collective_bytes": traffic["all_reduce"] + traffic["all_gather"] + traffic["reduce_scatter"],
+        "collective_bytes": traffic["all_reduce"]
+        + traffic["all_gather"]
+        + traffic["reduce_scatter"],
         "streaming_traffic_bytes": traffic["remote_load"] + traffic["remote_store"],
     }
 
@@ -93,7 +95,9 @@ def chart(results, path: Path) -> None:
     ax2.set_ylabel("samples/s (cost model)")
     ax2.set_title("Modeled device throughput")
     for ax in (ax1, ax2):
-        ax.set_xticks(pos, [n.replace(" related to", "\nrelated to") for n in names], fontsize=8, rotation=15)
+        ax.set_xticks(
+            pos, [n.replace(" related to", "\nrelated to") for n in names], fontsize=8, rotation=15
+        )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -102,7 +106,10 @@ def chart(results, path: Path) -> None:
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per row")
-    parser.add_argument("--chart", default=str(Path(__file__).resolve().parent.parent / "out" / "sharding_study.png"))
+    parser.add_argument(
+        "--chart",
+        default=str(Path(__file__).resolve().parent.parent / "out" / "sharding_study.png"),
+    )
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--download", action="store_true")
     args = parser.parse_args(argv)

@@ -75,7 +75,7 @@ def test_autodiff_grads_match_torch_autograd(case, executor):
     got, _ = _grad_program(fn, arrays, seed, executor)
     want_y, want_grads = _torch_grads(fn, arrays, seed)
     np.testing.assert_allclose(got[0], want_y, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1:], want_grads):
+    for g, w in zip(got[1:], want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
@@ -282,5 +282,7 @@ def test_sgd_steps_match_torch_training(executor):
         logits = torch.relu(torch.tensor(xs[i]) @ params[0] + params[1]) @ params[2]
         torch.nn.functional.cross_entropy(logits, torch.tensor(labels[i]).long()).backward()
         opt.step()
-    for v, p in zip((W0, B0, W1), params):
-        np.testing.assert_allclose(session.get_tensor_data(v), p.detach().numpy(), rtol=1e-4, atol=1e-5)
+    for v, p in zip((W0, B0, W1), params, strict=True):
+        np.testing.assert_allclose(
+            session.get_tensor_data(v), p.detach().numpy(), rtol=1e-4, atol=1e-5
+        )

@@ -21,7 +21,9 @@ class TinyTransformerBlock(torch.nn.Module):
         super().__init__()
         self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
         self.norm1 = torch.nn.LayerNorm(d)
-        self.ff = torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d))
+        self.ff = torch.nn.Sequential(
+            torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)
+        )
         self.norm2 = torch.nn.LayerNorm(d)
         self.head = torch.nn.Linear(d, classes)
 
@@ -62,8 +64,10 @@ def _eager_steps(model, opt, batches, R, GA):
         opt.zero_grad()
         chunks = R * GA
         total = 0.0
-        for xc, yc in zip(np.split(x, chunks), np.split(y, chunks)):
-            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(xc)), torch.from_numpy(yc))
+        for xc, yc in zip(np.split(x, chunks), np.split(y, chunks), strict=True):
+            loss = torch.nn.functional.cross_entropy(
+                model(torch.from_numpy(xc)), torch.from_numpy(yc)
+            )
             (loss / chunks).backward()
             total += loss.item() / chunks
         opt.step()
@@ -72,8 +76,10 @@ def _eager_steps(model, opt, batches, R, GA):
 
 
 def _assert_same_params(trained, ref):
-    for (n, p), (_, q) in zip(trained.named_parameters(), ref.named_parameters()):
-        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n)
+    for (n, p), (_, q) in zip(trained.named_parameters(), ref.named_parameters(), strict=True):
+        np.testing.assert_allclose(
+            p.detach().numpy(), q.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n
+        )
 
 
 def _parity(kind, R, GA, rts, state, make_opt, steps=3, batch=16):
@@ -112,7 +118,15 @@ OPTIMIZER_FOR = {"mlp": adam, "cnn": adam, "transformer": sgd_momentum}
 @pytest.mark.parametrize("R,GA,rts,state", LAYOUTS)
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
 def test_model_matches_eager_for_every_layout(kind, R, GA, rts, state):
-    _parity(kind, R, GA, rts, state, OPTIMIZER_FOR[kind], batch=16 if kind != "transformer" else 8 * max(R, 1))
+    _parity(
+        kind,
+        R,
+        GA,
+        rts,
+        state,
+        OPTIMIZER_FOR[kind],
+        batch=16 if kind != "transformer" else 8 * max(R, 1),
+    )
 
 
 @pytest.mark.parametrize("GA", [1, 2])
@@ -173,7 +187,11 @@ def test_memory_report_shows_sharding_and_offchip_savings_and_matches_allocation
         t.step(*_batches("mlp", 1, 16)[0])
         return t, t.memory_report()
 
-    (_, on_chip), (t_sharded, sharded), (t_off, offchip) = build(False, "on_chip"), build(True, "on_chip"), build(True, "remote")
+    (_, on_chip), (t_sharded, sharded), (t_off, offchip) = (
+        build(False, "on_chip"),
+        build(True, "on_chip"),
+        build(True, "remote"),
+    )
     assert sharded.on_chip_bytes < on_chip.on_chip_bytes
     assert offchip.on_chip_bytes < sharded.on_chip_bytes
     assert offchip.streaming_bytes > 0 and on_chip.streaming_bytes == 0
@@ -191,23 +209,38 @@ def test_inference_program_matches_eager_and_splits_over_replicas():
     x = np.random.default_rng(0).normal(size=(8, 12)).astype(np.float32)
     for R in (1, 4):
         out = popxl.compile(model, replication_factor=R)(x)
-        np.testing.assert_allclose(out.numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            out.numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_bad_input_gives_clear_errors():
     model = mlp()
     with pytest.raises(TypeError, match="SGD, Adam and AdamW"):
-        popxl.compile(model, torch.nn.functional.cross_entropy, torch.optim.RMSprop(model.parameters()))
+        popxl.compile(
+            model, torch.nn.functional.cross_entropy, torch.optim.RMSprop(model.parameters())
+        )
     with pytest.raises(ValueError, match="optimizer_state"):
-        popxl.compile(model, torch.nn.functional.cross_entropy, adam(model.parameters()), optimizer_state="disk")
+        popxl.compile(
+            model,
+            torch.nn.functional.cross_entropy,
+            adam(model.parameters()),
+            optimizer_state="disk",
+        )
     with pytest.raises(ValueError, match="both loss_fn and optimizer"):
         popxl.compile(model, torch.nn.functional.cross_entropy)
     with pytest.raises(ValueError, match="amsgrad"):
-        popxl.compile(model, torch.nn.functional.cross_entropy, torch.optim.Adam(model.parameters(), amsgrad=True))
+        popxl.compile(
+            model,
+            torch.nn.functional.cross_entropy,
+            torch.optim.Adam(model.parameters(), amsgrad=True),
+        )
     t = popxl.compile(model, torch.nn.functional.cross_entropy, adam(model.parameters()),
                       replication_factor=2, gradient_accumulation=4)  # fmt: skip
     x, y = _batches("mlp", 1, 12)[0]
-    with pytest.raises(ValueError, match="multiple of replication_factor \\* gradient_accumulation = 2 \\* 4 = 8"):
+    with pytest.raises(
+        ValueError, match="multiple of replication_factor \\* gradient_accumulation = 2 \\* 4 = 8"
+    ):
         t.step(x, y)
 
     class DataDependent(torch.nn.Module):

@@ -346,7 +346,11 @@ def launches(tmp_path_factory):
     """Start every torchrun job at once; wait for all within LAUNCH_BUDGET_S."""
     root = tmp_path_factory.mktemp("distributed")
     # A generous timeout for the jobs that must succeed: ten processes share two cores here.
-    base = {"TORCH_POPXL_REPLICATION_FACTOR": str(R), "OMP_NUM_THREADS": "1", "TORCH_POPXL_DIST_TIMEOUT_S": "180"}
+    base = {
+        "TORCH_POPXL_REPLICATION_FACTOR": str(R),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_POPXL_DIST_TIMEOUT_S": "180",
+    }
     fail = {
         "TORCH_POPXL_REPLICATION_FACTOR": "2",
         "TORCH_POPXL_DIST_TIMEOUT_S": str(FAIL_TIMEOUT_S),

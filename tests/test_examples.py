@@ -42,9 +42,16 @@ def test_sharding_study_modeled_throughput_follows_the_seed_ordering(tmp_path):
 _NO_CLI = {"common.py", "addons_remote_buffer.py"}
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in _NO_CLI))
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in _NO_CLI)
+)
 def test_every_example_has_help(script):
-    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout.lower()
 
@@ -53,8 +60,12 @@ def test_seed000_replicated_rts_mnist_matches_single_replica_accuracy():
     """Seed 000: R=2 x batch 4 gives accuracy similar to R=1 x batch 8 (same global batch)."""
     import mnist_rts
 
-    rts = mnist_rts.main(["--quiet", "--replication-factor", "2", "--batch-size", "4", "--max-steps", "1200"])
-    plain = mnist_rts.main(["--quiet", "--replication-factor", "1", "--batch-size", "8", "--max-steps", "1200"])
+    rts = mnist_rts.main(
+        ["--quiet", "--replication-factor", "2", "--batch-size", "4", "--max-steps", "1200"]
+    )
+    plain = mnist_rts.main(
+        ["--quiet", "--replication-factor", "1", "--batch-size", "8", "--max-steps", "1200"]
+    )
     assert rts >= 0.88 and plain >= 0.88
     assert abs(rts - plain) < 0.01
 

@@ -37,7 +37,10 @@ def test_dropout_zeroes_about_p_and_scales_the_rest(executor):
     np.testing.assert_allclose(y[kept], 1 / 0.75, rtol=1e-6)
     assert 0.70 < kept.mean() < 0.80  # binomial(4000, 0.75): 5 sigma is about +-0.034
     with pytest.raises(ValueError, match="dropout probability"):
-        _run(lambda: {"y": _store(ops.dropout(popxl.variable(np.ones(2, np.float32)), None, p=1.0))}, executor)
+        _run(
+            lambda: {"y": _store(ops.dropout(popxl.variable(np.ones(2, np.float32)), None, p=1.0))},
+            executor,
+        )
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -75,7 +78,10 @@ def test_init_ipu_copy_lamb_square_and_sparse_accumulate(executor):
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_print_tensor_prints_each_replica_and_passes_the_value_through(executor, capsys):
     def build():
-        x = popxl.variable(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), replica_grouping=popxl.gcg().ir.replica_grouping(1, 1))
+        x = popxl.variable(
+            np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+            replica_grouping=popxl.gcg().ir.replica_grouping(1, 1),
+        )
         y = ops.print_tensor(x, "x_value") * 2.0
         return {"y": _store(y)}
 

@@ -39,7 +39,9 @@ def test_grouped_variable_initialises_each_replica_from_its_group_row(stride, gr
         out = session.run()[s]
     assert out.shape == (8, 1)
     np.testing.assert_array_equal(out[:, 0], rg.assignment if rg.num_groups > 1 else np.zeros(8))
-    assert v.shape == (1,) and v.shape_on_host == ((rg.num_groups, 1) if rg.num_groups > 1 else (1,))
+    assert v.shape == (1,) and v.shape_on_host == (
+        (rg.num_groups, 1) if rg.num_groups > 1 else (1,)
+    )
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -47,7 +49,9 @@ def test_all_gather_new_axis_per_replica_values(executor):
     """Spec §11.5: x_r = [r], new_axis gathers; (S=2,G=2) gives r0 [[0],[2]], r5 [[5],[7]]."""
     ir = popxl.Ir(replication=8)
     with ir.main_graph:
-        x = popxl.variable(np.arange(8, dtype=np.float32)[:, None], replica_grouping=ir.replica_grouping(1, 1))
+        x = popxl.variable(
+            np.arange(8, dtype=np.float32)[:, None], replica_grouping=ir.replica_grouping(1, 1)
+        )
         streams = {
             (s, g): _store(ops.collectives.replicated_all_gather(
                 x, group=ir.replica_grouping(s, g), output_shape="new_axis"))
@@ -141,13 +145,15 @@ def _mlp_program(R: int, micro: int, w_init, lr: float, executor: str):
                     h = torch.nn.functional.gelu(h)
             return h
 
-        fwd = ir.create_graph(net, popxl.TensorSpec((micro, w_init[0].shape[0]), popxl.float32), *ws)
+        fwd = ir.create_graph(
+            net, popxl.TensorSpec((micro, w_init[0].shape[0]), popxl.float32), *ws
+        )
         bwd = autodiff(fwd, grads_provided=fwd.outputs[:1], grads_required=list(fwd.inputs[1:]))
         info = ops.call_with_info(fwd, ops.host_load(xs), *ws)
         labels = ops.host_load(ls)
         loss, dy = ops.nll_loss_with_softmax_grad(ops.softmax(info.outputs[0], axis=1), labels)
         grads = ops.call(bwd.graph, dy, inputs_dict=bwd.inputs_dict(info))
-        for w, g in zip(ws, grads):
+        for w, g in zip(ws, grads, strict=True):
             g = ops.collectives.replicated_all_reduce(g, op="mean")
             ops.scaled_add_(w, g, b=-lr)
         _store(loss)
@@ -159,7 +165,10 @@ def test_data_parallel_step_matches_single_replica_on_concatenated_batch(executo
     """R=4 replicas x micro-batch 8 with mean all-reduce == 1 replica on the batch of 32."""
     rng = np.random.default_rng(0)
     sizes = (12, 16, 16, 5)
-    w_init = [rng.normal(size=(a, b)).astype(np.float32) * 0.3 for a, b in zip(sizes[:-1], sizes[1:])]
+    w_init = [
+        rng.normal(size=(a, b)).astype(np.float32) * 0.3
+        for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
     x = rng.normal(size=(3, 32, 12)).astype(np.float32)
     y = rng.integers(0, 5, size=(3, 32)).astype(np.int32)
     results = []
@@ -172,5 +181,5 @@ def test_data_parallel_step_matches_single_replica_on_concatenated_batch(executo
                 session.run({xs: xb, ls: yb})
             results.append([session.get_tensor_data(w) for w in ws])
     # Sum order differs (per-replica partial sums), so allow float32 rounding.
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

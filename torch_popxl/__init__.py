@@ -6,7 +6,17 @@ replicated tensor sharding and remote buffers.
 """
 
 from . import dtypes
-from .context import gcg, get_current_context, get_main_graph, gir, gmg, in_sequence, io_tiles, ipu, name_scope
+from .context import (
+    gcg,
+    get_current_context,
+    get_main_graph,
+    gir,
+    gmg,
+    in_sequence,
+    io_tiles,
+    ipu,
+    name_scope,
+)
 from .dtypes import (
     bool,
     complex64,
@@ -36,7 +46,17 @@ from .module import Module
 from .remote_buffer import RemoteBuffer, remote_buffer
 from .replica_grouping import ReplicaGrouping
 from .streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
-from .tensor import Constant, Tensor, TensorByRef, TensorSpec, Variable, constant, graph_input, graph_output, variable
+from .tensor import (
+    Constant,
+    Tensor,
+    TensorByRef,
+    TensorSpec,
+    Variable,
+    constant,
+    graph_input,
+    graph_output,
+    variable,
+)
 from . import ops, transforms  # noqa: E402  (ops import the classes above)
 from .runtime.session import Session  # noqa: E402
 from .compile import InferenceProgram, Trainer, compile  # noqa: E402

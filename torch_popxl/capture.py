@@ -230,4 +230,3 @@ def call_torch(func, args, kwargs) -> Any:
     with record_into(graph):
         result = func(*fargs, **fkwargs)
     return pytree.tree_map(lambda x: _from_fake(graph, x), result)
-

@@ -65,7 +65,9 @@ class _Hyper:
         return ("exp_avg", "exp_avg_sq")
 
 
-def _hyper_for_groups(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> dict[str, _Hyper]:
+def _hyper_for_groups(
+    optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
+) -> dict[str, _Hyper]:
     by_id = {id(p): n for n, p in params.items()}
     out: dict[str, _Hyper] = {}
     for group in optimizer.param_groups:
@@ -79,7 +81,9 @@ def _hyper_for_groups(optimizer: torch.optim.Optimizer, params: dict[str, torch.
             out[by_id[id(p)]] = hyper
     missing = [n for n in params if n not in out]
     if missing:
-        raise ValueError(f"popxl.compile: parameters {missing} are not in the optimizer; they would never train.")
+        raise ValueError(
+            f"popxl.compile: parameters {missing} are not in the optimizer; they would never train."
+        )
     return out
 
 
@@ -97,15 +101,26 @@ def _hyper(optimizer, group) -> _Hyper:
     lr = float(group["lr"])
     if kind == "sgd":
         if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch).")
+            raise ValueError(
+                "Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch)."
+            )
         if group.get("maximize"):
             raise ValueError("popxl.compile does not support maximize=True.")
         return _Hyper("sgd", lr, float(group["weight_decay"]), float(group["momentum"]),
                       float(group["dampening"]), bool(group["nesterov"]))  # fmt: skip
     if group.get("amsgrad") or group.get("maximize"):
-        raise ValueError("popxl.compile does not support amsgrad=True or maximize=True for Adam/AdamW.")
+        raise ValueError(
+            "popxl.compile does not support amsgrad=True or maximize=True for Adam/AdamW."
+        )
     b1, b2 = group["betas"]
-    return _Hyper(kind, lr, float(group["weight_decay"]), beta1=float(b1), beta2=float(b2), eps=float(group["eps"]))
+    return _Hyper(
+        kind,
+        lr,
+        float(group["weight_decay"]),
+        beta1=float(b1),
+        beta2=float(b2),
+        eps=float(group["eps"]),
+    )
 
 
 def _sgd_update(p, g, step, *state, h: _Hyper):
@@ -170,11 +185,17 @@ class Trainer:
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
-            raise ValueError(f"optimizer_state must be 'on_chip' or 'remote'; got {optimizer_state!r}.")
+            raise ValueError(
+                f"optimizer_state must be 'on_chip' or 'remote'; got {optimizer_state!r}."
+            )
         if rts_threshold is not None and (not isinstance(rts_threshold, int) or rts_threshold < 1):
-            raise ValueError(f"rts_threshold must be a positive int or None; got {rts_threshold!r}.")
+            raise ValueError(
+                f"rts_threshold must be a positive int or None; got {rts_threshold!r}."
+            )
         if not callable(loss_fn):
-            raise TypeError("popxl.compile: loss_fn must be callable as loss_fn(output, target) -> scalar.")
+            raise TypeError(
+                "popxl.compile: loss_fn must be callable as loss_fn(output, target) -> scalar."
+            )
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -197,7 +218,11 @@ class Trainer:
     # ---- building -------------------------------------------------------------------------
 
     def _shard(self, numel: int) -> bool:
-        return self.rts_threshold is not None and self.replication_factor > 1 and numel >= self.rts_threshold
+        return (
+            self.rts_threshold is not None
+            and self.replication_factor > 1
+            and numel >= self.rts_threshold
+        )
 
     def _build(self, x: np.ndarray, t: np.ndarray) -> None:
         R, GA = self.replication_factor, self.gradient_accumulation
@@ -210,17 +235,28 @@ class Trainer:
             t_stream = _h2d((micro, *t.shape[1:]), t.dtype, "targets")
             loss_stream = None
             slots = [self._make_slot(n, p) for n, p in self._params.items()]
-            buffer_vars = {n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n) for n, b in self._buffers.items()}
+            buffer_vars = {
+                n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n)
+                for n, b in self._buffers.items()
+            }
             step = variable(np.zeros((), np.float32), name="optimizer_step")
 
             fwd = self._forward_graph(ir, x_stream, t_stream)
             n_params = len(slots)
             param_inputs = list(fwd.inputs[2 : 2 + n_params])
-            bwd = autodiff(fwd, grads_provided=fwd.outputs[:1], grads_required=param_inputs, _allow_modifying=True)
+            bwd = autodiff(
+                fwd,
+                grads_provided=fwd.outputs[:1],
+                grads_required=param_inputs,
+                _allow_modifying=True,
+            )
 
             body = ir.create_empty_graph("micro_batch")
             with body:
-                accs = [graph_input(s.accum.shape, s.accum.dtype, f"accum/{s.name}", by_ref=True) for s in slots]
+                accs = [
+                    graph_input(s.accum.shape, s.accum.dtype, f"accum/{s.name}", by_ref=True)
+                    for s in slots
+                ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
                 xb, tb = ops.host_load(x_stream, "x"), ops.host_load(t_stream, "target")
@@ -229,11 +265,13 @@ class Trainer:
                 # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
                 seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
-                for acc, g in zip(accs, grads):
+                for acc, g in zip(accs, grads, strict=True):
                     ops.var_updates.accumulate_(acc, g)
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
-            ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values())
+            ops.repeat(
+                body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values()
+            )
 
             for s in slots:
                 self._update(s, step, R)
@@ -265,10 +303,14 @@ class Trainer:
             vname = f"{sname}/{name}"
             if sharded and self.optimizer_state == "remote":
                 buf = _remote.replica_sharded_buffer(zeros.shape, dt)
-                state[sname] = _remote.remote_replica_sharded_variable(zeros, buf, 0, dt, name=vname)
+                state[sname] = _remote.remote_replica_sharded_variable(
+                    zeros, buf, 0, dt, name=vname
+                )
                 buffers[sname] = buf
             elif sharded:
-                state[sname], shards[sname] = _remote.replica_sharded_variable(zeros, dt, name=vname)
+                state[sname], shards[sname] = _remote.replica_sharded_variable(
+                    zeros, dt, name=vname
+                )
             elif self.optimizer_state == "remote":
                 buf = remote_buffer(zeros.shape, dt, 1)
                 state[sname] = _remote.remote_variable(zeros, buf, 0, dt, name=vname)
@@ -282,8 +324,14 @@ class Trainer:
         with graph:
             x = graph_input(x_stream.shape, x_stream.dtype, "x")
             t = graph_input(t_stream.shape, t_stream.dtype, "target")
-            params = {n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n) for n, p in self._params.items()}
-            bufs = {n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True) for n, b in self._buffers.items()}
+            params = {
+                n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
+                for n, p in self._params.items()
+            }
+            bufs = {
+                n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
+                for n, b in self._buffers.items()
+            }
             out = call_torch(torch.func.functional_call, (self.model, {**params, **bufs}, (x,)), {})
             if self._target_dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
                 t = call_torch(torch.Tensor.long, (t,), {})
@@ -325,7 +373,7 @@ class Trainer:
         return out
 
     def _store_state(self, s: _Slot, state: list[Tensor]) -> None:
-        for name, t in zip(s.hyper.state_names, state):
+        for name, t in zip(s.hyper.state_names, state, strict=True):
             if name in s.buffers:
                 ops.remote_store(s.buffers[name], 0, t)
 
@@ -398,7 +446,9 @@ class Trainer:
             handles = [v for s in self._slots for v in s.state.values()] + [self._step_var]
             data = self.session.get_tensors_data(handles)
             for s in self._slots:
-                opt["state"][s.name] = {k: torch.from_numpy(np.array(data[v])) for k, v in s.state.items()}
+                opt["state"][s.name] = {
+                    k: torch.from_numpy(np.array(data[v])) for k, v in s.state.items()
+                }
             opt["step"] = int(data[self._step_var])
         out["optimizer"] = opt
         return out
@@ -425,8 +475,14 @@ class Trainer:
 
     def memory_report(self, cost_model=None):
         if self.session is None:
-            raise ValueError("memory_report() is available after the first step (the program is built then).")
-        return self.session.memory_report(cost_model) if cost_model is not None else self.session.memory_report()
+            raise ValueError(
+                "memory_report() is available after the first step (the program is built then)."
+            )
+        return (
+            self.session.memory_report(cost_model)
+            if cost_model is not None
+            else self.session.memory_report()
+        )
 
 
 class InferenceProgram:
@@ -450,8 +506,12 @@ class InferenceProgram:
         buffers = dict(self.model.named_buffers())
         with ir.main_graph, in_sequence(True):
             x_stream = _h2d((x.shape[0] // R, *x.shape[1:]), x.dtype, "inputs")
-            pv = {n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n) for n, p in params.items()}
-            bv = {n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n) for n, b in buffers.items()}
+            pv = {
+                n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n) for n, p in params.items()
+            }
+            bv = {
+                n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n) for n, b in buffers.items()
+            }
             xt = ops.host_load(x_stream, "x")
             y = call_torch(torch.func.functional_call, (self.model, {**pv, **bv}, (xt,)), {})
             y_stream = d2h_stream(y.shape, y.dtype, "outputs")
@@ -464,15 +524,19 @@ class InferenceProgram:
         x = _array(inputs, "inputs")
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         if x.shape[0] == 0 or x.shape[0] % R:
-            raise ValueError(f"The batch of {x.shape[0]} samples must be a positive multiple of replication_factor={R}.")
+            raise ValueError(
+                f"The batch of {x.shape[0]} samples must be a positive multiple of replication_factor={R}."
+            )
         if self.ir is None:
             self._build(x)
         elif (x.shape, x.dtype) != self._shape:
-            raise ValueError(f"popxl.compile programs have static shapes: built for {self._shape}, got {(x.shape, x.dtype)}.")
+            raise ValueError(
+                f"popxl.compile programs have static shapes: built for {self._shape}, got {(x.shape, x.dtype)}."
+            )
         x_stream, y_stream = self._streams
         feed = x.reshape(R, x.shape[0] // R, *x.shape[1:]) if R > 1 else x
         out = self.session.run({x_stream: feed})[y_stream]
-        return torch.from_numpy(np.array(out).reshape(x.shape[0], *out.shape[2 if R > 1 else 1:]))
+        return torch.from_numpy(np.array(out).reshape(x.shape[0], *out.shape[2 if R > 1 else 1 :]))
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -486,10 +550,14 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
     if (loss_fn is None) != (optimizer is None):
-        raise ValueError("popxl.compile: give both loss_fn and optimizer for training, or neither for inference.")
+        raise ValueError(
+            "popxl.compile: give both loss_fn and optimizer for training, or neither for inference."
+        )
     if optimizer is None:
         if gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip":
-            raise ValueError("gradient_accumulation, rts_threshold and optimizer_state only apply to training.")
+            raise ValueError(
+                "gradient_accumulation, rts_threshold and optimizer_state only apply to training."
+            )
         return InferenceProgram(model, replication_factor, device, executor)
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
                    optimizer_state, device, executor)  # fmt: skip
@@ -548,4 +616,3 @@ def _h2d(shape, np_dtype, name):
     if dt.name == "int64":  # host data is downcast to int32 (as PopXL does)
         dt = _dtype.as_dtype("int32")
     return h2d_stream(shape, dt, name)
-

@@ -178,7 +178,9 @@ class Ir:
             sig = inspect.signature(call)
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise ValueError(f"create_graph: the arguments do not match {qualname}{sig}: {e}") from e
+            raise ValueError(
+                f"create_graph: the arguments do not match {qualname}{sig}: {e}"
+            ) from e
         bound.apply_defaults()
         hints = _type_hints(call)
         with graph:

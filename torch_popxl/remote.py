@@ -391,7 +391,11 @@ def download_remote_variables(session) -> None:
     """Read every remote variable back from its slots into the session's host copies."""
     for v in _remote_variables(session.ir):
         rb, offset = v._remote
-        rows = session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset]).detach().cpu()
+        rows = (
+            session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset])
+            .detach()
+            .cpu()
+        )
         if v._shard is None:
             session._store_host(v, rows.reshape(rows.shape[0], *v.shape))
         else:

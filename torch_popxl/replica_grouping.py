@@ -13,6 +13,7 @@ are tested against the tables.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Iterable
@@ -148,7 +149,7 @@ class ReplicaGrouping:
             )
 
         group_size = sizes.pop()
-        steps = {b - a for m in members.values() for a, b in zip(m, m[1:])}
+        steps = {b - a for m in members.values() for a, b in itertools.pairwise(m)}
         if group_size == 1:
             return cls._from_params(ir, 1, 1)
         if len(steps) == 1:
@@ -326,12 +327,12 @@ class ReplicaGrouping:
         return self._refinement_cache
 
     def _compute_refinement(self) -> tuple[ReplicaGrouping, tuple[int, ...], tuple[int, ...]]:
-        steps = [b - a for m in self._members_table for a, b in zip(m, m[1:])]
+        steps = [b - a for m in self._members_table for a, b in itertools.pairwise(m)]
         min_step = min(steps)
         run_lengths = []
         for group in self._members_table:
             run = 1
-            for a, b in zip(group, group[1:]):
+            for a, b in itertools.pairwise(group):
                 if b - a > min_step:
                     run_lengths.append(run)
                     run = 0

@@ -81,7 +81,9 @@ def _new_stream(cls, shape, dtype, name: str | None):
     ir = gcg().ir
     ir._check_mutable()
     registry = ir._h2d_streams if cls is HostToDeviceStream else ir._d2h_streams
-    s = cls._create(ir, shape, dtype, _unique(ir._h2d_streams + ir._d2h_streams, name or cls._factory))
+    s = cls._create(
+        ir, shape, dtype, _unique(ir._h2d_streams + ir._d2h_streams, name or cls._factory)
+    )
     s._index = len(registry)
     registry.append(s)
     return s

@@ -82,7 +82,9 @@ class TensorSpec(Mapping):
         )
 
     def __repr__(self):
-        return f"TensorSpec(shape={self._shape}, dtype={self._dtype}, meta_shape={self._meta_shape})"
+        return (
+            f"TensorSpec(shape={self._shape}, dtype={self._dtype}, meta_shape={self._meta_shape})"
+        )
 
 
 class TensorByRef:
@@ -131,7 +133,7 @@ class Tensor:
         if g is g.ir.main_graph:
             return self._id
         prefix = g.id + "/"
-        return self._id[len(prefix):] if self._id.startswith(prefix) else self._id
+        return self._id[len(prefix) :] if self._id.startswith(prefix) else self._id
 
     @property
     def scope(self) -> str:
@@ -148,7 +150,11 @@ class Tensor:
         return self._graph
 
     def __eq__(self, other):
-        return isinstance(other, Tensor) and other._id == self._id and other._graph.ir is self._graph.ir
+        return (
+            isinstance(other, Tensor)
+            and other._id == self._id
+            and other._graph.ir is self._graph.ir
+        )
 
     def __hash__(self):
         return hash((self._id, id(self._graph.ir)))
@@ -199,7 +205,9 @@ class Tensor:
         if self._ipu is None:
             from .errors import UndefinedValue
 
-            raise UndefinedValue(f"Tensor {self._id!r} has no ipu set; create it inside popxl.ipu(n).")
+            raise UndefinedValue(
+                f"Tensor {self._id!r} has no ipu set; create it inside popxl.ipu(n)."
+            )
         return self._ipu
 
     @property
@@ -239,7 +247,11 @@ class Tensor:
         """PopXL ``transpose(permutation)``; torch-style ``transpose(dim0, dim1)`` also works."""
         from . import ops
 
-        if len(permutation) == 2 and all(isinstance(p, int) for p in permutation) and self.rank != 2:
+        if (
+            len(permutation) == 2
+            and all(isinstance(p, int) for p in permutation)
+            and self.rank != 2
+        ):
             return self._torch_method("transpose", *permutation)
         if len(permutation) == 2 and all(isinstance(p, int) for p in permutation):
             permutation = ((1, 0) if permutation[0] != permutation[1] else (0, 1),)
@@ -462,7 +474,11 @@ class Constant(Tensor):
 
     @property
     def data(self) -> np.ndarray:
-        return self._data.numpy().copy() if self._data.dtype != torch.bfloat16 else self._data.float().numpy()
+        return (
+            self._data.numpy().copy()
+            if self._data.dtype != torch.bfloat16
+            else self._data.float().numpy()
+        )
 
 
 # ---- construction helpers ----------------------------------------------------------------
@@ -618,4 +634,3 @@ def _iter_tensors(x) -> Iterator[Tensor]:
     elif isinstance(x, dict):
         for y in x.values():
             yield from _iter_tensors(y)
-

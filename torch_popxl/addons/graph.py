@@ -64,10 +64,10 @@ class BoundGraph:
                         outs: Iterable[Tensor] | None = None) -> dict[Tensor, Tensor]:  # fmt: skip
         """``{graph input: caller input}`` (and ``{graph output: call output}`` for ``outs``)."""
         positional, inputs = self._inputs(targs, args)
-        mapping = dict(zip(self.graph.inputs, positional))
+        mapping = dict(zip(self.graph.inputs, positional, strict=True))
         mapping.update(inputs)
         if outs is not None:
-            mapping.update(zip(self.graph.outputs, outs))
+            mapping.update(zip(self.graph.outputs, outs, strict=True))
         return mapping
 
     def print_schedule(self) -> str:

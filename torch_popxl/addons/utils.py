@@ -42,4 +42,3 @@ def timer(title: str = "", print_fn=print) -> Iterator[None]:
         yield
     finally:
         print_fn(f"{title} took {time.perf_counter() - start:.3f}s")
-

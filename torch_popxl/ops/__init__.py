@@ -271,7 +271,9 @@ def reshape_(t: Tensor, shape: Sequence[int]) -> Tensor:
 def transpose(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
     perm = tuple(reversed(range(t.rank))) if permutation is None else tuple(permutation)
     if sorted(p % t.rank if t.rank else p for p in perm) != list(range(t.rank)):
-        raise ValueError(f"transpose: {perm} is not a permutation of the {t.rank} axes of {t.id!r}.")
+        raise ValueError(
+            f"transpose: {perm} is not a permutation of the {t.rank} axes of {t.id!r}."
+        )
     return call_torch(torch.permute, (t, perm), {})
 
 
@@ -288,6 +290,7 @@ flatten_ = flatten
 
 def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
     """numpy-style slicing along ``axis`` (ints or lists, one entry per axis)."""
+
     def as_list(x):
         return None if x is None else ([x] if isinstance(x, int) else list(x))
 
@@ -377,7 +380,9 @@ def argmin(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
 
 
 def topk(t: Tensor, k: int, axis: int, largest: bool = True, sorted: bool = True):
-    values, idx = call_torch(torch.topk, (t, k), {"dim": axis, "largest": largest, "sorted": sorted})
+    values, idx = call_torch(
+        torch.topk, (t, k), {"dim": axis, "largest": largest, "sorted": sorted}
+    )
     return values, cast(idx, _dtypes.int32)
 
 
@@ -593,7 +598,9 @@ def _positive_steps(t: Tensor, key):
             dim = t.shape[ax]
             start, stop, step = k.indices(dim)
             n = len(range(start, stop, step))
-            k = builtins_slice(dim - 1 - start, dim - 1 - start + n * -step if n else dim - 1 - start, -step)
+            k = builtins_slice(
+                dim - 1 - start, dim - 1 - start + n * -step if n else dim - 1 - start, -step
+            )
             flips.append(ax)
         if k is not None and k is not Ellipsis:
             ax += 1
@@ -613,10 +620,19 @@ def host_load(h2d_stream, name: str | None = None) -> Tensor:
     graph = gcg()
     if h2d_stream._ir is not graph.ir:
         raise ValueError(f"Stream {h2d_stream.tensor_id!r} belongs to another Ir.")
-    out = Tensor._create(graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype))
+    out = Tensor._create(
+        graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype)
+    )
     h2d_stream._used = True
-    graph._append_op(Op("host_load", "HostLoad", (), (out,), {"stream": h2d_stream,
-                                                             "describe": f" <- {h2d_stream.tensor_id}"}))
+    graph._append_op(
+        Op(
+            "host_load",
+            "HostLoad",
+            (),
+            (out,),
+            {"stream": h2d_stream, "describe": f" <- {h2d_stream.tensor_id}"},
+        )
+    )
     return out
 
 
@@ -625,7 +641,9 @@ def host_store(d2h_stream, t: Tensor) -> None:
     from ..streams import DeviceToHostStream
 
     if not isinstance(d2h_stream, DeviceToHostStream):
-        raise TypeError(f"host_store expects a DeviceToHostStream; got {type(d2h_stream).__name__}.")
+        raise TypeError(
+            f"host_store expects a DeviceToHostStream; got {type(d2h_stream).__name__}."
+        )
     graph = gcg()
     _check_tensor(t, "host_store")
     if t._graph is not graph:
@@ -641,8 +659,15 @@ def host_store(d2h_stream, t: Tensor) -> None:
             f"{d2h_stream.tensor_id!r} has shape {d2h_stream.shape}."
         )
     d2h_stream._used = True
-    graph._append_op(Op("host_store", "HostStore", (t,), (), {"stream": d2h_stream,
-                                                             "describe": f" -> {d2h_stream.tensor_id}"}))
+    graph._append_op(
+        Op(
+            "host_store",
+            "HostStore",
+            (t,),
+            (),
+            {"stream": d2h_stream, "describe": f" -> {d2h_stream.tensor_id}"},
+        )
+    )
 
 
 def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
@@ -654,7 +679,20 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
     graph = gcg()
     _check_tensor(t, "print_tensor")
     out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
-    graph._append_op(Op("print", "PrintTensor", (t,), (out,), {
-        "title": title or t.id, "print_self": print_self, "threshold": summarise_threshold,
-        "edge_items": edge_items, "line_width": max_line_width, "digits": digits}))
+    graph._append_op(
+        Op(
+            "print",
+            "PrintTensor",
+            (t,),
+            (out,),
+            {
+                "title": title or t.id,
+                "print_self": print_self,
+                "threshold": summarise_threshold,
+                "edge_items": edge_items,
+                "line_width": max_line_width,
+                "digits": digits,
+            },
+        )
+    )
     return out

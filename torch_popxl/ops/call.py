@@ -79,14 +79,18 @@ class CallSiteInfo:
                 return self.called_graph._inputs[i]
         raise ValueError(f"Tensor {parent_tensor.id!r} is not an input of this call site.")
 
-    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = False) -> None:
+    def set_parent_input_modified(
+        self, parent_tensor: Tensor, infer_modified_regions: bool = False
+    ) -> None:
         """Make the callee's in-place changes of this input visible in the caller."""
         graph_t = self.parent_to_graph(parent_tensor)
         i = self.called_graph._inputs.index(graph_t)
         op = self._op
         modified = frozenset(op.attrs["modified"]) | {i}
         attrs = {**op.attrs, "modified": modified}
-        self._parent._replace_op(self._index, Op(op.kind, op.name, op.inputs, op.outputs, attrs, op.context))
+        self._parent._replace_op(
+            self._index, Op(op.kind, op.name, op.inputs, op.outputs, attrs, op.context)
+        )
 
 
 def _flatten(xs) -> list[Any]:
@@ -99,7 +103,9 @@ def _flatten(xs) -> list[Any]:
     return out
 
 
-def _connect(graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, check_inputs: bool) -> list[Tensor]:
+def _connect(
+    graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, check_inputs: bool
+) -> list[Tensor]:
     parent = gcg()
     if graph.ir is not parent.ir:
         raise ValueError(f"Graph {graph.id!r} belongs to another Ir than the current graph.")
@@ -116,7 +122,9 @@ def _connect(graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, c
     for gt, x in (inputs_dict or {}).items():
         if not isinstance(gt, Tensor) or gt not in graph._inputs:
             name = gt.id if isinstance(gt, Tensor) else repr(gt)
-            raise ValueError(f"inputs_dict key {name} is not an input of the called graph {graph.id!r}.")
+            raise ValueError(
+                f"inputs_dict key {name} is not an input of the called graph {graph.id!r}."
+            )
         i = graph._inputs.index(gt)
         if connected[i] is not None:
             raise ValueError(
@@ -133,14 +141,16 @@ def _connect(graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, c
             f"  connected: {have}"
         )
     out: list[Tensor] = []
-    for gt, x in zip(graph._inputs, connected):
+    for gt, x in zip(graph._inputs, connected, strict=True):
         if x is None:
             continue
         if not isinstance(x, Tensor):
             try:
                 x = constant(np.asarray(x), gt.dtype)
             except Exception as e:
-                raise TypeError(f"Cannot convert {x!r} to an input of dtype {gt.dtype.name} for {gt.id!r}.") from e
+                raise TypeError(
+                    f"Cannot convert {x!r} to an input of dtype {gt.dtype.name} for {gt.id!r}."
+                ) from e
         if x._graph is not parent:
             raise ValueError(
                 f"Input {x.id!r} for {graph.id!r} is not in the current graph {parent.id!r}."
@@ -197,7 +207,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
             f"repeat: graph {graph.id!r} has {n_out} outputs but only {n_in} inputs; every output "
             "i feeds input i of the next iteration."
         )
-    for i, (gi, go) in enumerate(zip(graph._inputs, graph._outputs)):
+    for i, (gi, go) in enumerate(zip(graph._inputs[:n_out], graph._outputs, strict=True)):
         if (gi.shape, gi.dtype) != (go.shape, go.dtype):
             raise PopXLError(
                 f"repeat: output {i} of {graph.id!r} ({go.dtype.name}{list(go.shape)}) does not match "
@@ -214,6 +224,8 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
     return CallSiteInfo(parent, len(parent._ops) - 1)
 
 
-def repeat(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict: Mapping | None = None) -> tuple[Tensor, ...]:
+def repeat(
+    graph: Graph, repeat_count: int, *inputs: Any, inputs_dict: Mapping | None = None
+) -> tuple[Tensor, ...]:
     """Repeat ``graph``; returns the outputs of the last iteration."""
     return repeat_with_info(graph, repeat_count, *inputs, inputs_dict=inputs_dict).outputs

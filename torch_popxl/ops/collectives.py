@@ -82,7 +82,9 @@ def _op(op: str) -> str:
     return _OPS[op]
 
 
-def replicated_all_reduce(t: Tensor, op: str = "add", group: ReplicaGrouping | None = None) -> Tensor:
+def replicated_all_reduce(
+    t: Tensor, op: str = "add", group: ReplicaGrouping | None = None
+) -> Tensor:
     """Reduce ``t`` over the replicas of each group; every member gets the result."""
     _check(t, "replicated_all_reduce")
     g, s = _group(t, group)
@@ -91,7 +93,9 @@ def replicated_all_reduce(t: Tensor, op: str = "add", group: ReplicaGrouping | N
     return out
 
 
-def replicated_all_reduce_(t: Tensor, op: str = "add", group: ReplicaGrouping | None = None) -> Tensor:
+def replicated_all_reduce_(
+    t: Tensor, op: str = "add", group: ReplicaGrouping | None = None
+) -> Tensor:
     """In-place ``replicated_all_reduce``; returns ``t`` (modified)."""
     out = replicated_all_reduce(t, op, group)
     return call_torch(torch.Tensor.copy_, (t, out), {})
@@ -174,4 +178,3 @@ def replicated_slice(t: Tensor, axis: int = 0, group: ReplicaGrouping | None = N
         # axes are still in their original order after moving `axis` to the front.
         return call_torch(torch.squeeze, (x, 0), {})
     return call_torch(torch.movedim, (x, 0, axis), {})
-

@@ -29,7 +29,9 @@ def _offset(offset, name: str) -> Tensor:
             )
         return offset
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"{name}: offset must be a non-negative int or a 0-d int tensor; got {offset!r}.")
+        raise ValueError(
+            f"{name}: offset must be a non-negative int or a 0-d int tensor; got {offset!r}."
+        )
     return constant(offset, _dtypes.int32, "offset")
 
 
@@ -38,9 +40,18 @@ def remote_load(remote_buffer, offset: int | Tensor, name: str | None = None) ->
     rb = _buffer(remote_buffer, "remote_load")
     off = _offset(offset, "remote_load")
     graph = gcg()
-    out = Tensor._create(graph, name or "remote_load", _fake_like(rb.tensor_shape, rb.tensor_dtype), rb.meta_shape)
-    graph._append_op(Op("remote_load", "RemoteLoad", (off,), (out,), {"buffer": rb,
-                                                                     "describe": f" <- buffer {rb.remote_buffer_id}"}))
+    out = Tensor._create(
+        graph, name or "remote_load", _fake_like(rb.tensor_shape, rb.tensor_dtype), rb.meta_shape
+    )
+    graph._append_op(
+        Op(
+            "remote_load",
+            "RemoteLoad",
+            (off,),
+            (out,),
+            {"buffer": rb, "describe": f" <- buffer {rb.remote_buffer_id}"},
+        )
+    )
     return out
 
 
@@ -51,8 +62,15 @@ def remote_load_(remote_buffer, offset: int | Tensor, t: Tensor) -> Tensor:
     off = _offset(offset, "remote_load_")
     graph = gcg()
     t._meta_shape = rb.meta_shape
-    graph._append_op(Op("remote_load_", "RemoteLoadInplace", (t, off), (t,), {"buffer": rb,
-                                                                             "describe": f" <- buffer {rb.remote_buffer_id}"}))
+    graph._append_op(
+        Op(
+            "remote_load_",
+            "RemoteLoadInplace",
+            (t, off),
+            (t,),
+            {"buffer": rb, "describe": f" <- buffer {rb.remote_buffer_id}"},
+        )
+    )
     return t
 
 
@@ -64,5 +82,12 @@ def remote_store(remote_buffer, offset: int | Tensor, t: Tensor) -> None:
     rb.validate_tensor_matches_buffer(t)
     off = _offset(offset, "remote_store")
     graph = gcg()
-    graph._append_op(Op("remote_store", "RemoteStore", (t, off), (), {"buffer": rb,
-                                                                     "describe": f" -> buffer {rb.remote_buffer_id}"}))
+    graph._append_op(
+        Op(
+            "remote_store",
+            "RemoteStore",
+            (t, off),
+            (),
+            {"buffer": rb, "describe": f" -> buffer {rb.remote_buffer_id}"},
+        )
+    )

@@ -204,7 +204,9 @@ def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tens
     """
     m, v = acc_first_order, acc_second_order
     _in_graph(m, v, weight, time_step, weight_decay, beta1, beta2, epsilon)
-    decay = isinstance(weight_decay, Tensor) or (weight_decay is not None and float(weight_decay) != 0.0)
+    decay = isinstance(weight_decay, Tensor) or (
+        weight_decay is not None and float(weight_decay) != 0.0
+    )
     if decay and weight is None:
         raise ValueError("adam_updater: weight decay needs `weight` to be given.")
     out_like = weight if (decay and weight is not None) else m
@@ -214,7 +216,9 @@ def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tens
     calc = v
     if time_step is not None:
         if beta1 is None or beta2 is None:
-            raise ValueError("adam_updater: bias correction (time_step given) needs beta1 and beta2.")
+            raise ValueError(
+                "adam_updater: bias correction (time_step given) needs beta1 and beta2."
+            )
         _t(torch.Tensor.add_, time_step, 1)
         t = _cast(time_step, calc)
         b1 = _as_tensor(beta1, calc.dtype) if not isinstance(beta1, Tensor) else _cast(beta1, calc)
@@ -245,8 +249,16 @@ def adam_var_update(t: Tensor, x: Tensor, r1: Tensor | None = None, r2: Tensor |
         s1 = _t(torch.sqrt, _cast(r1, t))
         s2 = _t(torch.sqrt, _cast(r2, t))
         if max_weight_norm is not None:
-            mwn = _cast(max_weight_norm, t) if isinstance(max_weight_norm, Tensor) else float(max_weight_norm)
-            s1 = _t(torch.clamp, s1, max=mwn) if not isinstance(mwn, Tensor) else _t(torch.minimum, s1, mwn)
+            mwn = (
+                _cast(max_weight_norm, t)
+                if isinstance(max_weight_norm, Tensor)
+                else float(max_weight_norm)
+            )
+            s1 = (
+                _t(torch.clamp, s1, max=mwn)
+                if not isinstance(mwn, Tensor)
+                else _t(torch.minimum, s1, mwn)
+            )
         zero = _t(torch.logical_or, _t(torch.eq, s1, 0.0), _t(torch.eq, s2, 0.0))
         ratio = _t(torch.where, zero, _t(torch.ones_like, s1), _t(torch.div, s1, s2))
         step = _t(torch.mul, step, ratio)

@@ -85,7 +85,9 @@ class _RunContext:
             kernels._ops.add_collective_traffic(2 * (R - 1) * numel * item, 1)
             return value
         chunk = -(-numel // R)
-        kernels._ops.add_collective_traffic(R * (R - 1) * chunk * item, 0)  # the call is counted below
+        kernels._ops.add_collective_traffic(
+            R * (R - 1) * chunk * item, 0
+        )  # the call is counted below
         return torch.ops.torch_popxl.replicated_reduce_scatter(self.batch(value), "local", R, 1)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,11 @@ class FastExecutor:
         # every instance); it runs under vmap over this process's R local replicas.
         self.global_R = ir.replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
-        uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1} if self.global_R > 1 else set()
+        uniform = (
+            {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1}
+            if self.global_R > 1
+            else set()
+        )
         # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
         sums = ({v.id for v in self.on_chip if getattr(v, "_replica_sum", False)} & uniform
                 if self.global_R == self.R else set())  # fmt: skip
@@ -176,7 +182,9 @@ class FastExecutor:
         tensors = list(self.on_chip)
         if fragment != "weights_from_host":
             tensors += self.defined
-        values = [state.vars[t.id] if t.id in state.vars else state.persistent[t.id] for t in tensors]
+        values = [
+            state.vars[t.id] if t.id in state.vars else state.persistent[t.id] for t in tensors
+        ]
         buffers = state.buffers
 
         titles: list[dict] = []  # print attributes stay outside vmap (only tensors cross it)
@@ -189,29 +197,39 @@ class FastExecutor:
 
         if getattr(fn, "explicit", False):
             # Note [explicit batching]: the fragment runs on the stacked tensors directly.
-            var_vals = [v[0] if t.id in self.uniform else v for t, v in zip(tensors, values)]
+            var_vals = [
+                v[0] if t.id in self.uniform else v for t, v in zip(tensors, values, strict=True)
+            ]
             rt = _RunContext(ins, buffers, nht, R, None, explicit_R=R)
-            outs = tuple(o if b else o.expand(R, *o.shape) for o, b in zip(fn(rt, *var_vals), fn.out_batched))
+            outs = tuple(
+                o if b else o.expand(R, *o.shape)
+                for o, b in zip(fn(rt, *var_vals), fn.out_batched, strict=True)
+            )
             stored, prints = rt.outs, []
         elif self.global_R == 1:
             outs, stored, prints = step(
-                [v[0] for v in values], [x[:, 0] for x in ins], {k: b[0] for k, b in buffers.items()}, None
+                [v[0] for v in values],
+                [x[:, 0] for x in ins],
+                {k: b[0] for k, b in buffers.items()},
+                None,
             )
             outs = tuple(o.unsqueeze(0) for o in outs)
             stored = {k: [t.unsqueeze(0) for t in ts] for k, ts in stored.items()}
             prints = [v.unsqueeze(0) for v in prints]
         else:
             # Note [replica-invariant values]: invariant variables enter vmap unbatched.
-            var_vals = [v[0] if t.id in self.uniform else v for t, v in zip(tensors, values)]
+            var_vals = [
+                v[0] if t.id in self.uniform else v for t, v in zip(tensors, values, strict=True)
+            ]
             var_dims = [None if t.id in self.uniform else 0 for t in tensors]
             anchor = torch.zeros(R, device=state.device)
             outs, stored, prints = torch.func.vmap(
                 step, in_dims=(var_dims, 1, 0, 0), randomness="different"
             )(var_vals, ins, buffers, anchor)
         if fragment == "weights_from_host":
-            for t, value in zip(self.defined, outs):
+            for t, value in zip(self.defined, outs, strict=True):
                 state.persistent[t.id] = value
-        _emit_prints(list(zip(titles, prints)), R)
+        _emit_prints(list(zip(titles, prints, strict=True)), R)
         return {k: torch.stack(ts) for k, ts in stored.items()}
 
 
@@ -225,7 +243,9 @@ def _ref_collectives() -> dict[Any, Any]:
     return {
         ops.replicated_all_reduce.default: lambda xs, op, g, s: refc.all_reduce(xs, op, g, s),
         ops.replicated_all_gather.default: lambda xs, g, s: refc.all_gather(xs, g, s),
-        ops.replicated_reduce_scatter.default: lambda xs, op, g, s: refc.reduce_scatter(xs, op, g, s),
+        ops.replicated_reduce_scatter.default: lambda xs, op, g, s: refc.reduce_scatter(
+            xs, op, g, s
+        ),
         ops.replicated_take_own.default: lambda xs, g, s: refc.take_own(xs, g, s),
     }
 
@@ -245,7 +265,9 @@ class ReferenceExecutor:
         _ = kernels
 
     def allocate(self, state: SessionState, v) -> torch.Tensor:
-        return torch.zeros((state.num_replicas, *v.shape), dtype=v.dtype.as_torch(), device=self.device)
+        return torch.zeros(
+            (state.num_replicas, *v.shape), dtype=v.dtype.as_torch(), device=self.device
+        )
 
     def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
         R = state.num_replicas
@@ -279,7 +301,9 @@ class ReferenceExecutor:
                 env[op.outputs[0].id] = rt.host_load(op.attrs["stream"]._index)
             elif op.kind == "host_store":
                 _count_host_bytes(ins[0][0], R)
-                rt.outs.setdefault(op.attrs["stream"]._index, []).append([x.clone() for x in ins[0]])
+                rt.outs.setdefault(op.attrs["stream"]._index, []).append(
+                    [x.clone() for x in ins[0]]
+                )
             elif op.kind == "remote_load":
                 env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0], _buffer_id(op))
             elif op.kind == "remote_load_":
@@ -293,7 +317,9 @@ class ReferenceExecutor:
             elif op.kind in ("call", "repeat"):
                 self._exec_call(op, ins, env, rt)
             else:
-                raise NotImplementedError(f"The reference executor has no rule for op kind {op.kind!r}.")
+                raise NotImplementedError(
+                    f"The reference executor has no rule for op kind {op.kind!r}."
+                )
 
     def _exec_torch(self, op: Op, ins, env, R) -> None:
         target = op.attrs["target"]
@@ -307,7 +333,7 @@ class ReferenceExecutor:
             a = _fill(args, ins, r, self.device)
             k = _fill(kwargs, ins, r, self.device)
             per_replica.append(target(*a, **k))
-        for t, path in zip(op.outputs, op.attrs["out_paths"]):
+        for t, path in zip(op.outputs, op.attrs["out_paths"], strict=True):
             values = []
             for res in per_replica:
                 for i in path:
@@ -322,10 +348,13 @@ class ReferenceExecutor:
         count = op.attrs.get("repeat_count", 1)
         k = len(graph._outputs)
         for _ in range(count):
-            sub_env = {t.id: v for t, v in zip(graph._inputs, carry)}
+            sub_env = {t.id: v for t, v in zip(graph._inputs, carry, strict=True)}
             self._exec_ops(graph._ops, sub_env, rt)
             outs = [self._value(t, sub_env, rt.R) for t in graph._outputs]
-            outs = [[x.clone() for x in o] if t in graph._inputs else o for t, o in zip(graph._outputs, outs)]
+            outs = [
+                [x.clone() for x in o] if t in graph._inputs else o
+                for t, o in zip(graph._outputs, outs, strict=True)
+            ]
             if op.kind == "call":
                 carry = outs
             else:

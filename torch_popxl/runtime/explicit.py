@@ -38,7 +38,15 @@ _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.defaul
          aten.gather.default, aten.scatter_add.default}  # fmt: skip
 _SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-_FLAT_KINDS = {"clone", "alias", "host_load", "host_store", "mm_all_reduce", "mm_replica_sum", "loop"}
+_FLAT_KINDS = {
+    "clone",
+    "alias",
+    "host_load",
+    "host_store",
+    "mm_all_reduce",
+    "mm_replica_sum",
+    "loop",
+}
 
 
 def _ok_torch(f, a, R: int) -> bool:
@@ -49,8 +57,8 @@ def _ok_torch(f, a, R: int) -> bool:
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
-        ranks_b = {t.rank for t, b in zip(f.op.inputs, batched) if b}
-        ranks_u = [t.rank for t, b in zip(f.op.inputs, batched) if not b]
+        ranks_b = {t.rank for t, b in zip(f.op.inputs, batched, strict=True) if b}
+        ranks_u = [t.rank for t, b in zip(f.op.inputs, batched, strict=True) if not b]
         return len(ranks_b) == 1 and all(r <= min(ranks_b) for r in ranks_u)
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True

@@ -178,7 +178,11 @@ class _Flattener:
             elif op.kind == "print":
                 scope[op.outputs[0].id] = ins[0]
                 out.append(FlatOp("print", op, ins, []))
-            elif op.kind == "torch" and op.attrs["target"] in _IDENTITY_VIEWS and op.outputs[0].id not in scope:
+            elif (
+                op.kind == "torch"
+                and op.attrs["target"] in _IDENTITY_VIEWS
+                and op.outputs[0].id not in scope
+            ):
                 # detach/alias only matter to autograd: at run time they are the same tensor
                 # (a view of the same storage), so the name is simply shared.
                 scope[op.outputs[0].id] = ins[0]
@@ -215,10 +219,10 @@ class _Flattener:
     def _inline_call(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
         graph: Graph = op.attrs["graph"]
         args = self._by_value(graph, op, ins, out)
-        inner = {t.id: n for t, n in zip(graph._inputs, args)}
+        inner = {t.id: n for t, n in zip(graph._inputs, args, strict=True)}
         out.extend(self.flatten(graph._ops, inner))
         input_ids = {t.id for t in graph._inputs}
-        for parent_t, graph_t in zip(op.outputs, graph._outputs):
+        for parent_t, graph_t in zip(op.outputs, graph._outputs, strict=True):
             name = self.name_of(graph_t, inner)
             if graph_t.id in input_ids:  # never hand the caller an alias of its own input
                 new = self.program.fresh()
@@ -230,7 +234,7 @@ class _Flattener:
         graph: Graph = op.attrs["graph"]
         args = self._by_value(graph, op, ins, out)
         carried = [self.program.fresh() for _ in args]
-        inner = {t.id: n for t, n in zip(graph._inputs, carried)}
+        inner = {t.id: n for t, n in zip(graph._inputs, carried, strict=True)}
         body = self.flatten(graph._ops, inner)
         results = [self.name_of(t, inner) for t in graph._outputs]
         out.append(FlatOp("loop", op, args, carried, body,
@@ -267,7 +271,9 @@ class _Analysis:
     def run(self, flat: list[FlatOp], params: dict[str, bool]) -> None:
         self.batched = dict(params)
         self.root = {n: n for n in params}
-        self.sum_names = {n for n in params if self.program.var_names.get(n) in self.program.sum_vars}
+        self.sum_names = {
+            n for n in params if self.program.var_names.get(n) in self.program.sum_vars
+        }
         self.written: set[str] = set()  # roots of every value updated in place
         self._block(flat)
 
@@ -317,7 +323,11 @@ class _Analysis:
                 return
             if target in (_aten.zero_.default, _aten.mul_.Scalar):
                 return
-            if target is _aten.mul_.Tensor and isinstance(args[1], Slot) and not self.b(f.ins[args[1].index]):
+            if (
+                target is _aten.mul_.Tensor
+                and isinstance(args[1], Slot)
+                and not self.b(f.ins[args[1].index])
+            ):
                 return
         if (uses == [first] and not written and name in ("replicated_all_reduce", "replicated_reduce_scatter")
                 and args[1] in ("add", "mean") and args[2] == self.R):  # fmt: skip
@@ -390,11 +400,12 @@ class _Analysis:
     _print = _host_store
 
     def _loop(self, f: FlatOp) -> None:
-        for carried, arg in zip(f.outs, f.ins):
+        for carried, arg in zip(f.outs, f.ins, strict=True):
             self._set(carried, self.b(arg))
             self.root[carried] = self.root.get(arg, arg)  # a by-ref carry aliases its source
         self._block(f.body)
-        for carried, result in zip(f.outs, f.extra["results"]):
+        results = f.extra["results"]  # loop outputs past the carried ones are not fed back
+        for carried, result in zip(f.outs[: len(results)], results, strict=True):
             if self.b(result) and not self.b(carried):
                 self.program.force_batched.add(carried)
                 raise _Conflict(carried)
@@ -417,11 +428,18 @@ def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatO
     return _fold_block(flat, analysis, R, uses)
 
 
-def _matmul_behind(src: str, producer: dict[str, FlatOp], uses: dict[str, int], analysis: _Analysis):
+def _matmul_behind(
+    src: str, producer: dict[str, FlatOp], uses: dict[str, int], analysis: _Analysis
+):
     """(mm op, view ops from src back to it) when ``src`` is only-used views of a batched mm."""
     views: list[FlatOp] = []
     p = producer.get(src)
-    while p is not None and p.kind == "torch" and p.op.attrs["target"] in _VIEW_OPS and uses.get(src) == 1:
+    while (
+        p is not None
+        and p.kind == "torch"
+        and p.op.attrs["target"] in _VIEW_OPS
+        and uses.get(src) == 1
+    ):
         views.append(p)
         src = p.ins[0]
         p = producer.get(src)
@@ -431,7 +449,9 @@ def _matmul_behind(src: str, producer: dict[str, FlatOp], uses: dict[str, int], 
     return None, views
 
 
-def _fold_block(flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str, int]) -> list[FlatOp]:
+def _fold_block(
+    flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str, int]
+) -> list[FlatOp]:
     producer: dict[str, FlatOp] = {}
     for f in flat:
         for n in f.outs:
@@ -461,7 +481,10 @@ def _fold_block(flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str,
             if mm is not None:
                 fuse("mm_replica_sum", mm, views, src, {})
                 f.extra["presummed"] = True
-        if f.kind == "torch" and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce":
+        if (
+            f.kind == "torch"
+            and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce"
+        ):
             # Note [fold replicas into the matmul].
             op_name, group_size = f.op.attrs["args"][1], f.op.attrs["args"][2]
             if group_size == R and R > 1 and op_name in ("add", "mean"):
@@ -558,7 +581,9 @@ class Program:
 
 
 class _Emitter:
-    def __init__(self, program: Program, analysis: _Analysis, params: list[str], explicit: bool = False):
+    def __init__(
+        self, program: Program, analysis: _Analysis, params: list[str], explicit: bool = False
+    ):
         self.p = program
         self.a = analysis
         self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
@@ -630,7 +655,7 @@ class _Emitter:
             self.lines.append(f"{ind}{f.outs[0]} = {call}")
         else:
             self.lines.append(f"{ind}_r = {call}")
-            for out, path in zip(f.outs, paths):
+            for out, path in zip(f.outs, paths, strict=True):
                 self.lines.append(f"{ind}{out} = _r{''.join(f'[{i}]' for i in path)}")
 
     def _mm_replica_sum(self, f: FlatOp, ind: str) -> None:
@@ -647,10 +672,15 @@ class _Emitter:
         src, out = f.ins[0], f.outs[0]
         if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
             return False
-        if self.a.root.get(src, src) in self.a.written or self.a.root.get(out, out) in self.a.written:
+        if (
+            self.a.root.get(src, src) in self.a.written
+            or self.a.root.get(out, out) in self.a.written
+        ):
             return False
         self.lines.append(f"{ind}{out} = {src}")
-        self.lines.append(f"{ind}rt.count_collective_call()")  # the runtime still sees one collective
+        self.lines.append(
+            f"{ind}rt.count_collective_call()"
+        )  # the runtime still sees one collective
         return True
 
     def _sum_read(self, f: FlatOp, ind: str) -> None:
@@ -689,7 +719,9 @@ class _Emitter:
 
     def _remote_load_(self, f: FlatOp, ind: str) -> None:
         bid = f.op.attrs["buffer"].remote_buffer_id
-        self.lines.append(f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))")
+        self.lines.append(
+            f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
+        )
 
     def _remote_store(self, f: FlatOp, ind: str) -> None:
         bid = f.op.attrs["buffer"].remote_buffer_id
@@ -699,7 +731,7 @@ class _Emitter:
         self.lines.append(f"{ind}rt.print({self.p.literal(f.op.attrs)}, {f.ins[0]})")
 
     def _loop(self, f: FlatOp, ind: str) -> None:
-        for carried, arg in zip(f.outs, f.ins):
+        for carried, arg in zip(f.outs, f.ins, strict=True):
             self.defined.add(carried)
             self.lines.append(f"{ind}{carried} = {arg}")
             if carried in self.p.force_batched:
@@ -713,7 +745,7 @@ class _Emitter:
             # replica-invariant (unbatched) value, e.g. a full-group all-reduce.
             rhs = "".join(
                 (f"rt.batch({r})" if self.a.b(c) and not self.a.b(r) else r) + ", "
-                for c, r in zip(f.outs, results)
+                for c, r in zip(f.outs[: len(results)], results, strict=True)
             )
             self.lines.append(f"{ind}    {lhs}= {rhs}")
 
@@ -727,13 +759,13 @@ def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: li
         n = program.fresh()
         scope[t.id] = n
         param_names.append(n)
-    program.var_names.update({n: t.id for t, n in zip(params, param_names)})
+    program.var_names.update({n: t.id for t, n in zip(params, param_names, strict=True)})
     flat = _Flattener(program).flatten(ops, scope)
     out_names = [scope[t.id] for t in outputs]
     analysis = _Analysis(program, program.R)
     while True:
         batched = {}
-        for t, n, default in zip(params, param_names, batched_params):
+        for t, n, default in zip(params, param_names, batched_params, strict=True):
             batched[n] = default if t.id not in program.uniform_vars else False
         try:
             analysis.run(flat, batched)
@@ -742,7 +774,9 @@ def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: li
             continue
     if program.R > 1:
         flat = _fold_matmuls(flat, analysis, program.R)
-    explicit = program.explicit_ok and program.R > 1 and _explicit.batchable(flat, analysis, program.R)
+    explicit = (
+        program.explicit_ok and program.R > 1 and _explicit.batchable(flat, analysis, program.R)
+    )
     em = _Emitter(program, analysis, param_names, explicit)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")

@@ -67,7 +67,9 @@ class Session:
         self._inputs_expected = frozenset(ir.get_all_h2d_streams())
         self._outputs_expected = frozenset(ir.get_all_d2h_streams())
         self._outputs_in_order = sorted(self._outputs_expected, key=lambda s: s._index)
-        self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(ir, self._torch_device)
+        self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(
+            ir, self._torch_device
+        )
         # One PopXL instance per process under torch.distributed (runtime/distributed.py): this
         # session holds the local replicas [offset, offset + R) of the global ones.
         self._replica_offset = ir._instance_index * R
@@ -138,7 +140,9 @@ class Session:
             self._state.vars[v.id] = self._executor.allocate(self._state, v)
         for rb in self._ir._remote_buffers:
             shape = (R, rb.entries, *rb.tensor_shape)
-            self._state.buffers[rb.remote_buffer_id] = torch.zeros(shape, dtype=rb.tensor_dtype.as_torch(), device=dev)
+            self._state.buffers[rb.remote_buffer_id] = torch.zeros(
+                shape, dtype=rb.tensor_dtype.as_torch(), device=dev
+            )
 
     def _replica_groups(self, v: Variable) -> list[int]:
         """Global group index of every local replica for ``v``'s grouping."""
@@ -214,7 +218,9 @@ class Session:
                     "d2h stream (ops.host_store) to read intermediate tensors."
                 )
             if t.ir is not self._ir:
-                raise ValueError(f"Tensor {t.id!r} belongs to {t.ir!r}, not this session's {self._ir!r}.")
+                raise ValueError(
+                    f"Tensor {t.id!r} belongs to {t.ir!r}, not this session's {self._ir!r}."
+                )
         if any(isinstance(t, Variable) for t in tensors) and self._attached and not self._in_sync:
             self.weights_to_host()
         out: dict[Tensor, np.ndarray] = {}
@@ -244,10 +250,14 @@ class Session:
             if not isinstance(v, Variable):
                 raise TypeError(f"write_variables_data: {v!r} is not a Variable.")
             if v.ir is not self._ir:
-                raise ValueError(f"Variable {v.id!r} belongs to {v.ir!r}, not this session's {self._ir!r}.")
+                raise ValueError(
+                    f"Variable {v.id!r} belongs to {v.ir!r}, not this session's {self._ir!r}."
+                )
             if isinstance(data, bool | int | float | np.number):
                 if v.dtype.name.startswith("float8"):
-                    raise TypeError(f"Cannot write a Python number to the float8 variable {v.id!r}.")
+                    raise TypeError(
+                        f"Cannot write a Python number to the float8 variable {v.id!r}."
+                    )
                 data = np.array(data, dtype=v.dtype.as_numpy())
             data = check_host_data(v, data, "write_variables_data")
             if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
@@ -270,7 +280,9 @@ class Session:
             for s in self._outputs_in_order
         }
 
-    def run(self, inputs: Mapping | None = None, downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
+    def run(
+        self, inputs: Mapping | None = None, downcast_inputs: bool = True
+    ) -> dict[DeviceToHostStream, np.ndarray]:
         """Run the main program once; returns one array per d2h stream."""
         self._require_attached("run")
         outputs = self.create_host_outputs()
@@ -294,7 +306,9 @@ class Session:
         nht = self._ir.num_host_transfers
         h2d = self._ir._h2d_streams  # in index order (appended as created)
         ins = [
-            self._input_tensor(s, inputs[s], downcast_inputs) if s in inputs else self._unused_input(s)
+            self._input_tensor(s, inputs[s], downcast_inputs)
+            if s in inputs
+            else self._unused_input(s)
             for s in h2d
         ]
         kernels.reset_traffic_counters()
@@ -315,7 +329,9 @@ class Session:
             raise ValueError(f"Unexpected {kind} streams: {sorted(unexpected)}. Expected exactly "
                              f"{sorted(s.tensor_id for s in expected)}.")  # fmt: skip
         if missing:
-            raise ValueError(f"Missing {kind} streams: {sorted(missing)}. Provide an array for each.")
+            raise ValueError(
+                f"Missing {kind} streams: {sorted(missing)}. Provide an array for each."
+            )
 
     def _verify_shape(self, s, arr: np.ndarray, kind: str) -> None:
         nht, irf = self._ir.num_host_transfers, self._ir.instance_replication_factor
@@ -441,7 +457,11 @@ def _describe_key(s, ir) -> str:
 
 
 def _downcast(arr: np.ndarray) -> np.ndarray:
-    table = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+    table = {
+        np.dtype(np.float64): np.float32,
+        np.dtype(np.int64): np.int32,
+        np.dtype(np.uint64): np.uint32,
+    }
     to = table.get(arr.dtype)
     return arr.astype(to) if to is not None else arr
 

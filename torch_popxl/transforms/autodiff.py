@@ -88,15 +88,22 @@ class GradGraphInfo:
                 f"{self._forward_graph.id!r} of this GradGraphInfo."
             )
         out = {}
-        for gt, e in zip(self._graph._inputs, self._expected_inputs):
+        # Inputs past the expected ones (accumulators added by addons) have no forward source.
+        expected = self._expected_inputs
+        for gt, e in zip(self._graph._inputs[: len(expected)], expected, strict=True):
             if e.connection_type is ExpectedConnectionType.Fwd:
                 out[gt] = fwd_call_info.graph_to_parent(e.fwd_tensor)
         return out
 
     def fwd_graph_ins_to_grad_parent_outs(self, grad_call_info) -> dict[Tensor, Tensor]:
-        return {e.fwd_tensor: grad_call_info.parent_output(i) for i, e in enumerate(self._expected_outputs)}
+        return {
+            e.fwd_tensor: grad_call_info.parent_output(i)
+            for i, e in enumerate(self._expected_outputs)
+        }
 
-    def fwd_parent_ins_to_grad_parent_outs(self, fwd_call_info, grad_call_info) -> dict[Tensor, Tensor]:
+    def fwd_parent_ins_to_grad_parent_outs(
+        self, fwd_call_info, grad_call_info
+    ) -> dict[Tensor, Tensor]:
         return {
             fwd_call_info.graph_to_parent(e.fwd_tensor): grad_call_info.parent_output(i)
             for i, e in enumerate(self._expected_outputs)
@@ -188,7 +195,7 @@ class _Replay:
                 result = target(*args, **kwargs)
         else:
             result = target(*args, **kwargs)
-        for t, path in zip(op.outputs, op.attrs["out_paths"]):
+        for t, path in zip(op.outputs, op.attrs["out_paths"], strict=True):
             value = result
             for i in path:
                 value = value[i]
@@ -198,9 +205,9 @@ class _Replay:
 
     def _run_call(self, op: Op, env) -> None:
         callee: Graph = op.attrs["graph"]
-        sub = {gt.id: self._get(pt, env) for gt, pt in zip(callee._inputs, op.inputs)}
+        sub = {gt.id: self._get(pt, env) for gt, pt in zip(callee._inputs, op.inputs, strict=True)}
         self._run_ops(callee._ops, sub)
-        for pt, gt in zip(op.outputs, callee._outputs):
+        for pt, gt in zip(op.outputs, callee._outputs, strict=True):
             value = sub[gt.id]
             env[pt.id] = value
             if env is self.value:
@@ -255,7 +262,10 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
     required = list(graph._inputs) if grads_required is None else list(grads_required)
     for t in provided:
         if t not in graph._outputs:
-            warnings.warn(f"autodiff: grads_provided entry {t.id!r} is not an output of {graph.id!r}.", stacklevel=2)
+            warnings.warn(
+                f"autodiff: grads_provided entry {t.id!r} is not an output of {graph.id!r}.",
+                stacklevel=2,
+            )
     for t in required:
         if t not in graph._inputs:
             raise PopXLError(
@@ -287,13 +297,15 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
             return c
         if ft.id not in fwd_inputs:
             with grad_graph:
-                fwd_inputs[ft.id] = graph_input(ft.shape, ft.dtype, ft.name, meta_shape=ft.meta_shape)
+                fwd_inputs[ft.id] = graph_input(
+                    ft.shape, ft.dtype, ft.name, meta_shape=ft.meta_shape
+                )
         handle = fwd_inputs[ft.id]
         grad_graph._rebind_fake(handle, fake)
         return handle
 
     outs = [replay.value[t.id] for t in provided]
-    pairs = [(o, s) for o, s in zip(outs, seeds) if o.requires_grad]
+    pairs = [(o, s) for o, s in zip(outs, seeds, strict=True) if o.requires_grad]
     wrt = [(t, replay.value[t.id]) for t in required]
     wrt_grad = [(t, v) for t, v in wrt if v.requires_grad]
     grads: dict[str, torch.Tensor | None] = {t.id: None for t in required}
@@ -306,7 +318,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                     grad_outputs=[s._fake for _, s in pairs],
                     allow_unused=True,
                 )
-            for (t, _), g in zip(wrt_grad, results):
+            for (t, _), g in zip(wrt_grad, results, strict=True):
                 grads[t.id] = g
         expected_out: list[ExpectedConnection] = []
         for t in required:
@@ -328,7 +340,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
 
     # Fwd inputs follow the FwdGrad seeds, in lexicographic order of forward tensor id.
     fwd_entries = sorted(fwd_inputs.items())
-    grad_graph._inputs[len(seeds):] = [h for _, h in fwd_entries]
+    grad_graph._inputs[len(seeds) :] = [h for _, h in fwd_entries]
     for fid, _ in fwd_entries:
         ft = graph._tensors[fid]
         expected_in.append(ExpectedConnection(ft, ExpectedConnectionType.Fwd))

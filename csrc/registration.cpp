@@ -2,7 +2,7 @@
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
-// torch_popxl/runtime/kernels.py; their vmap rules call these kernels. kernels.py also holds
+// torch_popxl.opdefs.kernels.py; their vmap rules call these kernels. kernels.py also holds
 // the fake (shape) implementations and the autograd formulas, which set_python_module below
 // tells the dispatcher where to find.
 #include <torch/library.h>
@@ -23,7 +23,7 @@ void register_kernels(torch::Library& m) {
 }  // namespace
 
 TORCH_LIBRARY(torch_popxl, m) {
-  m.set_python_module("torch_popxl.runtime.kernels");
+  m.set_python_module("torch_popxl.opdefs.kernels");
   m.def("all_reduce_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
   m.def("all_gather_stacked(Tensor x, int group_size, int stride) -> Tensor");
   m.def("reduce_scatter_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_popxl.runtime import kernels as K
-from torch_popxl.runtime import reference_collectives as ref
+from torch_popxl.opdefs import kernels as K
+from torch_popxl.opdefs import reference as ref
 
 ops = torch.ops.torch_popxl
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from torch_popxl.replica_grouping import ReplicaGrouping
+from torch_popxl.ir.replica_grouping import ReplicaGrouping
 
 
 class _Ir:

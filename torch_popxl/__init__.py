@@ -5,7 +5,8 @@ variables and host streams, run by a ``Session``, with replication, replica grou
 replicated tensor sharding and remote buffers.
 """
 
-from . import dtypes
+from . import dtypes, ops, tensor_methods, transforms
+from .compile import InferenceProgram, Trainer, compile
 from .context import (
     gcg,
     get_current_context,
@@ -43,8 +44,15 @@ from .errors import PopXLError
 from .graph import Graph
 from .ir import Ir
 from .module import Module
+from .remote import (
+    remote_replica_sharded_variable,
+    remote_variable,
+    replica_sharded_buffer,
+    replica_sharded_variable,
+)
 from .remote_buffer import RemoteBuffer, remote_buffer
 from .replica_grouping import ReplicaGrouping
+from .runtime.session import Session
 from .streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
 from .tensor import (
     Constant,
@@ -57,15 +65,8 @@ from .tensor import (
     graph_output,
     variable,
 )
-from . import ops, transforms  # noqa: E402  (ops import the classes above)
-from .runtime.session import Session  # noqa: E402
-from .compile import InferenceProgram, Trainer, compile  # noqa: E402
-from .remote import (  # noqa: E402
-    remote_replica_sharded_variable,
-    remote_variable,
-    replica_sharded_buffer,
-    replica_sharded_variable,
-)
+
+tensor_methods.install()
 
 __version__ = "0.1.0"
 

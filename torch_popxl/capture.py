@@ -16,18 +16,15 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .context import gcg
 from .errors import DataDependentError
-from .graph import Graph, Op, Slot
-from .tensor import Tensor, _constant_from_torch
+from .ir.context import gcg
+from .ir.fake import fake_mode
+from .ir.graph import Graph, Op, Slot
+from .ir.tensor import Tensor, _constant_from_torch, variable
 
 __all__ = ["call_torch", "fake_mode", "record_into"]
-
-_FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
-_fake_depth = 0
 
 aten = torch.ops.aten
 
@@ -38,25 +35,6 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
-
-
-@contextlib.contextmanager
-def fake_mode() -> Iterator[FakeTensorMode]:
-    """Enter the process-wide FakeTensorMode (re-entrant)."""
-    global _fake_depth
-    if _fake_depth:
-        _fake_depth += 1
-        try:
-            yield _FAKE_MODE
-        finally:
-            _fake_depth -= 1
-        return
-    _fake_depth += 1
-    try:
-        with _FAKE_MODE:
-            yield _FAKE_MODE
-    finally:
-        _fake_depth -= 1
 
 
 def _op_name(func) -> str:
@@ -176,7 +154,6 @@ def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
 
 def _param_variable(graph: Graph, p: torch.Tensor) -> Tensor:
     """A module parameter used in a graph becomes (once per Ir) a main-graph variable."""
-    from .tensor import variable
 
     ir = graph.ir
     cached = ir._param_variables.get(id(p))

@@ -27,15 +27,16 @@ import numpy as np
 import torch
 
 from . import ops
+from . import remote as _remote
 from .capture import call_torch
-from .context import in_sequence
 from .dtypes import dtype as _dtype
-from .ir import Ir
-from .remote_buffer import remote_buffer
+from .ir.context import in_sequence
+from .ir.ir import Ir
+from .ir.remote_buffer import remote_buffer
+from .ir.streams import d2h_stream, h2d_stream
+from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .runtime import distributed as _distributed
 from .runtime.session import Session
-from .streams import d2h_stream, h2d_stream
-from .tensor import Tensor, constant, graph_input, graph_output, variable
 from .transforms.autodiff import autodiff
 
 __all__ = ["compile", "Trainer", "InferenceProgram"]
@@ -286,8 +287,6 @@ class Trainer:
             self.load_state_dict(state)
 
     def _make_slot(self, name: str, p: torch.nn.Parameter) -> _Slot:
-        from . import remote as _remote
-
         data = _host(p)
         dt = _dtype.as_dtype(p.dtype)
         var = variable(data, dt, name=name)

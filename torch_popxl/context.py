@@ -1,142 +1,27 @@
-"""The global graph-context stack and the context managers that shape op creation.
+"""``popxl.context``, upstream's module path for graph contexts (gcg, gir, name_scope, ...); defined in ``ir/context.py``."""
 
-There is one stack for the process (as in PopXL). ``with graph:`` pushes a graph;
-``gcg()`` / ``gmg()`` / ``gir()`` read the top.
-"""
-
-from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .graph import Graph
-    from .ir import Ir
+from .ir.context import (
+    gcg,
+    get_current_context,
+    get_current_graph,
+    get_main_graph,
+    gir,
+    gmg,
+    in_sequence,
+    io_tiles,
+    ipu,
+    name_scope,
+)
 
 __all__ = [
     "gcg",
-    "gmg",
-    "gir",
+    "get_current_context",
     "get_current_graph",
     "get_main_graph",
+    "gir",
+    "gmg",
     "in_sequence",
-    "name_scope",
-    "ipu",
     "io_tiles",
-    "get_current_context",
+    "ipu",
+    "name_scope",
 ]
-
-_graph_stack: list[Graph] = []
-_name_scopes: list[str] = []
-_ipu_stack: list[int] = []
-_tile_set_stack: list[str] = []
-_in_sequence_stack: list[Any] = []
-
-
-def _push_graph(graph: Graph) -> None:
-    if _graph_stack and _graph_stack[-1].ir is not graph.ir:
-        raise RuntimeError(
-            f"Cannot enter {graph.id!r} of {graph.ir!r} inside a graph of "
-            f"{_graph_stack[-1].ir!r}: graph contexts of two different Irs cannot be nested."
-        )
-    _graph_stack.append(graph)
-
-
-def _pop_graph() -> None:
-    _graph_stack.pop()
-
-
-def gcg() -> Graph:
-    """The current graph (top of the context stack)."""
-    if not _graph_stack:
-        raise RuntimeError(
-            "No graph context is active. Create ops inside `with ir.main_graph:` "
-            "or `with some_graph:`."
-        )
-    return _graph_stack[-1]
-
-
-def gmg() -> Graph:
-    """The main graph of the current Ir."""
-    return gcg().ir.main_graph
-
-
-def gir() -> Ir:
-    """The Ir of the current graph."""
-    return gcg().ir
-
-
-get_current_graph = gcg
-get_main_graph = gmg
-
-
-def current_name_scope() -> str:
-    return "".join(s + "/" for s in _name_scopes)
-
-
-def current_ipu() -> int | None:
-    return _ipu_stack[-1] if _ipu_stack else None
-
-
-def current_tile_set() -> str:
-    return _tile_set_stack[-1] if _tile_set_stack else "compute"
-
-
-def in_sequence_active() -> bool:
-    return bool(_in_sequence_stack) and _in_sequence_stack[-1] is True
-
-
-@contextlib.contextmanager
-def in_sequence(mode: bool | str = True) -> Iterator[None]:
-    """Run the ops created inside in creation order.
-
-    The simulator always executes ops in creation order, which is exactly the
-    ``in_sequence(True)`` schedule; the mode is still validated and recorded.
-    """
-    if mode is None or not isinstance(mode, bool | str):
-        raise TypeError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
-    if isinstance(mode, str) and mode != "pass":
-        raise ValueError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
-    _in_sequence_stack.append(mode)
-    try:
-        yield
-    finally:
-        _in_sequence_stack.pop()
-
-
-@contextlib.contextmanager
-def name_scope(name: str) -> Iterator[None]:
-    """Prefix the names of tensors created inside with ``name + "/"``."""
-    _name_scopes.append(name)
-    try:
-        yield
-    finally:
-        _name_scopes.pop()
-
-
-@contextlib.contextmanager
-def ipu(ipu: int) -> Iterator[None]:
-    """Place ops on a virtual IPU. Recorded on tensors; the simulator has one device."""
-    if not isinstance(ipu, int) or ipu < 0:
-        raise ValueError(f"ipu(n) expects a non-negative int; got {ipu!r}.")
-    _ipu_stack.append(ipu)
-    try:
-        yield
-    finally:
-        _ipu_stack.pop()
-
-
-@contextlib.contextmanager
-def io_tiles() -> Iterator[None]:
-    """Place ops on IO tiles. Recorded on tensors (``tile_set == 'io'``)."""
-    _tile_set_stack.append("io")
-    try:
-        yield
-    finally:
-        _tile_set_stack.pop()
-
-
-def get_current_context():
-    """The (graph, name scope, ipu, tile set) the next op is created in."""
-    return (gcg(), current_name_scope(), current_ipu(), current_tile_set())

@@ -444,3 +444,16 @@ def _to_float8(
         scaled = scaled.clamp(-fp8_max, fp8_max)
     # `scaled` is a fresh contiguous tensor, so this shares memory with nothing the caller has.
     return scaled.to(target.as_torch()).view(torch.uint8).numpy().view(target.as_numpy())
+
+
+def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: bool = True) -> np.ndarray:
+    """``t`` as a host array of popxl dtype ``dt`` (float8 kept bitwise, bf16 as float32)."""
+    t = t.detach().cpu()
+    np_dt = dt.as_numpy()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy().view(np_dt).copy()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return t.to(torch.int64).numpy().astype(np_dt)
+    return t.numpy().astype(np_dt, copy=copy)

@@ -5,7 +5,7 @@ does). IR-construction errors that PopXL reports from its C++ core (``popart_exc
 raise :class:`PopXLError`, so programs can catch one project error class.
 """
 
-__all__ = ["PopXLError", "UndefinedValue", "DataDependentError"]
+__all__ = ["PopXLError", "UndefinedValue", "DataDependentError", "IrVerificationError"]
 
 
 class PopXLError(RuntimeError):
@@ -18,3 +18,7 @@ class UndefinedValue(ValueError):
 
 class DataDependentError(PopXLError):
     """Python control flow or ``.item()`` needed a tensor value while capturing a graph."""
+
+
+class IrVerificationError(PopXLError):
+    """``Ir.verify()`` found a malformed graph (a torch_popxl bug or a hand-edited graph)."""

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import ops
-from ..graph import Graph, Op
+from ..ir.graph import Graph, Op
+from ..ir.tensor import Tensor
 from ..ops.call import CallSiteInfo, _flatten
-from ..tensor import Tensor
 from .named_tensors import NamedTensors
 
 if TYPE_CHECKING:
@@ -130,26 +130,6 @@ class GraphWithNamedArgs:
                                  self.aux, self.called_graphs_grad_info)  # fmt: skip
         new.autodiff_applied = self.autodiff_applied
         return new
-
-    def autodiff(self, grads_provided: Iterable[Tensor] | None = None,
-                 grads_required: Iterable[Tensor] | None = None,
-                 called_graphs_grad_info: Mapping | None = None, method: str = "auto",
-                 force: bool = False) -> GraphWithNamedArgs:  # fmt: skip
-        """``addons.autodiff`` of this graph (``method`` "build_grad" is not supported)."""
-        if method not in ("auto", "autodiff", "build_grad"):
-            raise ValueError(f"method must be 'auto', 'autodiff' or 'build_grad'; got {method!r}.")
-        if method == "build_grad":
-            raise NotImplementedError(
-                "Custom build_grad gradients are not supported by torch_popxl.addons."
-            )
-        if self.autodiff_applied and not force:
-            raise ValueError(
-                f"{self.graph.id!r} has already been differentiated; autodiff appends forward "
-                "outputs, so a second pass needs force=True."
-            )
-        from .transforms.autodiff import autodiff
-
-        return autodiff(self, grads_provided, grads_required, called_graphs_grad_info)
 
     def print_schedule(self) -> str:
         """The graph's ops as text (a debugging aid; returned, not printed)."""

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import ops
-from ..context import current_ipu, current_tile_set, gcg
-from ..graph import Graph
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor, TensorSpec
+from ..ir.context import current_ipu, current_tile_set, gcg
+from ..ir.graph import Graph
+from ..ir.module import Module
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor, TensorSpec
+from .graph import BoundGraph, GraphWithNamedArgs
 
 __all__ = ["GraphCache", "function", "get_function_hash", "argument_hash"]
 
@@ -34,8 +36,6 @@ def argument_hash(value: Any) -> int:
 
 
 def _argument_key(value: Any) -> Any:
-    from .graph import BoundGraph, GraphWithNamedArgs
-
     if isinstance(value, Tensor):
         return _spec_key(value.shape, value.dtype, value.meta_shape)
     if isinstance(value, TensorSpec):
@@ -68,8 +68,6 @@ def get_function_hash(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
 
 
 def _function_key(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
-    from torch_popxl.module import Module
-
     target = fn.build if isinstance(fn, Module) else fn
     try:
         bound = inspect.signature(target).bind(*args, **kwargs)

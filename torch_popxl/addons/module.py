@@ -16,10 +16,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..context import gcg, name_scope
-from ..module import Module as _PopXLModule
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor
+from ..ir.context import gcg, name_scope
+from ..ir.module import Module as _PopXLModule
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor
 from .graph import BoundGraph, GraphWithNamedArgs
 from .graph_cache import GraphCache
 from .named_tensors import NamedTensors

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..replica_grouping import ReplicaGrouping
+from ..ir.context import gir
+from ..ir.replica_grouping import ReplicaGrouping
 from .dot_tree import DotTree
 
 __all__ = ["NamedReplicaGrouping", "get_instance_replica_grouping"]
@@ -24,7 +25,5 @@ def get_instance_replica_grouping(
 ) -> ReplicaGrouping:
     """The grouping restricted to this instance (one process holds every replica here)."""
     if replica_grouping is None:
-        from ..context import gir
-
         return gir().replica_grouping()
     return replica_grouping

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import ops
-from ..tensor import Tensor
+from ..ir.tensor import Tensor
 from .dot_tree import DotTree
 from .utils import OrderedDict
 

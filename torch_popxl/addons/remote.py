@@ -12,10 +12,11 @@ from typing import Any
 
 from .. import dtypes as _dtypes
 from .. import ops
-from ..context import gcg
-from ..remote_buffer import RemoteBuffer, remote_buffer
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor, TensorSpec, graph_input, graph_output
+from ..ir.context import gcg
+from ..ir.remote_buffer import RemoteBuffer, remote_buffer
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor, TensorSpec, graph_input, graph_output
+from ..remote import replica_sharded_buffer
 from . import rts  # noqa: F401  (``addons.rts`` is reachable as an attribute, as upstream)
 from .dot_tree import DotTree
 from .graph import GraphWithNamedArgs
@@ -49,8 +50,6 @@ def create_remote_buffer(spec: TensorSpec | Tensor, entries: int = 1, replica_gr
       unless the elements divide);
     * otherwise a plain buffer of ``spec.shape``.
     """
-    import torch_popxl as popxl
-
     rg = replica_group if replica_group is not None else gcg().ir.replica_grouping()
     shape, dtype, meta = tuple(spec.shape), spec.dtype, tuple(spec.meta_shape or ())
     if meta:
@@ -66,7 +65,7 @@ def create_remote_buffer(spec: TensorSpec | Tensor, entries: int = 1, replica_gr
                 "the elements must divide evenly. Use shard_over=1 (or False) for this tensor."
             )
         host_shape = (rg.num_groups, *shape) if rg.num_groups > 1 else shape
-        return popxl.replica_sharded_buffer(host_shape, dtype, rg, shard_over, entries)
+        return replica_sharded_buffer(host_shape, dtype, rg, shard_over, entries)
     return remote_buffer(shape, dtype, entries)
 
 

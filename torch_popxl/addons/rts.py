@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..context import gcg, io_tiles
+from ..ir.context import gcg, io_tiles
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor, TensorSpec, graph_input, graph_output
 from ..ops import collectives
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor, TensorSpec, graph_input, graph_output
 from .graph import GraphWithNamedArgs
 from .named_replica_grouping import NamedReplicaGrouping
 from .named_tensors import NamedTensors

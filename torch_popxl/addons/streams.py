@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
+from ..ir.streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
 
 __all__ = ["InputStreams", "OutputStreams"]
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes as _dtypes
-from ..ir import Ir
+from ..ir.ir import Ir
+from ..ir.tensor import variable
 from ..runtime.session import Session
-from ..tensor import variable
 from .module import Module
 from .ops.streams import host_store
 

@@ -25,10 +25,11 @@ import torch
 
 from .. import dtypes as _dtypes
 from .. import ops
-from ..context import gcg
-from ..remote_buffer import RemoteBuffer
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor, Variable, graph_input, variable
+from ..ir.context import gcg
+from ..ir.remote_buffer import RemoteBuffer
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor, Variable, graph_input, variable
+from ..remote import remote_replica_sharded_variable, remote_variable
 from .dot_tree import DotTree
 from .named_replica_grouping import NamedReplicaGrouping
 from .named_tensors import NamedTensors
@@ -204,11 +205,9 @@ class VariableFactory:
                              empty: bool = False, memmap_dir: str | None = None,
                              read_only_if_exists: bool = False) -> Variable:  # fmt: skip
         """A remote variable at ``entry`` of ``buffer`` (replica-sharded if the buffer is)."""
-        import torch_popxl as popxl
-
         name = self._name(name)
         data = self._memmap(name, empty, memmap_dir, read_only_if_exists)
-        make = popxl.remote_replica_sharded_variable if buffer.meta_shape else popxl.remote_variable
+        make = remote_replica_sharded_variable if buffer.meta_shape else remote_variable
         return make(data, buffer, entry, self.dtype, name, replica_grouping=self.replica_grouping)
 
 

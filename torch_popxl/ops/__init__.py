@@ -14,9 +14,10 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
-from ..context import gcg
-from ..graph import Op
-from ..tensor import Tensor, _fake_like, constant
+from ..ir.context import gcg
+from ..ir.graph import Op
+from ..ir.streams import DeviceToHostStream, HostToDeviceStream
+from ..ir.tensor import Tensor, _fake_like, constant
 from . import collectives, var_updates
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .remote import remote_load, remote_load_, remote_store
@@ -99,13 +100,18 @@ def sub(lhs: Tensor, rhs: Tensor) -> Tensor:
     return _binary(torch.sub, lhs, rhs, "sub")
 
 
+def _div(a, b):
+    # PopXL `/` on integer tensors is integer division (truncating), as in C++.
+    if not a.dtype.is_floating_point and not a.dtype.is_complex:
+        return torch.div(a, b, rounding_mode="trunc")
+    return torch.div(a, b)
+
+
 def mul(lhs: Tensor, rhs: Tensor) -> Tensor:
     return _binary(torch.mul, lhs, rhs, "mul")
 
 
 def div(lhs: Tensor, rhs: Tensor) -> Tensor:
-    from ..tensor import _div
-
     return _binary(_div, lhs, rhs, "div")
 
 
@@ -613,7 +619,6 @@ def _positive_steps(t: Tensor, key):
 
 def host_load(h2d_stream, name: str | None = None) -> Tensor:
     """Load the next entry of ``h2d_stream`` (one row per replica)."""
-    from ..streams import HostToDeviceStream
 
     if not isinstance(h2d_stream, HostToDeviceStream):
         raise TypeError(f"host_load expects a HostToDeviceStream; got {type(h2d_stream).__name__}.")
@@ -638,7 +643,6 @@ def host_load(h2d_stream, name: str | None = None) -> Tensor:
 
 def host_store(d2h_stream, t: Tensor) -> None:
     """Store ``t`` into the next entry of ``d2h_stream`` (one row per replica)."""
-    from ..streams import DeviceToHostStream
 
     if not isinstance(d2h_stream, DeviceToHostStream):
         raise TypeError(

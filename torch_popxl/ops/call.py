@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ..context import gcg
 from ..errors import PopXLError
-from ..graph import Graph, Op
-from ..tensor import Tensor, constant
+from ..ir.context import gcg
+from ..ir.graph import Graph, Op
+from ..ir.tensor import Tensor, _fake_like, constant
 
 __all__ = ["call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo"]
 
@@ -166,8 +166,6 @@ def _connect(
 
 
 def _new_outputs(parent: Graph, graph: Graph) -> list[Tensor]:
-    from ..tensor import _fake_like
-
     outs = []
     for t in graph._outputs:
         outs.append(Tensor._create(parent, t.name, _fake_like(t.shape, t.dtype), t.meta_shape))

@@ -11,9 +11,10 @@ import math
 import torch
 
 from ..capture import call_torch
-from ..context import gcg
-from ..replica_grouping import ReplicaGrouping
-from ..tensor import Tensor
+from ..ir.context import gcg
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor
+from ..opdefs import kernels  # noqa: F401  (registers the custom ops)
 
 __all__ = [
     "replicated_all_reduce",
@@ -47,8 +48,6 @@ class CollectiveOperator:
 
 
 def _ops():
-    from ..runtime import kernels  # registers the custom ops  # noqa: F401
-
     return torch.ops.torch_popxl
 
 

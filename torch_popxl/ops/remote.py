@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from .. import dtypes as _dtypes
-from ..context import gcg
-from ..graph import Op
-from ..tensor import Tensor, _fake_like, constant
+from ..ir.context import gcg
+from ..ir.graph import Op
+from ..ir.remote_buffer import RemoteBuffer
+from ..ir.tensor import Tensor, _fake_like, constant
 
 __all__ = ["remote_load", "remote_load_", "remote_store"]
 
 
 def _buffer(rb, name: str):
-    from ..remote_buffer import RemoteBuffer
-
     if not isinstance(rb, RemoteBuffer):
         raise TypeError(f"{name} expects a RemoteBuffer; got {type(rb).__name__}.")
     if rb._ir is not gcg().ir:

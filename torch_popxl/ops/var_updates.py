@@ -11,9 +11,9 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
-from ..context import gcg
 from ..errors import PopXLError
-from ..tensor import Tensor, constant
+from ..ir.context import gcg
+from ..ir.tensor import Tensor, constant
 
 __all__ = [
     "accumulate_",

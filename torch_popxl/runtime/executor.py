@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..graph import Graph, Op, Slot
-from ..tensor import Constant, Tensor
-from . import kernels
-from . import reference_collectives as refc
+from ..ir.graph import Graph, Op, Slot
+from ..ir.tensor import Constant, Tensor
+from ..opdefs import kernels
+from ..opdefs import reference as refc
 from .lower import Program, lower_fragment, mutated_inputs
 
 __all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import Slot
+from ..ir.graph import Slot
 
 __all__ = ["batchable", "emit_torch"]
 

@@ -52,10 +52,10 @@ from typing import Any
 
 import torch
 
-from ..graph import Graph, Op, Slot
-from ..tensor import Constant, Tensor
+from ..ir.graph import Graph, Op, Slot
+from ..ir.tensor import Constant, Tensor
+from ..opdefs import kernels  # noqa: F401  (registers torch.ops.torch_popxl)
 from . import explicit as _explicit
-from . import kernels  # noqa: F401  (registers torch.ops.torch_popxl)
 
 __all__ = ["Program", "mutated_inputs", "lower_fragment"]
 

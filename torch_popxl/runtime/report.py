@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..graph import Graph, Op, Slot
-from ..tensor import Constant, Tensor, Variable
+from ..ir.graph import Graph, Op, Slot
+from ..ir.tensor import Constant, Tensor, Variable
+from .executor import ReferenceExecutor
 
 if TYPE_CHECKING:
     from .session import Session
@@ -193,7 +194,6 @@ def _itemsize(dt) -> int:
 
 def build_report(session: Session, cost_model: CostModel | None = None) -> MemoryReport:
     """The report for ``session`` (see ``Session.memory_report``)."""
-    from .executor import ReferenceExecutor
 
     ir = session.ir
     R = ir.instance_replication_factor

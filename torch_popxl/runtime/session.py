@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dtypes
-from ..streams import DeviceToHostStream, HostToDeviceStream
-from ..tensor import Constant, Tensor, Variable
-from . import kernels
+from ..ir.ir import Ir
+from ..ir.streams import DeviceToHostStream, HostToDeviceStream
+from ..ir.tensor import Constant, Tensor, Variable
+from ..opdefs import kernels
+from . import distributed, remote_io
 from .executor import FastExecutor, ReferenceExecutor, SessionState
+from .report import build_report
 
 __all__ = ["Session"]
 
@@ -36,10 +39,9 @@ class Session:
 
     def __init__(self, ir, device_desc: str = "cpu", weights_to_host_on_exit: bool = True, *,
                  device: str | torch.device | None = None, executor: str = "fast"):  # fmt: skip
-        from ..ir import Ir
-
         if not isinstance(ir, Ir):
             raise TypeError(f"Session expects a popxl Ir; got {type(ir).__name__}.")
+        ir.verify()
         if device_desc not in _DEVICES:
             raise ValueError(
                 f"Incorrect device type provided {device_desc!r}: expected one of {_DEVICES} (all "
@@ -75,8 +77,6 @@ class Session:
         self._replica_offset = ir._instance_index * R
         self._collectives = None
         if ir._num_instances > 1:
-            from . import distributed
-
             self._collectives = distributed.collectives_for(ir, self._torch_device)
         self._allocate()
 
@@ -169,9 +169,8 @@ class Session:
         self._require_attached("weights_from_host")
         for v in self._executor.on_chip:
             _write_rows(self._state.vars[v.id], self._per_replica(v, self._host[v.id]))
-        from .. import remote as _remote
 
-        _remote.upload_remote_variables(self)
+        remote_io.upload_remote_variables(self)
         self._run_fragment("weights_from_host", [], 1)
 
     def _per_replica(self, v: Variable, host: np.ndarray) -> torch.Tensor:
@@ -190,9 +189,8 @@ class Session:
         for v in self._executor.on_chip:
             value = self._global_rows(self._state.vars[v.id], v.id in invariant)
             self._store_host(v, value)
-        from .. import remote as _remote
 
-        _remote.download_remote_variables(self)
+        remote_io.download_remote_variables(self)
         self._in_sync = True
 
     def _store_host(self, v: Variable, value: torch.Tensor) -> None:
@@ -200,9 +198,9 @@ class Session:
         rg = v.replica_grouping
         firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
         rows = value.detach().cpu()
-        host = _to_numpy(rows[firsts], v.dtype)
+        host = _dtypes.torch_to_numpy(rows[firsts], v.dtype)
         self._host[v.id] = host if rg.num_groups > 1 else host[0, ...]  # an ndarray, even 0-d
-        self._host_all[v.id] = _to_numpy(rows, v.dtype)
+        self._host_all[v.id] = _dtypes.torch_to_numpy(rows, v.dtype)
 
     # ---- reading and writing tensors ------------------------------------------------------
 
@@ -226,7 +224,7 @@ class Session:
         out: dict[Tensor, np.ndarray] = {}
         for t in tensors:
             if isinstance(t, Constant):
-                out[t] = _to_numpy(t._data, t.dtype)
+                out[t] = _dtypes.torch_to_numpy(t._data, t.dtype)
             elif t.retrieval_mode == "all_replicas":
                 out[t] = self._host_all.get(t.id, self._all_from_host(t))
             else:
@@ -401,10 +399,10 @@ class Session:
         target = arr[:nht] if nht > 1 else arr
         view = target.reshape(nht, R, *s.shape)
         copied = not np.may_share_memory(view, target)
-        view[:count] = _to_numpy(values[:count].detach().cpu(), s.dtype, copy=False)
+        view[:count] = _dtypes.torch_to_numpy(values[:count].detach().cpu(), s.dtype, copy=False)
         if count < values.shape[0]:  # more stores than entries: later ones wrap around
             for i in range(count, values.shape[0]):
-                view[i % nht] = _to_numpy(values[i].detach().cpu(), s.dtype)
+                view[i % nht] = _dtypes.torch_to_numpy(values[i].detach().cpu(), s.dtype)
         if copied:
             target[...] = view.reshape(target.shape)
 
@@ -413,7 +411,6 @@ class Session:
     def memory_report(self, cost_model=None):
         """Per-replica memory, per-run traffic (IR and runtime counters) and a step-time
         estimate; see ``torch_popxl.runtime.report.MemoryReport``. ``print()`` it for a table."""
-        from .report import build_report
 
         return build_report(self, cost_model)
 
@@ -468,15 +465,3 @@ def _downcast(arr: np.ndarray) -> np.ndarray:
 
 _PLAIN_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.int32, torch.int64, torch.int8,
                            torch.int16, torch.uint8, torch.bool, torch.complex64, torch.complex128})  # fmt: skip
-
-
-def _to_numpy(t: torch.Tensor, dt: _dtypes.dtype, copy: bool = True) -> np.ndarray:
-    t = t.detach().cpu()
-    np_dt = dt.as_numpy()
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).numpy().view(np_dt).copy()
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy()
-    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        return t.to(torch.int64).numpy().astype(np_dt)
-    return t.numpy().astype(np_dt, copy=copy)

@@ -19,8 +19,15 @@ import torch
 
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
-from ..graph import Graph, Op, Slot
-from ..tensor import Constant, Tensor, _fake_like, graph_input, graph_output
+from ..ir.graph import Graph, Op, Slot
+from ..ir.tensor import (
+    Constant,
+    Tensor,
+    _constant_from_torch,
+    _fake_like,
+    graph_input,
+    graph_output,
+)
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -290,8 +297,6 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
         if ft is None:
             return None
         if isinstance(ft, Constant):
-            from ..tensor import _constant_from_torch
-
             c = _constant_from_torch(grad_graph, ft._data, ft.name)
             grad_graph._rebind_fake(c, fake)
             return c

@@ -6,8 +6,8 @@ from functools import partial
 
 import numpy as np
 
-from ...replica_grouping import ReplicaGrouping
-from ...tensor import Tensor, Variable
+from ...ir.replica_grouping import ReplicaGrouping
+from ...ir.tensor import Tensor, Variable
 from ..module import Module
 from ..utils import WeightsDict
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ... import dtypes as _dtypes
-from ...tensor import Tensor
+from ...ir.tensor import Tensor
 
 __all__ = ["cross_entropy", "cross_entropy_with_grad"]
 

@@ -6,8 +6,8 @@ import numpy as np
 
 from ... import dtypes as _dtypes
 from ... import ops
-from ...streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
-from ...tensor import Tensor
+from ...ir.streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream
+from ...ir.tensor import Tensor
 
 __all__ = ["host_load", "host_store"]
 

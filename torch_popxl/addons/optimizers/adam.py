@@ -14,9 +14,9 @@ import numpy as np
 
 from ... import dtypes as _dtypes
 from ... import ops
-from ...context import in_sequence
-from ...replica_grouping import ReplicaGrouping
-from ...tensor import Tensor, TensorByRef, constant
+from ...ir.context import in_sequence
+from ...ir.replica_grouping import ReplicaGrouping
+from ...ir.tensor import Tensor, TensorByRef, constant
 from ..module import Module
 
 __all__ = ["AdamOptimizerStep"]

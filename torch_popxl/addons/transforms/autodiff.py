@@ -22,9 +22,9 @@ import numpy as np
 
 from ... import dtypes as _dtypes
 from ... import ops
-from ...context import in_sequence
-from ...graph import Graph
-from ...tensor import Tensor, constant
+from ...ir.context import in_sequence
+from ...ir.graph import Graph
+from ...ir.tensor import Tensor, constant
 from ...transforms.autodiff import autodiff as _popxl_autodiff
 from ..graph import GraphWithNamedArgs
 from ..named_replica_grouping import NamedReplicaGrouping
@@ -140,3 +140,30 @@ def _accumulator_factory(t: Tensor, key: str, rg) -> VariableFactory:
     return VariableFactory(
         partial(np.zeros, t.shape), t.dtype, key, by_ref=True, replica_grouping=rg
     )
+
+
+# ---- GraphWithNamedArgs.autodiff ----------------------------------------------------------
+# Installed from here because the graph module sits below the transforms (Note [tensor methods
+# are installed from above] in torch_popxl/tensor_methods.py: the same pattern).
+
+
+def _graph_autodiff(self: GraphWithNamedArgs, grads_provided: Iterable[Tensor] | None = None,
+             grads_required: Iterable[Tensor] | None = None,
+             called_graphs_grad_info: Mapping | None = None, method: str = "auto",
+             force: bool = False) -> GraphWithNamedArgs:  # fmt: skip
+    """``addons.autodiff`` of this graph (``method`` "build_grad" is not supported)."""
+    if method not in ("auto", "autodiff", "build_grad"):
+        raise ValueError(f"method must be 'auto', 'autodiff' or 'build_grad'; got {method!r}.")
+    if method == "build_grad":
+        raise NotImplementedError(
+            "Custom build_grad gradients are not supported by torch_popxl.addons."
+        )
+    if self.autodiff_applied and not force:
+        raise ValueError(
+            f"{self.graph.id!r} has already been differentiated; autodiff appends forward "
+            "outputs, so a second pass needs force=True."
+        )
+    return autodiff(self, grads_provided, grads_required, called_graphs_grad_info)
+
+
+GraphWithNamedArgs.autodiff = _graph_autodiff  # type: ignore[attr-defined]

@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .graph import Graph
+from .instances import instance_layout
+from .module import Module
 from .replica_grouping import ReplicaGrouping
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
+from .verify import verify_ir
 
 if TYPE_CHECKING:
     from .remote_buffer import RemoteBuffer
@@ -56,9 +59,7 @@ class Ir:
             self.replication_factor = replication
 
     def _init_distributed(self, replication_factor: int | None = None) -> None:
-        from .runtime import distributed
-
-        layout = distributed.instance_layout(replication_factor)
+        layout = instance_layout(replication_factor)
         self._num_instances = layout.num_instances
         self._instance_index = layout.instance_index
         self._replication_factor = layout.instance_replication_factor
@@ -159,8 +160,6 @@ class Ir:
 
     def create_graph(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         """Build a subgraph by calling ``fn`` with tensor arguments replaced by graph inputs."""
-        from .module import Module
-
         if isinstance(fn, Module):
             qualname = type(fn).__qualname__
             call = fn.build
@@ -195,6 +194,10 @@ class Ir:
         return tuple(self._graphs)
 
     # ---- streams and variables ------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Check every graph's invariants (``ir/verify.py``); raise ``IrVerificationError``."""
+        verify_ir(self)
 
     def get_all_h2d_streams(self) -> set[HostToDeviceStream]:
         return {s for s in self._h2d_streams if s._used}

@@ -1,0 +1,296 @@
+"""``Graph``: an ordered list of ops over symbolic tensors, and the ``Op`` record.
+
+Ops are kept in creation order, which is the order the simulator executes them in (the
+``in_sequence(True)`` schedule, a valid PopXL schedule for every program).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import context as _ctx
+from .fake import fake_mode
+from .tensor import Constant, Tensor, Variable
+
+if TYPE_CHECKING:
+    from .ir import Ir
+
+__all__ = ["Graph", "Op", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Placeholder for ``op.inputs[index]`` inside an op's argument template."""
+
+    index: int
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One operation of a graph.
+
+    ``kind`` is ``"torch"`` for aten / ``torch_popxl`` custom ops (``attrs["target"]`` is the
+    ``OpOverload``; ``attrs["args"]`` / ``attrs["kwargs"]`` are templates with ``Slot``
+    placeholders for tensor inputs; ``attrs["out_paths"]`` locates each output in the result),
+    or one of the runtime ops ``host_load``, ``host_store``, ``remote_load``,
+    ``remote_store``, ``call``, ``repeat``, ``print``.
+    """
+
+    kind: str
+    name: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    context: str = "normal"
+
+    def with_outputs(self, outputs) -> Op:
+        return replace(self, outputs=tuple(outputs))
+
+
+_CONTEXTS = ("weights_from_host", "normal", "weights_to_host")
+
+
+class Graph:
+    """A popxl graph. Create with ``ir.create_graph`` / ``ir.create_empty_graph``."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Graphs cannot be constructed directly; use ir.create_graph(...).")
+
+    @classmethod
+    def _create(cls, ir: Ir, graph_id: str, name: str) -> Graph:
+        g = object.__new__(cls)
+        g._ir = ir
+        g._id = graph_id
+        g._name = name
+        g._tensors: dict[str, Tensor] = {}
+        # id(fake) -> (fake, handle). The fake is kept alive so its id cannot be reused by
+        # a later fake tensor (which would then resolve to the wrong handle).
+        g._by_fake: dict[int, tuple[torch.Tensor, Tensor]] = {}
+        g._inputs: list[Tensor] = []
+        g._by_ref: set[str] = set()
+        g._outputs: list[Tensor] = []
+        g._ops: list[Op] = []
+        g._op_context = "normal"
+        g._hooks: dict[int, Callable] = {}
+        g._hook_ids = itertools.count()
+        g._version = 0
+        return g
+
+    # ---- identity -------------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ir(self) -> Ir:
+        return self._ir
+
+    @property
+    def main_graph(self) -> bool:
+        return self is self._ir.main_graph
+
+    def __eq__(self, other):
+        if not isinstance(other, Graph):
+            raise TypeError(f"Cannot compare a Graph with {type(other).__name__}.")
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+    def __repr__(self):
+        return f"Graph[id={self._id}]"
+
+    def __enter__(self) -> Graph:
+        _ctx._push_graph(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ctx._pop_graph()
+
+    # ---- contents -------------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._inputs)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._outputs)
+
+    @property
+    def inputs_by_name(self) -> dict[str, Tensor]:
+        return {t.name: t for t in self._inputs}
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(self._tensors.values())
+
+    @property
+    def variables(self) -> tuple[Variable, ...]:
+        return tuple(t for t in self._tensors.values() if isinstance(t, Variable))
+
+    @property
+    def constants(self) -> tuple[Constant, ...]:
+        return tuple(t for t in self._tensors.values() if isinstance(t, Constant))
+
+    @property
+    def called_graphs(self) -> tuple[Graph, ...]:
+        seen: dict[int, Graph] = {}
+        for op in self._ops:
+            g = op.attrs.get("graph")
+            if g is not None:
+                seen.setdefault(id(g), g)
+        return tuple(seen.values())
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return tuple(self._ops)
+
+    def get_tensor(self, tensor_id: str) -> Tensor:
+        if tensor_id not in self._tensors:
+            raise ValueError(f"Graph {self._id!r} has no tensor with id {tensor_id!r}.")
+        return self._tensors[tensor_id]
+
+    def __contains__(self, t) -> bool:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"`in graph` expects a popxl Tensor; got {type(t).__name__}.")
+        return t._graph is self and t.id in self._tensors
+
+    def is_input_by_ref(self, t: Tensor) -> bool:
+        return t.id in self._by_ref
+
+    def register_op_created_hook(self, fn: Callable[[Op], None]) -> int:
+        handle = next(self._hook_ids)
+        self._hooks[handle] = fn
+        return handle
+
+    def remove_op_created_hook(self, handle: int) -> None:
+        if handle not in self._hooks:
+            raise ValueError(f"Unknown op-created hook handle {handle!r} for graph {self._id!r}.")
+        del self._hooks[handle]
+
+    # ---- builders (used by tensor.py, capture.py and ops) ---------------------------------
+
+    def _register_tensor(self, t: Tensor, name: str, scoped: bool = True) -> str:
+        self._ir._check_mutable()
+        base = _ctx.current_name_scope() + name if scoped else name
+        tid = base if self.main_graph else f"{self._id}/{base}"
+        if tid in self._tensors:
+            k = 1
+            while f"{tid}__t{k}" in self._tensors:
+                k += 1
+            tid = f"{tid}__t{k}"
+        self._tensors[tid] = t
+        self._by_fake[id(t._fake)] = (t._fake, t)
+        self._version += 1
+        return tid
+
+    def _rename_tensor(self, t: Tensor, name: str) -> None:
+        """Give a just-created tensor a PopXL-style name (e.g. ``<name>_sharded_slice``).
+
+        ``name`` is graph-relative and already scoped (like ``Tensor.name``)."""
+        del self._tensors[t._id]
+        t._id = self._register_tensor(t, name, scoped=False)
+
+    def _rebind_fake(self, t: Tensor, fake: torch.Tensor) -> None:
+        self._by_fake[id(fake)] = (fake, t)
+
+    def _tensor_for_fake(self, fake: torch.Tensor) -> Tensor | None:
+        entry = self._by_fake.get(id(fake))
+        return entry[1] if entry is not None and entry[0] is fake else None
+
+    def _add_input(self, t: Tensor, by_ref: bool) -> None:
+        self._inputs.append(t)
+        if by_ref:
+            self._by_ref.add(t.id)
+
+    def _add_output(self, t: Tensor) -> None:
+        self._ir._check_mutable()
+        self._outputs.append(t)
+        self._version += 1
+
+    def _add_constant(self, value: torch.Tensor, dt, name: str) -> Constant:
+        with fake_mode() as fm:
+            fake = fm.from_tensor(value)
+        return Constant._create(self, name, fake, _data=value)
+
+    def _append_op(self, op: Op) -> Op:
+        self._ir._check_mutable()
+        if self._op_context != "normal":
+            op = replace(op, context=self._op_context)
+        self._ops.append(op)
+        self._version += 1
+        for hook in list(self._hooks.values()):
+            hook(op)
+        return op
+
+    def _replace_op(self, index: int, op: Op) -> None:
+        self._ops[index] = op
+        self._version += 1
+
+    def _ops_in_context(self, context: str) -> list[Op]:
+        return [op for op in self._ops if op.context == context]
+
+    # ---- text form ------------------------------------------------------------------------
+
+    def text(self) -> str:
+        """A deterministic, human-readable listing of the graph (inputs, ops, outputs)."""
+        lines = [f"graph {self._id}:"]
+        for t in self._inputs:
+            ref = " (by_ref)" if t.id in self._by_ref else ""
+            lines.append(f"  input {_fmt(t)}{ref}")
+        if self.main_graph:
+            for v in self.variables:
+                lines.append(f"  variable {_fmt(v)}")
+        for ctx_name in _CONTEXTS:
+            ops = self._ops_in_context(ctx_name)
+            if not ops:
+                continue
+            if ctx_name != "normal":
+                lines.append(f"  [{ctx_name}]")
+            for op in ops:
+                lines.append("  " + _fmt_op(op))
+        for t in self._outputs:
+            lines.append(f"  output {t.id}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def _fmt(t: Tensor) -> str:
+    meta = f" meta{list(t.meta_shape)}" if t.meta_shape else ""
+    return f"{t.id}: {t.dtype.name}{list(t.shape)}{meta}"
+
+
+def _fmt_arg(a, op: Op) -> str:
+    if isinstance(a, Slot):
+        return op.inputs[a.index].id
+    if isinstance(a, list | tuple):
+        inner = ", ".join(_fmt_arg(x, op) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+        return str(a)
+    return repr(a)
+
+
+def _fmt_op(op: Op) -> str:
+    outs = ", ".join(_fmt(t) for t in op.outputs)
+    lhs = f"{outs} = " if outs else ""
+    if op.kind == "torch":
+        args = [_fmt_arg(a, op) for a in op.attrs["args"]]
+        args += [f"{k}={_fmt_arg(v, op)}" for k, v in op.attrs["kwargs"].items()]
+        return f"{lhs}{op.name}({', '.join(args)})"
+    ins = ", ".join(t.id for t in op.inputs)
+    extra = op.attrs.get("describe", "")
+    return f"{lhs}{op.name}({ins}){extra}"

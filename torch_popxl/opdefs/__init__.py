@@ -1,0 +1,9 @@
+"""Op definitions: the ``torch_popxl`` custom ops (collectives, remote memory, fused kernels),
+their fake, vmap and autograd rules, and their per-replica reference semantics.
+
+Sits on the IR and below capture (docs/architecture.md). Importing it loads the C++ extension.
+"""
+
+from . import kernels, reference
+
+__all__ = ["kernels", "reference"]

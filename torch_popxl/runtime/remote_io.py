@@ -1,0 +1,123 @@
+"""Remote variables between host and streaming memory (``Session.weights_from_host`` /
+``weights_to_host``): every replica's slot of each remote (and RTS) variable."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import dtypes as _dtypes
+from ..ir.remote_buffer import RemoteBuffer
+from ..ir.tensor import Variable, _torch_from_numpy
+from ..remote import RtsLayout
+
+__all__ = ["download_remote_variables", "upload_remote_variables"]
+
+
+# ---- host transfers (called by Session.weights_from_host / weights_to_host) -----------------
+
+
+def _remote_variables(ir) -> list[Variable]:
+    return [v for v in ir._all_variables if getattr(v, "_remote", None) is not None]
+
+
+def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
+    if offset >= rb.entries:
+        raise ValueError(
+            f"Remote variable {v.id!r} is at offset {offset} of {rb!r}, which has only "
+            f"{rb.entries} entries (valid offsets: 0 to {rb.entries - 1}). Create the buffer with "
+            f"entries > {offset}, or use another offset."
+        )
+    if v.dtype != rb.tensor_dtype:
+        raise ValueError(
+            f"Remote variable {v.id!r} has dtype {v.dtype.name} but {rb!r} holds "
+            f"{rb.tensor_dtype.name}. Create the variable with dtype={rb.tensor_dtype.name}."
+        )
+    slot = math.prod(rb.tensor_shape)
+    want = v._shard.shard_elements if v._shard is not None else math.prod(v.shape)
+    if want != slot:
+        what = f"its {v._shard.shard_over}-way shard has" if v._shard is not None else "it has"
+        raise ValueError(
+            f"Remote variable {v.id!r} does not fit {rb!r}: {what} {want} elements, a slot holds "
+            f"{slot}. Create the buffer with the per-replica shape (without the group dimension)."
+        )
+
+
+def _per_replica_values(session, v: Variable) -> torch.Tensor:
+    """``[R, *slot_shape]``: what replica r's slot holds after the upload of ``v``."""
+    rb, _ = v._remote
+    host = session._host[v.id]
+    groups = list(v.replica_grouping.assignment)
+    data = _torch_from_numpy(np.asarray(host), v.dtype)
+    if v.replica_grouping.num_groups == 1:
+        data = data.unsqueeze(0)
+    per_group = data.reshape(data.shape[0], -1)  # [num_user_groups, n]
+    if v._shard is not None:
+        rows = _shards_of(per_group, v)
+    else:
+        rows = per_group[torch.tensor(groups)]
+    return rows.reshape(len(groups), *rb.tensor_shape)
+
+
+def _shards_of(per_group: torch.Tensor, v: Variable) -> torch.Tensor:
+    """Replica r's shard (Note [RTS layout]) from the ``[num_user_groups, n]`` values."""
+    layout: RtsLayout = v._shard
+    k, c = layout.shard_over, layout.shard_elements
+    padded = torch.nn.functional.pad(per_group, (0, k * c - layout.num_elements))
+    chunks = padded.reshape(per_group.shape[0], k, c)
+    rg = v.replica_grouping
+    const = rg.const_rg
+    R = len(rg.assignment)
+    user = [rg.assignment[r] for r in range(R)]
+    shard = [const._index_in_group(r) % k for r in range(R)]
+    return chunks[torch.tensor(user), torch.tensor(shard)]
+
+
+def upload_remote_variables(session) -> None:
+    """Write every remote variable's host copy into its slot on every replica (§6.4).
+
+    Every slot is checked before any buffer is written, so a bad variable leaves the buffers
+    unchanged.
+    """
+    variables = _remote_variables(session.ir)
+    for v in variables:
+        _slot_check(v, *v._remote)
+    for v in variables:
+        rb, offset = v._remote
+        buffer = session._state.buffers[rb.remote_buffer_id]
+        buffer[:, offset] = session._local_rows(_per_replica_values(session, v)).to(buffer.device)
+
+
+def download_remote_variables(session) -> None:
+    """Read every remote variable back from its slots into the session's host copies."""
+    for v in _remote_variables(session.ir):
+        rb, offset = v._remote
+        rows = (
+            session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset])
+            .detach()
+            .cpu()
+        )
+        if v._shard is None:
+            session._store_host(v, rows.reshape(rows.shape[0], *v.shape))
+        else:
+            _store_sharded(session, v, rows.reshape(rows.shape[0], -1))
+
+
+def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
+    layout: RtsLayout = v._shard
+    rg = v.replica_grouping
+    const = rg.const_rg
+    assignment = rg.assignment
+    full = []
+    for u in range(rg.num_groups):
+        first_const_group = const.assignment[assignment.index(u)]
+        members = const._members(first_const_group)[: layout.shard_over]
+        flat = torch.cat([rows[m] for m in members])[: layout.num_elements]
+        full.append(flat.reshape(v.shape))
+    groups = torch.stack(full)  # [num_user_groups, *shape]
+    host = _dtypes.torch_to_numpy(groups, v.dtype)
+    session._host[v.id] = host if rg.num_groups > 1 else host[0]
+    # all_replicas: the reconstructed group value is copied to every member (§4.5).
+    session._host_all[v.id] = host[assignment]

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -73,6 +75,7 @@ __all__ = [
     "replicated_take_own",
     "reset_traffic_counters",
     "traffic_counters",
+    "traffic_scope",
     "use_collectives",
 ]
 
@@ -102,7 +105,37 @@ def traffic_counters() -> dict[str, int]:
 
 
 def reset_traffic_counters() -> None:
+    """Zero the process-wide counters (sessions never call this: see ``traffic_scope``)."""
     _ops.reset_traffic_counters()
+
+
+# Held by every traffic_scope: scopes in different threads take turns, so the counters move
+# only for the scope that is open while it measures. Re-entrant: a nested scope (same thread)
+# measures its own part, which the outer scope's figures include.
+_SCOPE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def traffic_scope() -> Iterator[dict[str, int]]:
+    """Measure the traffic of the enclosed code: yields a dict that holds, on exit, how much
+    each counter grew inside the scope (the names of ``traffic_counters()``).
+
+    The process-wide counters keep accumulating (a scope never resets them), so several
+    sessions, or a caller measuring around them, see independent figures. Scopes serialise
+    across threads; counting done by other threads outside any scope is not excluded.
+    """
+    with _SCOPE_LOCK:
+        delta: dict[str, int] = {}
+        before = _ops.traffic_counters()
+        try:
+            yield delta
+        finally:
+            after = _ops.traffic_counters()
+            delta.update(
+                zip(
+                    _COUNTER_NAMES, (a - b for a, b in zip(after, before, strict=True)), strict=True
+                )
+            )
 
 
 def add_host_bytes(n: int) -> None:

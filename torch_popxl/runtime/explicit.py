@@ -19,7 +19,7 @@ import torch
 
 from ..ir.graph import Slot
 
-__all__ = ["batchable", "emit_torch"]
+__all__ = ["batchable", "emit_torch", "is_random"]
 
 aten = torch.ops.aten
 _DEBUG = False
@@ -49,9 +49,20 @@ _FLAT_KINDS = {
 }
 
 
+def is_random(target) -> bool:
+    """Whether ``target`` draws random numbers. torch tags every such aten overload
+    ``nondeterministic_seeded``, including those without a ``Generator`` argument
+    (``rand_like``, ``randn_like``, ``randint_like``); PopXL replicas draw independently."""
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
 def _ok_torch(f, a, R: int) -> bool:
     target = f.op.attrs["target"]
     if "sum_add" in f.extra or "sum_read" in f.extra:
+        return False
+    if is_random(target):
+        # Each replica draws its own values (vmap's randomness="different"); the stacked form
+        # has no rule for that, so a fragment with a random op runs under vmap.
         return False
     batched = [a.b(n) for n in f.ins]
     if not any(batched):

@@ -250,9 +250,8 @@ _FULL_GROUP_OPS = ("replicated_all_reduce", "replicated_all_gather")
 _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 
 
-def _is_random(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any("Generator" in str(a.type) for a in schema.arguments)
+# Which ops draw random numbers (defined next to the explicit-batching rules, which need it).
+_is_random = _explicit.is_random
 
 
 class _Conflict(Exception):

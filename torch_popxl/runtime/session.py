@@ -150,7 +150,9 @@ class Session:
         return list(v.replica_grouping.assignment)[self._replica_offset : self._replica_offset + R]
 
     def _run_fragment(self, fragment: str, ins: list[torch.Tensor], nht: int):
-        with kernels.use_collectives(self._collectives):
+        # Every fragment runs inside a traffic scope (they take turns across threads), so no
+        # weights_from_host of one session is counted in another session's run.
+        with kernels.traffic_scope(), kernels.use_collectives(self._collectives):
             return self._executor.run(self._state, fragment, ins, nht)
 
     def _global_rows(self, rows: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -309,9 +311,11 @@ class Session:
             else self._unused_input(s)
             for s in h2d
         ]
-        kernels.reset_traffic_counters()
-        stored = self._run_fragment("normal", ins, nht)
-        self._last_run_counters = kernels.traffic_counters()
+        # Measured as a delta over this run only (never a reset of the process-wide counters),
+        # so other sessions' runs cannot change this session's figures.
+        with kernels.traffic_scope() as counted:
+            stored = self._run_fragment("normal", ins, nht)
+        self._last_run_counters = counted
         self._in_sync = False
         for s, arr in outputs.items():
             values = stored.get(s._index)
@@ -376,16 +380,20 @@ class Session:
             )
         if downcast:
             arr = _downcast(arr)
+        _check_stream_dtype(s, arr.dtype)
         self._verify_shape(s, arr, "input")
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
         if nht > 1 and arr.shape[0] > nht:
             arr = arr[:nht]
         arr = arr.reshape(nht, R, *s.shape)
+        if arr.dtype.fields is not None:  # float8 host data: its raw bytes (Note [float8 encoding])
+            arr = arr.view(np.uint8)
         t = torch.from_numpy(np.ascontiguousarray(arr))
-        want = s.dtype.as_torch()
-        if t.dtype != want:
-            t = t.to(want)
-        return t.to(self._torch_device)
+        if t.dtype == torch.uint8 and s.dtype.name.startswith("float8"):
+            t = t.view(s.dtype.as_torch())
+        # Always a copy: the program may update a loaded tensor in place (``+=``, an in-place
+        # all-reduce), and the caller's array must never change.
+        return t.to(device=self._torch_device, dtype=s.dtype.as_torch(), copy=True)
 
     def _fill_output(self, s: DeviceToHostStream, arr: np.ndarray, values: torch.Tensor) -> None:
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
@@ -436,6 +444,27 @@ def check_host_data(v: Variable, data, who: str) -> np.ndarray:
             f"shape_on_host {tuple(v.shape_on_host)}."
         )
     return data
+
+
+def _check_stream_dtype(s: HostToDeviceStream, given: np.dtype) -> None:
+    """Reject host data that the stream's dtype cannot hold without changing its kind: float
+    into an integer stream would be silently truncated, complex would lose its imaginary
+    part, anything but bool would become bool. PopXL raises a type-discrepancy error there.
+    Conversions within or up the kind order (float16 -> float32, int -> float, a Python int
+    scalar into a float stream) are accepted, as before. float8 streams also take raw uint8.
+    """
+    expected = s.dtype.as_numpy()
+    if s.dtype.name.startswith("float8"):
+        if given == expected or given == np.uint8 or given.kind == "f":
+            return
+    elif np.can_cast(given, expected, casting="same_kind"):
+        return
+    raise TypeError(
+        f"Type discrepancy for input stream {s.tensor_id!r}: the data has dtype {given}, the "
+        f"stream has dtype {expected}, and {given} -> {expected} would change the values' kind "
+        f"(e.g. truncate floats). Convert the data explicitly, e.g. `np.round(data).astype("
+        f"np.{expected})`, or create the stream with dtype {given}."
+    )
 
 
 def _write_rows(storage: torch.Tensor, rows: torch.Tensor) -> None:

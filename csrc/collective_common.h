@@ -37,11 +37,11 @@ struct Grouping {
 inline Grouping check_grouping(
     const char* op_name, int64_t replicas, int64_t group_size, int64_t stride) {
   TORCH_CHECK_VALUE(
-      group_size >= 1 && stride >= 1, op_name, ": group_size and stride must be >= 1, got group_size=",
-      group_size, ", stride=", stride, ".");
-  TORCH_CHECK_VALUE(
       replicas >= 1, op_name, ": expected at least one replica (dim 0 of the stacked input), got ",
       replicas, ".");
+  TORCH_CHECK_VALUE(
+      group_size >= 1 && stride >= 1, op_name, ": group_size and stride must be >= 1, got group_size=",
+      group_size, ", stride=", stride, ".");
   // PopXL forces the stride to 1 when the group size is 1 (popxl.md §2.1); every replica is
   // then alone in its group whatever the stride, so accept any stride instead of rejecting
   // e.g. (G=1, S=2) for a single replica.

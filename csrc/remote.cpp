@@ -43,13 +43,16 @@ at::Tensor checked_offsets(
       ": expected one offset per replica, i.e. offsets of shape [", replicas,
       "] to match dim 0 of RemoteBuffer[id=", buffer_id, "] (shape ", buffer.sizes(),
       "), got offsets of shape ", offsets.sizes(), ".");
-  if (dtype == at::kUInt64 && replicas > 0) {
-    // uint64 values of 2**63 or more would turn negative as int64: reject them while unsigned.
-    const at::Tensor too_big = offsets.to(at::kCPU).ge(static_cast<uint64_t>(entries));
-    TORCH_CHECK_VALUE(
-        !too_big.any().item<bool>(), op_name, ": a uint64 offset is out of range for "
-        "RemoteBuffer[id=", buffer_id, "] with ", entries, " entries; offsets must be in [0, ",
-        entries, ").");
+  if (dtype == at::kUInt64) {
+    // uint64 values of 2**63 or more would turn negative as int64: check them while unsigned.
+    const at::Tensor raw = offsets.to(at::kCPU).contiguous();
+    const uint64_t* values = raw.data_ptr<uint64_t>();
+    for (int64_t r = 0; r < replicas; ++r) {
+      TORCH_CHECK_VALUE(
+          values[r] < static_cast<uint64_t>(entries), op_name, ": uint64 offset ", values[r],
+          " is out of range for RemoteBuffer[id=", buffer_id, "] with ", entries,
+          " entries (replica ", r, "); offsets must be in [0, ", entries, ").");
+    }
   }
   const at::Tensor cpu = offsets.to(at::TensorOptions().device(at::kCPU).dtype(at::kLong))
                              .contiguous()

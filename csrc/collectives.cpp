@@ -1,11 +1,11 @@
 // Stacked collective kernels: all_reduce, all_gather, reduce_scatter and take_own.
 //
-// Each kernel views the replica dim [R] as [R/(G*S), G, S] (see Grouping in grouping.h) and
-// works with ordinary ATen reductions/permutes on that view, so it runs on any device, on
-// non-contiguous inputs, and inherits ATen's parallel CPU kernels instead of hand-written
-// loops. The readable per-replica specification lives in
-// torch_popxl/runtime/reference_collectives.py; tests/test_kernels.py checks the two agree.
-#include "grouping.h"
+// Each kernel views the replica dim [R] as [R/(G*S), G, S] (see Grouping in
+// collective_common.h) and works with ordinary ATen reductions/permutes on that view, so it
+// runs on any device, on non-contiguous inputs, and inherits ATen's parallel CPU kernels
+// instead of hand-written loops. The readable per-replica specification lives in
+// torch_popxl/opdefs/reference.py; tests/test_kernels.py checks the two agree.
+#include "collective_common.h"
 #include "kernels.h"
 
 #include <vector>
@@ -34,55 +34,10 @@ at::Tensor fresh(const at::Tensor& out, const at::Tensor& input) {
   return out;
 }
 
-int64_t bytes_per_replica(const at::Tensor& x) {
-  return x.size(0) == 0 ? 0 : (x.numel() / x.size(0)) * static_cast<int64_t>(x.element_size());
-}
-
 void check_stacked(const char* op_name, const at::Tensor& x, int64_t min_dim, const char* layout) {
   TORCH_CHECK_VALUE(
       x.dim() >= min_dim, op_name, ": expected a stacked tensor ", layout,
       " with the replica dim first, got a tensor of shape ", x.sizes(), ".");
-}
-
-void check_dtype_supports(const char* op_name, const at::Tensor& x, c10::string_view op,
-                          ReduceOp rop) {
-  const bool arithmetic =
-      rop == ReduceOp::Add || rop == ReduceOp::Mean || rop == ReduceOp::SquareAdd;
-  TORCH_CHECK_TYPE(
-      !(arithmetic && x.scalar_type() == at::kBool), op_name, ": op '", std::string(op),
-      "' needs a numeric dtype, got bool. Use 'or', 'and', 'min' or 'max' for boolean masks, "
-      "or convert the tensor to an integer dtype first.");
-}
-
-// Reduces over `dim` (the group axis) keeping it as size 1. The result has x's dtype.
-at::Tensor reduce_members(const at::Tensor& x, int64_t dim, ReduceOp op) {
-  const auto dtype = x.scalar_type();
-  switch (op) {
-    case ReduceOp::Add:
-      return at::sum(x, {dim}, /*keepdim=*/true, dtype);
-    case ReduceOp::SquareAdd:
-      return at::sum(x * x, {dim}, /*keepdim=*/true, dtype);
-    case ReduceOp::Mean:
-      if (at::isFloatingType(dtype) || at::isComplexType(dtype)) {
-        return at::mean(x, {dim}, /*keepdim=*/true);
-      }
-      // Integers: sum exactly in int64 (no intermediate overflow), then divide with C-style
-      // truncation toward zero, the natural reading of "sum / G" for an integer tensor.
-      return at::div(at::sum(x, {dim}, /*keepdim=*/true, at::kLong), x.size(dim), "trunc")
-          .to(dtype);
-    case ReduceOp::Min:
-      return at::amin(x, {dim}, /*keepdim=*/true);
-    case ReduceOp::Max:
-      return at::amax(x, {dim}, /*keepdim=*/true);
-    case ReduceOp::And:
-      return (x != 0).all(dim, /*keepdim=*/true).to(dtype);
-    case ReduceOp::Or:
-      return (x != 0).any(dim, /*keepdim=*/true).to(dtype);
-    case ReduceOp::Local:
-      break;
-  }
-  TORCH_CHECK(false, "reduce_members: 'local' is not a reduction (internal error).");
-  return x;
 }
 
 }  // namespace
@@ -93,14 +48,13 @@ at::Tensor all_reduce_stacked(
   check_stacked(name, x, 1, "[R, ...]");
   const Grouping g = check_grouping(name, x.size(0), group_size, stride);
   const ReduceOp rop = parse_reduce_op(name, op, /*allow_local=*/false);
-  check_dtype_supports(name, x, op, rop);
+  check_reduce_dtype(name, x.scalar_type(), op, rop);
 
   const at::Tensor xv = grouped_view(x, g);
-  const at::Tensor reduced = reduce_members(xv, 1, rop);  // [B, 1, S, *rest]
+  const at::Tensor reduced = reduce_over(xv, 1, rop, /*keepdim=*/true);  // [B, 1, S, *rest]
   const at::Tensor out = fresh(reduced.expand(xv.sizes()).reshape(x.sizes()), x);
 
-  const int64_t n = bytes_per_replica(x);
-  count_collective(g.replicas / g.group_size * 2 * (g.group_size - 1) * n);
+  count_collective(all_reduce_bytes(g, bytes_per_replica(x)));
   return out;
 }
 
@@ -119,7 +73,7 @@ at::Tensor all_gather_stacked(const at::Tensor& x, int64_t group_size, int64_t s
   const auto out_sizes = concat_sizes({g.replicas, g.group_size}, x.sizes().slice(1));
   const at::Tensor out = fresh(members.expand(expanded_sizes).reshape(out_sizes), x);
 
-  count_collective(g.replicas * (g.group_size - 1) * bytes_per_replica(x));
+  count_collective(all_gather_bytes(g, bytes_per_replica(x)));
   return out;
 }
 
@@ -131,7 +85,7 @@ at::Tensor reduce_scatter_stacked(
       "flattened), got a tensor of shape ", x.sizes(), ". Flatten with x.reshape(R, -1).");
   const Grouping g = check_grouping(name, x.size(0), group_size, stride);
   const ReduceOp rop = parse_reduce_op(name, op, /*allow_local=*/true);
-  check_dtype_supports(name, x, op, rop);
+  check_reduce_dtype(name, x.scalar_type(), op, rop);
 
   const int64_t B = g.blocks(), G = g.group_size, S = g.stride, R = g.replicas;
   const int64_t n = x.size(1);
@@ -149,17 +103,14 @@ at::Tensor reduce_scatter_stacked(
     out = own.permute({0, 3, 1, 2}).reshape({R, chunk});
   } else {
     const at::Tensor p = padded.reshape({B, G, S, G * chunk});
-    const at::Tensor reduced = reduce_members(p, 1, rop);  // [B, 1, S, G*chunk]
+    const at::Tensor reduced = reduce_over(p, 1, rop, /*keepdim=*/true);  // [B, 1, S, G*chunk]
     // Member i of group (b, s) takes chunk i of the group's reduced row.
     out = reduced.reshape({B, S, G, chunk}).permute({0, 2, 1, 3}).reshape({R, chunk});
   }
   out = fresh(out, x);
 
-  if (rop != ReduceOp::Local) {
-    count_collective(R * (G - 1) * chunk * static_cast<int64_t>(x.element_size()));
-  } else {
-    count_collective(0);
-  }
+  count_collective(
+      reduce_scatter_bytes(g, chunk * static_cast<int64_t>(x.element_size()), rop));
   return out;
 }
 

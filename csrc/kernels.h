@@ -1,4 +1,5 @@
-// Declarations of the "stacked" kernels behind torch.ops.torch_popxl.*.
+// Declarations of the kernels behind torch.ops.torch_popxl.*; csrc/registration.cpp is the
+// one place that registers them.
 //
 // Stacked layout: dim 0 of every tensor argument is the replica dim, of size R (the number of
 // simulated replicas). A grouping is (group_size G, stride S) as in popxl.md §2.1.
@@ -18,6 +19,11 @@ at::Tensor all_gather_stacked(const at::Tensor& x, int64_t group_size, int64_t s
 at::Tensor reduce_scatter_stacked(
     const at::Tensor& x, c10::string_view op, int64_t group_size, int64_t stride);
 at::Tensor take_own_stacked(const at::Tensor& x, int64_t group_size, int64_t stride);
+
+// Full-group (G = R) collectives with an unbatched result, and the fused matmul + all-reduce.
+at::Tensor all_reduce_full(const at::Tensor& x, c10::string_view op);
+at::Tensor all_gather_full(const at::Tensor& x);
+at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::string_view op);
 
 at::Tensor remote_load_stacked(
     const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id);

@@ -1,4 +1,7 @@
-// Operator schemas and kernel registrations for the torch_popxl namespace.
+// Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
+// where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
+// traffic.cpp) only define functions, declared in kernels.h / traffic.h; adding an op means
+// one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
@@ -9,30 +12,24 @@
 
 #include "kernels.h"
 
-namespace {
-
-void register_kernels(torch::Library& m) {
-  m.impl("all_reduce_stacked", TORCH_FN(torch_popxl::all_reduce_stacked));
-  m.impl("all_gather_stacked", TORCH_FN(torch_popxl::all_gather_stacked));
-  m.impl("reduce_scatter_stacked", TORCH_FN(torch_popxl::reduce_scatter_stacked));
-  m.impl("take_own_stacked", TORCH_FN(torch_popxl::take_own_stacked));
-  m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
-  m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
-}
-
-}  // namespace
-
 TORCH_LIBRARY(torch_popxl, m) {
   m.set_python_module("torch_popxl.opdefs.kernels");
+  // Stacked collectives (collectives.cpp).
   m.def("all_reduce_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
   m.def("all_gather_stacked(Tensor x, int group_size, int stride) -> Tensor");
   m.def("reduce_scatter_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
   m.def("take_own_stacked(Tensor x, int group_size, int stride) -> Tensor");
+  // Full-group collectives and the fused matmul + all-reduce (fused.cpp).
+  m.def("all_reduce_full(Tensor x, str op) -> Tensor");
+  m.def("all_gather_full(Tensor x) -> Tensor");
+  m.def("mm_all_reduce_stacked(Tensor a, Tensor b, str op) -> Tensor");
+  // Remote buffers (remote.cpp).
   m.def("remote_load_stacked(Tensor buffer, Tensor offsets, int buffer_id) -> Tensor");
   m.def(
       "remote_store_stacked_(Tensor(a!) buffer, Tensor offsets, Tensor value, int buffer_id)"
       " -> ()");
-  // No tensor arguments, so there is nothing to dispatch on: one kernel for every backend.
+  // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
+  // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
   m.def("add_host_bytes(int n) -> ()", TORCH_FN(torch_popxl::add_host_bytes));
   m.def(
@@ -41,12 +38,16 @@ TORCH_LIBRARY(torch_popxl, m) {
   m.def("reset_traffic_counters() -> ()", TORCH_FN(torch_popxl::reset_traffic_counters));
 }
 
-// The kernels are built only from device-generic ATen ops, so the same functions serve CPU
-// and, through CompositeExplicitAutograd, CUDA and any other backend.
-TORCH_LIBRARY_IMPL(torch_popxl, CPU, m) {
-  register_kernels(m);
-}
-
+// The kernels are built only from device-generic ATen ops, so one CompositeExplicitAutograd
+// registration serves CPU, CUDA and any other backend (autograd comes from kernels.py).
 TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
-  register_kernels(m);
+  m.impl("all_reduce_stacked", TORCH_FN(torch_popxl::all_reduce_stacked));
+  m.impl("all_gather_stacked", TORCH_FN(torch_popxl::all_gather_stacked));
+  m.impl("reduce_scatter_stacked", TORCH_FN(torch_popxl::reduce_scatter_stacked));
+  m.impl("take_own_stacked", TORCH_FN(torch_popxl::take_own_stacked));
+  m.impl("all_reduce_full", TORCH_FN(torch_popxl::all_reduce_full));
+  m.impl("all_gather_full", TORCH_FN(torch_popxl::all_gather_full));
+  m.impl("mm_all_reduce_stacked", TORCH_FN(torch_popxl::mm_all_reduce_stacked));
+  m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
+  m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
 }

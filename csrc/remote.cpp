@@ -5,6 +5,7 @@
 // On hardware an out-of-range offset is undefined behaviour (popxl.md §4.3); here every offset
 // is checked before any memory is touched, so a bad offset is a clear error and a failed
 // store leaves the buffer unchanged.
+#include "collective_common.h"
 #include "kernels.h"
 
 #include <vector>
@@ -18,21 +19,44 @@ void check_buffer(const char* op_name, const at::Tensor& buffer, int64_t buffer_
       "] of shape [R, entries, *slot_shape], got a tensor of shape ", buffer.sizes(), ".");
 }
 
-// Validates the offsets and returns them as a CPU int64 tensor of shape [R].
+// Validates the offsets and returns them as a CPU int64 tensor of shape [R]. Every offset is
+// range-checked as a 64-bit value against the buffer's entries before any memory is touched;
+// nothing is ever narrowed to 32 bits, so an offset of 2**32 is out of range, not slot 0.
 at::Tensor checked_offsets(
     const char* op_name, const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id) {
   const int64_t replicas = buffer.size(0);
   const int64_t entries = buffer.size(1);
+  const auto dtype = offsets.scalar_type();
+  if (at::isFloatingType(dtype) && offsets.numel() > 0) {
+    // Name a NaN explicitly: "got dtype Float" alone hides where the bad index came from.
+    TORCH_CHECK_TYPE(
+        !offsets.isnan().any().item<bool>(), op_name, ": offsets must be an integer tensor, got "
+        "dtype ", dtype, " holding NaN, for RemoteBuffer[id=", buffer_id, "]. Compute the offset "
+        "as an integer (e.g. with .to(torch.int32)) and check it is not derived from a NaN.");
+  }
   TORCH_CHECK_TYPE(
-      at::isIntegralType(offsets.scalar_type(), /*includeBool=*/false), op_name,
-      ": offsets must be an integer tensor, got dtype ", offsets.scalar_type(), ".");
+      at::isIntegralType(dtype, /*includeBool=*/false), op_name,
+      ": offsets must be an integer tensor, got dtype ", dtype, " for RemoteBuffer[id=",
+      buffer_id, "].");
   TORCH_CHECK_VALUE(
       offsets.dim() <= 1 && offsets.numel() == replicas, op_name,
       ": expected one offset per replica, i.e. offsets of shape [", replicas,
       "] to match dim 0 of RemoteBuffer[id=", buffer_id, "] (shape ", buffer.sizes(),
       "), got offsets of shape ", offsets.sizes(), ".");
-  const at::Tensor cpu =
-      offsets.to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous().reshape({replicas});
+  if (dtype == at::kUInt64) {
+    // uint64 values of 2**63 or more would turn negative as int64: check them while unsigned.
+    const at::Tensor raw = offsets.to(at::kCPU).contiguous();
+    const uint64_t* values = raw.data_ptr<uint64_t>();
+    for (int64_t r = 0; r < replicas; ++r) {
+      TORCH_CHECK_VALUE(
+          values[r] < static_cast<uint64_t>(entries), op_name, ": uint64 offset ", values[r],
+          " is out of range for RemoteBuffer[id=", buffer_id, "] with ", entries,
+          " entries (replica ", r, "); offsets must be in [0, ", entries, ").");
+    }
+  }
+  const at::Tensor cpu = offsets.to(at::TensorOptions().device(at::kCPU).dtype(at::kLong))
+                             .contiguous()
+                             .reshape({replicas});
   const int64_t* values = cpu.data_ptr<int64_t>();
   for (int64_t r = 0; r < replicas; ++r) {
     TORCH_CHECK_VALUE(
@@ -72,7 +96,7 @@ at::Tensor remote_load_stacked(
   if (out.is_alias_of(buffer) || !out.is_contiguous()) {
     out = out.clone(at::MemoryFormat::Contiguous);
   }
-  count_remote_load(buffer.size(0) * slot_bytes(buffer));
+  count_remote_load(remote_transfer_bytes(buffer.size(0), slot_bytes(buffer)));
   return out;
 }
 
@@ -103,7 +127,7 @@ void remote_store_stacked_(
   // indexed write read memory it is overwriting; copy it first.
   const at::Tensor source = value.is_alias_of(buffer) ? value.clone() : value;
   buffer.index_put_(slot_index(buffer, offsets_cpu), source);
-  count_remote_store(buffer.size(0) * slot_bytes(buffer));
+  count_remote_store(remote_transfer_bytes(buffer.size(0), slot_bytes(buffer)));
 }
 
 }  // namespace torch_popxl

@@ -1,23 +1,7 @@
 // Process-global traffic counters for the simulated collectives and remote-buffer ops.
 //
-// Note [traffic accounting]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~
-// The counters estimate what the ops would move on real hardware, so that tests and
-// benchmarks can compare strategies (e.g. RTS versus plain data parallelism) without timing.
-// Collectives are costed with the bandwidth-optimal ring algorithm. With n = bytes of one
-// replica's input, G = group size and R = number of replicas, each kernel adds the bytes sent
-// by every replica, summed over all R replicas:
-//
-//   all_reduce      per replica 2*(G-1)/G * n        total (R/G) * 2*(G-1) * n
-//   all_gather      per replica (G-1) * n            total R * (G-1) * n
-//   reduce_scatter  per replica (G-1)/G * padded_n   total R * (G-1) * chunk_bytes
-//                   (padded_n = G * chunk_bytes, chunk = ceil(n_elems / G) elements)
-//   reduce_scatter 'local' and take_own (its PopXL twin): 0 bytes
-//   remote_load / remote_store: slot bytes per replica, total R * slot_bytes
-//
-// All totals are exact integers: the per-replica all_reduce figure can be fractional, but G
-// divides R, so the sum over replicas (R/G) * 2*(G-1) * n is an integer and no rounding is
-// ever needed. A group of size 1 moves 0 bytes but still counts as one collective call.
+// What each op adds is defined by the byte-count functions in collective_common.h (see
+// Note [traffic accounting] there); this file only keeps the totals.
 // Host bytes are added by the Python host-IO layer through add_host_bytes.
 //
 // Counters are relaxed atomics: they are statistics, never used to order memory, and

@@ -1,4 +1,4 @@
-// Process-global traffic counters; see Note [traffic accounting] in traffic.cpp.
+// Process-global traffic counters; what each op adds is in collective_common.h (byte counts).
 //
 // Kept free of ATen headers so that traffic.cpp compiles in a fraction of the time.
 #pragma once

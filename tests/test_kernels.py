@@ -1,6 +1,6 @@
-"""Tests for the torch_popxl._C kernels and their Python registrations (runtime/kernels.py).
+"""Tests for the torch_popxl._C kernels and their Python registrations (opdefs/kernels.py).
 
-The readable reference in runtime/reference_collectives.py is the specification; the stacked
+The readable reference in opdefs/reference.py is the specification; the stacked
 C++ kernels and the per-replica ops under vmap must agree with it and with the worked numbers
 of popxl.md §11.5.
 """
@@ -8,6 +8,9 @@ of popxl.md §11.5.
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -461,7 +464,7 @@ def test_capture_once_then_simulate():
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd (Note [collective gradients] in runtime/kernels.py)
+# Autograd (Note [collective gradients] in opdefs/kernels.py)
 
 
 @pytest.mark.parametrize(("stride", "group_size"), [(1, 4), (2, 2), (2, 4)])
@@ -636,3 +639,140 @@ def test_opcheck(op, make_args):
         # it; pytest turns warnings into errors here.
         warnings.filterwarnings("ignore", message=".*not a leaf Tensor.*")
         torch.library.opcheck(op, make_args())
+
+
+# --------------------------------------------------------------------------------------------
+# Argument validation before arithmetic (issue 12 item 5). Each call runs in a subprocess: on
+# a kernel that divides by an overflowed group_size*stride the interpreter dies with SIGFPE,
+# which must fail the test rather than kill pytest.
+
+_HUGE = 2**32  # G = S = 2**32: G*S wraps to 0 in 64 bits
+
+_OVERFLOW_CALLS = {
+    "all_gather_stacked": f"ops.all_gather_stacked(x, {_HUGE}, {_HUGE})",
+    "all_reduce_stacked": f"ops.all_reduce_stacked(x, 'add', {_HUGE}, {_HUGE})",
+    "reduce_scatter_stacked": f"ops.reduce_scatter_stacked(x.reshape(1, 1), 'add', {_HUGE}, {_HUGE})",
+    "take_own_stacked": f"ops.take_own_stacked(x.reshape(1, 1), {_HUGE}, {_HUGE})",
+    "replicated_all_gather_vmap": (
+        f"torch.func.vmap(lambda t: K.replicated_all_gather(t, {_HUGE}, {_HUGE}))(x.reshape(1, 1))"
+    ),
+    "replicated_all_reduce_vmap": (
+        f"torch.func.vmap(lambda t: K.replicated_all_reduce(t, 'add', {_HUGE}, {_HUGE}))(x)"
+    ),
+    "replicated_reduce_scatter_vmap": (
+        f"torch.func.vmap(lambda t: K.replicated_reduce_scatter(t, 'add', {_HUGE}, {_HUGE}))(x)"
+    ),
+    "replicated_take_own_vmap": (
+        f"torch.func.vmap(lambda t: K.replicated_take_own(t, {_HUGE}, {_HUGE}))(x.reshape(1, 1, 1))"
+    ),
+}
+
+_SUBPROCESS_TEMPLATE = """
+import torch
+from torch_popxl.opdefs import kernels as K
+ops = torch.ops.torch_popxl
+x = torch.zeros([1], dtype=torch.int8)
+try:
+    {call}
+except (ValueError, RuntimeError) as e:
+    print("RAISED", type(e).__name__, e)
+else:
+    print("NO ERROR")
+"""
+
+
+def _run_isolated(call: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS_TEMPLATE.format(call=call)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_OVERFLOW_CALLS))
+def test_overflowing_grouping_raises_instead_of_crashing(name):
+    proc = _run_isolated(_OVERFLOW_CALLS[name])
+    assert proc.returncode == 0, (
+        f"{name} killed the interpreter (exit code {proc.returncode}, "
+        f"{'SIGFPE' if proc.returncode == -signal.SIGFPE else 'not SIGFPE'}): {proc.stderr[-2000:]}"
+    )
+    out = proc.stdout
+    assert out.startswith("RAISED ValueError"), out + proc.stderr[-2000:]
+    # The message says what was given and what is expected.
+    assert f"group_size={_HUGE}, stride={_HUGE}" in out and "R=1" in out, out
+    assert "multiple of group_size*stride" in out, out
+
+
+@pytest.mark.parametrize(
+    ("R", "group_size", "stride"),
+    [(4, 5, 1), (4, 2, 3), (4, 4, 2), (6, 3, 2**62), (1, 2**63 - 1, 1)],
+)
+def test_grouping_bounds_are_checked_without_overflow(R, group_size, stride):
+    """Stacked kernels, fakes and vmap rules all reject a grouping that does not tile R."""
+    x = torch.arange(R, dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
+        ops.all_reduce_stacked(x, "add", group_size, stride)
+    with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
+        K.check_grouping("all_reduce", R, group_size, stride)
+    with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
+        torch.func.vmap(lambda t: K.replicated_all_reduce(t, "add", group_size, stride))(x)
+
+
+@pytest.mark.parametrize("stride", [-1, 0, 2])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_full_group_shortcut_validates_stride(op, stride):
+    """G = R takes the full-group fast path under vmap; an invalid stride must not."""
+    x = torch.arange(3, dtype=torch.float32)
+    if op == "all_reduce":
+        fn = lambda t: K.replicated_all_reduce(t, "add", 3, stride)  # noqa: E731
+    else:
+        fn = lambda t: K.replicated_all_gather(t, 3, stride)  # noqa: E731
+    match = "must be >= 1" if stride < 1 else "does not tile R=3"
+    with pytest.raises(ValueError, match=match):
+        torch.func.vmap(fn)(x)
+
+
+def test_full_group_shortcut_matches_reference_for_valid_grouping():
+    """The fast path still gives the reference numbers when the grouping is the full set."""
+    x = torch.tensor([1.0, 2.0, 4.0])
+    got = torch.func.vmap(lambda t: K.replicated_all_reduce(t, "add", 3, 1))(x)
+    want = torch.stack(ref.all_reduce(list(x.unbind(0)), "add", 3, 1))
+    torch.testing.assert_close(got.expand(3), want)
+    gathered = torch.func.vmap(lambda t: K.replicated_all_gather(t, 3, 1))(x)
+    want = torch.stack(ref.all_gather(list(x.unbind(0)), 3, 1))
+    torch.testing.assert_close(gathered.expand(3, 3), want)
+
+
+@pytest.mark.parametrize("call", ["all_reduce_full(x, 'add')", "all_gather_full(x)"])
+def test_full_group_kernels_need_a_replica(call):
+    x = torch.zeros(0, 2)
+    with pytest.raises(ValueError, match="at least one replica"):
+        eval(f"ops.{call}", {"ops": ops, "x": x})
+
+
+def test_remote_offsets_are_range_checked_as_64_bit():
+    buffer = torch.arange(6, dtype=torch.float32).reshape(1, 3, 2)
+    before = buffer.clone()
+    with pytest.raises(ValueError, match=r"offset 4294967296 is out of range.*3 entries"):
+        ops.remote_load_stacked(buffer, torch.tensor([2**32]), 7)
+    with pytest.raises(ValueError, match=r"offset 4294967296 is out of range.*3 entries"):
+        ops.remote_store_stacked_(buffer, torch.tensor([2**32]), torch.ones(1, 2), 7)
+    with pytest.raises(
+        ValueError, match=r"uint64 offset 9223372036854775808 is out of range.*3 entries"
+    ):
+        ops.remote_load_stacked(buffer, torch.tensor([2**63], dtype=torch.uint64), 7)
+    torch.testing.assert_close(buffer, before)
+    # The reference semantics agree: same check, same wording.
+    with pytest.raises(ValueError, match=r"offset 4294967296 is out of range"):
+        ref.remote_load([buffer[0]], [torch.tensor(2**32)], 7)
+
+
+def test_nan_remote_offset_says_nan():
+    buffer = torch.zeros(2, 3, 2)
+    with pytest.raises(TypeError, match="NaN"):
+        ops.remote_load_stacked(buffer, torch.tensor([0.0, float("nan")]), 7)
+    with pytest.raises(TypeError, match="NaN"):
+        ref.remote_load([buffer[0]], [torch.tensor(float("nan"))], 7)
+    with pytest.raises(TypeError, match="NaN"):
+        ref.remote_store([buffer[0]], [float("nan")], [torch.zeros(2)], 7)

@@ -795,3 +795,36 @@ def test_remote_buffer_example_prints_the_seed_values(capsys, monkeypatch):
         ("updated", "w_1"): {"3."},
         ("updated", "output1"): {"4."},
     }
+
+
+# ---- offsets are 64-bit values, range-checked (issue 12 item 7) ---------------------------
+
+
+@pytest.mark.parametrize("op", ["load", "load_", "store"])
+@pytest.mark.parametrize("offset", [2**32, 2**32 + 1, 2**40, 2])
+def test_int_offset_beyond_entries_is_rejected_not_wrapped(op, offset):
+    """remote_store(buf, 2**32, t) used to become an int32 constant 0 and overwrite slot 0."""
+    ir = popxl.Ir(2)
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), popxl.int32, 2)
+        t = popxl.constant(np.array([5, 5], np.int32))
+        with pytest.raises(
+            ValueError, match=rf"offset {offset} is out of range for RemoteBuffer\[id=1"
+        ) as info:
+            if op == "load":
+                ops.remote_load(buf, offset)
+            elif op == "load_":
+                ops.remote_load_(buf, offset, t)
+            else:
+                ops.remote_store(buf, offset, t)
+        assert "valid offsets are 0 to 1" in str(info.value)
+
+
+def test_nan_offset_says_nan():
+    ir = popxl.Ir(1)
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), popxl.float32, 2)
+        with pytest.raises(ValueError, match="offset is NaN"):
+            ops.remote_load(buf, float("nan"))
+        with pytest.raises(ValueError, match="offset is NaN"):
+            popxl.remote_variable(np.ones(2, np.float32), buf, float("nan"))

@@ -15,7 +15,7 @@ import torch
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
-from torch_popxl.runtime import kernels
+from torch_popxl.opdefs import kernels
 
 EXECUTORS = ("reference", "fast")
 F32 = 4

@@ -92,6 +92,8 @@ def _check_buffer(remote_buffer, what: str, ir) -> RemoteBuffer:
 
 
 def _check_offset(offset, what: str) -> int:
+    if isinstance(offset, float | np.floating) and math.isnan(offset):
+        raise ValueError(f"popxl.{what}: offset is NaN; expected a non-negative int.")
     if isinstance(offset, bool) or not isinstance(offset, int | np.integer) or offset < 0:
         raise ValueError(f"popxl.{what}: offset must be a non-negative int; got {offset!r}.")
     return int(offset)

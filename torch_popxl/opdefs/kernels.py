@@ -148,7 +148,13 @@ def add_host_bytes(n: int) -> None:
 # wording as the C++ kernels.
 
 
-def _check_grouping(name: str, replicas, group_size: int, stride: int) -> None:
+def check_grouping(name: str, replicas, group_size: int, stride: int) -> None:
+    """Raise ``ValueError`` unless ``(group_size, stride)`` tiles ``replicas`` (popxl.md §2.1).
+
+    The same rule and wording as ``check_grouping`` in csrc/collective_common.h. Every
+    shortcut that trusts a grouping (the full-group fast paths, the fused kernels) must run
+    this first, so an invalid grouping is never silently treated as the whole replica set.
+    """
     if group_size < 1 or stride < 1:
         raise ValueError(
             f"{name}: group_size and stride must be >= 1, got group_size={group_size}, "
@@ -213,7 +219,7 @@ def _check_slot_value(name: str, slot_shape, buffer: Tensor, value_shape, value:
 @torch.library.register_fake("torch_popxl::all_reduce_stacked")
 def _all_reduce_stacked_fake(x, op, group_size, stride):
     _check_stacked("all_reduce", x)
-    _check_grouping("all_reduce", x.shape[0], group_size, stride)
+    check_grouping("all_reduce", x.shape[0], group_size, stride)
     _check_op("all_reduce", op, x.dtype)
     return x.new_empty(x.shape)
 
@@ -221,7 +227,7 @@ def _all_reduce_stacked_fake(x, op, group_size, stride):
 @torch.library.register_fake("torch_popxl::all_gather_stacked")
 def _all_gather_stacked_fake(x, group_size, stride):
     _check_stacked("all_gather", x)
-    _check_grouping("all_gather", x.shape[0], group_size, stride)
+    check_grouping("all_gather", x.shape[0], group_size, stride)
     return x.new_empty((x.shape[0], group_size, *x.shape[1:]))
 
 
@@ -231,7 +237,7 @@ def _reduce_scatter_stacked_fake(x, op, group_size, stride):
         raise ValueError(
             f"reduce_scatter: expected a stacked tensor [R, n], got shape {tuple(x.shape)}."
         )
-    _check_grouping("reduce_scatter", x.shape[0], group_size, stride)
+    check_grouping("reduce_scatter", x.shape[0], group_size, stride)
     _check_op("reduce_scatter", op, x.dtype, allow_local=True)
     return x.new_empty((x.shape[0], _chunk(x.shape[1], group_size)))
 
@@ -239,7 +245,7 @@ def _reduce_scatter_stacked_fake(x, op, group_size, stride):
 @torch.library.register_fake("torch_popxl::take_own_stacked")
 def _take_own_stacked_fake(x, group_size, stride):
     _check_stacked("take_own", x)
-    _check_grouping("take_own", x.shape[0], group_size, stride)
+    check_grouping("take_own", x.shape[0], group_size, stride)
     if x.dim() < 2 or x.shape[1] != group_size:
         raise ValueError(
             f"take_own: expected a stacked tensor [R, group_size={group_size}, ...], "
@@ -365,7 +371,7 @@ class Collectives(Protocol):
     def mm_all_reduce(self, a: Tensor, b: Tensor, op: str) -> Tensor: ...
 
     def reference(self, fn, values: list[Tensor], *args):
-        """Run a ``reference_collectives`` function (one list entry per replica) over all
+        """Run an ``opdefs.reference`` function (one list entry per replica) over all
         replicas and return the local replicas' entries (the reference executor's path)."""
         ...
 
@@ -465,6 +471,9 @@ def _(info, in_dims, x, op, group_size, stride):
     # A full-group result is the same on every replica: return it unbatched (stored once),
     # which lets the executor keep replica-invariant values unbatched (see runtime/lower.py).
     backend = collectives()
+    check_grouping(
+        "replicated_all_reduce", backend.num_replicas(info.batch_size), group_size, stride
+    )
     if group_size == backend.num_replicas(info.batch_size) > 1:
         stacked = _stacked(x, in_dims[0], info.batch_size)
         return backend.all_reduce_full(stacked, op), None
@@ -491,6 +500,9 @@ def _(x, group_size, stride):
 @replicated_all_gather.register_vmap
 def _(info, in_dims, x, group_size, stride):
     backend = collectives()
+    check_grouping(
+        "replicated_all_gather", backend.num_replicas(info.batch_size), group_size, stride
+    )
     if group_size == backend.num_replicas(info.batch_size) > 1:  # full group: the same [G, *s]
         return backend.all_gather_full(_stacked(x, in_dims[0], info.batch_size)), None
     if in_dims[0] is None and group_size == 1:

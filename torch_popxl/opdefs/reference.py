@@ -11,6 +11,8 @@ number r, and returns a new list in the same layout.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 VALID_OPS = ("add", "mean", "mul", "min", "max", "and", "or", "square_add")
@@ -163,16 +165,32 @@ def take_own(xs: list[torch.Tensor], group_size: int, stride: int) -> list[torch
     return out
 
 
-def _check_offset(
-    buffer: torch.Tensor, offset: int, replica: int, buffer_id: int | None = None
-) -> None:
+def _offset_index(buffer: torch.Tensor, offset, replica: int, buffer_id: int | None = None) -> int:
+    """``offset`` (an int or a 0-d tensor) as a range-checked Python int.
+
+    The value is read at full width (a Python int has no overflow), so 2**32 is out of range
+    rather than wrapping to slot 0; a float offset is a type error that names NaN when it is one.
+    """
+    which = "a buffer" if buffer_id is None else f"RemoteBuffer[id={buffer_id}]"
+    if isinstance(offset, torch.Tensor):
+        if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
+            nan = " holding NaN" if bool(torch.isnan(offset).any()) else ""
+            raise TypeError(
+                f"replica {replica}: offsets must be integers, got dtype {offset.dtype}{nan} "
+                f"for {which}."
+            )
+        offset = offset.item()
+    if isinstance(offset, float):
+        what = "NaN" if math.isnan(offset) else repr(offset)
+        raise TypeError(f"replica {replica}: offsets must be integers, got {what} for {which}.")
+    offset = int(offset)
     entries = buffer.shape[0]
     if not 0 <= offset < entries:
-        which = "a buffer" if buffer_id is None else f"RemoteBuffer[id={buffer_id}]"
         raise ValueError(
             f"replica {replica}: offset {offset} is out of range for {which} with {entries} "
             f"entries; offsets must be in [0, {entries})"
         )
+    return offset
 
 
 def remote_load(
@@ -181,8 +199,7 @@ def remote_load(
     """Replica r reads slot ``offsets[r]`` of its own buffer copy ``buffers[r]`` (popxl.md §4.1)."""
     out = []
     for r, (buffer, offset) in enumerate(zip(buffers, offsets, strict=True)):
-        _check_offset(buffer, int(offset), r, buffer_id)
-        out.append(buffer[int(offset)].clone())
+        out.append(buffer[_offset_index(buffer, offset, r, buffer_id)].clone())
     return out
 
 
@@ -196,7 +213,9 @@ def remote_store(
 
     All offsets are checked first, so nothing is written if any is out of range.
     """
-    for r, (buffer, offset) in enumerate(zip(buffers, offsets, strict=True)):
-        _check_offset(buffer, int(offset), r, buffer_id)
-    for buffer, offset, value in zip(buffers, offsets, values, strict=True):
-        buffer[int(offset)].copy_(value)
+    slots = [
+        _offset_index(buffer, offset, r, buffer_id)
+        for r, (buffer, offset) in enumerate(zip(buffers, offsets, strict=True))
+    ]
+    for buffer, slot, value in zip(buffers, slots, values, strict=True):
+        buffer[slot].copy_(value)

@@ -254,7 +254,7 @@ class ReferenceExecutor:
     """Plain interpretation, op by op, with a Python loop over replicas (the specification).
 
     Replicas run in lockstep: each op runs for every replica before the next op, and a
-    collective sees every replica's input at once (``reference_collectives``).
+    collective sees every replica's input at once (``opdefs.reference``).
     """
 
     def __init__(self, ir, device: torch.device):

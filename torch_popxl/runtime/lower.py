@@ -54,7 +54,7 @@ import torch
 
 from ..ir.graph import Graph, Op, Slot
 from ..ir.tensor import Constant, Tensor
-from ..opdefs import kernels  # noqa: F401  (registers torch.ops.torch_popxl)
+from ..opdefs import kernels  # also registers torch.ops.torch_popxl
 from . import explicit as _explicit
 
 __all__ = ["Program", "mutated_inputs", "lower_fragment"]
@@ -247,6 +247,8 @@ class _Flattener:
 
 _IDENTITY_VIEWS = frozenset({_aten.detach.default, _aten.alias.default})
 _FULL_GROUP_OPS = ("replicated_all_reduce", "replicated_all_gather")
+# Collectives whose last two arguments are (group_size, stride).
+_GROUPED_OPS = _FULL_GROUP_OPS + ("replicated_take_own", "replicated_reduce_scatter")
 _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 
 
@@ -348,6 +350,10 @@ class _Analysis:
         name = getattr(target, "_opname", "")
         if getattr(target, "namespace", "") == "torch_popxl":
             group_size = f.op.attrs["args"][-2]
+            if name in _GROUPED_OPS:
+                # Validate before the full-group test below, which looks at group_size only:
+                # (G=R, stride=-1) must be an error, not the whole replica set.
+                kernels.check_grouping(name, self.R, group_size, f.op.attrs["args"][-1])
             full = name in _FULL_GROUP_OPS and group_size == self.R
             out_b = False if full else (self.R > 1)
             if name in _FULL_GROUP_OPS and group_size == 1:

@@ -38,7 +38,7 @@ import torch
 
 from ..graph import Graph, Op, Slot
 from ..tensor import Constant, Tensor, Variable
-from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel
+from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 
 if TYPE_CHECKING:
     from .session import Session
@@ -70,6 +70,7 @@ class MemoryReport:
     predicted_counters: Mapping[str, int]
     measured_counters: Mapping[str, int] | None
     cost_model: CostModel = field(default_factory=CostModel)
+    workload: Workload = field(default_factory=lambda: Workload(()))  # what the model prices
 
     @property
     def on_chip_bytes(self) -> int:
@@ -83,12 +84,12 @@ class MemoryReport:
 
     @property
     def time_breakdown_s(self) -> dict[str, float]:
-        return self.cost_model.breakdown(self.traffic, self.flops, self.num_replicas)
+        return self.cost_model.breakdown(self.workload)
 
     @property
     def estimated_step_time_s(self) -> float:
-        """The cost model's device time for one ``run`` (no overlap between phases)."""
-        return sum(self.time_breakdown_s.values())
+        """The cost model's device time for one ``run`` (torch_popxl/runtime/cost_model.py)."""
+        return self.cost_model.step_time_s(self.workload)
 
     def __str__(self) -> str:
         def row(label, *cells) -> str:
@@ -177,6 +178,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         predicted_counters=MappingProxyType(predicted),
         measured_counters=None if measured is None else MappingProxyType(dict(measured)),
         cost_model=cost_model or CostModel(),
+        workload=workload(ir),
     )
 
 

@@ -233,6 +233,13 @@ def test_fit_rejects_bad_arguments():
         fit([w], [1.0, 2.0], ("op_overhead_s",))
     with pytest.raises(ValueError, match="free parameters must be some of"):
         fit([w], [1.0], ("flops_per_s",))
+    # No remote transfer anywhere: the data says nothing about the streaming bandwidth.
+    with pytest.raises(ValueError, match=r"does not determine \['streaming_memory_bytes_per_s'\]"):
+        fit([w, w], [1e-5, 2e-5], ("op_overhead_s", "streaming_memory_bytes_per_s"))
+    io = Workload((WorkItem("remote_load", 1, 8.0, io_tiles=True),))
+    with pytest.raises(ValueError, match="io_tile_overlap=0"):
+        fit([io], [1e-5], ("remote_latency_s",))
+    assert fit([io], [1e-5], ("remote_latency_s",), CostModel(io_tile_overlap=0)).remote_latency_s
 
 
 @pytest.mark.parametrize(

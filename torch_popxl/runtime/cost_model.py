@@ -146,7 +146,8 @@ class _Walker:
 
     def walk(self, ops: Iterable[Op], times: int) -> None:
         for op in ops:
-            io = any(t.tile_set == "io" for t in (*op.outputs, *op.inputs))
+            # Where an op runs is where its outputs live; a store has none, so its input's.
+            io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
             if op.kind in ("call", "repeat"):
                 self.walk(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
             elif op.kind in ("remote_load", "remote_load_", "remote_store"):
@@ -387,6 +388,11 @@ def fit(
         raise ValueError(
             f"fit: free parameters must be some of {LINEAR_PARAMETERS + tuple(TIED_PARAMETERS)};"
             f" got {list(free)!r}."
+        )
+    if start.io_tile_overlap and any(i.io_tiles for w in works for i in w.items):
+        raise ValueError(
+            "fit: the IO-tile overlap is not linear in the parameters; pass "
+            "start=CostModel(io_tile_overlap=0) to fit programs that use IO tiles."
         )
     members = {n: TIED_PARAMETERS.get(n, (n,)) for n in free}
     rows, rhs = [], []

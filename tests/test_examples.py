@@ -25,15 +25,21 @@ def test_mnist_compile_trains_and_reports_memory(capsys):
     assert "Memory per replica (R=4)" in out and "streaming memory" in out
 
 
-def test_sharding_study_modeled_throughput_follows_the_seed_ordering(tmp_path):
+def test_sharding_study_sets_modeled_beside_published_throughput(tmp_path, capsys):
     import sharding_study
 
     results = sharding_study.main(["--steps", "1", "--chart", str(tmp_path / "study.png")])
     modeled = [r["modeled_samples_per_s"] for _, _, r in results]
-    # no sharding < fc1.weight state only < all weight state < all state < on-chip (seed 002)
-    assert modeled == sorted(modeled) and len(set(modeled)) == len(modeled)
+    # no sharding < fc1.weight state only < all weight state < on-chip (seed 002); all state
+    # and all weight state differ by 18 KB of streaming, which the model prices at ~0.2 %.
+    assert modeled[0] < modeled[1] < modeled[2] < modeled[4]
+    assert modeled[3] == pytest.approx(modeled[2], rel=0.01)
+    for name, _, r in results:  # the bar: each ratio within 15 % of the published one
+        assert r["modeled_ratio"] == pytest.approx(r["published_ratio"], rel=0.15), name
     streaming = [r["streaming_bytes"] for _, _, r in results]
     assert streaming[0] > streaming[1] > streaming[2] > streaming[3] > streaming[4] == 0
+    out = capsys.readouterr().out
+    assert "published samples/s" in out and "modeled ratio" in out and "0.404" in out
     assert (tmp_path / "study.png").stat().st_size > 10_000
 
 

@@ -180,13 +180,16 @@ def test_matmul_flops_count_calls_and_repeats():
     assert report.flops == 3 * 120 + 4 * 150
 
 
-def test_cost_model_turns_traffic_into_step_time():
+def test_bandwidth_only_cost_model_turns_traffic_into_step_time():
     ir, in_stream = build_traffic_program()
     s = popxl.Session(ir, "ipu_model")
     with s:
         s.run({in_stream: np.ones((4, 8), np.float32)})
+    # No latencies, no per-op overhead, full matmul efficiency: bytes over rates only.
     slow_links = CostModel(replica_link_bytes_per_s=1e9, streaming_memory_bytes_per_s=1e8,
-                           host_bytes_per_s=2e8, flops_per_s=1e12)  # fmt: skip
+                           host_bytes_per_s=2e8, flops_per_s=1e12, op_overhead_s=0,
+                           collective_step_latency_s=0, remote_latency_s=0, host_latency_s=0,
+                           matmul_half_efficiency_flops=1e-30, on_chip_bytes_per_s=1e30)  # fmt: skip
     report = s.memory_report(slow_links)
     links = sum(EXPECTED_BYTES[k] for k in ("all_reduce", "all_gather", "reduce_scatter")) / 4
     remote = (EXPECTED_BYTES["remote_load"] + EXPECTED_BYTES["remote_store"]) / 4
@@ -195,9 +198,8 @@ def test_cost_model_turns_traffic_into_step_time():
     assert report.estimated_step_time_s == pytest.approx(expected, rel=1e-12)
     default = s.memory_report()
     assert default.cost_model == CostModel()
-    # Streaming memory is 8x slower than the replica links by default (the seeds say 3x-20x).
-    assert CostModel().replica_link_bytes_per_s / CostModel().streaming_memory_bytes_per_s == 8
-    assert default.estimated_step_time_s < report.estimated_step_time_s
+    # Bytes this small are latency-bound: the default model's fixed costs dominate.
+    assert default.estimated_step_time_s > 10 * report.estimated_step_time_s
 
 
 def test_cost_model_and_report_are_frozen_and_validated():

@@ -38,71 +38,13 @@ import torch
 
 from ..ir.graph import Graph, Op, Slot
 from ..ir.tensor import Constant, Tensor, Variable
+from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
 
 if TYPE_CHECKING:
     from .session import Session
 
 __all__ = ["CostModel", "MemoryReport", "TRAFFIC_KINDS", "build_report"]
-
-TRAFFIC_KINDS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "local_slice",
-    "remote_load",
-    "remote_store",
-    "host_to_device",
-    "device_to_host",
-)
-_COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Rates that turn one run's traffic and matmul FLOPs into an estimated step time.
-
-    Every rate is per replica: replicas run in parallel, so a replica's time is its share of
-    the bytes (total / R) over the rate. Phases are added with no overlap, so the estimate is
-    an upper bound of a perfectly scheduled step.
-
-    Defaults (rough IPU-POD figures):
-
-    * ``replica_link_bytes_per_s`` 64 GB/s: IPU-Link bandwidth a replica gets for collectives.
-    * ``streaming_memory_bytes_per_s`` 8 GB/s: remote loads and stores; the seeds put streaming
-      memory 3x to 20x below the replica links, 8x here.
-    * ``host_bytes_per_s`` 8 GB/s: host streams (PCIe / gateway).
-    * ``flops_per_s`` 60 TFLOP/s: matmul throughput (aten.mm / addmm / bmm / baddbmm / mv / dot).
-    """
-
-    replica_link_bytes_per_s: float = 64e9
-    streaming_memory_bytes_per_s: float = 8e9
-    host_bytes_per_s: float = 8e9
-    flops_per_s: float = 60e12
-
-    def __post_init__(self):
-        for name in ("replica_link_bytes_per_s", "streaming_memory_bytes_per_s",
-                     "host_bytes_per_s", "flops_per_s"):  # fmt: skip
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
-                raise ValueError(
-                    f"CostModel.{name} must be a positive finite number; got {value!r}."
-                )
-
-    def breakdown(
-        self, traffic: Mapping[str, int], flops: int, num_replicas: int
-    ) -> dict[str, float]:
-        """Seconds per phase of one run: compute, replica_links, streaming_memory, host_io."""
-        per_replica = {k: v / num_replicas for k, v in traffic.items()}
-        links = sum(per_replica.get(k, 0) for k in _COLLECTIVE_KINDS)
-        remote = per_replica.get("remote_load", 0) + per_replica.get("remote_store", 0)
-        host = per_replica.get("host_to_device", 0) + per_replica.get("device_to_host", 0)
-        return {
-            "compute": flops / self.flops_per_s,
-            "replica_links": links / self.replica_link_bytes_per_s,
-            "streaming_memory": remote / self.streaming_memory_bytes_per_s,
-            "host_io": host / self.host_bytes_per_s,
-        }
 
 
 @dataclass(frozen=True)
@@ -129,6 +71,7 @@ class MemoryReport:
     predicted_counters: Mapping[str, int]
     measured_counters: Mapping[str, int] | None
     cost_model: CostModel = field(default_factory=CostModel)
+    workload: Workload = field(default_factory=lambda: Workload(()))  # what the model prices
 
     @property
     def on_chip_bytes(self) -> int:
@@ -142,12 +85,12 @@ class MemoryReport:
 
     @property
     def time_breakdown_s(self) -> dict[str, float]:
-        return self.cost_model.breakdown(self.traffic, self.flops, self.num_replicas)
+        return self.cost_model.breakdown(self.workload)
 
     @property
     def estimated_step_time_s(self) -> float:
-        """The cost model's device time for one ``run`` (no overlap between phases)."""
-        return sum(self.time_breakdown_s.values())
+        """The cost model's device time for one ``run`` (torch_popxl/runtime/cost_model.py)."""
+        return self.cost_model.step_time_s(self.workload)
 
     def __str__(self) -> str:
         def row(label, *cells) -> str:
@@ -235,6 +178,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         predicted_counters=MappingProxyType(predicted),
         measured_counters=None if measured is None else MappingProxyType(dict(measured)),
         cost_model=cost_model or CostModel(),
+        workload=workload(ir),
     )
 
 

@@ -1,0 +1,446 @@
+"""The cost model: one run's work (``Workload``) turned into an estimated IPU step time.
+
+``workload(ir)`` walks the main program (calls and repeats expanded) and lists, per replica,
+every collective (bytes over the replica links, group size), remote load/store, host transfer
+and compute op (FLOPs, bytes touched). ``CostModel.breakdown`` prices each item with a few
+physical parameters; docs/cost_model.md says what each one means and where its value comes
+from, and ``fit`` reproduces the fitted ones from published step times (Note [the fit]).
+
+Note [step time]
+~~~~~~~~~~~~~~~~
+Per replica (replicas run in lockstep, so one replica's time is the step time):
+
+* compute op      op_overhead_s + max(flops / (flops_per_s * eff), bytes / on_chip_bytes_per_s)
+                  with eff = flops / (flops + matmul_half_efficiency_flops) for matmuls
+                  (a small matmul cannot keep every tile's AMP unit busy), 1 otherwise.
+                  Views (``aten.t``, ``view``, ``detach``...) are free: Poplar aliases them.
+* collective      collective_step_latency_s * steps + ring bytes / replica_link_bytes_per_s,
+                  steps = 2 (G - 1) for all_reduce, G - 1 for all_gather / reduce_scatter
+                  (ring algorithms: one sync-and-exchange per step). Local slices are free.
+* remote transfer remote_latency_s + bytes / streaming_memory_bytes_per_s.
+* host transfer   host_latency_s + bytes / host_bytes_per_s.
+
+Phases add, except that transfers issued from IO tiles (``popxl.io_tiles()``) run beside the
+compute tiles: ``io_tile_overlap`` (0..1) of the shorter of the two is hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ..ir import Ir
+    from ..ir.graph import Op
+
+__all__ = [
+    "CostModel",
+    "FITTED_PARAMETERS",
+    "PUBLISHED_SHARDING_STUDY",
+    "TRAFFIC_KINDS",
+    "Workload",
+    "WorkItem",
+    "fit",
+    "workload",
+]
+
+TRAFFIC_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "local_slice",
+    "remote_load",
+    "remote_store",
+    "host_to_device",
+    "device_to_host",
+)
+_COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
+_REMOTE_KINDS = ("remote_load", "remote_store")
+_HOST_KINDS = ("host_to_device", "device_to_host")
+WORK_KINDS = (*TRAFFIC_KINDS, "matmul", "compute")
+PHASES = ("compute", "replica_links", "streaming_memory", "host_io", "io_tile_overlap")
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """``count`` identical pieces of work, per replica.
+
+    ``nbytes``: bytes one replica moves (collective ring bytes, slot bytes, host entry bytes) or,
+    for compute, reads and writes; ``group_size`` for collectives; ``flops`` for compute;
+    ``io_tiles`` when the op runs on IO tiles.
+    """
+
+    kind: str
+    count: int
+    nbytes: float = 0.0
+    flops: float = 0.0
+    group_size: int = 1
+    io_tiles: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything one ``run`` does on one replica, as ``WorkItem``s (see ``workload``)."""
+
+    items: tuple[WorkItem, ...]
+
+    def count(self, kind: str) -> int:
+        return sum(i.count for i in self.items if i.kind == kind)
+
+    def nbytes(self, kind: str) -> float:
+        return sum(i.count * i.nbytes for i in self.items if i.kind == kind)
+
+    @property
+    def flops(self) -> float:
+        return sum(i.count * i.flops for i in self.items)
+
+
+def workload(ir: Ir) -> Workload:
+    """The per-replica work of one run of ``ir``'s main program.
+
+    Byte counts follow the report's ring formulas (report.py, Note [traffic formulas]) divided
+    by the replica count; calls count once per call and ``repeat_count`` times in a repeat.
+    """
+    walker = _Walker()
+    walker.walk(ir.main_graph._ops_in_context("normal"), 1)
+    return Workload(
+        tuple(
+            WorkItem(kind, n, nbytes, flops, group, io)
+            for (kind, nbytes, flops, group, io), n in walker.items.items()
+        )
+    )
+
+
+def _nbytes(t) -> int:
+    tdt = t.dtype.as_torch()
+    return math.prod(t.shape) * (tdt.itemsize if tdt is not None else 1)
+
+
+def _slot_bytes(rb) -> int:
+    tdt = rb.tensor_dtype.as_torch()
+    return math.prod(rb.tensor_shape) * (tdt.itemsize if tdt is not None else 1)
+
+
+# The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
+_MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
+
+
+class _Walker:
+    def __init__(self):
+        # (kind, nbytes, flops, group_size, io_tiles) -> count; keyword order of WorkItem.
+        self.items: Counter = Counter()
+        self._ops = torch.ops.torch_popxl
+
+    def add(self, kind, times, nbytes=0.0, flops=0.0, group_size=1, io=False) -> None:
+        self.items[(kind, float(nbytes), float(flops), int(group_size), bool(io))] += times
+
+    def walk(self, ops: Iterable[Op], times: int) -> None:
+        for op in ops:
+            # Where an op runs is where its outputs live; a store has none, so its input's.
+            io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
+            if op.kind in ("call", "repeat"):
+                self.walk(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
+            elif op.kind in ("remote_load", "remote_load_", "remote_store"):
+                kind = "remote_store" if op.kind == "remote_store" else "remote_load"
+                self.add(kind, times, _slot_bytes(op.attrs["buffer"]), io=io)
+            elif op.kind == "host_load":
+                self.add("host_to_device", times, _nbytes(op.outputs[0]), io=io)
+            elif op.kind == "host_store":
+                self.add("device_to_host", times, _nbytes(op.inputs[0]), io=io)
+            elif op.kind == "torch":
+                self._torch(op, times, io)
+
+    def _arg(self, op: Op, i: int):
+        return op.inputs[op.attrs["args"][i].index]
+
+    def _torch(self, op: Op, times: int, io: bool) -> None:
+        target, args, ops = op.attrs["target"], op.attrs["args"], self._ops
+        if target == ops.replicated_all_reduce.default:
+            G = args[2]
+            self.add("all_reduce", times, 2 * (G - 1) * _nbytes(self._arg(op, 0)) / G, 0, G, io)
+        elif target == ops.replicated_all_gather.default:
+            G = args[1]
+            self.add("all_gather", times, (G - 1) * _nbytes(self._arg(op, 0)), 0, G, io)
+        elif target == ops.replicated_reduce_scatter.default:
+            x, G = self._arg(op, 0), args[2]
+            if args[1] == "local":
+                self.add("local_slice", times, io=io)
+            else:
+                chunk = -(-math.prod(x.shape) // G) * (_nbytes(x) // max(1, math.prod(x.shape)))
+                self.add("reduce_scatter", times, (G - 1) * chunk, 0, G, io)
+        elif target == ops.replicated_take_own.default:
+            self.add("local_slice", times, io=io)
+        elif _is_view(target):
+            return  # an alias: no work on the device
+        else:
+            nbytes = sum(_nbytes(t) for t in (*op.inputs, *op.outputs))
+            k_arg = _MATMUL_K_ARG.get(target._schema.name.split("::")[-1])
+            if getattr(target, "namespace", None) == "aten" and k_arg is not None:
+                k = self._arg(op, k_arg).shape[-1]
+                flops = 2 * max(1, math.prod(op.outputs[0].shape)) * k
+                self.add("matmul", times, nbytes, flops, io=io)
+            else:
+                self.add("compute", times, nbytes, io=io)
+
+
+def _is_view(target) -> bool:
+    """An op whose output aliases an input without writing it (``t``, ``view``, ``detach``)."""
+    returns = getattr(getattr(target, "_schema", None), "returns", ())
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices a ``Workload`` in seconds per replica (Note [step time]).
+
+    The defaults describe one Mk2 GC200 IPU of an IPU-M2000, four replicas per machine;
+    docs/cost_model.md gives each value's source. ``streaming_memory_bytes_per_s``,
+    ``remote_latency_s``, ``host_latency_s`` and ``op_overhead_s`` were fitted to the
+    popxl-addons sharding-threshold table (``fit``; ``examples/sharding_study.py --fit``).
+    Every field can be overridden: ``CostModel(op_overhead_s=0)``.
+    """
+
+    # compute (roofline)
+    flops_per_s: float = 62.5e12
+    matmul_half_efficiency_flops: float = 4.7e6
+    on_chip_bytes_per_s: float = 47.5e12
+    op_overhead_s: float = 4.13e-6
+    # replica links (collectives)
+    replica_link_bytes_per_s: float = 64e9
+    collective_step_latency_s: float = 2.0e-6
+    # streaming memory (remote buffers)
+    streaming_memory_bytes_per_s: float = 4.84e9
+    remote_latency_s: float = 15.1e-6
+    # host IO
+    host_bytes_per_s: float = 3.125e9
+    host_latency_s: float = 15.1e-6
+    # overlap of IO-tile transfers with compute
+    io_tile_overlap: float = 1.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            rate = f.name.endswith("_per_s") or f.name == "matmul_half_efficiency_flops"
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and (value > 0 if rate else value >= 0)
+            if f.name == "io_tile_overlap":
+                ok = ok and value <= 1
+            if not ok:
+                want = (
+                    "a positive finite number"
+                    if rate
+                    else "a number in [0, 1]"
+                    if f.name == "io_tile_overlap"
+                    else "a non-negative finite number"
+                )
+                raise ValueError(f"CostModel.{f.name} must be {want}; got {value!r}.")
+
+    # -- pricing --
+
+    def item_seconds(self, item: WorkItem) -> float:
+        """Seconds for all ``item.count`` pieces of one work item on one replica."""
+        k = item.kind
+        if k in ("matmul", "compute"):
+            eff = 1.0
+            if k == "matmul":
+                eff = item.flops / (item.flops + self.matmul_half_efficiency_flops)
+            work = item.flops / (self.flops_per_s * eff) if item.flops else 0.0
+            each = self.op_overhead_s + max(work, item.nbytes / self.on_chip_bytes_per_s)
+        elif k == "local_slice":
+            each = 0.0
+        elif k in _COLLECTIVE_KINDS:
+            steps = (2 if k == "all_reduce" else 1) * (item.group_size - 1)
+            each = (
+                self.collective_step_latency_s * steps + item.nbytes / self.replica_link_bytes_per_s
+            )
+        elif k in _REMOTE_KINDS:
+            each = self.remote_latency_s + item.nbytes / self.streaming_memory_bytes_per_s
+        elif k in _HOST_KINDS:
+            each = self.host_latency_s + item.nbytes / self.host_bytes_per_s
+        else:
+            raise ValueError(f"unknown work kind {k!r}; expected one of {WORK_KINDS}.")
+        return item.count * each
+
+    def breakdown(self, work: Workload) -> dict[str, float]:
+        """Seconds per phase of one run (``PHASES``); ``io_tile_overlap`` is <= 0 (time hidden)."""
+        phase_of = {"matmul": "compute", "compute": "compute", "local_slice": "replica_links"}
+        phase_of.update(dict.fromkeys(_COLLECTIVE_KINDS[:3], "replica_links"))
+        phase_of.update(dict.fromkeys(_REMOTE_KINDS, "streaming_memory"))
+        phase_of.update(dict.fromkeys(_HOST_KINDS, "host_io"))
+        out = dict.fromkeys(PHASES, 0.0)
+        io_transfers = 0.0
+        for item in work.items:
+            seconds = self.item_seconds(item)
+            out[phase_of[item.kind]] += seconds
+            if item.io_tiles and item.kind not in ("matmul", "compute"):
+                io_transfers += seconds
+        out["io_tile_overlap"] = -self.io_tile_overlap * min(out["compute"], io_transfers)
+        return out
+
+    def step_time_s(self, work: Workload) -> float:
+        """Estimated device time of one run, per replica."""
+        return sum(self.breakdown(work).values())
+
+    # -- the fitted parameters as a linear problem --
+
+    def usage(self, work: Workload) -> dict[str, float]:
+        """How much of each latency / rate parameter one run uses: the step time is
+        ``sum(usage[p] * value(p)) + fixed`` where ``value`` is a latency or the inverse of
+        a ``*_per_s`` rate (Note [the fit]); ``usage["fixed_s"]`` is the rest (compute work).
+        Valid while no IO-tile time is hidden (the overlap is a ``min``, not linear)."""
+        use = dict.fromkeys(LINEAR_PARAMETERS, 0.0)
+        use["fixed_s"] = 0.0
+        for item in work.items:
+            k, n = item.kind, item.count
+            if k in ("matmul", "compute"):
+                use["op_overhead_s"] += n
+                use["fixed_s"] += self.item_seconds(item) - n * self.op_overhead_s
+            elif k in _COLLECTIVE_KINDS and k != "local_slice":
+                steps = (2 if k == "all_reduce" else 1) * (item.group_size - 1)
+                use["collective_step_latency_s"] += n * steps
+                use["replica_link_bytes_per_s"] += n * item.nbytes
+            elif k in _REMOTE_KINDS:
+                use["remote_latency_s"] += n
+                use["streaming_memory_bytes_per_s"] += n * item.nbytes
+            elif k in _HOST_KINDS:
+                use["host_latency_s"] += n
+                use["host_bytes_per_s"] += n * item.nbytes
+        return use
+
+    def value(self, name: str) -> float:
+        """A parameter as it enters the step time linearly: seconds, or seconds per byte."""
+        v = getattr(self, name)
+        return 1.0 / v if name.endswith("_per_s") else v
+
+
+LINEAR_PARAMETERS = (
+    "op_overhead_s",
+    "collective_step_latency_s",
+    "replica_link_bytes_per_s",
+    "remote_latency_s",
+    "streaming_memory_bytes_per_s",
+    "host_latency_s",
+    "host_bytes_per_s",
+)
+# Parameters the fit may tie into one unknown (the same physical mechanism).
+TIED_PARAMETERS = {"transfer_latency_s": ("remote_latency_s", "host_latency_s")}
+
+
+# ---- the fit ----
+# Note [the fit]
+# ~~~~~~~~~~~~~~
+# The step time is linear in every latency and in every inverse bandwidth (``usage``), so
+# fitting some of them to measured step times is a non-negative least-squares problem; each
+# row is divided by its measured time so that every case weighs the same (relative error).
+# ``FITTED_PARAMETERS`` are the ones the defaults took from the published table below
+# (``examples/sharding_study.py --fit`` redoes it; tests/test_cost_model.py checks it):
+# the other parameters are datasheet figures or assumptions (docs/cost_model.md), and the
+# collective latency cannot be fitted here: every row of the table runs 48 ring steps.
+
+# popxl-addons tutorial "Remote variables and RTS" (seed 002), MNIST with off-chip Adam state,
+# data parallel 4, gradient accumulation 8, micro-batch 8 (256 samples per step), IPU hardware:
+# (case, sharding threshold or None for no sharding / on-chip, published samples/s).
+PUBLISHED_SHARDING_STUDY = (
+    ("no sharding", None, "remote", 43418.9),
+    ("only state related to fc1.weight", 262145, "remote", 50909.2),
+    ("all state related to weights", 1024, "remote", 67403.4),
+    ("all state", 512, "remote", 72570.0),
+    ("on-chip optimizer", None, "on_chip", 107418.9),
+)
+FITTED_PARAMETERS = ("streaming_memory_bytes_per_s", "transfer_latency_s", "op_overhead_s")
+
+
+def fit(
+    works: Sequence[Workload],
+    step_times_s: Sequence[float],
+    free: Sequence[str],
+    start: CostModel | None = None,
+) -> CostModel:
+    """``start`` (default ``CostModel()``) with the ``free`` parameters fitted to measured step
+    times by non-negative least squares on relative error (Note [the fit]).
+
+    ``free`` names ``LINEAR_PARAMETERS`` or ``TIED_PARAMETERS`` keys. Raises ``ValueError`` when
+    the data cannot determine a parameter (it comes out zero or unbounded).
+    """
+    start = start or CostModel()
+    if len(works) != len(step_times_s):
+        raise ValueError(
+            f"fit needs one step time per workload; got {len(works)} workloads and "
+            f"{len(step_times_s)} times."
+        )
+    unknown = [n for n in free if n not in LINEAR_PARAMETERS and n not in TIED_PARAMETERS]
+    if unknown or not free:
+        raise ValueError(
+            f"fit: free parameters must be some of {LINEAR_PARAMETERS + tuple(TIED_PARAMETERS)};"
+            f" got {list(free)!r}."
+        )
+    if start.io_tile_overlap and any(i.io_tiles for w in works for i in w.items):
+        raise ValueError(
+            "fit: the IO-tile overlap is not linear in the parameters; pass "
+            "start=CostModel(io_tile_overlap=0) to fit programs that use IO tiles."
+        )
+    members = {n: TIED_PARAMETERS.get(n, (n,)) for n in free}
+    rows, rhs = [], []
+    for work, t in zip(works, step_times_s, strict=True):
+        use = start.usage(work)
+        fixed = use["fixed_s"] + sum(
+            use[p] * start.value(p)
+            for p in LINEAR_PARAMETERS
+            if not any(p in m for m in members.values())
+        )
+        rows.append([sum(use[p] for p in members[n]) / t for n in free])
+        rhs.append((t - fixed) / t)
+    x = _nnls(np.array(rows), np.array(rhs))
+    if not np.all(x > 0):
+        zero = [n for n, v in zip(free, x, strict=True) if v <= 0]
+        raise ValueError(
+            f"fit: the data does not determine {zero} (fitted to 0); fix them instead of "
+            "fitting them."
+        )
+    values = {}
+    for n, v in zip(free, x, strict=True):
+        for p in members[n]:
+            values[p] = 1.0 / v if p.endswith("_per_s") else float(v)
+    return dataclasses.replace(start, **values)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    # Columns are scaled to unit norm so that seconds and seconds-per-byte mix well.
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    n = a.shape[1]
+    passive = np.zeros(n, bool)
+    x = np.zeros(n)
+    for _ in range(3 * n + 10):
+        w = a.T @ (b - a @ x)
+        if passive.all() or np.max(np.where(passive, -np.inf, w)) <= 1e-12:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, w)))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x / scale

@@ -4,6 +4,18 @@ their fake, vmap and autograd rules, and their per-replica reference semantics.
 Sits on the IR and below capture (docs/architecture.md). Importing it loads the C++ extension.
 """
 
-from . import kernels, reference
+from . import collectives, kernels, reference, registry, transfers
+from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup
 
-__all__ = ["kernels", "reference"]
+__all__ = [
+    "Effect",
+    "MissingRuleError",
+    "OpDef",
+    "Traffic",
+    "collectives",
+    "kernels",
+    "lookup",
+    "reference",
+    "registry",
+    "transfers",
+]

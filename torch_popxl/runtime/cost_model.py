@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .. import opdefs
+from ..opdefs.registry import TRAFFIC_KINDS
+
 if TYPE_CHECKING:
     from ..ir import Ir
     from ..ir.graph import Op
@@ -51,18 +54,9 @@ __all__ = [
     "workload",
 ]
 
-TRAFFIC_KINDS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "local_slice",
-    "remote_load",
-    "remote_store",
-    "host_to_device",
-    "device_to_host",
-)
 _COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
 _REMOTE_KINDS = ("remote_load", "remote_store")
+_RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # local slices move nothing
 _HOST_KINDS = ("host_to_device", "device_to_host")
 WORK_KINDS = (*TRAFFIC_KINDS, "matmul", "compute")
 PHASES = ("compute", "replica_links", "streaming_memory", "host_io", "io_tile_overlap")
@@ -108,10 +102,10 @@ class Workload:
 def workload(ir: Ir) -> Workload:
     """The per-replica work of one run of ``ir``'s main program.
 
-    Byte counts follow the report's ring formulas (report.py, Note [traffic formulas]) divided
+    Byte counts follow the op definitions' formulas (opdefs/collectives.py, Note [traffic formulas]) divided
     by the replica count; calls count once per call and ``repeat_count`` times in a repeat.
     """
-    walker = _Walker()
+    walker = _Walker(ir.instance_replication_factor)
     walker.walk(ir.main_graph._ops_in_context("normal"), 1)
     return Workload(
         tuple(
@@ -126,17 +120,13 @@ def _nbytes(t) -> int:
     return math.prod(t.shape) * (tdt.itemsize if tdt is not None else 1)
 
 
-def _slot_bytes(rb) -> int:
-    tdt = rb.tensor_dtype.as_torch()
-    return math.prod(rb.tensor_shape) * (tdt.itemsize if tdt is not None else 1)
-
-
 # The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
 _MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
 
 
 class _Walker:
-    def __init__(self):
+    def __init__(self, num_replicas: int):
+        self.num_replicas = num_replicas
         # (kind, nbytes, flops, group_size, io_tiles) -> count; keyword order of WorkItem.
         self.items: Counter = Counter()
         self._ops = torch.ops.torch_popxl
@@ -150,13 +140,14 @@ class _Walker:
             io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
             if op.kind in ("call", "repeat"):
                 self.walk(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
-            elif op.kind in ("remote_load", "remote_load_", "remote_store"):
-                kind = "remote_store" if op.kind == "remote_store" else "remote_load"
-                self.add(kind, times, _slot_bytes(op.attrs["buffer"]), io=io)
-            elif op.kind == "host_load":
-                self.add("host_to_device", times, _nbytes(op.outputs[0]), io=io)
-            elif op.kind == "host_store":
-                self.add("device_to_host", times, _nbytes(op.inputs[0]), io=io)
+                continue
+            opdef = opdefs.lookup(op)
+            if opdef is not None:
+                # Per-replica work: the op's total over the replicas that run it, divided back.
+                t = opdef.traffic(op, self.num_replicas)
+                nbytes = t.total_bytes / self.num_replicas
+                group = t.group_size if t.kind in _RING_KINDS else 1
+                self.add(t.kind, times, nbytes, 0, group, io)
             elif op.kind == "torch":
                 self._torch(op, times, io)
 
@@ -164,23 +155,8 @@ class _Walker:
         return op.inputs[op.attrs["args"][i].index]
 
     def _torch(self, op: Op, times: int, io: bool) -> None:
-        target, args, ops = op.attrs["target"], op.attrs["args"], self._ops
-        if target == ops.replicated_all_reduce.default:
-            G = args[2]
-            self.add("all_reduce", times, 2 * (G - 1) * _nbytes(self._arg(op, 0)) / G, 0, G, io)
-        elif target == ops.replicated_all_gather.default:
-            G = args[1]
-            self.add("all_gather", times, (G - 1) * _nbytes(self._arg(op, 0)), 0, G, io)
-        elif target == ops.replicated_reduce_scatter.default:
-            x, G = self._arg(op, 0), args[2]
-            if args[1] == "local":
-                self.add("local_slice", times, io=io)
-            else:
-                chunk = -(-math.prod(x.shape) // G) * (_nbytes(x) // max(1, math.prod(x.shape)))
-                self.add("reduce_scatter", times, (G - 1) * chunk, 0, G, io)
-        elif target == ops.replicated_take_own.default:
-            self.add("local_slice", times, io=io)
-        elif _is_view(target):
+        target = op.attrs["target"]
+        if _is_view(target):
             return  # an alias: no work on the device
         else:
             nbytes = sum(_nbytes(t) for t in (*op.inputs, *op.outputs))

@@ -75,6 +75,7 @@ from ..ir.instances import (
 from ..ir.ir import Ir
 from ..opdefs import kernels
 from ..opdefs import reference as refc
+from ..opdefs.collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
 __all__ = [
     "ENV_BACKEND",
@@ -337,12 +338,12 @@ class TorchDistributedCollectives:
         if link is None:
             return kernels._ops.all_reduce_stacked(x, op, group_size, stride)
         full = kernels._ops.all_reduce_stacked(self._gather(x, *link), op, group_size, stride)
-        total = self.R // group_size * 2 * (group_size - 1) * _row_bytes(x)
+        total = all_reduce_bytes(self.R, group_size, _row_bytes(x))
         self._count(total, counted=total)
         return self._local_rows(full)
 
     def all_reduce_full(self, x, op):
-        self._count(2 * (self.R - 1) * _row_bytes(x), calls=1)
+        self._count(all_reduce_bytes(self.R, self.R, _row_bytes(x)), calls=1)
         return self._reduce_all(x, op)
 
     def _reduce_all(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -380,12 +381,12 @@ class TorchDistributedCollectives:
         if link is None:
             return kernels._ops.all_gather_stacked(x, group_size, stride)
         full = kernels._ops.all_gather_stacked(self._gather(x, *link), group_size, stride)
-        total = self.R * (group_size - 1) * _row_bytes(x)
+        total = all_gather_bytes(self.R, group_size, _row_bytes(x))
         self._count(total, counted=total)
         return self._local_rows(full)
 
     def all_gather_full(self, x):
-        self._count(self.R * (self.R - 1) * _row_bytes(x), calls=1)
+        self._count(all_gather_bytes(self.R, self.R, _row_bytes(x)), calls=1)
         return self._gather(x, self._world, tuple(range(self.layout.num_instances)))
 
     def reduce_scatter(self, x, op, group_size, stride):
@@ -393,7 +394,7 @@ class TorchDistributedCollectives:
         if link is None:
             return kernels._ops.reduce_scatter_stacked(x, op, group_size, stride)
         chunk = -(-x.shape[1] // group_size)  # ceil(n / G), popxl.md §5.2
-        total = 0 if op == "local" else self.R * (group_size - 1) * chunk * x.element_size()
+        total = reduce_scatter_bytes(self.R, group_size, x.shape[1], x.element_size(), op)
         if op == "local" or group_size == self.R:
             # Member i keeps chunk i: of its own row ('local') or of the all-reduced row.
             self._count(total, calls=1)
@@ -421,7 +422,10 @@ class TorchDistributedCollectives:
     def mm_all_reduce(self, a, b, op):
         part = kernels._ops.mm_all_reduce_stacked(a, b, "add").contiguous()
         row = part.numel() * part.element_size()
-        self._count(2 * (self.R - 1) * row, counted=2 * (self.local - 1) * row)
+        self._count(
+            all_reduce_bytes(self.R, self.R, row),
+            counted=all_reduce_bytes(self.local, self.local, row),
+        )
         total = self._all_reduce_(part, dist.ReduceOp.SUM)
         return total / self.R if op == "mean" else total
 

@@ -19,6 +19,7 @@ from ..ir.graph import Graph, Op, Slot
 from ..ir.tensor import Constant, Tensor
 from ..opdefs import kernels
 from ..opdefs import reference as refc
+from ..opdefs.collectives import all_reduce_bytes, reduce_scatter_bytes
 from .lower import Program, lower_fragment, mutated_inputs
 
 __all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]
@@ -78,16 +79,14 @@ class _RunContext:
 
     def sum_reduce(self, value: torch.Tensor, kind: str, R: int) -> torch.Tensor:
         """Finish a full-group add/mean reduction of a replica-sum accumulator whose ``value``
-        is already reduced, counting the bytes the real collective moves (same formulas as
-        the C++ kernels): all-reduce 2(R-1)n; reduce-scatter R(R-1) * chunk."""
+        is already reduced, counting the bytes the real collective moves (Note [traffic
+        formulas] in opdefs/collectives.py)."""
         numel, item = value.numel(), value.element_size()
         if kind == "all_reduce":
-            kernels._ops.add_collective_traffic(2 * (R - 1) * numel * item, 1)
+            kernels._ops.add_collective_traffic(all_reduce_bytes(R, R, numel * item), 1)
             return value
-        chunk = -(-numel // R)
-        kernels._ops.add_collective_traffic(
-            R * (R - 1) * chunk * item, 0
-        )  # the call is counted below
+        # The call itself is counted by the 'local' reduce-scatter below.
+        kernels._ops.add_collective_traffic(reduce_scatter_bytes(R, R, numel, item, "add"), 0)
         return torch.ops.torch_popxl.replicated_reduce_scatter(self.batch(value), "local", R, 1)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:

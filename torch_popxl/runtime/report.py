@@ -4,19 +4,8 @@ Everything is computed from the IR, per replica for memory and per ``run`` for t
 set next to what the runtime counted during the last ``run`` (``kernels.traffic_counters``),
 so the two can be checked against each other.
 
-Note [traffic formulas]
-~~~~~~~~~~~~~~~~~~~~~~~
-Bytes are summed over all R replicas and use the ring formulas of the C++ counters
-(csrc/traffic.cpp, Note [traffic accounting]); with n = bytes of one replica's input and
-G = group size:
-
-* all_reduce      (R / G) * 2 * (G - 1) * n
-* all_gather      R * (G - 1) * n
-* reduce_scatter  R * (G - 1) * ceil(elements / G) * itemsize
-* local slices    0 (``replica_sharded_slice``, ``replicated_slice``, the grad of all_gather)
-* remote_load / remote_store: R * slot bytes; host_load / host_store: R * entry bytes.
-
-Ops inside called graphs count once per call, and ``repeat_count`` times inside ``repeat``.
+Traffic per op comes from its op definition (Note [traffic formulas] in
+opdefs/collectives.py; remote and host transfers in opdefs/transfers.py). Ops inside called graphs count once per call, and ``repeat_count`` times inside ``repeat``.
 
 Note [peak intermediates]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import opdefs
 from ..ir.graph import Graph, Op, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
@@ -205,48 +195,19 @@ class _TrafficCounter:
         self.calls[kind] += times
 
     def count(self, ops, times: int) -> None:
-        R = self.R
         for op in ops:
             if op.kind in ("call", "repeat"):
                 self.count(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
-            elif op.kind in ("remote_load", "remote_load_", "remote_store"):
-                rb = op.attrs["buffer"]
-                slot = math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype)
-                self.add(
-                    "remote_store" if op.kind == "remote_store" else "remote_load", R * slot, times
-                )
-            elif op.kind == "host_load":
-                self.add("host_to_device", R * _bytes(op.outputs[0]), times)
-            elif op.kind == "host_store":
-                self.add("device_to_host", R * _bytes(op.inputs[0]), times)
-            elif op.kind == "torch":
-                self._torch(op, times)
-
-    def _torch(self, op: Op, times: int) -> None:
-        target = op.attrs["target"]
-        ops, R = self._ops, self.R
-        args = op.attrs["args"]
-        if target == ops.replicated_all_reduce.default:
-            G = args[2]
-            # R * ... // G, not R // G * ...: under torch.distributed R is this instance's
-            # replica count, which a group may exceed (its share of the bytes, not 0).
-            self.add("all_reduce", R * 2 * (G - 1) * _bytes(_arg(op, 0)) // G, times)
-        elif target == ops.replicated_all_gather.default:
-            self.add("all_gather", R * (args[1] - 1) * _bytes(_arg(op, 0)), times)
-        elif target == ops.replicated_reduce_scatter.default:
-            x, G = _arg(op, 0), args[2]
-            if args[1] == "local":
-                self.add("local_slice", 0, times)
-            else:
-                chunk = -(-math.prod(x.shape) // G)
-                self.add("reduce_scatter", R * (G - 1) * chunk * _itemsize(x.dtype), times)
-        elif target == ops.replicated_take_own.default:
-            self.add("local_slice", 0, times)
-        elif getattr(target, "namespace", None) == "aten":
-            k_arg = _MATMUL_K_ARG.get(target._schema.name.split("::")[-1])
-            if k_arg is not None:
-                k = _arg(op, k_arg).shape[-1]
-                self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * times
+                continue
+            opdef = opdefs.lookup(op)
+            if opdef is not None:
+                traffic = opdef.traffic(op, self.R)
+                self.add(traffic.kind, traffic.total_bytes, times)
+            elif op.kind == "torch" and getattr(op.attrs["target"], "namespace", None) == "aten":
+                k_arg = _MATMUL_K_ARG.get(op.attrs["target"]._schema.name.split("::")[-1])
+                if k_arg is not None:
+                    k = _arg(op, k_arg).shape[-1]
+                    self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * times
 
 
 class _Liveness:

@@ -1,0 +1,144 @@
+"""Collective op definitions: byte formulas, traffic and reference rules.
+
+Note [traffic formulas]
+~~~~~~~~~~~~~~~~~~~~~~~
+Collectives are costed with the bandwidth-optimal ring algorithm. Bytes are summed over the R
+replicas that run the op; with n = bytes of one replica's input and G = group size:
+
+* all_reduce      R * 2 * (G - 1) * n / G
+* all_gather      R * (G - 1) * n
+* reduce_scatter  R * (G - 1) * ceil(elements / G) * itemsize (the zero-padded chunk)
+* local slices    0 (``take_own``, the ``'local'`` reduce-scatter: PopXL's grad of all_gather)
+
+A group of size 1 moves nothing but still counts as one call. These functions are the only
+statement of the formulas in Python: the report, the cost model and the torch.distributed
+backend call them; the C++ counters (csrc/collective_common.h) implement the same formulas and
+the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir.graph import Op, Slot
+from ..ir.tensor import Tensor
+from . import kernels, reference  # kernels registers the per-replica custom ops
+from .registry import Effect, OpDef, Traffic, register
+
+__all__ = [
+    "all_gather_bytes",
+    "all_gather_p",
+    "all_reduce_bytes",
+    "all_reduce_p",
+    "reduce_scatter_bytes",
+    "reduce_scatter_p",
+    "take_own_p",
+    "tensor_bytes",
+]
+
+
+def tensor_bytes(shape: tuple[int, ...] | torch.Size, itemsize: int) -> int:
+    return math.prod(shape) * itemsize
+
+
+def all_reduce_bytes(num_replicas: int, group_size: int, row_bytes: int) -> int:
+    # R * ... // G rather than R // G * ...: under torch.distributed R may be one instance's
+    # share of the replicas, which a group can exceed.
+    return num_replicas * 2 * (group_size - 1) * row_bytes // group_size
+
+
+def all_gather_bytes(num_replicas: int, group_size: int, row_bytes: int) -> int:
+    return num_replicas * (group_size - 1) * row_bytes
+
+
+def reduce_scatter_bytes(
+    num_replicas: int, group_size: int, num_elements: int, itemsize: int, op: str
+) -> int:
+    if op == "local":
+        return 0
+    chunk = -(-num_elements // group_size)
+    return num_replicas * (group_size - 1) * chunk * itemsize
+
+
+# ---- rules over IR ops ----------------------------------------------------------------------
+
+
+def _input(op: Op, position: int) -> Tensor:
+    slot = op.attrs["args"][position]
+    assert isinstance(slot, Slot), f"{op.name}: argument {position} is not a tensor"
+    return op.inputs[slot.index]
+
+
+def _itemsize(t: Tensor) -> int:
+    tdt = t.dtype.as_torch()
+    return tdt.itemsize if tdt is not None else 1
+
+
+def _row_bytes(t: Tensor) -> int:
+    return tensor_bytes(t.shape, _itemsize(t))
+
+
+def _all_reduce_traffic(op: Op, num_replicas: int) -> Traffic:
+    group_size = op.attrs["args"][2]
+    nbytes = all_reduce_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
+    return Traffic("all_reduce", nbytes, group_size)
+
+
+def _all_gather_traffic(op: Op, num_replicas: int) -> Traffic:
+    group_size = op.attrs["args"][1]
+    nbytes = all_gather_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
+    return Traffic("all_gather", nbytes, group_size)
+
+
+def _reduce_scatter_traffic(op: Op, num_replicas: int) -> Traffic:
+    x, reduce_op, group_size = _input(op, 0), op.attrs["args"][1], op.attrs["args"][2]
+    if reduce_op == "local":
+        return Traffic("local_slice", 0, group_size)
+    nbytes = reduce_scatter_bytes(
+        num_replicas, group_size, math.prod(x.shape), _itemsize(x), reduce_op
+    )
+    return Traffic("reduce_scatter", nbytes, group_size)
+
+
+def _take_own_traffic(op: Op, num_replicas: int) -> Traffic:
+    return Traffic("local_slice", 0, op.attrs["args"][1])
+
+
+# ---- the stanzas ----------------------------------------------------------------------------
+
+_popxl = kernels._ops
+
+all_reduce_p = register(
+    OpDef(
+        "replicated_all_reduce",
+        Effect.COLLECTIVE,
+        {"traffic": _all_reduce_traffic, "reference": reference.all_reduce},
+    ),
+    _popxl.replicated_all_reduce.default,
+)
+all_gather_p = register(
+    OpDef(
+        "replicated_all_gather",
+        Effect.COLLECTIVE,
+        {"traffic": _all_gather_traffic, "reference": reference.all_gather},
+    ),
+    _popxl.replicated_all_gather.default,
+)
+reduce_scatter_p = register(
+    OpDef(
+        "replicated_reduce_scatter",
+        Effect.COLLECTIVE,
+        {"traffic": _reduce_scatter_traffic, "reference": reference.reduce_scatter},
+    ),
+    _popxl.replicated_reduce_scatter.default,
+)
+take_own_p = register(
+    OpDef(
+        "replicated_take_own",
+        Effect.COLLECTIVE,
+        {"traffic": _take_own_traffic, "reference": reference.take_own},
+    ),
+    _popxl.replicated_take_own.default,
+)

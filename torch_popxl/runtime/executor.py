@@ -1,4 +1,4 @@
-"""Executors: the fast one (generated code under ``vmap``) and the reference one.
+"""Executors: the fast one (generated code, explicit batching or ``vmap``) and the reference one.
 
 Both run the same program against the same session state:
 

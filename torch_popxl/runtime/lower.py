@@ -6,18 +6,12 @@ Three phases, one direction:
    own names) and ``repeat`` kept as a loop whose body is flattened the same way. Pass-by-value
    becomes explicit clones (Note [pass by value]).
 2. **Analyse.** Which values are *batched* over replicas (Note [replica-invariant values]),
-   and rewrites that fold replicas into one op (Note [replica-sum accumulators]
-    A gradient accumulator that is only ever added to, zeroed or scaled, and read only by a
-    full-group add/mean all-reduce or reduce-scatter, never needs its per-replica values:
-    every use depends on their sum. Such variables (marked ``_replica_sum`` by their builder,
-    ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
-    ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
-    matmul]) and the final reduction divides or slices it, counting the traffic the real
-    collective would move. Any other use keeps the per-replica layout.
-
-Note [fold replicas into the matmul]).
-3. **Emit.** One Python function per fragment; it runs under ``torch.func.vmap`` over the
-   replica dimension, so R replicas cost one pass of Python.
+   and rewrites that fold replicas into one op (Note [replica-sum accumulators], Note [fold
+   replicas into the matmul]).
+3. **Emit.** One Python function per fragment. When every op of the fragment has an explicit
+   batching rule (``runtime/explicit.py``) it works on the stacked ``[R, ...]`` values
+   directly; otherwise it runs under ``torch.func.vmap`` over the replica dimension. Either
+   way R replicas cost one pass of Python.
 
 Note [pass by value]
     A called graph must not change its caller's tensors unless the input is by-reference or
@@ -33,6 +27,15 @@ Note [replica-invariant values]
     returns an unbatched value. The analysis finds the largest such set of variables; an
     in-place write of a batched value into an unbatched one makes the target batched (a
     variable leaves the invariant set; an intermediate is materialised per replica).
+
+Note [replica-sum accumulators]
+    A gradient accumulator that is only ever added to, zeroed or scaled, and read only by a
+    full-group add/mean all-reduce or reduce-scatter, never needs its per-replica values:
+    every use depends on their sum. Such variables (marked ``_replica_sum`` by their builder,
+    ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
+    ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
+    matmul]) and the final reduction divides or slices it, counting the traffic the real
+    collective would move. Any other use keeps the per-replica layout.
 
 Note [fold replicas into the matmul]
     ``all_reduce(mm(a_r, b_r))`` over all replicas equals one matmul with the replicas folded

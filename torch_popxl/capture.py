@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import DataDependentError
 from .ir.context import gcg
 from .ir.fake import fake_mode
-from .ir.graph import Graph, Op, Slot
+from .ir.graph import Graph, Op, OpKind, Slot
 from .ir.tensor import Tensor, _constant_from_torch, variable
 
 __all__ = ["call_torch", "fake_mode", "record_into"]
@@ -120,7 +120,7 @@ class _Recorder(TorchDispatchMode):
             outputs.append(existing)
             paths.append(path)
         op = Op(
-            kind="torch",
+            kind=OpKind.TORCH,
             name=str(func),
             inputs=tuple(inputs),
             outputs=tuple(outputs),

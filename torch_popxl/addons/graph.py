@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import ops
-from ..ir.graph import Graph, Op
+from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
 from ..ops.call import CallSiteInfo, _flatten
 from .named_tensors import NamedTensors
@@ -162,7 +162,7 @@ _KIND_TYPES = {"call": "Call", "repeat": "Loop", "remote_load": "RemoteLoad", "r
 
 
 def _op_type(op: Op) -> str:
-    if op.kind != "torch":
+    if op.kind != OpKind.TORCH:
         return _KIND_TYPES.get(op.kind, op.name)
     target = op.attrs["target"]
     base = getattr(target, "_opname", None) or str(target).split(".")[-2]

@@ -6,6 +6,7 @@ Ops are kept in creation order, which is the order the simulator executes them i
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ from .tensor import Constant, Tensor, Variable
 if TYPE_CHECKING:
     from .ir import Ir
 
-__all__ = ["Graph", "Op", "Slot"]
+__all__ = ["Graph", "Op", "OpKind", "Slot"]
 
 
 @dataclass(frozen=True)
@@ -30,23 +31,51 @@ class Slot:
     index: int
 
 
-@dataclass(frozen=True, eq=False)
-class Op:
-    """One operation of a graph.
+class OpKind(str, enum.Enum):
+    """What an ``Op`` is; its ``attrs`` hold, by kind:
 
-    ``kind`` is ``"torch"`` for aten / ``torch_popxl`` custom ops (``attrs["target"]`` is the
-    ``OpOverload``; ``attrs["args"]`` / ``attrs["kwargs"]`` are templates with ``Slot``
-    placeholders for tensor inputs; ``attrs["out_paths"]`` locates each output in the result),
-    or one of the runtime ops ``host_load``, ``host_store``, ``remote_load``,
-    ``remote_store``, ``call``, ``repeat``, ``print``.
+    * ``TORCH``: a captured aten / ``torch_popxl`` op. ``target`` (the ``OpOverload``),
+      ``args`` / ``kwargs`` (templates with ``Slot`` placeholders for the tensor inputs) and
+      ``out_paths`` (where each output sits in the result);
+    * ``CALL`` / ``REPEAT``: ``graph`` (the callee), ``modified`` (input indices it may write)
+      and, for ``REPEAT``, ``repeat_count``;
+    * ``HOST_LOAD`` / ``HOST_STORE``: ``stream``;
+    * ``REMOTE_LOAD`` / ``REMOTE_LOAD_INPLACE`` / ``REMOTE_STORE``: ``buffer``;
+    * ``PRINT``: the print options.
+
+    Members compare and hash equal to their string values (``OpKind.CALL == "call"``).
     """
 
-    kind: str
+    TORCH = "torch"
+    CALL = "call"
+    REPEAT = "repeat"
+    HOST_LOAD = "host_load"
+    HOST_STORE = "host_store"
+    REMOTE_LOAD = "remote_load"
+    REMOTE_LOAD_INPLACE = "remote_load_"
+    REMOTE_STORE = "remote_store"
+    PRINT = "print"
+
+    __hash__ = str.__hash__
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One operation of a graph: its ``kind`` (``OpKind``; a kind string is converted),
+    inputs, outputs and attributes (see ``OpKind``)."""
+
+    kind: OpKind
     name: str
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
     context: str = "normal"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, OpKind):
+            object.__setattr__(self, "kind", OpKind(self.kind))
 
     def with_outputs(self, outputs) -> Op:
         return replace(self, outputs=tuple(outputs))
@@ -287,7 +316,7 @@ def _fmt_arg(a, op: Op) -> str:
 def _fmt_op(op: Op) -> str:
     outs = ", ".join(_fmt(t) for t in op.outputs)
     lhs = f"{outs} = " if outs else ""
-    if op.kind == "torch":
+    if op.kind == OpKind.TORCH:
         args = [_fmt_arg(a, op) for a in op.attrs["args"]]
         args += [f"{k}={_fmt_arg(v, op)}" for k, v in op.attrs["kwargs"].items()]
         return f"{lhs}{op.name}({', '.join(args)})"

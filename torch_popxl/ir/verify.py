@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import IrVerificationError
 from .fake import fake_mode
-from .graph import Graph, Op, Slot
+from .graph import Graph, Op, OpKind, Slot
 from .tensor import Constant, Tensor, Variable
 
 if TYPE_CHECKING:
@@ -52,9 +52,9 @@ def verify_graph(graph: Graph) -> None:
                     f"{where} defines {t.id!r} again; only an in-place op may return a tensor it "
                     "already has, and only one of its own inputs."
                 )
-        if op.kind == "torch":
+        if op.kind == OpKind.TORCH:
             _check_fake_propagation(op, where)
-        elif op.kind in ("call", "repeat"):
+        elif op.kind in (OpKind.CALL, OpKind.REPEAT):
             _check_call(op, where)
         defined |= {id(t) for t in op.outputs}
     for t in graph._outputs:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..ir.graph import Op
+from ..ir.graph import Op, OpKind
 
 __all__ = ["Effect", "MissingRuleError", "OpDef", "Traffic", "TRAFFIC_KINDS", "lookup", "register"]
 
@@ -96,5 +96,5 @@ def register(opdef: OpDef, *keys: Any) -> OpDef:
 
 def lookup(op: Op) -> OpDef | None:
     """The definition of an IR op, or None for plain captured torch ops."""
-    key = op.attrs["target"] if op.kind == "torch" else op.kind
+    key = op.attrs["target"] if op.kind == OpKind.TORCH else op.kind
     return _TABLE.get(key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..ir.graph import Op
+from ..ir.graph import Op, OpKind
 from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import Tensor
 from . import reference
@@ -56,7 +56,7 @@ remote_load_p = register(
         Effect.REMOTE,
         {"traffic": _remote("remote_load"), "reference": reference.remote_load},
     ),
-    "remote_load",
+    OpKind.REMOTE_LOAD,
 )
 remote_load_inplace_p = register(
     OpDef(
@@ -64,7 +64,7 @@ remote_load_inplace_p = register(
         Effect.REMOTE | Effect.INPLACE,
         {"traffic": _remote("remote_load"), "reference": reference.remote_load},
     ),
-    "remote_load_",
+    OpKind.REMOTE_LOAD_INPLACE,
 )
 remote_store_p = register(
     OpDef(
@@ -72,11 +72,11 @@ remote_store_p = register(
         Effect.REMOTE,
         {"traffic": _remote("remote_store"), "reference": reference.remote_store},
     ),
-    "remote_store",
+    OpKind.REMOTE_STORE,
 )
 host_load_p = register(
-    OpDef("host_load", Effect.HOST_IO, {"traffic": _host_load_traffic}), "host_load"
+    OpDef("host_load", Effect.HOST_IO, {"traffic": _host_load_traffic}), OpKind.HOST_LOAD
 )
 host_store_p = register(
-    OpDef("host_store", Effect.HOST_IO, {"traffic": _host_store_traffic}), "host_store"
+    OpDef("host_store", Effect.HOST_IO, {"traffic": _host_store_traffic}), OpKind.HOST_STORE
 )

@@ -15,7 +15,7 @@ import torch
 from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..ir.context import gcg
-from ..ir.graph import Op
+from ..ir.graph import Op, OpKind
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Tensor, _fake_like, constant
 from . import collectives, var_updates
@@ -631,7 +631,7 @@ def host_load(h2d_stream, name: str | None = None) -> Tensor:
     h2d_stream._used = True
     graph._append_op(
         Op(
-            "host_load",
+            OpKind.HOST_LOAD,
             "HostLoad",
             (),
             (out,),
@@ -665,7 +665,7 @@ def host_store(d2h_stream, t: Tensor) -> None:
     d2h_stream._used = True
     graph._append_op(
         Op(
-            "host_store",
+            OpKind.HOST_STORE,
             "HostStore",
             (t,),
             (),
@@ -685,7 +685,7 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
     out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
     graph._append_op(
         Op(
-            "print",
+            OpKind.PRINT,
             "PrintTensor",
             (t,),
             (out,),

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import PopXLError
 from ..ir.context import gcg
-from ..ir.graph import Graph, Op
+from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor, _fake_like, constant
 
 __all__ = ["call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo"]
@@ -181,7 +181,7 @@ def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Mapping | None = Non
     connected = _connect(graph, inputs, inputs_dict, check_inputs)
     outputs = _new_outputs(parent, graph)
     by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
-    op = Op("call", "Call", tuple(connected), tuple(outputs),
+    op = Op(OpKind.CALL, "Call", tuple(connected), tuple(outputs),
             {"graph": graph, "modified": by_ref, "describe": f" [{graph.id}]"})  # fmt: skip
     parent._append_op(op)
     return CallSiteInfo(parent, len(parent._ops) - 1)
@@ -215,7 +215,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
     connected = _connect(graph, inputs, inputs_dict, check_inputs)
     outputs = _new_outputs(parent, graph)
     by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
-    op = Op("repeat", "Repeat", tuple(connected), tuple(outputs),
+    op = Op(OpKind.REPEAT, "Repeat", tuple(connected), tuple(outputs),
             {"graph": graph, "modified": by_ref, "repeat_count": repeat_count,
              "describe": f" [{graph.id} x{repeat_count}]"})  # fmt: skip
     parent._append_op(op)

@@ -6,7 +6,7 @@ import math
 
 from .. import dtypes as _dtypes
 from ..ir.context import gcg
-from ..ir.graph import Op
+from ..ir.graph import Op, OpKind
 from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import Tensor, _fake_like, constant
 
@@ -64,7 +64,7 @@ def remote_load(remote_buffer, offset: int | Tensor, name: str | None = None) ->
     )
     graph._append_op(
         Op(
-            "remote_load",
+            OpKind.REMOTE_LOAD,
             "RemoteLoad",
             (off,),
             (out,),
@@ -83,7 +83,7 @@ def remote_load_(remote_buffer, offset: int | Tensor, t: Tensor) -> Tensor:
     t._meta_shape = rb.meta_shape
     graph._append_op(
         Op(
-            "remote_load_",
+            OpKind.REMOTE_LOAD_INPLACE,
             "RemoteLoadInplace",
             (t, off),
             (t,),
@@ -103,7 +103,7 @@ def remote_store(remote_buffer, offset: int | Tensor, t: Tensor) -> None:
     graph = gcg()
     graph._append_op(
         Op(
-            "remote_store",
+            OpKind.REMOTE_STORE,
             "RemoteStore",
             (t, off),
             (),

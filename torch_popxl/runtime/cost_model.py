@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import opdefs
+from ..ir.graph import OpKind
 from ..opdefs.registry import TRAFFIC_KINDS
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class _Walker:
         for op in ops:
             # Where an op runs is where its outputs live; a store has none, so its input's.
             io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
-            if op.kind in ("call", "repeat"):
+            if op.kind in (OpKind.CALL, OpKind.REPEAT):
                 self.walk(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
                 continue
             opdef = opdefs.lookup(op)
@@ -148,7 +149,7 @@ class _Walker:
                 nbytes = t.total_bytes / self.num_replicas
                 group = t.group_size if t.kind in _RING_KINDS else 1
                 self.add(t.kind, times, nbytes, 0, group, io)
-            elif op.kind == "torch":
+            elif op.kind == OpKind.TORCH:
                 self._torch(op, times, io)
 
     def _arg(self, op: Op, i: int):

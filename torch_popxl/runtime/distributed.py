@@ -58,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ir.graph import OpKind
 from ..ir.instances import (
     ENV_BACKEND,
     ENV_REPLICATION_FACTOR,
@@ -189,7 +190,7 @@ def _ir_groupings(ir) -> list[tuple[int, int]]:
     found: set[tuple[int, int]] = set()
     for graph in ir._graphs:
         for op in graph._ops:
-            target = op.attrs.get("target") if op.kind == "torch" else None
+            target = op.attrs.get("target") if op.kind == OpKind.TORCH else None
             if (
                 getattr(target, "namespace", "") == "torch_popxl"
                 and getattr(target, "_opname", "") in _COLLECTIVE_OPS

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import Graph, Op, Slot
+from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..opdefs import kernels
 from ..opdefs import reference as refc
@@ -294,26 +294,26 @@ class ReferenceExecutor:
         R = rt.R
         for op in ops:
             ins = [self._value(t, env, R) for t in op.inputs]
-            if op.kind == "torch":
+            if op.kind == OpKind.TORCH:
                 self._exec_torch(op, ins, env, R)
-            elif op.kind == "host_load":
+            elif op.kind == OpKind.HOST_LOAD:
                 env[op.outputs[0].id] = rt.host_load(op.attrs["stream"]._index)
-            elif op.kind == "host_store":
+            elif op.kind == OpKind.HOST_STORE:
                 _count_host_bytes(ins[0][0], R)
                 rt.outs.setdefault(op.attrs["stream"]._index, []).append(
                     [x.clone() for x in ins[0]]
                 )
-            elif op.kind == "remote_load":
+            elif op.kind == OpKind.REMOTE_LOAD:
                 env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0], _buffer_id(op))
-            elif op.kind == "remote_load_":
+            elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
                 for r, v in enumerate(refc.remote_load(rt.buffer(op), ins[1], _buffer_id(op))):
                     ins[0][r].copy_(v)
-            elif op.kind == "remote_store":
+            elif op.kind == OpKind.REMOTE_STORE:
                 refc.remote_store(rt.buffer(op), ins[1], ins[0], _buffer_id(op))
-            elif op.kind == "print":
+            elif op.kind == OpKind.PRINT:
                 rt.prints.append((op.attrs, ins[0]))
                 env[op.outputs[0].id] = ins[0]
-            elif op.kind in ("call", "repeat"):
+            elif op.kind in (OpKind.CALL, OpKind.REPEAT):
                 self._exec_call(op, ins, env, rt)
             else:
                 raise NotImplementedError(
@@ -354,7 +354,7 @@ class ReferenceExecutor:
                 [x.clone() for x in o] if t in graph._inputs else o
                 for t, o in zip(graph._outputs, outs, strict=True)
             ]
-            if op.kind == "call":
+            if op.kind == OpKind.CALL:
                 carry = outs
             else:
                 carry[:k] = outs

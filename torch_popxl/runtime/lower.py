@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import Graph, Op, Slot
+from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..opdefs import kernels  # also registers torch.ops.torch_popxl
 from . import explicit as _explicit
@@ -130,7 +130,7 @@ def mutated_inputs(graph: Graph) -> frozenset[int]:
     root: dict[str, int] = {t.id: i for i, t in enumerate(graph._inputs)}
     mutated: set[int] = set()
     for op in graph._ops:
-        if op.kind == "torch":
+        if op.kind == OpKind.TORCH:
             written, aliases = _schema_effects(op)
             for i in written:
                 if op.inputs[i].id in root:
@@ -138,10 +138,10 @@ def mutated_inputs(graph: Graph) -> frozenset[int]:
             for k, i in aliases.items():
                 if op.inputs[i].id in root and k < len(op.outputs):
                     root.setdefault(op.outputs[k].id, root[op.inputs[i].id])
-        elif op.kind == "remote_load_":
+        elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
             if op.inputs[0].id in root:
                 mutated.add(root[op.inputs[0].id])
-        elif op.kind in ("call", "repeat"):
+        elif op.kind in (OpKind.CALL, OpKind.REPEAT):
             for i in mutated_inputs(op.attrs["graph"]) & set(op.attrs["modified"]):
                 if op.inputs[i].id in root:
                     mutated.add(root[op.inputs[i].id])
@@ -174,15 +174,15 @@ class _Flattener:
         out: list[FlatOp] = []
         for op in ops:
             ins = [self.name_of(t, scope) for t in op.inputs]
-            if op.kind == "call":
+            if op.kind == OpKind.CALL:
                 self._inline_call(op, ins, scope, out)
-            elif op.kind == "repeat":
+            elif op.kind == OpKind.REPEAT:
                 self._loop(op, ins, scope, out)
-            elif op.kind == "print":
+            elif op.kind == OpKind.PRINT:
                 scope[op.outputs[0].id] = ins[0]
                 out.append(FlatOp("print", op, ins, []))
             elif (
-                op.kind == "torch"
+                op.kind == OpKind.TORCH
                 and op.attrs["target"] in _IDENTITY_VIEWS
                 and op.outputs[0].id not in scope
             ):
@@ -444,14 +444,14 @@ def _matmul_behind(
     p = producer.get(src)
     while (
         p is not None
-        and p.kind == "torch"
+        and p.kind == OpKind.TORCH
         and p.op.attrs["target"] in _VIEW_OPS
         and uses.get(src) == 1
     ):
         views.append(p)
         src = p.ins[0]
         p = producer.get(src)
-    if (p is not None and p.kind == "torch" and p.op.attrs["target"] is _aten.mm.default
+    if (p is not None and p.kind == OpKind.TORCH and p.op.attrs["target"] is _aten.mm.default
             and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
         return p, views
     return None, views

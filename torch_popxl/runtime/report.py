@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import opdefs
-from ..ir.graph import Graph, Op, Slot
+from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
@@ -196,14 +196,16 @@ class _TrafficCounter:
 
     def count(self, ops, times: int) -> None:
         for op in ops:
-            if op.kind in ("call", "repeat"):
+            if op.kind in (OpKind.CALL, OpKind.REPEAT):
                 self.count(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
                 continue
             opdef = opdefs.lookup(op)
             if opdef is not None:
                 traffic = opdef.traffic(op, self.R)
                 self.add(traffic.kind, traffic.total_bytes, times)
-            elif op.kind == "torch" and getattr(op.attrs["target"], "namespace", None) == "aten":
+            elif (
+                op.kind == OpKind.TORCH and getattr(op.attrs["target"], "namespace", None) == "aten"
+            ):
                 k_arg = _MATMUL_K_ARG.get(op.attrs["target"]._schema.name.split("::")[-1])
                 if k_arg is not None:
                     k = _arg(op, k_arg).shape[-1]
@@ -232,7 +234,7 @@ class _Liveness:
         live: dict[str, int] = {}
         total = peak = 0
         for i, op in enumerate(ops):
-            if op.kind in ("call", "repeat"):
+            if op.kind in (OpKind.CALL, OpKind.REPEAT):
                 peak = max(peak, total + self._callee_peak(op.attrs["graph"]))
             for t in op.outputs:
                 if t.id not in live and self._is_intermediate(t, graph):

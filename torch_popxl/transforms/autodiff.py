@@ -19,7 +19,7 @@ import torch
 
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
-from ..ir.graph import Graph, Op, Slot
+from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import (
     Constant,
     Tensor,
@@ -124,11 +124,11 @@ class GradGraphInfo:
 
 
 def _is_modifying(op: Op) -> bool:
-    if op.kind == "torch":
+    if op.kind == OpKind.TORCH:
         schema = getattr(op.attrs["target"], "_schema", None)
         return bool(schema is not None and any(a.alias_info is not None and a.alias_info.is_write
                                                for a in schema.arguments))  # fmt: skip
-    return op.kind in ("remote_load_", "remote_store", "host_store")
+    return op.kind in (OpKind.REMOTE_LOAD_INPLACE, OpKind.REMOTE_STORE, OpKind.HOST_STORE)
 
 
 def _check_differentiable(graph: Graph) -> None:
@@ -181,9 +181,9 @@ class _Replay:
 
     def _run_ops(self, ops: Iterable[Op], env) -> None:
         for op in ops:
-            if op.kind == "torch":
+            if op.kind == OpKind.TORCH:
                 self._run_torch(op, env)
-            elif op.kind == "call":
+            elif op.kind == OpKind.CALL:
                 self._run_call(op, env)
             else:
                 # Host loads, remote loads, prints: values without a gradient path.
@@ -243,7 +243,7 @@ def _stitch_output(graph: Graph, t: Tensor) -> None:
     graph._add_output(t)
     for parent in graph.ir._graphs:
         for i, op in enumerate(parent._ops):
-            if op.kind == "call" and op.attrs["graph"] is graph:
+            if op.kind == OpKind.CALL and op.attrs["graph"] is graph:
                 with parent:
                     new = Tensor._create(parent, t.name, _fake_like(t.shape, t.dtype), t.meta_shape)
                 parent._replace_op(i, op.with_outputs((*op.outputs, new)))

@@ -293,7 +293,7 @@ class Trainer:
         accum = variable(np.zeros_like(data), dt, name=f"accum/{name}")
         # Only summed over replicas by the update's reduction: the fast executor may keep it
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
-        accum._replica_sum = True
+        accum._set_hints(replica_sum=True)
         hyper = self._hyper[name]
         sharded = self._shard(data.size)
         state, shards, buffers = {}, {}, {}

@@ -1,8 +1,8 @@
 """Remote variables and replicated tensor sharding (RTS), spec §4.4-§4.8.
 
 A remote variable is a ``Variable`` whose value lives in a remote buffer slot, not on chip:
-``v._remote = (buffer, offset)``. An RTS variable is a remote variable whose per-group value
-is split into ``shard_over`` 1-D shards: ``v._shard`` is its ``RtsLayout``. The handle's
+``v.info.remote == (buffer, offset)``. An RTS variable is a remote variable whose per-group value
+is split into ``shard_over`` 1-D shards: ``v.info.shard`` is its ``RtsLayout``. The handle's
 ``shape`` is always the full per-group shape; only the host transfers below (called by the
 ``Session``) know the layout.
 
@@ -21,7 +21,6 @@ members of the first constant group of each user group and drop the padding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,8 +30,10 @@ from .ir.context import gcg
 from .ir.remote_buffer import RemoteBuffer
 from .ir.tensor import (
     HostTensor,
+    RtsLayout,
     Tensor,
     Variable,
+    VariableInfo,
     _check_retrieval_mode,
     _fake_like,
     _host_array,
@@ -50,18 +51,6 @@ __all__ = [
     "replica_sharded_buffer",
     "replica_sharded_variable",
 ]
-
-
-@dataclass(frozen=True)
-class RtsLayout:
-    """How an RTS variable's per-group value is split (Note [RTS layout])."""
-
-    shard_over: int
-    num_elements: int
-
-    @property
-    def shard_elements(self) -> int:
-        return -(-self.num_elements // self.shard_over)  # ceil(n / k)
 
 
 # ---- construction -------------------------------------------------------------------------
@@ -121,10 +110,9 @@ def _make_remote(graph, arr: np.ndarray, dt, rb: RemoteBuffer, offset: int, name
         graph,
         name or "remote_variable",
         _fake_like(shape, dt),
-        _replica_grouping=rg,
-        _retrieval_mode=retrieval_mode,
-        _remote=(rb, offset),
-        _shard=shard,
+        _info=VariableInfo(
+            replica_grouping=rg, retrieval_mode=retrieval_mode, remote=(rb, offset), shard=shard
+        ),
     )
     graph.ir._add_variable(v, arr)
     return v

@@ -9,8 +9,10 @@ is recorded at aten level (see ``capture.py``).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,9 +26,13 @@ from .fake import fake_like
 if TYPE_CHECKING:
     from .graph import Graph
     from .ir import Ir
+    from .remote_buffer import RemoteBuffer
     from .replica_grouping import ReplicaGrouping
 
 __all__ = [
+    "Placement",
+    "RtsLayout",
+    "VariableInfo",
     "Tensor",
     "Variable",
     "Constant",
@@ -242,20 +248,72 @@ def _data_dependent(t: Tensor, what: str):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RtsLayout:
+    """How an RTS variable's per-group value is split (Note [RTS layout] in ``remote.py``)."""
+
+    shard_over: int
+    num_elements: int
+
+    @property
+    def shard_elements(self) -> int:
+        return -(-self.num_elements // self.shard_over)  # ceil(n / k)
+
+
+class Placement(enum.Enum):
+    """Where a variable's value lives between runs."""
+
+    ON_CHIP = "on_chip"
+    REMOTE = "remote"  # a slot of a remote buffer (streaming memory)
+    REMOTE_SHARDED = "remote_sharded"  # RTS: one shard per replica in a remote buffer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VariableInfo:
+    """Everything about a variable beyond its tensor spec; replaced, never mutated."""
+
+    replica_grouping: ReplicaGrouping
+    retrieval_mode: str | None = None
+    remote: tuple[RemoteBuffer, int] | None = None  # (buffer, entry) when off chip
+    shard: RtsLayout | None = None  # the RTS layout when sharded
+    # Compiler hint (Note [replica-sum accumulators] in runtime/lower.py): only the sum over
+    # replicas of this accumulator is ever observed, so it may be stored as that sum.
+    replica_sum: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.shard is None or self.remote is not None, "an RTS variable lives remotely"
+
+    @property
+    def placement(self) -> Placement:
+        if self.remote is None:
+            return Placement.ON_CHIP
+        return Placement.REMOTE if self.shard is None else Placement.REMOTE_SHARDED
+
+
 class Variable(Tensor):
     """A tensor whose value persists across ``Session.run`` calls (a weight)."""
 
+    _info: VariableInfo
+
+    @property
+    def info(self) -> VariableInfo:
+        return self._info
+
+    def _set_hints(self, *, replica_sum: bool) -> None:
+        """Record compiler hints (a builder's privilege, like adding ops to a graph)."""
+        self._info = replace(self._info, replica_sum=replica_sum)
+
     @property
     def replica_grouping(self) -> ReplicaGrouping:
-        return self._replica_grouping
+        return self._info.replica_grouping
 
     @property
     def retrieval_mode(self) -> str:
-        return self._retrieval_mode or "one_per_group"
+        return self._info.retrieval_mode or "one_per_group"
 
     @property
     def shape_on_host(self) -> tuple[int, ...]:
-        n = self._replica_grouping.num_groups
+        n = self._info.replica_grouping.num_groups
         base = self._host_shape_base()
         return (n, *base) if n > 1 else base
 
@@ -366,10 +424,7 @@ def variable(
         graph,
         name or "variable",
         _fake_like(shape, dt),
-        _replica_grouping=rg,
-        _retrieval_mode=retrieval_mode,
-        _remote=None,
-        _shard=None,
+        _info=VariableInfo(replica_grouping=rg, retrieval_mode=retrieval_mode),
     )
     ir._add_variable(v, arr)
     return v

@@ -37,7 +37,7 @@ class SessionState:
 def fragment_signature(ir) -> tuple[list[Tensor], list[Tensor]]:
     """(on-chip variables, tensors defined in WeightsFromHost and used later)."""
     main = ir.main_graph
-    on_chip = [v for v in ir._all_variables if getattr(v, "_remote", None) is None]
+    on_chip = [v for v in ir._all_variables if v.info.remote is None]
     defined = [t for op in main._ops_in_context("weights_from_host") for t in op.outputs]
     return on_chip, defined
 
@@ -133,7 +133,7 @@ class FastExecutor:
             else set()
         )
         # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
-        sums = ({v.id for v in self.on_chip if getattr(v, "_replica_sum", False)} & uniform
+        sums = ({v.id for v in self.on_chip if v.info.replica_sum} & uniform
                 if self.global_R == self.R else set())  # fmt: skip
         forced: set[str] = set()
         while True:  # the fragments share variables: iterate until all agree

@@ -10,8 +10,7 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..ir.remote_buffer import RemoteBuffer
-from ..ir.tensor import Variable, _torch_from_numpy
-from ..remote import RtsLayout
+from ..ir.tensor import RtsLayout, Variable, _torch_from_numpy
 
 __all__ = ["download_remote_variables", "upload_remote_variables"]
 
@@ -20,7 +19,7 @@ __all__ = ["download_remote_variables", "upload_remote_variables"]
 
 
 def _remote_variables(ir) -> list[Variable]:
-    return [v for v in ir._all_variables if getattr(v, "_remote", None) is not None]
+    return [v for v in ir._all_variables if v.info.remote is not None]
 
 
 def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
@@ -36,9 +35,11 @@ def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
             f"{rb.tensor_dtype.name}. Create the variable with dtype={rb.tensor_dtype.name}."
         )
     slot = math.prod(rb.tensor_shape)
-    want = v._shard.shard_elements if v._shard is not None else math.prod(v.shape)
+    want = v.info.shard.shard_elements if v.info.shard is not None else math.prod(v.shape)
     if want != slot:
-        what = f"its {v._shard.shard_over}-way shard has" if v._shard is not None else "it has"
+        what = (
+            f"its {v.info.shard.shard_over}-way shard has" if v.info.shard is not None else "it has"
+        )
         raise ValueError(
             f"Remote variable {v.id!r} does not fit {rb!r}: {what} {want} elements, a slot holds "
             f"{slot}. Create the buffer with the per-replica shape (without the group dimension)."
@@ -47,14 +48,14 @@ def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
 
 def _per_replica_values(session, v: Variable) -> torch.Tensor:
     """``[R, *slot_shape]``: what replica r's slot holds after the upload of ``v``."""
-    rb, _ = v._remote
+    rb, _ = v.info.remote
     host = session._host[v.id]
     groups = list(v.replica_grouping.assignment)
     data = _torch_from_numpy(np.asarray(host), v.dtype)
     if v.replica_grouping.num_groups == 1:
         data = data.unsqueeze(0)
     per_group = data.reshape(data.shape[0], -1)  # [num_user_groups, n]
-    if v._shard is not None:
+    if v.info.shard is not None:
         rows = _shards_of(per_group, v)
     else:
         rows = per_group[torch.tensor(groups)]
@@ -63,7 +64,7 @@ def _per_replica_values(session, v: Variable) -> torch.Tensor:
 
 def _shards_of(per_group: torch.Tensor, v: Variable) -> torch.Tensor:
     """Replica r's shard (Note [RTS layout]) from the ``[num_user_groups, n]`` values."""
-    layout: RtsLayout = v._shard
+    layout: RtsLayout = v.info.shard
     k, c = layout.shard_over, layout.shard_elements
     padded = torch.nn.functional.pad(per_group, (0, k * c - layout.num_elements))
     chunks = padded.reshape(per_group.shape[0], k, c)
@@ -83,9 +84,9 @@ def upload_remote_variables(session) -> None:
     """
     variables = _remote_variables(session.ir)
     for v in variables:
-        _slot_check(v, *v._remote)
+        _slot_check(v, *v.info.remote)
     for v in variables:
-        rb, offset = v._remote
+        rb, offset = v.info.remote
         buffer = session._state.buffers[rb.remote_buffer_id]
         buffer[:, offset] = session._local_rows(_per_replica_values(session, v)).to(buffer.device)
 
@@ -93,20 +94,20 @@ def upload_remote_variables(session) -> None:
 def download_remote_variables(session) -> None:
     """Read every remote variable back from its slots into the session's host copies."""
     for v in _remote_variables(session.ir):
-        rb, offset = v._remote
+        rb, offset = v.info.remote
         rows = (
             session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset])
             .detach()
             .cpu()
         )
-        if v._shard is None:
+        if v.info.shard is None:
             session._store_host(v, rows.reshape(rows.shape[0], *v.shape))
         else:
             _store_sharded(session, v, rows.reshape(rows.shape[0], -1))
 
 
 def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
-    layout: RtsLayout = v._shard
+    layout: RtsLayout = v.info.shard
     rg = v.replica_grouping
     const = rg.const_rg
     assignment = rg.assignment

@@ -11,7 +11,9 @@ import torch
 import torch_popxl as popxl
 from torch_popxl import ops
 from torch_popxl.errors import IrVerificationError
+from torch_popxl.ir.attrs import CallSite, TorchCall
 from torch_popxl.ir.fake import fake_like
+from torch_popxl.ir.graph import Op, OpKind
 from torch_popxl.ir.tensor import Tensor
 
 
@@ -87,3 +89,24 @@ def test_session_refuses_a_broken_ir_before_compiling_it():
     ir.main_graph._ops.reverse()
     with pytest.raises(IrVerificationError):
         popxl.Session(ir)
+
+
+def test_ops_carry_typed_attribute_records():
+    ir, sub = _program()
+    kinds = {op.kind: op.attrs for op in ir.main_graph.ops}
+    assert isinstance(kinds[OpKind.CALL], CallSite) and kinds[OpKind.CALL].graph is sub
+    reduce = next(
+        op.attrs
+        for op in ir.main_graph.ops
+        if op.kind == OpKind.TORCH and "all_reduce" in str(op.attrs.target)
+    )
+    assert isinstance(reduce, TorchCall)
+    assert (reduce.argument("op"), reduce.argument("group_size"), reduce.argument("stride")) == (
+        "add",
+        2,
+        1,
+    )
+    with pytest.raises(TypeError, match="CALL op 'Call' needs CallSite attributes; got dict"):
+        Op("call", "Call", (), (), {"graph": sub})
+    with pytest.raises(ValueError, match="'no_such_kind' is not a valid OpKind"):
+        Op("no_such_kind", "X", (), (), {})

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import DataDependentError
+from .ir.attrs import TorchCall
 from .ir.context import gcg
 from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
@@ -124,12 +125,7 @@ class _Recorder(TorchDispatchMode):
             name=str(func),
             inputs=tuple(inputs),
             outputs=tuple(outputs),
-            attrs={
-                "target": func,
-                "args": tuple(args_t),
-                "kwargs": kwargs_t,
-                "out_paths": tuple(paths),
-            },
+            attrs=TorchCall(func, tuple(args_t), kwargs_t, tuple(paths)),
         )
         self.graph._append_op(op)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import ops
+from ..ir.attrs import CallSite
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
 from ..ops.call import CallSiteInfo, _flatten
@@ -164,7 +165,7 @@ _KIND_TYPES = {"call": "Call", "repeat": "Loop", "remote_load": "RemoteLoad", "r
 def _op_type(op: Op) -> str:
     if op.kind != OpKind.TORCH:
         return _KIND_TYPES.get(op.kind, op.name)
-    target = op.attrs["target"]
+    target = op.attrs.target
     base = getattr(target, "_opname", None) or str(target).split(".")[-2]
     return _OP_TYPES.get(base, "".join(p.capitalize() for p in base.split("_")) or base)
 
@@ -205,7 +206,7 @@ def print_schedule(graph: Graph, arg_names: Mapping[Tensor, str]) -> str:
             # A capture artefact (torch detaches fresh tensors); PopXL has no such op.
             ids[op.outputs[0].id] = int(ref(op.inputs[0])[1:])
             continue
-        callee = op.attrs.get("graph")
+        callee = op.attrs.graph if isinstance(op.attrs, CallSite) else None
         called = f"({callee.id})" if callee is not None else ""
         op_ins = ", ".join(typed(t) for t in op.inputs)
         op_outs = ", ".join(typed(t) for t in op.outputs)

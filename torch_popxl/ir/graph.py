@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import context as _ctx
+from .attrs import CallSite, HostTransfer, PrintOptions, RemoteTransfer, TorchCall
 from .fake import fake_mode
 from .tensor import Constant, Tensor, Variable
 
@@ -32,16 +33,9 @@ class Slot:
 
 
 class OpKind(str, enum.Enum):
-    """What an ``Op`` is; its ``attrs`` hold, by kind:
-
-    * ``TORCH``: a captured aten / ``torch_popxl`` op. ``target`` (the ``OpOverload``),
-      ``args`` / ``kwargs`` (templates with ``Slot`` placeholders for the tensor inputs) and
-      ``out_paths`` (where each output sits in the result);
-    * ``CALL`` / ``REPEAT``: ``graph`` (the callee), ``modified`` (input indices it may write)
-      and, for ``REPEAT``, ``repeat_count``;
-    * ``HOST_LOAD`` / ``HOST_STORE``: ``stream``;
-    * ``REMOTE_LOAD`` / ``REMOTE_LOAD_INPLACE`` / ``REMOTE_STORE``: ``buffer``;
-    * ``PRINT``: the print options.
+    """What an ``Op`` is. Its ``attrs`` is the typed record of the kind (``ir/attrs.py``):
+    ``TorchCall`` for ``TORCH``, ``CallSite`` for ``CALL`` / ``REPEAT``, ``HostTransfer`` for
+    host loads and stores, ``RemoteTransfer`` for remote loads and stores, ``PrintOptions``.
 
     Members compare and hash equal to their string values (``OpKind.CALL == "call"``).
     """
@@ -70,16 +64,34 @@ class Op:
     name: str
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
-    attrs: Mapping[str, Any] = field(default_factory=dict)
+    attrs: Any  # the record of ``_ATTRS[kind]``
     context: str = "normal"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
             object.__setattr__(self, "kind", OpKind(self.kind))
+        expected = _ATTRS[self.kind]
+        if not isinstance(self.attrs, expected):
+            raise TypeError(
+                f"{self.kind.name} op {self.name!r} needs {expected.__name__} attributes; "
+                f"got {type(self.attrs).__name__}."
+            )
 
     def with_outputs(self, outputs) -> Op:
         return replace(self, outputs=tuple(outputs))
 
+
+_ATTRS: dict[OpKind, type] = {
+    OpKind.TORCH: TorchCall,
+    OpKind.CALL: CallSite,
+    OpKind.REPEAT: CallSite,
+    OpKind.HOST_LOAD: HostTransfer,
+    OpKind.HOST_STORE: HostTransfer,
+    OpKind.REMOTE_LOAD: RemoteTransfer,
+    OpKind.REMOTE_LOAD_INPLACE: RemoteTransfer,
+    OpKind.REMOTE_STORE: RemoteTransfer,
+    OpKind.PRINT: PrintOptions,
+}
 
 _CONTEXTS = ("weights_from_host", "normal", "weights_to_host")
 
@@ -176,8 +188,8 @@ class Graph:
     def called_graphs(self) -> tuple[Graph, ...]:
         seen: dict[int, Graph] = {}
         for op in self._ops:
-            g = op.attrs.get("graph")
-            if g is not None:
+            if isinstance(op.attrs, CallSite):
+                g = op.attrs.graph
                 seen.setdefault(id(g), g)
         return tuple(seen.values())
 
@@ -317,9 +329,22 @@ def _fmt_op(op: Op) -> str:
     outs = ", ".join(_fmt(t) for t in op.outputs)
     lhs = f"{outs} = " if outs else ""
     if op.kind == OpKind.TORCH:
-        args = [_fmt_arg(a, op) for a in op.attrs["args"]]
-        args += [f"{k}={_fmt_arg(v, op)}" for k, v in op.attrs["kwargs"].items()]
+        args = [_fmt_arg(a, op) for a in op.attrs.args]
+        args += [f"{k}={_fmt_arg(v, op)}" for k, v in op.attrs.kwargs.items()]
         return f"{lhs}{op.name}({', '.join(args)})"
     ins = ", ".join(t.id for t in op.inputs)
-    extra = op.attrs.get("describe", "")
-    return f"{lhs}{op.name}({ins}){extra}"
+    return f"{lhs}{op.name}({ins}){_describe(op)}"
+
+
+def _describe(op: Op) -> str:
+    a = op.attrs
+    if isinstance(a, CallSite):
+        return (
+            f" [{a.graph.id}]" if op.kind == OpKind.CALL else f" [{a.graph.id} x{a.repeat_count}]"
+        )
+    if isinstance(a, HostTransfer):
+        return (" <- " if op.kind == OpKind.HOST_LOAD else " -> ") + a.stream.tensor_id
+    if isinstance(a, RemoteTransfer):
+        arrow = " -> " if op.kind == OpKind.REMOTE_STORE else " <- "
+        return f"{arrow}buffer {a.buffer.remote_buffer_id}"
+    return ""

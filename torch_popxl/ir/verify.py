@@ -78,11 +78,11 @@ def _check_fake_propagation(op: Op, where: str) -> None:
         return op.inputs[x.index]._fake if isinstance(x, Slot) else x
 
     is_slot = lambda x: isinstance(x, Slot)  # noqa: E731
-    args = pytree.tree_map(fill, list(op.attrs["args"]), is_leaf=is_slot)
-    kwargs = pytree.tree_map(fill, dict(op.attrs["kwargs"]), is_leaf=is_slot)
+    args = pytree.tree_map(fill, list(op.attrs.args), is_leaf=is_slot)
+    kwargs = pytree.tree_map(fill, dict(op.attrs.kwargs), is_leaf=is_slot)
     with fake_mode():
-        result = op.attrs["target"](*args, **kwargs)
-    paths = op.attrs["out_paths"]
+        result = op.attrs.target(*args, **kwargs)
+    paths = op.attrs.out_paths
     for t, path in zip(op.outputs, paths, strict=True):
         value = result
         for i in path:
@@ -98,7 +98,7 @@ def _check_fake_propagation(op: Op, where: str) -> None:
 
 
 def _check_call(op: Op, where: str) -> None:
-    callee: Graph = op.attrs["graph"]
+    callee: Graph = op.attrs.graph
     pairs = (("input", op.inputs, callee._inputs), ("output", op.outputs, callee._outputs))
     for what, here, there in pairs:
         if len(here) != len(there):

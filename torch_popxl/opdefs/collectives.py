@@ -66,7 +66,7 @@ def reduce_scatter_bytes(
 
 
 def _input(op: Op, position: int) -> Tensor:
-    slot = op.attrs["args"][position]
+    slot = op.attrs.args[position]
     assert isinstance(slot, Slot), f"{op.name}: argument {position} is not a tensor"
     return op.inputs[slot.index]
 
@@ -81,19 +81,23 @@ def _row_bytes(t: Tensor) -> int:
 
 
 def _all_reduce_traffic(op: Op, num_replicas: int) -> Traffic:
-    group_size = op.attrs["args"][2]
+    group_size = op.attrs.argument("group_size")
     nbytes = all_reduce_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
     return Traffic("all_reduce", nbytes, group_size)
 
 
 def _all_gather_traffic(op: Op, num_replicas: int) -> Traffic:
-    group_size = op.attrs["args"][1]
+    group_size = op.attrs.argument("group_size")
     nbytes = all_gather_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
     return Traffic("all_gather", nbytes, group_size)
 
 
 def _reduce_scatter_traffic(op: Op, num_replicas: int) -> Traffic:
-    x, reduce_op, group_size = _input(op, 0), op.attrs["args"][1], op.attrs["args"][2]
+    x, reduce_op, group_size = (
+        _input(op, 0),
+        op.attrs.argument("op"),
+        op.attrs.argument("group_size"),
+    )
     if reduce_op == "local":
         return Traffic("local_slice", 0, group_size)
     nbytes = reduce_scatter_bytes(
@@ -103,7 +107,7 @@ def _reduce_scatter_traffic(op: Op, num_replicas: int) -> Traffic:
 
 
 def _take_own_traffic(op: Op, num_replicas: int) -> Traffic:
-    return Traffic("local_slice", 0, op.attrs["args"][1])
+    return Traffic("local_slice", 0, op.attrs.argument("group_size"))
 
 
 # ---- the stanzas ----------------------------------------------------------------------------

@@ -96,5 +96,5 @@ def register(opdef: OpDef, *keys: Any) -> OpDef:
 
 def lookup(op: Op) -> OpDef | None:
     """The definition of an IR op, or None for plain captured torch ops."""
-    key = op.attrs["target"] if op.kind == OpKind.TORCH else op.kind
+    key = op.attrs.target if op.kind == OpKind.TORCH else op.kind
     return _TABLE.get(key)

@@ -37,7 +37,7 @@ def _entry_bytes(t: Tensor) -> int:
 
 def _remote(kind: str):
     def traffic(op: Op, num_replicas: int) -> Traffic:
-        return Traffic(kind, num_replicas * slot_bytes(op.attrs["buffer"]))
+        return Traffic(kind, num_replicas * slot_bytes(op.attrs.buffer))
 
     return traffic
 

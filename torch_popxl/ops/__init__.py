@@ -14,6 +14,7 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..ir.attrs import HostTransfer, PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
@@ -635,7 +636,7 @@ def host_load(h2d_stream, name: str | None = None) -> Tensor:
             "HostLoad",
             (),
             (out,),
-            {"stream": h2d_stream, "describe": f" <- {h2d_stream.tensor_id}"},
+            HostTransfer(h2d_stream),
         )
     )
     return out
@@ -669,7 +670,7 @@ def host_store(d2h_stream, t: Tensor) -> None:
             "HostStore",
             (t,),
             (),
-            {"stream": d2h_stream, "describe": f" -> {d2h_stream.tensor_id}"},
+            HostTransfer(d2h_stream),
         )
     )
 
@@ -689,14 +690,14 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
             "PrintTensor",
             (t,),
             (out,),
-            {
-                "title": title or t.id,
-                "print_self": print_self,
-                "threshold": summarise_threshold,
-                "edge_items": edge_items,
-                "line_width": max_line_width,
-                "digits": digits,
-            },
+            PrintOptions(
+                title=title or t.id,
+                print_self=print_self,
+                threshold=summarise_threshold,
+                edge_items=edge_items,
+                line_width=max_line_width,
+                digits=digits,
+            ),
         )
     )
     return out

@@ -7,11 +7,13 @@ is by-reference or marked modified at the call site (then the change reaches the
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import PopXLError
+from ..ir.attrs import CallSite
 from ..ir.context import gcg
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor, _fake_like, constant
@@ -32,7 +34,7 @@ class CallSiteInfo:
 
     @property
     def called_graph(self) -> Graph:
-        return self._op.attrs["graph"]
+        return self._op.attrs.graph
 
     @property
     def inputs(self) -> tuple[Tensor, ...]:
@@ -86,8 +88,8 @@ class CallSiteInfo:
         graph_t = self.parent_to_graph(parent_tensor)
         i = self.called_graph._inputs.index(graph_t)
         op = self._op
-        modified = frozenset(op.attrs["modified"]) | {i}
-        attrs = {**op.attrs, "modified": modified}
+        modified = frozenset(op.attrs.modified) | {i}
+        attrs = replace(op.attrs, modified=modified)
         self._parent._replace_op(
             self._index, Op(op.kind, op.name, op.inputs, op.outputs, attrs, op.context)
         )
@@ -182,7 +184,7 @@ def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Mapping | None = Non
     outputs = _new_outputs(parent, graph)
     by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
     op = Op(OpKind.CALL, "Call", tuple(connected), tuple(outputs),
-            {"graph": graph, "modified": by_ref, "describe": f" [{graph.id}]"})  # fmt: skip
+            CallSite(graph, by_ref))  # fmt: skip
     parent._append_op(op)
     return CallSiteInfo(parent, len(parent._ops) - 1)
 
@@ -216,8 +218,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
     outputs = _new_outputs(parent, graph)
     by_ref = frozenset(i for i, t in enumerate(graph._inputs) if t.id in graph._by_ref)
     op = Op(OpKind.REPEAT, "Repeat", tuple(connected), tuple(outputs),
-            {"graph": graph, "modified": by_ref, "repeat_count": repeat_count,
-             "describe": f" [{graph.id} x{repeat_count}]"})  # fmt: skip
+            CallSite(graph, by_ref, repeat_count))  # fmt: skip
     parent._append_op(op)
     return CallSiteInfo(parent, len(parent._ops) - 1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .. import dtypes as _dtypes
+from ..ir.attrs import RemoteTransfer
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.remote_buffer import RemoteBuffer
@@ -68,7 +69,7 @@ def remote_load(remote_buffer, offset: int | Tensor, name: str | None = None) ->
             "RemoteLoad",
             (off,),
             (out,),
-            {"buffer": rb, "describe": f" <- buffer {rb.remote_buffer_id}"},
+            RemoteTransfer(rb),
         )
     )
     return out
@@ -87,7 +88,7 @@ def remote_load_(remote_buffer, offset: int | Tensor, t: Tensor) -> Tensor:
             "RemoteLoadInplace",
             (t, off),
             (t,),
-            {"buffer": rb, "describe": f" <- buffer {rb.remote_buffer_id}"},
+            RemoteTransfer(rb),
         )
     )
     return t
@@ -107,6 +108,6 @@ def remote_store(remote_buffer, offset: int | Tensor, t: Tensor) -> None:
             "RemoteStore",
             (t, off),
             (),
-            {"buffer": rb, "describe": f" -> buffer {rb.remote_buffer_id}"},
+            RemoteTransfer(rb),
         )
     )

@@ -140,7 +140,7 @@ class _Walker:
             # Where an op runs is where its outputs live; a store has none, so its input's.
             io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
             if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                self.walk(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
+                self.walk(op.attrs.graph._ops, times * op.attrs.repeat_count)
                 continue
             opdef = opdefs.lookup(op)
             if opdef is not None:
@@ -153,10 +153,10 @@ class _Walker:
                 self._torch(op, times, io)
 
     def _arg(self, op: Op, i: int):
-        return op.inputs[op.attrs["args"][i].index]
+        return op.inputs[op.attrs.args[i].index]
 
     def _torch(self, op: Op, times: int, io: bool) -> None:
-        target = op.attrs["target"]
+        target = op.attrs.target
         if _is_view(target):
             return  # an alias: no work on the device
         else:

@@ -190,12 +190,12 @@ def _ir_groupings(ir) -> list[tuple[int, int]]:
     found: set[tuple[int, int]] = set()
     for graph in ir._graphs:
         for op in graph._ops:
-            target = op.attrs.get("target") if op.kind == OpKind.TORCH else None
+            target = op.attrs.target if op.kind == OpKind.TORCH else None
             if (
                 getattr(target, "namespace", "") == "torch_popxl"
                 and getattr(target, "_opname", "") in _COLLECTIVE_OPS
             ):
-                group_size, stride = op.attrs["args"][-2:]
+                group_size, stride = op.attrs.argument("group_size"), op.attrs.argument("stride")
                 found.add((group_size, 1 if group_size == 1 else stride))
     return sorted(found)
 

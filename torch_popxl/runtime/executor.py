@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..ir.attrs import PrintOptions
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..opdefs import kernels
@@ -71,7 +72,7 @@ class _RunContext:
         # passes snapshot=False when nothing can).
         self.outs.setdefault(k, []).append(value.clone() if snapshot else value)
 
-    def print(self, attrs: dict, value: torch.Tensor) -> None:
+    def print(self, attrs: PrintOptions, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))
 
     def count_collective_call(self) -> None:
@@ -107,13 +108,13 @@ def _count_host_bytes(value: torch.Tensor, num_replicas: int) -> None:
 
 def _emit_prints(prints, num_replicas: int) -> None:
     for attrs, value in prints:
-        if not attrs.get("print_self", True):
+        if not attrs.print_self:
             continue
         for r in range(num_replicas):
             tag = f" (replica {r})" if num_replicas > 1 else ""
-            with torch._tensor_str.printoptions(threshold=attrs["threshold"], edgeitems=attrs["edge_items"],
-                                                linewidth=attrs["line_width"], precision=attrs["digits"]):  # fmt: skip
-                print(f"{attrs['title']}{tag}: {value[r]}")
+            with torch._tensor_str.printoptions(threshold=attrs.threshold, edgeitems=attrs.edge_items,
+                                                linewidth=attrs.line_width, precision=attrs.digits):  # fmt: skip
+                print(f"{attrs.title}{tag}: {value[r]}")
 
 
 class FastExecutor:
@@ -297,12 +298,10 @@ class ReferenceExecutor:
             if op.kind == OpKind.TORCH:
                 self._exec_torch(op, ins, env, R)
             elif op.kind == OpKind.HOST_LOAD:
-                env[op.outputs[0].id] = rt.host_load(op.attrs["stream"]._index)
+                env[op.outputs[0].id] = rt.host_load(op.attrs.stream._index)
             elif op.kind == OpKind.HOST_STORE:
                 _count_host_bytes(ins[0][0], R)
-                rt.outs.setdefault(op.attrs["stream"]._index, []).append(
-                    [x.clone() for x in ins[0]]
-                )
+                rt.outs.setdefault(op.attrs.stream._index, []).append([x.clone() for x in ins[0]])
             elif op.kind == OpKind.REMOTE_LOAD:
                 env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0], _buffer_id(op))
             elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
@@ -321,8 +320,8 @@ class ReferenceExecutor:
                 )
 
     def _exec_torch(self, op: Op, ins, env, R) -> None:
-        target = op.attrs["target"]
-        args, kwargs = op.attrs["args"], op.attrs["kwargs"]
+        target = op.attrs.target
+        args, kwargs = op.attrs.args, op.attrs.kwargs
         if target in self.collectives:
             result = kernels.collectives().reference(self.collectives[target], ins[0], *args[1:])
             env[op.outputs[0].id] = result
@@ -332,7 +331,7 @@ class ReferenceExecutor:
             a = _fill(args, ins, r, self.device)
             k = _fill(kwargs, ins, r, self.device)
             per_replica.append(target(*a, **k))
-        for t, path in zip(op.outputs, op.attrs["out_paths"], strict=True):
+        for t, path in zip(op.outputs, op.attrs.out_paths, strict=True):
             values = []
             for res in per_replica:
                 for i in path:
@@ -341,10 +340,10 @@ class ReferenceExecutor:
             env[t.id] = values
 
     def _exec_call(self, op: Op, ins, env, rt: _RefRun) -> None:
-        graph: Graph = op.attrs["graph"]
-        clone = mutated_inputs(graph) - set(op.attrs["modified"])
+        graph: Graph = op.attrs.graph
+        clone = mutated_inputs(graph) - set(op.attrs.modified)
         carry = [[x.clone() for x in v] if i in clone else v for i, v in enumerate(ins)]
-        count = op.attrs.get("repeat_count", 1)
+        count = op.attrs.repeat_count
         k = len(graph._outputs)
         for _ in range(count):
             sub_env = {t.id: v for t, v in zip(graph._inputs, carry, strict=True)}
@@ -363,7 +362,7 @@ class ReferenceExecutor:
 
 
 def _buffer_id(op: Op) -> int:
-    return op.attrs["buffer"].remote_buffer_id
+    return op.attrs.buffer.remote_buffer_id
 
 
 def _fill(x, ins, r, device):
@@ -397,4 +396,4 @@ class _RefRun:
         return [self.ins[k][i, r] for r in range(self.R)]
 
     def buffer(self, op: Op) -> list[torch.Tensor]:
-        return list(self.state.buffers[op.attrs["buffer"].remote_buffer_id].unbind(0))
+        return list(self.state.buffers[op.attrs.buffer.remote_buffer_id].unbind(0))

@@ -57,7 +57,7 @@ def is_random(target) -> bool:
 
 
 def _ok_torch(f, a, R: int) -> bool:
-    target = f.op.attrs["target"]
+    target = f.op.attrs.target
     if "sum_add" in f.extra or "sum_read" in f.extra:
         return False
     if is_random(target):
@@ -80,7 +80,7 @@ def _ok_torch(f, a, R: int) -> bool:
     if target in _DIM1 or target is aten._softmax_backward_data.default:
         return True
     if getattr(target, "_opname", "") == "replicated_all_reduce":
-        return f.op.attrs["args"][2] == R
+        return f.op.attrs.argument("group_size") == R
     return False
 
 
@@ -90,7 +90,7 @@ def batchable(flat, analysis, R: int) -> bool:
         if f.kind == "torch":
             if not _ok_torch(f, analysis, R):
                 if _DEBUG:
-                    print("explicit batching: no rule for", f.op.attrs["target"])
+                    print("explicit batching: no rule for", f.op.attrs.target)
                 return False
         elif f.kind not in _FLAT_KINDS:
             return False
@@ -105,9 +105,9 @@ def _shift(d: int) -> int:
 
 def emit_torch(em, f, ind: str) -> None:
     """Emit ``f`` on stacked tensors (the caller checked ``batchable``)."""
-    target = f.op.attrs["target"]
-    args = list(f.op.attrs["args"])
-    kwargs = dict(f.op.attrs["kwargs"])
+    target = f.op.attrs.target
+    args = list(f.op.attrs.args)
+    kwargs = dict(f.op.attrs.kwargs)
     a = em.a
     batched = [a.b(n) for n in f.ins]
 

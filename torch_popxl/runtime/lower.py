@@ -79,12 +79,12 @@ def _leaves(x):
 
 def _schema_effects(op: Op):
     """(written input indices, {output index: aliased input index}) of a torch op."""
-    schema = getattr(op.attrs["target"], "_schema", None)
+    schema = getattr(op.attrs.target, "_schema", None)
     written: set[int] = set()
     aliases: dict[int, int] = {}
     if schema is None:
         return written, aliases
-    args, kwargs = op.attrs["args"], op.attrs["kwargs"]
+    args, kwargs = op.attrs.args, op.attrs.kwargs
     sets: dict[str, int] = {}
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
@@ -97,7 +97,7 @@ def _schema_effects(op: Op):
                     written.add(s.index)
                 for a in info.before_set:
                     sets.setdefault(a, s.index)
-    hidden = _HIDDEN_WRITES.get(op.attrs["target"])
+    hidden = _HIDDEN_WRITES.get(op.attrs.target)
     if hidden is not None:
         for i in hidden(args):
             if i < len(args) and isinstance(args[i], Slot):
@@ -142,7 +142,7 @@ def mutated_inputs(graph: Graph) -> frozenset[int]:
             if op.inputs[0].id in root:
                 mutated.add(root[op.inputs[0].id])
         elif op.kind in (OpKind.CALL, OpKind.REPEAT):
-            for i in mutated_inputs(op.attrs["graph"]) & set(op.attrs["modified"]):
+            for i in mutated_inputs(op.attrs.graph) & set(op.attrs.modified):
                 if op.inputs[i].id in root:
                     mutated.add(root[op.inputs[i].id])
     result = frozenset(mutated)
@@ -183,7 +183,7 @@ class _Flattener:
                 out.append(FlatOp("print", op, ins, []))
             elif (
                 op.kind == OpKind.TORCH
-                and op.attrs["target"] in _IDENTITY_VIEWS
+                and op.attrs.target in _IDENTITY_VIEWS
                 and op.outputs[0].id not in scope
             ):
                 # detach/alias only matter to autograd: at run time they are the same tensor
@@ -209,7 +209,7 @@ class _Flattener:
         return name
 
     def _by_value(self, graph: Graph, op: Op, ins: list[str], out: list[FlatOp]) -> list[str]:
-        clone = mutated_inputs(graph) - set(op.attrs["modified"])
+        clone = mutated_inputs(graph) - set(op.attrs.modified)
         result = []
         for i, name in enumerate(ins):
             if i in clone:
@@ -220,7 +220,7 @@ class _Flattener:
         return result
 
     def _inline_call(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
-        graph: Graph = op.attrs["graph"]
+        graph: Graph = op.attrs.graph
         args = self._by_value(graph, op, ins, out)
         inner = {t.id: n for t, n in zip(graph._inputs, args, strict=True)}
         out.extend(self.flatten(graph._ops, inner))
@@ -234,14 +234,14 @@ class _Flattener:
             scope[parent_t.id] = name
 
     def _loop(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
-        graph: Graph = op.attrs["graph"]
+        graph: Graph = op.attrs.graph
         args = self._by_value(graph, op, ins, out)
         carried = [self.program.fresh() for _ in args]
         inner = {t.id: n for t, n in zip(graph._inputs, carried, strict=True)}
         body = self.flatten(graph._ops, inner)
         results = [self.name_of(t, inner) for t in graph._outputs]
         out.append(FlatOp("loop", op, args, carried, body,
-                          {"results": results, "count": op.attrs["repeat_count"]}))  # fmt: skip
+                          {"results": results, "count": op.attrs.repeat_count}))  # fmt: skip
         for i, parent_t in enumerate(op.outputs):
             scope[parent_t.id] = carried[i]
 
@@ -317,8 +317,8 @@ class _Analysis:
 
     def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> None:
         """Note [replica-sum accumulators]: accept the allowed uses, else fall back."""
-        target = f.op.attrs["target"]
-        args = f.op.attrs["args"]
+        target = f.op.attrs.target
+        args = f.op.attrs.args
         first = args[0].index if args and isinstance(args[0], Slot) else None
         name = getattr(target, "_opname", "")
         if uses == [first] and written == {first}:
@@ -340,7 +340,7 @@ class _Analysis:
         self._disqualify(f.ins[uses[0]])
 
     def _torch(self, f: FlatOp) -> None:
-        target = f.op.attrs["target"]
+        target = f.op.attrs.target
         f.extra.pop("sum_add", None)
         f.extra.pop("sum_read", None)
         uses = self._sum_roots(f)
@@ -352,11 +352,11 @@ class _Analysis:
         any_b = any(ins)
         name = getattr(target, "_opname", "")
         if getattr(target, "namespace", "") == "torch_popxl":
-            group_size = f.op.attrs["args"][-2]
+            group_size = f.op.attrs.argument("group_size")
             if name in _GROUPED_OPS:
                 # Validate before the full-group test below, which looks at group_size only:
                 # (G=R, stride=-1) must be an error, not the whole replica set.
-                kernels.check_grouping(name, self.R, group_size, f.op.attrs["args"][-1])
+                kernels.check_grouping(name, self.R, group_size, f.op.attrs.argument("stride"))
             full = name in _FULL_GROUP_OPS and group_size == self.R
             out_b = False if full else (self.R > 1)
             if name in _FULL_GROUP_OPS and group_size == 1:
@@ -445,13 +445,13 @@ def _matmul_behind(
     while (
         p is not None
         and p.kind == OpKind.TORCH
-        and p.op.attrs["target"] in _VIEW_OPS
+        and p.op.attrs.target in _VIEW_OPS
         and uses.get(src) == 1
     ):
         views.append(p)
         src = p.ins[0]
         p = producer.get(src)
-    if (p is not None and p.kind == OpKind.TORCH and p.op.attrs["target"] is _aten.mm.default
+    if (p is not None and p.kind == OpKind.TORCH and p.op.attrs.target is _aten.mm.default
             and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
         return p, views
     return None, views
@@ -491,10 +491,10 @@ def _fold_block(
                 f.extra["presummed"] = True
         if (
             f.kind == "torch"
-            and getattr(f.op.attrs["target"], "_opname", "") == "replicated_all_reduce"
+            and getattr(f.op.attrs.target, "_opname", "") == "replicated_all_reduce"
         ):
             # Note [fold replicas into the matmul].
-            op_name, group_size = f.op.attrs["args"][1], f.op.attrs["args"][2]
+            op_name, group_size = f.op.attrs.argument("op"), f.op.attrs.argument("group_size")
             if group_size == R and R > 1 and op_name in ("add", "mean"):
                 mm, views = _matmul_behind(f.ins[0], producer, uses, analysis)
                 if mm is not None:
@@ -630,7 +630,7 @@ class _Emitter:
             self._torch_plain(f, ind)
 
     def _torch_plain(self, f: FlatOp, ind: str) -> None:
-        target = f.op.attrs["target"]
+        target = f.op.attrs.target
         is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
         if target is _aten.view.default and self.p.R > 1:
             fn = "VIEW"
@@ -641,7 +641,7 @@ class _Emitter:
             return
         if self._trivial_all_reduce(f, ind):
             return
-        args = [self.literal(x, f) for x in f.op.attrs["args"]]
+        args = [self.literal(x, f) for x in f.op.attrs.args]
         if "sum_add" in f.extra:
             x = f.ins[f.extra["sum_add"]]
             if f.extra.get("presummed"):
@@ -650,13 +650,13 @@ class _Emitter:
                 summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
             args = [summed if a == x else a for a in args]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
-                and f.op.attrs["args"][-2] > 1 and not self.a.b(f.ins[0])):  # fmt: skip
+                and f.op.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
             # A collective needs its input batched to reach its vmap rule (it is the same
             # value on every replica, so this is a broadcast, not a copy per replica of work).
             args[0] = f"rt.batch({args[0]})"
-        args += [f"{k}={self.literal(v, f)}" for k, v in f.op.attrs["kwargs"].items()]
+        args += [f"{k}={self.literal(v, f)}" for k, v in f.op.attrs.kwargs.items()]
         call = f"{fn}({', '.join(args)})"
-        paths = f.op.attrs["out_paths"]
+        paths = f.op.attrs.out_paths
         if not f.outs:
             self.lines.append(f"{ind}{call}")
         elif len(paths) == 1 and paths[0] == ():
@@ -673,10 +673,10 @@ class _Emitter:
     def _trivial_all_reduce(self, f: FlatOp, ind: str) -> bool:
         """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
         value through (no copy) when neither side is updated in place later."""
-        target = f.op.attrs["target"]
+        target = f.op.attrs.target
         if getattr(target, "_opname", "") != "replicated_all_reduce":
             return False
-        args = f.op.attrs["args"]
+        args = f.op.attrs.args
         src, out = f.ins[0], f.outs[0]
         if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
             return False
@@ -694,7 +694,7 @@ class _Emitter:
     def _sum_read(self, f: FlatOp, ind: str) -> None:
         """The full-group reduction of a replica-sum accumulator (its value is the sum)."""
         v = f.ins[0]
-        op = f.op.attrs["args"][1]
+        op = f.op.attrs.argument("op")
         value = f"{v}.clone()" if op == "add" else f"({v} / {self.p.R})"
         kind = "all_reduce" if f.extra["sum_read"] == "replicated_all_reduce" else "reduce_scatter"
         self.lines.append(f"{ind}{f.outs[0]} = rt.sum_reduce({value}, {kind!r}, {self.p.R})")
@@ -711,7 +711,7 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
 
     def _host_load(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.op.attrs['stream']._index})")
+        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.op.attrs.stream._index})")
 
     def _host_store(self, f: FlatOp, ind: str) -> None:
         # A stored value needs a snapshot only if something may update it in place later.
@@ -719,20 +719,20 @@ class _Emitter:
         snapshot = self.a.root.get(name, name) in self.a.written
         if self.explicit and not self.a.b(name):  # one row per replica on the host side
             name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
-        self.lines.append(f"{ind}rt.host_store({f.op.attrs['stream']._index}, {name}, {snapshot})")
+        self.lines.append(f"{ind}rt.host_store({f.op.attrs.stream._index}, {name}, {snapshot})")
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs["buffer"].remote_buffer_id
+        bid = f.op.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
 
     def _remote_load_(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs["buffer"].remote_buffer_id
+        bid = f.op.attrs.buffer.remote_buffer_id
         self.lines.append(
             f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
         )
 
     def _remote_store(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs["buffer"].remote_buffer_id
+        bid = f.op.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
 
     def _print(self, f: FlatOp, ind: str) -> None:

@@ -173,7 +173,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
 
 
 def _arg(op: Op, i: int) -> Tensor:
-    a = op.attrs["args"][i]
+    a = op.attrs.args[i]
     assert isinstance(a, Slot), f"{op.name}: argument {i} is not a tensor"
     return op.inputs[a.index]
 
@@ -197,16 +197,14 @@ class _TrafficCounter:
     def count(self, ops, times: int) -> None:
         for op in ops:
             if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                self.count(op.attrs["graph"]._ops, times * op.attrs.get("repeat_count", 1))
+                self.count(op.attrs.graph._ops, times * op.attrs.repeat_count)
                 continue
             opdef = opdefs.lookup(op)
             if opdef is not None:
                 traffic = opdef.traffic(op, self.R)
                 self.add(traffic.kind, traffic.total_bytes, times)
-            elif (
-                op.kind == OpKind.TORCH and getattr(op.attrs["target"], "namespace", None) == "aten"
-            ):
-                k_arg = _MATMUL_K_ARG.get(op.attrs["target"]._schema.name.split("::")[-1])
+            elif op.kind == OpKind.TORCH and getattr(op.attrs.target, "namespace", None) == "aten":
+                k_arg = _MATMUL_K_ARG.get(op.attrs.target._schema.name.split("::")[-1])
                 if k_arg is not None:
                     k = _arg(op, k_arg).shape[-1]
                     self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * times
@@ -235,7 +233,7 @@ class _Liveness:
         total = peak = 0
         for i, op in enumerate(ops):
             if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                peak = max(peak, total + self._callee_peak(op.attrs["graph"]))
+                peak = max(peak, total + self._callee_peak(op.attrs.graph))
             for t in op.outputs:
                 if t.id not in live and self._is_intermediate(t, graph):
                     live[t.id] = _bytes(t)

@@ -125,7 +125,7 @@ class GradGraphInfo:
 
 def _is_modifying(op: Op) -> bool:
     if op.kind == OpKind.TORCH:
-        schema = getattr(op.attrs["target"], "_schema", None)
+        schema = getattr(op.attrs.target, "_schema", None)
         return bool(schema is not None and any(a.alias_info is not None and a.alias_info.is_write
                                                for a in schema.arguments))  # fmt: skip
     return op.kind in (OpKind.REMOTE_LOAD_INPLACE, OpKind.REMOTE_STORE, OpKind.HOST_STORE)
@@ -194,15 +194,15 @@ class _Replay:
 
     def _run_torch(self, op: Op, env) -> None:
         ins = [self._get(t, env) for t in op.inputs]
-        target = op.attrs["target"]
-        args = _fill(op.attrs["args"], ins)
-        kwargs = _fill(op.attrs["kwargs"], ins)
+        target = op.attrs.target
+        args = _fill(op.attrs.args, ins)
+        kwargs = _fill(op.attrs.kwargs, ins)
         if _has_no_gradient(target):
             with torch.no_grad():
                 result = target(*args, **kwargs)
         else:
             result = target(*args, **kwargs)
-        for t, path in zip(op.outputs, op.attrs["out_paths"], strict=True):
+        for t, path in zip(op.outputs, op.attrs.out_paths, strict=True):
             value = result
             for i in path:
                 value = value[i]
@@ -211,7 +211,7 @@ class _Replay:
                 self._note(value, t)
 
     def _run_call(self, op: Op, env) -> None:
-        callee: Graph = op.attrs["graph"]
+        callee: Graph = op.attrs.graph
         sub = {gt.id: self._get(pt, env) for gt, pt in zip(callee._inputs, op.inputs, strict=True)}
         self._run_ops(callee._ops, sub)
         for pt, gt in zip(op.outputs, callee._outputs, strict=True):
@@ -243,7 +243,7 @@ def _stitch_output(graph: Graph, t: Tensor) -> None:
     graph._add_output(t)
     for parent in graph.ir._graphs:
         for i, op in enumerate(parent._ops):
-            if op.kind == OpKind.CALL and op.attrs["graph"] is graph:
+            if op.kind == OpKind.CALL and op.attrs.graph is graph:
                 with parent:
                     new = Tensor._create(parent, t.name, _fake_like(t.shape, t.dtype), t.meta_shape)
                 parent._replace_op(i, op.with_outputs((*op.outputs, new)))

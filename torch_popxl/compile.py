@@ -678,6 +678,9 @@ class Trainer:
         self._step_count += 1
         self._pull(prog)
         self._opt_stale = True
+        # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
+        # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
+        self.optimizer._opt_called = True
         return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
 
     def _push(self, prog: _Program) -> None:
@@ -836,8 +839,11 @@ class Trainer:
         before the first step is returned as loaded.
         """
         out = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
-        by_name, _ = self._from_torch_state(self.optimizer.state)
-        step = self._loaded_step if self._loaded_step is not None else self._step_count
+        by_name, step = self._from_torch_state(self.optimizer.state)
+        if self._loaded_step is not None:
+            step = self._loaded_step
+        elif self.optimizer.state is self._live or self._kind == "sgd" or not by_name:
+            step = self._step_count  # else: a torch state loaded since, with its own count
         out["optimizer"] = {
             "state": {
                 n: {k: v.detach().clone() for k, v in st.items()} for n, st in by_name.items()

@@ -371,6 +371,47 @@ def test_inference_takes_tuples_and_dicts_and_returns_the_model_structure():
             assert_close(got["parts"][1], want["parts"][1])
 
 
+class TwoInputsOneOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 4)
+        self.b = torch.nn.Linear(3, 4)
+
+    def forward(self, x, z):
+        return self.a(x) * torch.sigmoid(self.b(z))
+
+
+def two_targets_loss(out, targets):
+    y, w = targets
+    return CE(out, y) + torch.nn.functional.mse_loss(out.mean(dim=1), w)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_trainer_takes_several_inputs_and_targets(as_dict):
+    torch.manual_seed(0)
+    model = TwoInputsOneOutput()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    trainer = popxl.compile(model, two_targets_loss, opt, replication_factor=2,
+                            gradient_accumulation=2)  # fmt: skip
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x, z = torch.randn(8, 12), torch.randn(8, 3)
+        y, w = torch.from_numpy(rng.integers(0, 4, 8)), torch.randn(8)
+        loss = trainer.step({"x": x, "z": z} if as_dict else (x, z), (y, w))
+        ref_opt.zero_grad()
+        want = 0.0
+        for xc, zc, yc, wc in zip(x.chunk(4), z.chunk(4), y.chunk(4), w.chunk(4), strict=True):
+            chunk_loss = two_targets_loss(ref(xc, zc), (yc, wc))
+            (chunk_loss / 4).backward()
+            want += chunk_loss.item() / 4
+        ref_opt.step()
+        assert_close(loss, want)
+    assert_same_params(model, ref)
+    with pytest.raises(ValueError, match="same number of samples"):
+        trainer.step((x, z[:4]), (y, w))
+
+
 # ---- 8. max_grad_norm ---------------------------------------------------------------------
 
 

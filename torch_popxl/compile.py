@@ -226,6 +226,34 @@ class _Slot:
 
 
 @dataclass
+class _Batch:
+    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple)."""
+
+    args: list[np.ndarray]
+    kwargs: dict[str, np.ndarray]
+    targets: list[np.ndarray]
+    targets_tuple: bool
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.args, *self.kwargs.values(), *self.targets]
+
+    @property
+    def size(self) -> int:
+        return self.arrays[0].shape[0]
+
+    @property
+    def key(self) -> tuple:
+        """What the program is built for: the structure, shapes and dtypes."""
+        return (
+            tuple((a.shape, str(a.dtype)) for a in self.args),
+            tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
+            tuple((a.shape, str(a.dtype)) for a in self.targets),
+            self.targets_tuple,
+        )
+
+
+@dataclass
 class _Program:
     """One built training program (per train/eval mode) and how its variables reach torch.
 
@@ -393,16 +421,20 @@ class Trainer:
             and numel >= self.rts_threshold
         )
 
-    def _build(self, x: np.ndarray, t: np.ndarray, specs: tuple[_GroupSpec, ...]) -> _Program:
+    def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
         R, GA = self.replication_factor, self.gradient_accumulation
-        micro = x.shape[0] // (_distributed.local_replicas(R) * GA)
-        self._target_dtype = t.dtype
+        micro = batch.size // (_distributed.local_replicas(R) * GA)
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
         with ir.main_graph, in_sequence(True):
-            x_stream = _h2d((micro, *x.shape[1:]), x.dtype, "inputs")
-            t_stream = _h2d((micro, *t.shape[1:]), t.dtype, "targets")
+            names = [f"inputs/{i}" for i in range(len(batch.args))]
+            names += [f"inputs/{k}" for k in batch.kwargs]
+            names += [f"targets/{i}" for i in range(len(batch.targets))]
+            in_streams = [
+                _h2d((micro, *a.shape[1:]), a.dtype, n)
+                for n, a in zip(names, batch.arrays, strict=True)
+            ]
             loss_stream = None
             hyper_vars = [
                 variable(np.zeros(_N_HYPER, np.float32), name=f"hyper/{i}")
@@ -415,9 +447,9 @@ class Trainer:
             }
             step = variable(np.zeros((), np.float32), name="optimizer_step")
 
-            fwd = self._forward_graph(ir, x_stream, t_stream)
-            n_params = len(slots)
-            param_inputs = list(fwd.inputs[2 : 2 + n_params])
+            fwd = self._forward_graph(ir, batch, in_streams)
+            n_params, n_io = len(slots), len(in_streams)
+            param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             bwd = autodiff(
                 fwd,
                 grads_provided=fwd.outputs[:1],
@@ -433,8 +465,8 @@ class Trainer:
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
-                xb, tb = ops.host_load(x_stream, "x"), ops.host_load(t_stream, "target")
-                info = ops.call_with_info(fwd, xb, tb, *ps, *bs)
+                loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
+                info = ops.call_with_info(fwd, *loaded, *ps, *bs)
                 loss = info.outputs[0]
                 # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
                 seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
@@ -460,8 +492,7 @@ class Trainer:
         session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
         session.__enter__()
         prog = _Program(
-            ir, session, self.model.training, specs, (x.shape, x.dtype, t.shape, t.dtype),
-            (x_stream, t_stream, loss_stream), slots, buffer_vars, step, hyper_vars,
+            ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
             [torch.zeros(_N_HYPER) for _ in specs], torch.zeros(()),
         )  # fmt: skip
         self._link(prog)
@@ -528,11 +559,17 @@ class Trainer:
                 state[sname] = variable(zeros, dt, name=vname)
         return _Slot(name, group, var, accum, spec, sharded, state, shards, buffers)
 
-    def _forward_graph(self, ir: Ir, x_stream, t_stream):
+    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams):
         graph = ir.create_empty_graph("forward")
         with graph:
-            x = graph_input(x_stream.shape, x_stream.dtype, "x")
-            t = graph_input(t_stream.shape, t_stream.dtype, "target")
+            io = [graph_input(st.shape, st.dtype, st.tensor_id) for st in in_streams]
+            for i, a in enumerate(batch.arrays):
+                if a.dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
+                    io[i] = call_torch(torch.Tensor.long, (io[i],), {})
+            n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
+            args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
+            targets = io[n_in:]
+            t = tuple(targets) if batch.targets_tuple else targets[0]
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -541,9 +578,9 @@ class Trainer:
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
                 for n, b in self._buffers.items()
             }
-            out = call_torch(torch.func.functional_call, (self.model, {**params, **bufs}, (x,)), {})
-            if self._target_dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
-                t = call_torch(torch.Tensor.long, (t,), {})
+            out = call_torch(
+                torch.func.functional_call, (self.model, {**params, **bufs}, args, kwargs), {}
+            )
             loss = call_torch(self.loss_fn, (out, t), {})
             if not isinstance(loss, Tensor) or loss.shape != ():
                 raise ValueError(
@@ -614,19 +651,29 @@ class Trainer:
             a = a[0]
         return a
 
-    def _check_batch(self, inputs, targets) -> tuple[np.ndarray, np.ndarray]:
-        x, t = _array(inputs, "inputs"), _array(targets, "targets")
+    def _check_batch(self, inputs, targets) -> _Batch:
+        args, kwargs = _structured(inputs, "inputs")
+        targets_tuple = isinstance(targets, tuple | list) and bool(targets)
+        if targets_tuple:
+            t = [_array(v, f"targets[{i}]") for i, v in enumerate(targets)]
+        else:
+            t = [_array(targets, "targets")]
+        batch = _Batch(args, kwargs, t, targets_tuple)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
-        if x.shape[0] != t.shape[0]:
-            raise ValueError(f"inputs have {x.shape[0]} samples but targets have {t.shape[0]}.")
-        if x.shape[0] == 0 or x.shape[0] % (R * GA):
+        sizes = [a.shape[0] for a in batch.arrays]
+        if len(set(sizes)) > 1:
             raise ValueError(
-                f"The global batch of {x.shape[0]} samples must be a positive multiple of "
+                f"inputs and targets must have the same number of samples (dim 0); got {sizes} "
+                f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s)."
+            )
+        if batch.size == 0 or batch.size % (R * GA):
+            raise ValueError(
+                f"The global batch of {batch.size} samples must be a positive multiple of "
                 f"replication_factor * gradient_accumulation = {R} * {GA} = {R * GA}."
             )
-        return x, t
+        return batch
 
-    def _prepare(self, x: np.ndarray, t: np.ndarray) -> _Program:
+    def _prepare(self, batch: _Batch) -> _Program:
         """The program for the model's current mode and optimizer structure, built or
         rebuilt as needed, with the torch-side state it must start from."""
         specs = _group_specs(self.optimizer, self._params)
@@ -635,14 +682,12 @@ class Trainer:
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
         if prog is None:
-            prog = self._build(x, t, specs)
+            prog = self._build(batch, specs)
             self._programs[training] = prog
-        elif (x.shape, x.dtype, t.shape, t.dtype) != prog.shapes:
-            s = prog.shapes
+        elif batch.key != prog.shapes:
             raise ValueError(
-                f"popxl.compile programs have static shapes: the first step used inputs "
-                f"{s[0]} {s[1]} and targets {s[2]} {s[3]}; this step got {x.shape} {x.dtype} "
-                f"and {t.shape} {t.dtype}."
+                f"popxl.compile programs have static shapes: the first step used (inputs, "
+                f"targets) {_describe(prog.shapes)}; this step got {_describe(batch.key)}."
             )
         if prog is not self._active:
             if self._active is not None and self._live is self.optimizer.state:
@@ -658,8 +703,7 @@ class Trainer:
     def plan(self, inputs, targets) -> None:
         """Build the program for this batch shape without running it (the memory report is
         then available, as PopVision is before going to hardware)."""
-        x, t = self._check_batch(inputs, targets)
-        self._prepare(x, t)
+        self._prepare(self._check_batch(inputs, targets))
 
     def step(self, inputs, targets) -> float:
         """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
@@ -667,14 +711,15 @@ class Trainer:
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
         its local replicas; the returned loss is the mean over all instances.
         """
-        x, t = self._check_batch(inputs, targets)
-        prog = self._prepare(x, t)
+        batch = self._check_batch(inputs, targets)
+        prog = self._prepare(batch)
         if self.optimizer.state is not self._live:
             # optimizer.load_state_dict (or a state set before compiling): applied now.
             self._import_torch_state(prog)
         self._push(prog)
-        x_stream, t_stream, loss_stream = prog.streams
-        out = prog.session.run({x_stream: self._split(x), t_stream: self._split(t)})
+        in_streams, loss_stream = prog.streams
+        feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
+        out = prog.session.run(feed)
         self._step_count += 1
         self._pull(prog)
         self._opt_stale = True
@@ -1103,6 +1148,12 @@ def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
         return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
     return [_array(x, what)], {}
+
+
+def _describe(key: tuple) -> str:
+    args, kwargs, targets, _ = key
+    inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
+    return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
 
 
 def _h2d(shape, np_dtype, name):

@@ -459,3 +459,20 @@ def test_cuda_without_gpu_fails_at_compile():
         popxl.compile(model, CE, torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")
     with pytest.raises(ValueError, match="no CUDA GPU"):
         popxl.compile(model, device="cuda")
+
+
+# ---- 7. dtypes (fp16 only so far: the project has no bfloat16 dtype yet) -------------------
+
+
+def test_float16_model_trains_like_eager_float16():
+    torch.manual_seed(0)
+    model = mlp().half()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    trainer = compiled(model, opt, (2, 1, False, "on_chip"))
+    for x, y in batches(3):
+        loss = trainer.step(x.half(), y)
+        np.testing.assert_allclose(loss, eager_step(ref, ref_opt, x.half(), y, 2), rtol=2e-3)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.dtype == torch.float16
+        np.testing.assert_allclose(p.float().detach(), q.float().detach(), atol=2e-3)

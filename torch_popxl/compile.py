@@ -15,6 +15,11 @@ write it by hand:
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update.
+
+The torch objects stay the source of truth: the hyperparameters are read from
+``optimizer.param_groups`` at each step (Note [hyperparameters at run time]), the module's
+own tensors and ``optimizer.state`` hold the program's values (Note [live torch tensors]) and
+``model.training`` selects the program.
 """
 
 from __future__ import annotations

@@ -203,6 +203,9 @@ def test_parameters_are_live_and_model_copies_and_pickles(layout):
     assert_same_params(torch.load(buf, weights_only=False), ref)
     assert_same_params(pickle.loads(pickle.dumps(model)), ref)
     assert not torch.equal(ema[0].weight, model[0].weight)  # the EMA saw the trained values
+    model.double()  # new storage for every parameter: refused, not silently ignored
+    with pytest.raises(ValueError, match="storage of '0.weight' was replaced"):
+        trainer.step(*batches(1)[0])
 
 
 # ---- 4. optimizer.state as torch keeps it, and loads of torch checkpoints ----------------

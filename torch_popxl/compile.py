@@ -289,6 +289,7 @@ class _Program:
     copied: list = field(default_factory=list)  # [variable, module tensor, snapshot]
     hyper_last: tuple | None = None
     fresh: bool = True  # holds the zero optimizer state it was built with
+    storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
 
 
 class _LiveState(collections.defaultdict):
@@ -516,7 +517,9 @@ class Trainer:
 
         for s in prog.slots:
             p = self._params[s.name]
-            if not bind(s.var, p.detach()):
+            if bind(s.var, p.detach()):
+                prog.storages.append((s.name, p, p.data_ptr()))
+            else:
                 prog.copied.append([s.var, p, None])
             for sname, v in s.state.items():
                 if sname not in s.shards and sname not in s.buffers:
@@ -524,7 +527,9 @@ class Trainer:
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
         for n, v in prog.buffer_vars.items():
-            if not bind(v, self._buffers[n].detach()):
+            if bind(v, self._buffers[n].detach()):
+                prog.storages.append((n, self._buffers[n], self._buffers[n].data_ptr()))
+            else:
                 prog.copied.append([v, self._buffers[n], None])
         for v, t in zip(prog.hyper_vars, prog.hyper_t, strict=True):
             bind(v, t)
@@ -718,6 +723,13 @@ class Trainer:
         """
         batch = self._check_batch(inputs, targets)
         prog = self._prepare(batch)
+        for name, t, ptr in prog.storages:
+            if t.data_ptr() != ptr:
+                raise ValueError(
+                    f"popxl.compile: the storage of {name!r} was replaced after compiling (for "
+                    "example model.to(...), .half() or `.data = ...`); the program would no "
+                    "longer train the module's tensor. Change the model first, then compile it."
+                )
         if self.optimizer.state is not self._live:
             # optimizer.load_state_dict (or a state set before compiling): applied now.
             self._import_torch_state(prog)

@@ -80,7 +80,7 @@ def main(argv=None) -> float:
             bar.set_postfix(loss=f"{loss:.4f}")
     train_s = time.time() - start
 
-    model.eval()  # parameters flow back from the session lazily, on first use
+    model.eval()  # the module holds the trained parameters after every step
     with torch.no_grad():
         logits = model(torch.from_numpy(x_test))
     acc = float((logits.argmax(-1).numpy() == y_test).mean())

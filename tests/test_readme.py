@@ -22,4 +22,5 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "aten.gelu.default" in text
     assert "[[0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]]" in text
     assert "RTS shards (persistent)" in text
+    assert "['exp_avg', 'exp_avg_sq', 'step']" in text  # popxl.compile: optimizer.state as torch's
     assert "[[2. 2. 2.]\n [2. 2. 2.]]" in text and "['bias', 'weight']" in text

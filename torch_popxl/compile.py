@@ -15,16 +15,25 @@ write it by hand:
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update.
+
+The torch objects stay the source of truth: the hyperparameters are read from
+``optimizer.param_groups`` at each step (Note [hyperparameters at run time]), the module's
+own tensors and ``optimizer.state`` hold the program's values (Note [live torch tensors]) and
+``model.training`` selects the program.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 from . import ops
 from . import remote as _remote
@@ -45,19 +54,28 @@ _STATE = ("on_chip", "remote")
 
 
 # ---- optimizers: torch's formulas, written as in-place torch ops ------------------------
+#
+# Note [hyperparameters at run time]
+#     The torch optimizer's ``param_groups`` stay the source of truth: every numeric
+#     hyperparameter (lr, weight decay, momentum, dampening, betas, eps) of a group lives in a
+#     small variable that is written before each step when the group's values changed, so LR
+#     schedulers and manual edits take effect without a rebuild. Only the program's structure
+#     is fixed when it is built (the optimizer kind, the param-to-group assignment, nesterov,
+#     whether momentum / weight decay are used at all); a change of it rebuilds the program
+#     and carries the state over (``_GroupSpec``).
+
+_N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
 
 
 @dataclass(frozen=True)
-class _Hyper:
+class _GroupSpec:
+    """The structure of one param group (what the program is built for)."""
+
     kind: str  # "sgd" | "adam" | "adamw"
-    lr: float
-    weight_decay: float
-    momentum: float = 0.0
-    dampening: float = 0.0
+    names: tuple[str, ...]
+    momentum: bool = False
     nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    weight_decay: bool = False
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -66,97 +84,132 @@ class _Hyper:
         return ("exp_avg", "exp_avg_sq")
 
 
-def _hyper_for_groups(
+def _optimizer_kind(optimizer) -> str:
+    if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise TypeError(
+        f"popxl.compile supports torch.optim.SGD, Adam and AdamW; got {type(optimizer).__name__}."
+    )
+
+
+def _group_specs(
     optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
-) -> dict[str, _Hyper]:
+) -> tuple[_GroupSpec, ...]:
+    kind = _optimizer_kind(optimizer)
     by_id = {id(p): n for n, p in params.items()}
-    out: dict[str, _Hyper] = {}
+    specs, seen = [], set()
     for group in optimizer.param_groups:
-        hyper = _hyper(optimizer, group)
+        names = []
         for p in group["params"]:
             if id(p) not in by_id:
                 raise ValueError(
                     "popxl.compile: the optimizer holds a parameter that is not a parameter of the "
                     "model. Build the optimizer from model.parameters()."
                 )
-            out[by_id[id(p)]] = hyper
-    missing = [n for n in params if n not in out]
+            names.append(by_id[id(p)])
+        seen.update(names)
+        if group.get("maximize"):
+            raise ValueError("popxl.compile does not support maximize=True.")
+        if kind == "sgd":
+            if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
+                raise ValueError(
+                    "Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch)."
+                )
+            specs.append(_GroupSpec(kind, tuple(names), float(group["momentum"]) != 0,
+                                    bool(group["nesterov"]), float(group["weight_decay"]) != 0))  # fmt: skip
+        else:
+            if group.get("amsgrad"):
+                raise ValueError(
+                    "popxl.compile does not support amsgrad=True or maximize=True for Adam/AdamW."
+                )
+            specs.append(
+                _GroupSpec(kind, tuple(names), weight_decay=float(group["weight_decay"]) != 0)
+            )
+    missing = [n for n in params if n not in seen]
     if missing:
         raise ValueError(
             f"popxl.compile: parameters {missing} are not in the optimizer; they would never train."
         )
-    return out
+    return tuple(specs)
 
 
-def _hyper(optimizer, group) -> _Hyper:
-    if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
-        kind = "adamw"
-    elif isinstance(optimizer, torch.optim.Adam):
-        kind = "adam"
-    elif isinstance(optimizer, torch.optim.SGD):
-        kind = "sgd"
-    else:
-        raise TypeError(
-            f"popxl.compile supports torch.optim.SGD, Adam and AdamW; got {type(optimizer).__name__}."
-        )
-    lr = float(group["lr"])
-    if kind == "sgd":
-        if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError(
-                "Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch)."
+def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
+    """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
+    out = []
+    for g in optimizer.param_groups:
+        if kind == "sgd":
+            out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
+                        float(g["dampening"]), 0.0))  # fmt: skip
+        else:
+            b1, b2 = g["betas"]
+            out.append(
+                (float(g["lr"]), float(g["weight_decay"]), float(b1), float(b2), float(g["eps"]))
             )
-        if group.get("maximize"):
-            raise ValueError("popxl.compile does not support maximize=True.")
-        return _Hyper("sgd", lr, float(group["weight_decay"]), float(group["momentum"]),
-                      float(group["dampening"]), bool(group["nesterov"]))  # fmt: skip
-    if group.get("amsgrad") or group.get("maximize"):
-        raise ValueError(
-            "popxl.compile does not support amsgrad=True or maximize=True for Adam/AdamW."
-        )
-    b1, b2 = group["betas"]
-    return _Hyper(
-        kind,
-        lr,
-        float(group["weight_decay"]),
-        beta1=float(b1),
-        beta2=float(b2),
-        eps=float(group["eps"]),
-    )
+    return tuple(out)
 
 
-def _sgd_update(p, g, step, *state, h: _Hyper):
+def _group_scalars(h, step, *, kind: str):
+    """Per-group scalars, computed once per step (not once per parameter)."""
+    lr, wd = h[0], h[1]
+    if kind == "sgd":
+        return lr, wd, h[2], 1.0 - h[3]
+    t = step + 1.0
+    b1, b2, eps = h[2], h[3], h[4]
+    step_size = lr / (1.0 - torch.pow(b1, t))
+    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+    return 1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps
+
+
+def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
     d_p = g
-    if h.weight_decay:
-        d_p = d_p + p * h.weight_decay
-    if h.momentum:
+    if spec.weight_decay:
+        d_p = d_p + p * wd
+    if spec.momentum:
         (buf,) = state
         # torch initialises the buffer with the first gradient (no dampening on step 1).
-        new = buf * h.momentum + d_p * (1.0 - h.dampening)
+        new = buf * momentum + d_p * one_minus_dampening
         buf.copy_(torch.where(step == 0, d_p, new))
-        d_p = d_p + buf * h.momentum if h.nesterov else buf
-    p.add_(d_p, alpha=-h.lr)
+        d_p = d_p + buf * momentum if spec.nesterov else buf
+    p.sub_(d_p * lr)
 
 
-def _adam_update(p, g, step, exp_avg, exp_avg_sq, h: _Hyper):
-    t = step + 1.0
-    if h.kind == "adamw":
-        p.mul_(1.0 - h.lr * h.weight_decay)
-    elif h.weight_decay:
-        g = g + p * h.weight_decay
+def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
+                 exp_avg, exp_avg_sq, *, spec: _GroupSpec):  # fmt: skip
+    if spec.kind == "adamw":
+        if spec.weight_decay:
+            p.mul_(decay)
+    elif spec.weight_decay:
+        g = g + p * wd
     # torch's formulas; out-of-place + copy_ because vmap has no batching rule for
     # lerp_ / addcmul_ (it would fall back to a slow per-replica loop).
-    exp_avg.copy_(torch.lerp(exp_avg, g, 1.0 - h.beta1))
-    exp_avg_sq.copy_(torch.addcmul(exp_avg_sq * h.beta2, g, g, value=1.0 - h.beta2))
-    bias_correction1 = 1.0 - torch.pow(h.beta1, t)
-    bias_correction2 = 1.0 - torch.pow(h.beta2, t)
-    step_size = h.lr / bias_correction1
-    denom = exp_avg_sq.sqrt() / bias_correction2.sqrt() + h.eps
+    exp_avg.copy_(torch.lerp(exp_avg, g, one_minus_b1))
+    exp_avg_sq.copy_(torch.addcmul(exp_avg_sq * b2, g * one_minus_b2, g))
+    denom = exp_avg_sq.sqrt() / bc2_sqrt + eps
     p.sub_(exp_avg / denom * step_size)
 
 
-def _optimizer_update(p: Tensor, g: Tensor, step: Tensor, state: list[Tensor], h: _Hyper) -> None:
-    fn = _sgd_update if h.kind == "sgd" else _adam_update
-    call_torch(fn, (p, g, step, *state), {"h": h})
+def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec) -> None:
+    fn = _sgd_update if spec.kind == "sgd" else _adam_update
+    call_torch(fn, (p, g, step, *scalars, *state), {"spec": spec})
+
+
+def _sum_of_squares(g):
+    g = g.float()
+    return (g * g).sum()
+
+
+def _clip_coefficient(*sums, max_norm: float):
+    # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1.
+    total = torch.stack(sums).sum().sqrt()
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _scale(g, coef):
+    return g * coef.to(g.dtype)
 
 
 # ---- the trainer --------------------------------------------------------------------------
@@ -167,22 +220,151 @@ class _Slot:
     """One parameter: its variable, accumulator and optimizer state placement."""
 
     name: str
+    group: int
     var: Any
     accum: Any
-    hyper: _Hyper
+    spec: _GroupSpec
     sharded: bool
     state: dict[str, Any]  # name -> Variable handle (host side)
     shards: dict[str, Any]  # name -> on-device shard tensor (replica_sharded_variable)
     buffers: dict[str, Any]  # name -> RemoteBuffer (remote state)
 
 
+@dataclass
+class _Batch:
+    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple)."""
+
+    args: list[np.ndarray]
+    kwargs: dict[str, np.ndarray]
+    targets: list[np.ndarray]
+    targets_tuple: bool
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.args, *self.kwargs.values(), *self.targets]
+
+    @property
+    def size(self) -> int:
+        return self.arrays[0].shape[0]
+
+    @property
+    def key(self) -> tuple:
+        """What the program is built for: the structure, shapes and dtypes."""
+        return (
+            tuple((a.shape, str(a.dtype)) for a in self.args),
+            tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
+            tuple((a.shape, str(a.dtype)) for a in self.targets),
+            self.targets_tuple,
+        )
+
+
+@dataclass
+class _Program:
+    """One built training program (per train/eval mode) and how its variables reach torch.
+
+    Note [live torch tensors]
+        Where the simulator keeps one copy of a variable for all replicas (Session
+        ``_bind_variable``), that copy *is* the torch tensor: the module's parameter, a
+        buffer, a tensor in ``optimizer.state``, a hyperparameter vector. Runs update them in
+        place and the next run reads whatever the user wrote into them, at no copying cost.
+        The others (per-replica buffers such as BatchNorm statistics with several replicas,
+        sharded or off-chip optimizer state, a CUDA simulator) are copied: module tensors
+        after each step and when changed, optimizer state when ``optimizer.state`` is read.
+    """
+
+    ir: Ir
+    session: Session
+    training: bool
+    specs: tuple[_GroupSpec, ...]
+    shapes: tuple
+    streams: tuple
+    slots: list[_Slot]
+    buffer_vars: dict[str, Any]
+    step_var: Any
+    hyper_vars: list[Any]
+    hyper_t: list[torch.Tensor]
+    step_t: torch.Tensor
+    bound: set = field(default_factory=set)  # ids of variables living in torch tensors
+    state_t: dict = field(default_factory=dict)  # (param, state name) -> bound torch tensor
+    copied: list = field(default_factory=list)  # [variable, module tensor, snapshot]
+    hyper_last: tuple | None = None
+    fresh: bool = True  # holds the zero optimizer state it was built with
+    storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
+
+
+class _LiveState(collections.defaultdict):
+    """``optimizer.state`` of an optimizer driven by a Trainer: every read first brings it up
+    to date with the program (Note [live torch tensors]); copies and pickles are plain."""
+
+    def __init__(self, trainer: Trainer, data=()):
+        super().__init__(dict, data)
+        self._trainer = weakref.ref(trainer)
+
+    def _sync(self) -> None:
+        tr = self._trainer()
+        if tr is not None and tr._opt_stale:
+            tr._publish_optimizer_state()
+
+    def __getitem__(self, key):
+        self._sync()
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._sync()
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._sync()
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self._sync()
+        return super().__iter__()
+
+    def __len__(self):
+        self._sync()
+        return super().__len__()
+
+    def keys(self):
+        self._sync()
+        return super().keys()
+
+    def values(self):
+        self._sync()
+        return super().values()
+
+    def items(self):
+        self._sync()
+        return super().items()
+
+    def copy(self):
+        self._sync()
+        return collections.defaultdict(dict, dict.items(self))
+
+    def __repr__(self):
+        self._sync()
+        return repr(collections.defaultdict(dict, dict.items(self)))
+
+    def __reduce__(self):
+        return (collections.defaultdict, (dict, dict(self.items())))
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self.copy(), memo)
+
+
 class Trainer:
-    """A compiled training program. ``step(inputs, targets)`` runs one optimizer step."""
+    """A compiled training program. ``step(inputs, targets)`` runs one optimizer step.
+
+    The torch objects stay the source of truth: the hyperparameters are read from
+    ``optimizer.param_groups`` at every step, ``model.training`` selects the program (one
+    build per mode), the module's parameters and buffers hold the trained values after each
+    step and ``optimizer.state`` holds the optimizer state as torch keeps it.
+    """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
-                 device: str = "cpu", executor: str = "fast"):  # fmt: skip
+                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -197,6 +379,15 @@ class Trainer:
             raise TypeError(
                 "popxl.compile: loss_fn must be callable as loss_fn(output, target) -> scalar."
             )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, int | float)
+            or not max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"max_grad_norm must be a positive number or None; got {max_grad_norm!r}."
+            )
+        _check_device(device)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -206,15 +397,26 @@ class Trainer:
         self.optimizer_state = optimizer_state
         self.device = device
         self.executor = executor
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
-        self._hyper = _hyper_for_groups(optimizer, self._params)
-        self.ir: Ir | None = None
-        self.session: Session | None = None
-        self._shapes = None
-        self._dirty = False
-        self._pending: dict[str, Any] | None = None  # load_state_dict before the first step
-        _install_lazy_sync(model, self)
+        self._kind = _optimizer_kind(optimizer)
+        _group_specs(optimizer, self._params)  # validate now, not at the first step
+        self._programs: dict[bool, _Program] = {}
+        self._active: _Program | None = None
+        self._step_count = 0
+        self._opt_stale = False
+        self._live: _LiveState | None = None
+        self._loaded_step: int | None = None  # Trainer.load_state_dict's step, until applied
+
+    # the active program's Ir and session (for inspection, memory reports and tests)
+    @property
+    def ir(self) -> Ir | None:
+        return None if self._active is None else self._active.ir
+
+    @property
+    def session(self) -> Session | None:
+        return None if self._active is None else self._active.session
 
     # ---- building -------------------------------------------------------------------------
 
@@ -225,26 +427,35 @@ class Trainer:
             and numel >= self.rts_threshold
         )
 
-    def _build(self, x: np.ndarray, t: np.ndarray) -> None:
+    def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
         R, GA = self.replication_factor, self.gradient_accumulation
-        micro = x.shape[0] // (_distributed.local_replicas(R) * GA)
-        self._target_dtype = t.dtype
+        micro = batch.size // (_distributed.local_replicas(R) * GA)
+        spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
         with ir.main_graph, in_sequence(True):
-            x_stream = _h2d((micro, *x.shape[1:]), x.dtype, "inputs")
-            t_stream = _h2d((micro, *t.shape[1:]), t.dtype, "targets")
+            names = [f"inputs/{i}" for i in range(len(batch.args))]
+            names += [f"inputs/{k}" for k in batch.kwargs]
+            names += [f"targets/{i}" for i in range(len(batch.targets))]
+            in_streams = [
+                _h2d((micro, *a.shape[1:]), a.dtype, n)
+                for n, a in zip(names, batch.arrays, strict=True)
+            ]
             loss_stream = None
-            slots = [self._make_slot(n, p) for n, p in self._params.items()]
+            hyper_vars = [
+                variable(np.zeros(_N_HYPER, np.float32), name=f"hyper/{i}")
+                for i in range(len(specs))
+            ]
+            slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]
             buffer_vars = {
                 n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n)
                 for n, b in self._buffers.items()
             }
             step = variable(np.zeros((), np.float32), name="optimizer_step")
 
-            fwd = self._forward_graph(ir, x_stream, t_stream)
-            n_params = len(slots)
-            param_inputs = list(fwd.inputs[2 : 2 + n_params])
+            fwd = self._forward_graph(ir, batch, in_streams)
+            n_params, n_io = len(slots), len(in_streams)
+            param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             bwd = autodiff(
                 fwd,
                 grads_provided=fwd.outputs[:1],
@@ -260,8 +471,8 @@ class Trainer:
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
-                xb, tb = ops.host_load(x_stream, "x"), ops.host_load(t_stream, "target")
-                info = ops.call_with_info(fwd, xb, tb, *ps, *bs)
+                loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
+                info = ops.call_with_info(fwd, *loaded, *ps, *bs)
                 loss = info.outputs[0]
                 # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
                 seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
@@ -274,19 +485,60 @@ class Trainer:
                 body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values()
             )
 
-            for s in slots:
-                self._update(s, step, R)
+            scalars = [
+                call_torch(_group_scalars, (h, step), {"kind": spec.kind})
+                for h, spec in zip(hyper_vars, specs, strict=True)
+            ]
+            reduced = [self._reduce(s, R) for s in slots]
+            if self.max_grad_norm is not None:
+                reduced = self._clip(slots, reduced)
+            for s, g in zip(slots, reduced, strict=True):
+                self._update(s, g, step, scalars[s.group])
             ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
-        self.ir, self._slots, self._buffer_vars, self._step_var = ir, slots, buffer_vars, step
-        self._streams = (x_stream, t_stream, loss_stream)
-        self._shapes = (x.shape, x.dtype, t.shape, t.dtype)
-        self.session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
-        self.session.__enter__()
-        if self._pending is not None:  # a checkpoint loaded before the program existed
-            state, self._pending = self._pending, None
-            self.load_state_dict(state)
+        session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
+        session.__enter__()
+        prog = _Program(
+            ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
+            [torch.zeros(_N_HYPER) for _ in specs], torch.zeros(()),
+        )  # fmt: skip
+        self._link(prog)
+        return prog
 
-    def _make_slot(self, name: str, p: torch.nn.Parameter) -> _Slot:
+    def _link(self, prog: _Program) -> None:
+        """Note [live torch tensors]: bind what can be bound, remember what must be copied."""
+        session = prog.session
+        distributed = prog.ir._num_instances > 1
+
+        def bind(var, tensor) -> bool:
+            ok = not distributed and session._bind_variable(var, tensor)
+            if ok:
+                prog.bound.add(var.id)
+            return ok
+
+        for s in prog.slots:
+            p = self._params[s.name]
+            if bind(s.var, p.detach()):
+                prog.storages.append((s.name, p, p.data_ptr()))
+            else:
+                prog.copied.append([s.var, p, None])
+            for sname, v in s.state.items():
+                if sname not in s.shards and sname not in s.buffers:
+                    t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
+                    if bind(v, t):
+                        prog.state_t[(s.name, sname)] = t
+        for n, v in prog.buffer_vars.items():
+            if bind(v, self._buffers[n].detach()):
+                prog.storages.append((n, self._buffers[n], self._buffers[n].data_ptr()))
+            else:
+                prog.copied.append([v, self._buffers[n], None])
+        for v, t in zip(prog.hyper_vars, prog.hyper_t, strict=True):
+            bind(v, t)
+        bind(prog.step_var, prog.step_t)
+        # What the program holds now is what the module holds: nothing to push before step 1.
+        for entry in prog.copied:
+            entry[2] = entry[1].detach().clone()
+
+    def _make_slot(self, name: str, p: torch.nn.Parameter, group: int, spec: _GroupSpec) -> _Slot:
         data = _host(p)
         dt = _dtype.as_dtype(p.dtype)
         var = variable(data, dt, name=name)
@@ -294,10 +546,9 @@ class Trainer:
         # Only summed over replicas by the update's reduction: the fast executor may keep it
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
         accum._set_hints(replica_sum=True)
-        hyper = self._hyper[name]
         sharded = self._shard(data.size)
         state, shards, buffers = {}, {}, {}
-        for sname in hyper.state_names:
+        for sname in spec.state_names:
             zeros = np.zeros_like(data)
             vname = f"{sname}/{name}"
             if sharded and self.optimizer_state == "remote":
@@ -316,13 +567,19 @@ class Trainer:
                 buffers[sname] = buf
             else:
                 state[sname] = variable(zeros, dt, name=vname)
-        return _Slot(name, var, accum, hyper, sharded, state, shards, buffers)
+        return _Slot(name, group, var, accum, spec, sharded, state, shards, buffers)
 
-    def _forward_graph(self, ir: Ir, x_stream, t_stream):
+    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams):
         graph = ir.create_empty_graph("forward")
         with graph:
-            x = graph_input(x_stream.shape, x_stream.dtype, "x")
-            t = graph_input(t_stream.shape, t_stream.dtype, "target")
+            io = [graph_input(st.shape, st.dtype, st.tensor_id) for st in in_streams]
+            for i, a in enumerate(batch.arrays):
+                if a.dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
+                    io[i] = call_torch(torch.Tensor.long, (io[i],), {})
+            n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
+            args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
+            targets = io[n_in:]
+            t = tuple(targets) if batch.targets_tuple else targets[0]
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -331,9 +588,9 @@ class Trainer:
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
                 for n, b in self._buffers.items()
             }
-            out = call_torch(torch.func.functional_call, (self.model, {**params, **bufs}, (x,)), {})
-            if self._target_dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
-                t = call_torch(torch.Tensor.long, (t,), {})
+            out = call_torch(
+                torch.func.functional_call, (self.model, {**params, **bufs}, args, kwargs), {}
+            )
             loss = call_torch(self.loss_fn, (out, t), {})
             if not isinstance(loss, Tensor) or loss.shape != ():
                 raise ValueError(
@@ -343,26 +600,42 @@ class Trainer:
             graph_output(loss)
         return graph
 
-    def _update(self, s: _Slot, step, R: int) -> None:
+    def _reduce(self, s: _Slot, R: int):
+        """The gradient mean over replicas: a shard of it when the state is sharded."""
         if s.sharded:
-            g = ops.collectives.replicated_reduce_scatter(
+            return ops.collectives.replicated_reduce_scatter(
                 s.accum, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
+        return ops.collectives.replicated_all_reduce(s.accum, "mean") if R > 1 else s.accum
+
+    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
+        """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
+        sum of squares is summed over the replicas (the shards partition it, padding is 0)."""
+        sums = []
+        for s, g in zip(slots, grads, strict=True):
+            sq = call_torch(_sum_of_squares, (g,), {})
+            if s.sharded:
+                sq = ops.collectives.replicated_all_reduce(sq, "add")
+            sums.append(sq)
+        coef = call_torch(_clip_coefficient, tuple(sums), {"max_norm": self.max_grad_norm})
+        return [call_torch(_scale, (g, coef), {}) for g in grads]
+
+    def _update(self, s: _Slot, g, step, scalars) -> None:
+        if s.sharded:
             p_shard = ops.collectives.replica_sharded_slice(s.var)
             state = self._load_state(s)
-            _optimizer_update(p_shard, g, step, state, s.hyper)
+            _optimizer_update(p_shard, g, step, scalars, state, s.spec)
             self._store_state(s, state)
             full = ops.collectives.replicated_all_gather(p_shard)
             ops.var_updates.copy_var_update_(s.var, full)
         else:
-            g = ops.collectives.replicated_all_reduce(s.accum, "mean") if R > 1 else s.accum
             state = self._load_state(s)
-            _optimizer_update(s.var, g, step, state, s.hyper)
+            _optimizer_update(s.var, g, step, scalars, state, s.spec)
             self._store_state(s, state)
         ops.var_updates.accumulator_zero_(s.accum)
 
     def _load_state(self, s: _Slot) -> list[Tensor]:
         out = []
-        for name in s.hyper.state_names:
+        for name in s.spec.state_names:
             if name in s.buffers:
                 out.append(ops.remote_load(s.buffers[name], 0, f"{name}/{s.name}"))
             elif name in s.shards:
@@ -372,7 +645,7 @@ class Trainer:
         return out
 
     def _store_state(self, s: _Slot, state: list[Tensor]) -> None:
-        for name, t in zip(s.hyper.state_names, state, strict=True):
+        for name, t in zip(s.spec.state_names, state, strict=True):
             if name in s.buffers:
                 ops.remote_store(s.buffers[name], 0, t)
 
@@ -388,94 +661,305 @@ class Trainer:
             a = a[0]
         return a
 
+    def _check_batch(self, inputs, targets) -> _Batch:
+        args, kwargs = _structured(inputs, "inputs")
+        targets_tuple = isinstance(targets, tuple | list) and bool(targets)
+        if targets_tuple:
+            t = [_array(v, f"targets[{i}]") for i, v in enumerate(targets)]
+        else:
+            t = [_array(targets, "targets")]
+        batch = _Batch(args, kwargs, t, targets_tuple)
+        R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
+        sizes = [a.shape[0] for a in batch.arrays]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"inputs and targets must have the same number of samples (dim 0); got {sizes} "
+                f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s)."
+            )
+        if batch.size == 0 or batch.size % (R * GA):
+            raise ValueError(
+                f"The global batch of {batch.size} samples must be a positive multiple of "
+                f"replication_factor * gradient_accumulation = {R} * {GA} = {R * GA}."
+            )
+        return batch
+
+    def _prepare(self, batch: _Batch) -> _Program:
+        """The program for the model's current mode and optimizer structure, built or
+        rebuilt as needed, with the torch-side state it must start from."""
+        specs = _group_specs(self.optimizer, self._params)
+        training = self.model.training
+        prog = self._programs.get(training)
+        if prog is not None and prog.specs != specs:
+            prog = None  # a new param group, nesterov or momentum/weight decay toggled
+        if prog is None:
+            prog = self._build(batch, specs)
+            self._programs[training] = prog
+        elif batch.key != prog.shapes:
+            raise ValueError(
+                f"popxl.compile programs have static shapes: the first step used (inputs, "
+                f"targets) {_describe(prog.shapes)}; this step got {_describe(batch.key)}."
+            )
+        if prog is not self._active:
+            if self._active is not None and self._live is self.optimizer.state:
+                self._publish_optimizer_state()
+                # Hand the state over as a plain torch state: the new program imports it.
+                self.optimizer.state = collections.defaultdict(
+                    dict,
+                    {p: {k: v.clone() for k, v in st.items()} for p, st in dict.items(self._live)},
+                )
+            self._active = prog
+        return prog
+
+    def plan(self, inputs, targets) -> None:
+        """Build the program for this batch shape without running it (the memory report is
+        then available, as PopVision is before going to hardware)."""
+        self._prepare(self._check_batch(inputs, targets))
+
     def step(self, inputs, targets) -> float:
         """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
 
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
         its local replicas; the returned loss is the mean over all instances.
         """
-        x, t = _array(inputs, "inputs"), _array(targets, "targets")
-        R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
-        if x.shape[0] != t.shape[0]:
-            raise ValueError(f"inputs have {x.shape[0]} samples but targets have {t.shape[0]}.")
-        if x.shape[0] == 0 or x.shape[0] % (R * GA):
-            raise ValueError(
-                f"The global batch of {x.shape[0]} samples must be a positive multiple of "
-                f"replication_factor * gradient_accumulation = {R} * {GA} = {R * GA}."
-            )
-        if self.ir is None:
-            self._build(x, t)
-        elif (x.shape, x.dtype, t.shape, t.dtype) != self._shapes:
-            raise ValueError(
-                f"popxl.compile programs have static shapes: the first step used inputs "
-                f"{self._shapes[0]} {self._shapes[1]} and targets {self._shapes[2]} {self._shapes[3]}; "
-                f"this step got {x.shape} {x.dtype} and {t.shape} {t.dtype}."
-            )
-        x_stream, t_stream, loss_stream = self._streams
-        out = self.session.run({x_stream: self._split(x), t_stream: self._split(t)})
-        self._dirty = True
+        batch = self._check_batch(inputs, targets)
+        prog = self._prepare(batch)
+        for name, t, ptr in prog.storages:
+            if t.data_ptr() != ptr:
+                raise ValueError(
+                    f"popxl.compile: the storage of {name!r} was replaced after compiling (for "
+                    "example model.to(...), .half() or `.data = ...`); the program would no "
+                    "longer train the module's tensor. Change the model first, then compile it."
+                )
+        if self.optimizer.state is not self._live:
+            # optimizer.load_state_dict (or a state set before compiling): applied now.
+            self._import_torch_state(prog)
+        self._push(prog)
+        in_streams, loss_stream = prog.streams
+        feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
+        out = prog.session.run(feed)
+        self._step_count += 1
+        self._pull(prog)
+        self._opt_stale = True
+        # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
+        # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
+        self.optimizer._opt_called = True
         return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
+
+    def _push(self, prog: _Program) -> None:
+        """Hyperparameters and changed unbound module tensors into the program."""
+        values = _group_values(self.optimizer, self._kind)
+        if values != prog.hyper_last:
+            for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
+                t.copy_(torch.tensor(values[i], dtype=torch.float32))
+                if v.id not in prog.bound:
+                    prog.session._set_device_value(v, t)
+            prog.hyper_last = values
+        for entry in prog.copied:
+            var, tensor, snapshot = entry
+            if snapshot is None or not torch.equal(tensor.detach(), snapshot):
+                prog.session._set_device_value(var, tensor.detach())
+
+    def _pull(self, prog: _Program) -> None:
+        """Unbound module tensors (replica 0's value, as a DDP rank 0 checkpoint) from the
+        program; bound ones already hold the trained values."""
+        if not prog.copied:
+            return
+        session = prog.session
+        if prog.ir._num_instances > 1:  # replica 0 may live in another process
+            data = session.get_tensors_data([e[0] for e in prog.copied])
+            values = [torch.from_numpy(np.array(data[e[0]])) for e in prog.copied]
+        else:
+            values = [session._device_rows(e[0])[0] for e in prog.copied]
+        with torch.no_grad():
+            for entry, value in zip(prog.copied, values, strict=True):
+                entry[1].copy_(value)
+                entry[2] = entry[1].detach().clone()
+
+    # ---- optimizer state ------------------------------------------------------------------
+
+    def _state_by_name(self, prog: _Program) -> dict[str, dict[str, torch.Tensor]]:
+        """The program's optimizer state per parameter: bound tensors as they are, the rest
+        (sharded, off-chip) read back unsharded."""
+        unbound = [
+            v for s in prog.slots for k, v in s.state.items() if (s.name, k) not in prog.state_t
+        ]
+        data = prog.session.get_tensors_data(unbound) if unbound else {}
+        out = {}
+        for s in prog.slots:
+            out[s.name] = {
+                k: prog.state_t[(s.name, k)]
+                if (s.name, k) in prog.state_t
+                else torch.from_numpy(np.array(data[v]))
+                for k, v in s.state.items()
+            }
+        return out
+
+    def _publish_optimizer_state(self) -> None:
+        """Make ``optimizer.state`` what torch would hold after ``_step_count`` steps."""
+        prog = self._active
+        self._opt_stale = False
+        if prog is None:
+            return
+        live = self._live
+        if live is None or live is not self.optimizer.state:
+            live = self._live = _LiveState(self)
+            self.optimizer.state = live
+        dict.clear(live)
+        if self._step_count == 0:  # torch's state is empty before the first step
+            return
+        state = self._state_by_name(prog)
+        for name, p in self._params.items():
+            entry = {}
+            if self._kind != "sgd":  # torch's Adam keeps a float32 step per parameter
+                entry["step"] = torch.tensor(float(self._step_count))
+            entry.update(state[name])
+            if entry:
+                dict.__setitem__(live, p, entry)
+
+    def _import_torch_state(self, prog: _Program) -> None:
+        """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
+        by_name, step = self._from_torch_state(self.optimizer.state)
+        if self._kind == "sgd":  # torch's SGD keeps no count: ours goes on unless state is new
+            step = self._step_count if by_name or not self._has_momentum(prog) else 0
+        if self._loaded_step is not None:
+            step, self._loaded_step = self._loaded_step, None
+        writes = {}
+        for s in prog.slots:
+            for k, v in s.state.items():
+                value = by_name[s.name][k] if by_name else torch.zeros_like(self._params[s.name])
+                if (s.name, k) in prog.state_t:
+                    prog.state_t[(s.name, k)].copy_(value)
+                else:
+                    writes[v] = np.array(value.detach().cpu().numpy(), dtype=v.dtype.as_numpy())
+        if prog.step_var.id in prog.bound:
+            prog.step_t.fill_(float(step))
+        else:
+            writes[prog.step_var] = np.array(step, dtype=np.float32)
+        if prog.fresh and not by_name and step == 0:
+            writes = {}  # a new program already holds zeros
+        prog.fresh = False
+        if writes:
+            # write_variables_data re-uploads every variable from its host copy: bring the
+            # host copies up to date first (bound tensors may have changed since).
+            prog.session.weights_to_host()
+            prog.session.write_variables_data(writes)
+        self._step_count = step
+        self._live = None
+        self._publish_optimizer_state()
+
+    @staticmethod
+    def _has_momentum(prog: _Program) -> bool:
+        return any(spec.momentum for spec in prog.specs)
+
+    def _from_torch_state(self, state) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+        """``optimizer.state`` (torch's layout) -> ({param name: {state: tensor}}, step),
+        validated: every parameter's entry complete, of the parameter's shape, one step."""
+        if isinstance(state, _LiveState):
+            state._sync()
+        raw = {id(k): v for k, v in dict.items(state)}
+        specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
+        by_name, steps = {}, set()
+        for name, p in self._params.items():
+            entry = raw.get(id(p))
+            want = specs[name].state_names
+            if not entry or not want:
+                steps.add(0)
+                continue
+            missing = [k for k in want if k not in entry]
+            if missing:
+                raise ValueError(
+                    f"optimizer state for {name!r} lacks {missing} (has {sorted(entry)}); a "
+                    f"{type(self.optimizer).__name__} checkpoint of this model is expected."
+                )
+            for k in want:
+                v = entry[k]
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"optimizer state {k!r} of {name!r} has shape "
+                        f"{tuple(getattr(v, 'shape', ()))}; the parameter has {tuple(p.shape)}."
+                    )
+            by_name[name] = {k: entry[k] for k in want}
+            steps.add(int(float(entry["step"])) if "step" in entry else -1)
+        steps.discard(-1)  # torch's SGD keeps no step count
+        if by_name and (len(steps) > 1 or 0 in steps):
+            raise ValueError(
+                "popxl.compile keeps one step count for all parameters; this optimizer state has "
+                f"{len(by_name)} of {len(self._params)} parameters stepped (steps "
+                f"{sorted(steps)}). Load a checkpoint where every parameter stepped equally."
+            )
+        return by_name, (steps.pop() if steps else 0)
 
     # ---- state ----------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Copy the trained parameters and buffers back into ``model``."""
-        if self.session is None or not self._dirty:
-            return
-        self._dirty = False
-        handles = [s.var for s in self._slots] + list(self._buffer_vars.values())
-        data = self.session.get_tensors_data(handles)
-        with torch.no_grad():
-            for s in self._slots:
-                self._params[s.name].copy_(torch.from_numpy(np.array(data[s.var])))
-            for n, v in self._buffer_vars.items():
-                value = data[v]
-                self._buffers[n].copy_(torch.from_numpy(np.array(value)))
-        self._dirty = False
+        """Kept for compatibility: the module's tensors are always current after a step."""
 
     def state_dict(self) -> dict[str, Any]:
         """Torch-style state: ``{"model": ..., "optimizer": {"state": {name: {...}}, "step": n}}``.
 
-        Sharded and off-chip state is returned unsharded (full tensors).
+        Sharded and off-chip state is returned unsharded (full tensors); a checkpoint loaded
+        before the first step is returned as loaded.
         """
-        self.sync_weights()
         out = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
-        opt: dict[str, Any] = {"state": {}, "step": 0}
-        if self.session is not None:
-            handles = [v for s in self._slots for v in s.state.values()] + [self._step_var]
-            data = self.session.get_tensors_data(handles)
-            for s in self._slots:
-                opt["state"][s.name] = {
-                    k: torch.from_numpy(np.array(data[v])) for k, v in s.state.items()
-                }
-            opt["step"] = int(data[self._step_var])
-        out["optimizer"] = opt
+        by_name, step = self._from_torch_state(self.optimizer.state)
+        if self._loaded_step is not None:
+            step = self._loaded_step
+        elif self.optimizer.state is self._live or self._kind == "sgd" or not by_name:
+            step = self._step_count  # else: a torch state loaded since, with its own count
+        out["optimizer"] = {
+            "state": {
+                n: {k: v.detach().clone() for k, v in st.items()} for n, st in by_name.items()
+            },
+            "step": step,
+        }
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint made by ``state_dict`` (sharded or not)."""
-        if "model" not in state or "optimizer" not in state:
+        """Restore a checkpoint made by ``state_dict`` (sharded or not), all-or-nothing: every
+        key, shape and dtype is checked before anything changes. Applied at the next step."""
+        if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
             raise ValueError("load_state_dict expects the dict returned by Trainer.state_dict().")
+        _check_tensors("model", state["model"], self.model.state_dict())
+        opt = state["optimizer"]
+        if not isinstance(opt, dict) or set(opt) != {"state", "step"}:
+            raise ValueError(
+                "load_state_dict: state['optimizer'] must be {'state': {...}, 'step': n} "
+                "as returned by Trainer.state_dict()."
+            )
+        step = opt["step"]
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"load_state_dict: optimizer step must be an int >= 0; got {step!r}.")
+        specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
+        if opt["state"]:
+            expected = {
+                f"{n}.{k}": self._params[n].detach()
+                for n in self._params
+                for k in specs[n].state_names
+            }
+            given = {}
+            for n, st in opt["state"].items():
+                if not isinstance(st, dict):
+                    raise ValueError(f"load_state_dict: optimizer state of {n!r} must be a dict.")
+                given.update({f"{n}.{k}": v for k, v in st.items()})
+            _check_tensors("optimizer state", given, expected)
+            if step == 0:
+                raise ValueError("load_state_dict: optimizer state is given but step is 0.")
+        # Everything checked: apply.
         self.model.load_state_dict(state["model"])
-        if self.session is None:  # applied when the first step builds the program
-            self._pending = state
-            return
-        writes = {}
-        for s in self._slots:
-            writes[s.var] = _host(self._params[s.name]).astype(s.var.dtype.as_numpy())
-            for k, v in s.state.items():
-                writes[v] = np.array(state["optimizer"]["state"][s.name][k].detach().cpu().numpy(),
-                                     dtype=v.dtype.as_numpy())  # fmt: skip
-        for n, v in self._buffer_vars.items():
-            writes[v] = np.array(_host(self._buffers[n]), dtype=v.dtype.as_numpy())
-        writes[self._step_var] = np.array(state["optimizer"]["step"], dtype=np.float32)
-        self.session.write_variables_data(writes)
-        self._dirty = False
+        torch_state = collections.defaultdict(dict)
+        for n, st in opt["state"].items():
+            entry = {"step": torch.tensor(float(step))} if self._kind != "sgd" else {}
+            entry.update({k: v.detach().clone() for k, v in st.items()})
+            torch_state[self._params[n]] = entry
+        self._loaded_step = int(step)
+        self.optimizer.state = torch_state  # imported before the next step
 
     def memory_report(self, cost_model=None):
+        """The active program's memory report (after ``plan`` or the first ``step``)."""
         if self.session is None:
             raise ValueError(
-                "memory_report() is available after the first step (the program is built then)."
+                "memory_report() needs a built program: call trainer.plan(inputs, targets) "
+                "(or run a step) first."
             )
         return (
             self.session.memory_report(cost_model)
@@ -485,66 +969,111 @@ class Trainer:
 
 
 class InferenceProgram:
-    """A compiled inference program: ``program(inputs) -> outputs`` (split over replicas)."""
+    """A compiled inference program: ``program(inputs) -> outputs`` (split over replicas).
+
+    ``inputs`` is a tensor, a tuple/list of tensors (positional arguments of ``forward``) or a
+    dict (keyword arguments), each split on dim 0; the result has the model's structure. The
+    program reads the module's current parameters and buffers at every call (Note [live
+    torch tensors]), also while a Trainer trains the module.
+    """
 
     def __init__(self, model: torch.nn.Module, replication_factor: int = 1, device: str = "cpu",
                  executor: str = "fast"):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
+        _check_device(device)
         self.model = model
         self.replication_factor = replication_factor
         self.device = device
         self.executor = executor
         self.ir = None
         self.session = None
-        self._shape = None
+        self._programs: dict[bool, tuple] = {}  # per train/eval mode: (key, ir, session, ...)
 
-    def _build(self, x: np.ndarray) -> None:
+    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
         R = _distributed.local_replicas(self.replication_factor)
         ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
         with ir.main_graph, in_sequence(True):
-            x_stream = _h2d((x.shape[0] // R, *x.shape[1:]), x.dtype, "inputs")
-            pv = {
-                n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n) for n, p in params.items()
-            }
-            bv = {
-                n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n) for n, b in buffers.items()
-            }
-            xt = ops.host_load(x_stream, "x")
-            y = call_torch(torch.func.functional_call, (self.model, {**pv, **bv}, (xt,)), {})
-            y_stream = d2h_stream(y.shape, y.dtype, "outputs")
-            ops.host_store(y_stream, y)
-        self.ir, self._streams, self._shape = ir, (x_stream, y_stream), (x.shape, x.dtype)
-        self.session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
-        self.session.__enter__()
+            streams = [
+                _h2d((a.shape[0] // R, *a.shape[1:]), a.dtype, f"inputs/{i}")
+                for i, a in enumerate([*args, *kwargs.values()])
+            ]
+            tensors = {n: variable(_host(t), _dtype.as_dtype(t.dtype), name=n)
+                       for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
+            loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
+            a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
+            y = call_torch(torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {})
+            leaves, spec = pytree.tree_flatten(y)
+            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
+            if bad:
+                raise TypeError(
+                    f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
+                    "program returns tensors (in a tuple, list or dict)."
+                )
+            out_streams = []
+            for i, v in enumerate(leaves):
+                out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
+                ops.host_store(out_streams[-1], v)
+        session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
+        session.__enter__()
+        copied = []
+        for n, t in [*params.items(), *buffers.items()]:
+            if ir._num_instances > 1 or not session._bind_variable(tensors[n], t.detach()):
+                copied.append((tensors[n], t))
+        return ir, session, streams, out_streams, spec, copied
 
-    def __call__(self, inputs) -> torch.Tensor:
-        x = _array(inputs, "inputs")
+    def __call__(self, inputs):
+        args, kwargs = _structured(inputs, "inputs")
+        arrays = [*args, *kwargs.values()]
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
-        if x.shape[0] == 0 or x.shape[0] % R:
+        n = arrays[0].shape[0]
+        if any(a.shape[0] != n for a in arrays):
             raise ValueError(
-                f"The batch of {x.shape[0]} samples must be a positive multiple of replication_factor={R}."
+                f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
             )
-        if self.ir is None:
-            self._build(x)
-        elif (x.shape, x.dtype) != self._shape:
+        if n == 0 or n % R:
             raise ValueError(
-                f"popxl.compile programs have static shapes: built for {self._shape}, got {(x.shape, x.dtype)}."
+                f"The batch of {n} samples must be a positive multiple of replication_factor={R}."
             )
-        x_stream, y_stream = self._streams
-        feed = x.reshape(R, x.shape[0] // R, *x.shape[1:]) if R > 1 else x
-        out = self.session.run({x_stream: feed})[y_stream]
-        return torch.from_numpy(np.array(out).reshape(x.shape[0], *out.shape[2 if R > 1 else 1 :]))
+        key = (
+            tuple((a.shape, a.dtype) for a in args),
+            tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
+        )
+        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
+        if training not in self._programs:
+            self._programs[training] = (key, *self._build(args, kwargs))
+        built_key, ir, session, streams, out_streams, spec, copied = self._programs[training]
+        if key != built_key:
+            raise ValueError(
+                f"popxl.compile programs have static shapes: built for inputs {built_key}, got {key}."
+            )
+        self.ir, self.session = ir, session
+        for var, t in copied:  # not bound: the module's current values, every call
+            session._set_device_value(var, t.detach())
+        feed = {
+            st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
+            for st, a in zip(streams, arrays, strict=True)
+        }
+        out = session.run(feed)
+        leaves = []
+        for st in out_streams:
+            o = np.array(out[st])
+            if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
+                o = o.reshape(n, *o.shape[2:])
+            leaves.append(torch.from_numpy(o))
+        return pytree.tree_unflatten(leaves, spec)
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
-            optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast"):  # fmt: skip
+            optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast",
+            max_grad_norm: float | None = None):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
     With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
-    :class:`InferenceProgram`. See the README section "popxl.compile".
+    :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
+    ``torch.nn.utils.clip_grad_norm_`` does. See the README section "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -553,46 +1082,63 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
             "popxl.compile: give both loss_fn and optimizer for training, or neither for inference."
         )
     if optimizer is None:
-        if gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip":
+        if (gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip"
+                or max_grad_norm is not None):  # fmt: skip
             raise ValueError(
-                "gradient_accumulation, rts_threshold and optimizer_state only apply to training."
+                "gradient_accumulation, rts_threshold, optimizer_state and max_grad_norm only "
+                "apply to training."
             )
         return InferenceProgram(model, replication_factor, device, executor)
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor)  # fmt: skip
+                   optimizer_state, device, executor, max_grad_norm)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-_SYNC_ON = frozenset({"_parameters", "_buffers", "_modules", "state_dict", "parameters",
-                      "named_parameters", "buffers", "named_buffers", "forward", "__call__"})  # fmt: skip
-
-
-def _install_lazy_sync(model: torch.nn.Module, trainer: Trainer) -> None:
-    """Make ``model`` pull trained weights from the session when its tensors are read.
-
-    The model's class is swapped for a subclass whose attribute access syncs first (only
-    when a step ran since the last sync), so ``model.fc.weight`` is always current.
-    """
-    cls = type(model)
-    if getattr(cls, "_popxl_lazy_sync", False):
-        cls = cls.__mro__[1]
-
-    def __getattribute__(self, name):
-        if name in _SYNC_ON:
-            tr = object.__getattribute__(self, "__dict__").get("_popxl_trainer")
-            if tr is not None and tr._dirty:
-                tr.sync_weights()
-        return cls.__getattribute__(self, name)
-
-    model.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "_popxl_lazy_sync": True,
-                                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__})  # fmt: skip
-    model.__dict__["_popxl_trainer"] = trainer
 
 
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")
+
+
+def _check_device(device) -> None:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r} ({e}).") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}: no CUDA GPU is available to this torch build. Use "
+            "device='cpu' (the default) to run the simulator on the CPU."
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r}.")
+
+
+def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:
+    """Same keys, shapes and dtypes as ``expected``, or a ValueError listing every problem."""
+    if not isinstance(given, dict):
+        raise ValueError(f"load_state_dict: {what} must be a dict; got {type(given).__name__}.")
+    problems = []
+    missing = sorted(set(expected) - set(given))
+    extra = sorted(set(given) - set(expected))
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if extra:
+        problems.append(f"unexpected keys {extra}")
+    for k in sorted(set(given) & set(expected)):
+        v, e = given[k], expected[k]
+        if not isinstance(v, torch.Tensor):
+            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
+        elif tuple(v.shape) != tuple(e.shape) or v.dtype != e.dtype:
+            problems.append(
+                f"{k!r} is {tuple(v.shape)} {v.dtype}, expected {tuple(e.shape)} {e.dtype}"
+            )
+    if problems:
+        raise ValueError(
+            f"load_state_dict: the {what} does not match this model ({'; '.join(problems)}). "
+            "Nothing was changed."
+        )
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -608,6 +1154,23 @@ def _array(x, what: str) -> np.ndarray:
     if x.dtype == np.float64:
         x = x.astype(np.float32)
     return x
+
+
+def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays."""
+    if isinstance(x, dict):
+        if not x:
+            raise ValueError(f"{what}: an empty dict.")
+        return [], {k: _array(v, f"{what}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
+        return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
+    return [_array(x, what)], {}
+
+
+def _describe(key: tuple) -> str:
+    args, kwargs, targets, _ = key
+    inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
+    return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
 
 
 def _h2d(shape, np_dtype, name):

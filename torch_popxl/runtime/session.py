@@ -272,6 +272,42 @@ class Session:
         if self._attached:
             self.weights_from_host()
 
+    # ---- live device values (used by popxl.compile) --------------------------------------
+
+    def _bind_variable(self, v: Variable, tensor: torch.Tensor) -> bool:
+        """Make ``tensor`` the storage of the on-chip variable ``v`` on every local replica, so
+        that runs update it in place and in-place edits of it are seen by the next run.
+
+        Only possible where the replicas share one copy (a replica-invariant variable, or a
+        single replica) and ``tensor`` matches the storage's shape, dtype and device; returns
+        False otherwise (the caller then copies). ``tensor``'s value becomes the variable's.
+        """
+        storage = self._state.vars.get(v.id)
+        R = self._state.num_replicas
+        if (
+            storage is None
+            or tuple(tensor.shape) != tuple(v.shape)
+            or tensor.dtype != storage.dtype
+            or tensor.device != storage.device
+            or not tensor.is_contiguous()
+            or not (R == 1 or (storage.dim() > 0 and storage.stride(0) == 0))
+        ):
+            return False
+        self._state.vars[v.id] = tensor.expand(R, *tensor.shape)
+        self._in_sync = False  # the host copy no longer follows the device value
+        return True
+
+    def _device_rows(self, v: Variable) -> torch.Tensor:
+        """The live ``[R_local, *shape]`` device value of the on-chip variable ``v``."""
+        return self._state.vars[v.id]
+
+    def _set_device_value(self, v: Variable, value: torch.Tensor) -> None:
+        """Write ``value`` (one replica's value) to every local replica of the on-chip
+        variable ``v``, without re-uploading the other variables."""
+        storage = self._state.vars[v.id]
+        _write_rows(storage, value.to(storage.device, storage.dtype).expand(storage.shape))
+        self._in_sync = False
+
     # ---- running --------------------------------------------------------------------------
 
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:

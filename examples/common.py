@@ -99,12 +99,11 @@ def find_mnist(data_dir: str | os.PathLike | None = None) -> dict[str, Path] | N
 
 
 def _download(target: Path) -> dict[str, Path]:
-    """Fetch MNIST with torchvision into ``target`` (all or nothing: a failure leaves no
-    partial copy behind)."""
+    """Fetch MNIST with torchvision into ``target`` (all or nothing: it downloads into a
+    temporary directory, so a failure leaves nothing behind)."""
     import torchvision  # optional: only needed to download
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".mnist-download-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix="torch_popxl-mnist-"))
     try:
         torchvision.datasets.MNIST(str(staging), train=True, download=True)
         torchvision.datasets.MNIST(str(staging), train=False, download=True)

@@ -177,3 +177,20 @@ def test_main_job_without_data_prints_one_message_and_exits_with_status_2(tmp_pa
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("error: MNIST was not found and could not be downloaded.")
     assert "--data-dir" in out.stderr and "offline" in out.stderr
+
+
+def test_a_failed_download_leaves_nothing_in_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    class OfflineMNIST:
+        def __init__(self, root, train=True, download=False):
+            (Path(root) / "MNIST" / "raw").mkdir(parents=True)  # as torchvision does first
+            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: offline")
+
+    fake = type(sys)("torchvision")
+    fake.datasets = type(sys)("torchvision.datasets")
+    fake.datasets.MNIST = OfflineMNIST
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    with pytest.raises(RuntimeError, match="offline"):
+        common._download(common.user_cache_dir())
+    assert not (tmp_path / "cache").exists()

@@ -41,7 +41,12 @@ def test_mnist_compile_trains_and_reports_memory(capsys):
     acc = mnist_compile.main(["--quiet", "--max-steps", "25"])
     assert acc >= 0.85  # 25 of 234 steps; the full epoch reaches about 96%
     out = capsys.readouterr().out
-    assert "Memory per replica (R=4)" in out and "streaming memory" in out
+    report = out[out.index("Memory per replica") :].rstrip()
+    assert "sharded state (RTS, 1/4 on each replica)" in report
+    assert "RTS saves 5.33 MiB per replica; off-chip moves 1.78 MiB" in report
+    # The README shows the main job's report; it must be the one the job prints.
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert report in readme
 
 
 @needs_mnist

@@ -9,9 +9,7 @@ Run: ``PYTHONPATH=. python examples/addons_remote_buffer.py``
 """
 
 import argparse
-import sys
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
@@ -19,12 +17,13 @@ import torch_popxl as popxl
 import torch_popxl.addons as addons
 from torch_popxl.addons.named_tensors import NamedTensors
 
-# The tutorial program has no options; only --help is answered. (Checked against argv[0] so
-# that running this file inside another program, e.g. with runpy, ignores that program's argv.)
-if __name__ == "__main__" and Path(sys.argv[0]).name == Path(__file__).name:
+# The tutorial program has no options; only --help is answered. Other arguments are ignored,
+# so that running this file inside another program (runpy, as the tests do) ignores that
+# program's command line.
+if __name__ == "__main__":
     argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    ).parse_known_args()
 
 
 class Add(addons.Module):

@@ -391,7 +391,7 @@ class MemoryReport:
             ("constants + peak intermediates",
              self.constant_bytes + self.peak_intermediate_bytes,
              self.constant_bytes + self.peak_intermediate_bytes),
-            ("state made unsharded / on chip", 0,
+            ("sharded + off-chip state as full copies", 0,
              self.unsharded_on_chip_bytes - self.on_chip_bytes + self.rts_shard_bytes),
         )  # fmt: skip
         columns = ("on chip now", "unsharded,\non chip", "streaming\nmemory now")

@@ -19,4 +19,6 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Build requirements first: --no-build-isolation does not install them.
 "${PIP[@]}" torch==2.14.1 torchvision==0.29.1 setuptools wheel ninja
-MAX_JOBS=${MAX_JOBS:-2} "${PIP[@]}" --no-build-isolation -e ".[examples,test]"
+# torch's build looks for the ninja executable on PATH; pip put it in .venv/bin. Without it
+# the build silently falls back to compiling one file at a time.
+PATH="$PWD/.venv/bin:$PATH" MAX_JOBS=${MAX_JOBS:-2} "${PIP[@]}" --no-build-isolation -e ".[examples,test]"

@@ -1,7 +1,7 @@
-"""MNIST with off-chip (remote), replica-sharded Adam state: the seed 002 tutorial program.
+"""MNIST with off-chip (remote), replica-sharded Adam state, written with popxl-addons.
 
-popxl-addons tutorial 5 ("Remote variables and RTS"), run on the torch_popxl simulator with
-only the imports changed, plus a command line and offline data loading:
+The popxl-addons tutorial "Remote variables and RTS", run on the torch_popxl simulator with
+only the imports changed, plus a command line and local data loading:
 
 * 4-layer MLP 784-512-512-512-10 with GELU, built with ``addons.Module``;
 * data parallel over ``--data-parallel`` replicas, gradient accumulation over
@@ -11,9 +11,9 @@ only the imports changed, plus a command line and offline data loading:
   variable whose state lives in remote buffers (sharded the same way), loaded and stored
   around each update; updated shards are all-gathered back into the full weights.
 
-Data: the four MNIST ``.gz`` files in ``--data-dir`` (default ``$TORCH_POPXL_MNIST_DIR``, then
-``../shared/data/mnist`` next to the repository), unpacked once into ``<repo>/data/MNIST/raw``
-for ``torchvision.datasets.MNIST(download=False)`` (``examples/common.py``).
+Data: MNIST from ``--data-dir``, ``$TORCH_POPXL_MNIST_DIR`` or the user cache, downloaded into
+the cache if absent (``examples/common.py``); the same values as the tutorial's
+``torchvision.datasets.MNIST`` with ``ToTensor()`` and ``Normalize``.
 
 Run: ``PYTHONPATH=. python examples/addons_mnist_offchip.py``
 """
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import mnist_root  # noqa: E402
+from common import HelpFormatter, add_data_dir_argument, load_mnist_or_exit, mnist_tensor_datasets  # noqa: E402
 
 import torch_popxl as popxl  # noqa: E402
 import torch_popxl.addons as addons  # noqa: E402
@@ -48,36 +48,13 @@ np.random.seed(42)
 # ---- data -----------------------------------------------------------------------------------
 
 
-def prepare_mnist_root(data_dir: Path | None) -> Path:
-    """torchvision's layout (``<root>/MNIST/raw``) unpacked once from the four .gz files."""
-    try:
-        return mnist_root(str(data_dir) if data_dir is not None else None)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}")
-
-
-def get_mnist_data(test_batch_size: int, batch_size: int, root: Path):
-    import torchvision
-
-    transform = torchvision.transforms.Compose(
-        [
-            torchvision.transforms.ToTensor(),
-            torchvision.transforms.Normalize(
-                (0.1307,), (0.3081,)
-            ),  # mean and std of the training set
-        ]
-    )
+def get_mnist_data(test_batch_size: int, batch_size: int, data_dir: str | None):
+    train, test = load_mnist_or_exit(mnist_tensor_datasets, data_dir)
     training_data = torch.utils.data.DataLoader(
-        torchvision.datasets.MNIST(root, train=True, download=False, transform=transform),
-        batch_size=batch_size,
-        shuffle=True,
-        drop_last=True,
+        train, batch_size=batch_size, shuffle=True, drop_last=True
     )
     validation_data = torch.utils.data.DataLoader(
-        torchvision.datasets.MNIST(root, train=False, download=False, transform=transform),
-        batch_size=test_batch_size,
-        shuffle=True,
-        drop_last=True,
+        test, batch_size=test_batch_size, shuffle=True, drop_last=True
     )
     return training_data, validation_data
 
@@ -418,9 +395,8 @@ def evaluate_throughput(session, samples_per_step, epochs: int = 5):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="MNIST with replica-sharded Adam state in remote buffers (popxl-addons tutorial 5) "
-        "on the torch_popxl simulator.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--train-micro-batch-size", type=int, default=8, help="micro-batch size per replica"
@@ -434,9 +410,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--sharded-threshold", type=int, default=512,
                         help="tensors with at least this many elements are sharded")  # fmt: skip
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="directory with the four MNIST .gz files (default: $TORCH_POPXL_MNIST_DIR, "
-                        "then ../shared/data/mnist)")  # fmt: skip
+    add_data_dir_argument(parser)
     parser.add_argument(
         "--limit-batches", type=int, default=None, help="train on at most this many steps"
     )
@@ -460,11 +434,12 @@ def main(argv=None) -> float:
     opts.train.sharded_threshold = args.sharded_threshold
     opts.test.micro_batch_size = args.test_batch_size
 
-    root = prepare_mnist_root(args.data_dir)
     global_batch_size = (
         opts.train.micro_batch_size * opts.train.gradient_accumulation * opts.train.data_parallel
     )
-    training_data, test_data = get_mnist_data(opts.test.micro_batch_size, global_batch_size, root)
+    training_data, test_data = get_mnist_data(
+        opts.test.micro_batch_size, global_batch_size, args.data_dir
+    )
 
     start = time.time()
     train_session, train_input_streams, train_variables, loss_stream = train_program(

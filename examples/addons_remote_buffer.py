@@ -1,4 +1,5 @@
-"""Seed 002/003 remote-buffer example (popxl-addons tutorial 5), only the imports changed.
+"""Remote buffers with popxl-addons: the popxl-addons remote-variables tutorial program, with
+only its imports changed.
 
 Two copies of an ``Add`` layer keep their weights in a remote buffer with two entries; the
 program loads both, updates them (+1 and +2), stores them back and loads them again.
@@ -7,6 +8,7 @@ Expected: w_0 1 -> 2, output0 2 -> 3, w_1 1 -> 3, output1 2 -> 4.
 Run: ``PYTHONPATH=. python examples/addons_remote_buffer.py``
 """
 
+import argparse
 from functools import partial
 
 import numpy as np
@@ -14,6 +16,14 @@ import numpy as np
 import torch_popxl as popxl
 import torch_popxl.addons as addons
 from torch_popxl.addons.named_tensors import NamedTensors
+
+# The tutorial program has no options; only --help is answered. Other arguments are ignored,
+# so that running this file inside another program (runpy, as the tests do) ignores that
+# program's command line.
+if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_known_args()
 
 
 class Add(addons.Module):

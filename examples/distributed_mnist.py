@@ -1,5 +1,5 @@
-"""Data-parallel MNIST on several processes: the popxl.compile program of mnist_compile.py,
-unchanged, under torchrun.
+"""Data-parallel MNIST on several processes: a ``popxl.compile`` program, unchanged, under
+torchrun (PopXL's multi-instance model, with ``torch.distributed`` between processes).
 
     torchrun --nproc_per_node=2 examples/distributed_mnist.py --max-steps 100
 
@@ -12,7 +12,6 @@ of floating-point sums. Reading the trained model back is collective: every rank
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from common import mnist_arrays  # noqa: E402
+from common import add_data_dir_argument, example_parser, load_mnist_or_exit, mnist_arrays  # noqa: E402
 from torch_popxl.runtime import distributed  # noqa: E402
 
 
@@ -37,19 +36,22 @@ def make_model() -> torch.nn.Module:
 
 
 def main(argv=None) -> float:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = example_parser(__doc__)
     parser.add_argument(
         "--replication-factor", type=int, default=4, help="global replicas (a multiple of nproc)"
     )
-    parser.add_argument("--gradient-accumulation", type=int, default=2)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
-        "--max-steps", type=int, default=0, help="limit optimizer steps (0: one epoch)"
+        "--gradient-accumulation", type=int, default=2, help="micro-batches per optimizer step"
     )
-    parser.add_argument("--data-dir", default=None, help="directory with the four MNIST .gz files")
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="samples per micro-batch")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many optimizer steps (0: one epoch)",
+    )
+    add_data_dir_argument(parser)
     args = parser.parse_args(argv)
 
     R, GA = args.replication_factor, args.gradient_accumulation
@@ -59,7 +61,7 @@ def main(argv=None) -> float:
     say(f"{instances} instance(s) x {distributed.local_replicas(R)} replicas = R={R}")
 
     torch.manual_seed(42)  # the same initial weights on every instance
-    x_train, y_train, x_test, y_test = mnist_arrays(args.data_dir)
+    x_train, y_train, x_test, y_test = load_mnist_or_exit(mnist_arrays, args.data_dir)
     model = make_model()
     trainer = popxl.compile(
         model,

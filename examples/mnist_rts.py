@@ -1,4 +1,4 @@
-"""Reproduces seed 000: the PopXL MNIST application with replication and RTS variables.
+"""MNIST with replicas and replicated tensor sharding (RTS): PopXL's data-parallel MNIST.
 
 ``W0`` is a ``replica_sharded_variable`` (its shard stays on chip), ``W1`` a
 ``remote_replica_sharded_variable`` (its shard lives in streaming memory and is loaded and
@@ -6,13 +6,12 @@ stored around the update). Each step gathers the full weights, runs the two line
 reduce-scatters the weight gradients (mean over replicas) onto the shards, all-reduces the
 bias gradients and updates with SGD. With replication factor 1 the weights are plain variables.
 
-The seed's check: ``--replication-factor 2 --batch-size 4`` reaches an accuracy similar to
-``--replication-factor 1 --batch-size 8`` (the same global batch).
+Data parallelism does not change the maths: ``--replication-factor 2 --batch-size 4`` reaches
+an accuracy similar to ``--replication-factor 1 --batch-size 8`` (the same global batch).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import namedtuple
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_popxl as popxl  # noqa: E402
 import torch_popxl.ops as ops  # noqa: E402
 import torch_popxl.transforms as transforms  # noqa: E402
-from common import mnist_arrays  # noqa: E402
+from common import add_data_dir_argument, example_parser, load_mnist_or_exit, mnist_arrays  # noqa: E402
 
 # var: the host handle; shards: the on-device shard; full: the gathered weight;
 # remote_buffer: the buffer holding the shard when it lives off chip.
@@ -142,23 +141,22 @@ def _replicated(a: np.ndarray, replicas: int) -> np.ndarray:
 
 
 def main(argv=None) -> float:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--replication-factor", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per replica")
-    parser.add_argument("--test-batch-size", type=int, default=80)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser = example_parser(__doc__)
     parser.add_argument(
-        "--max-steps", type=int, default=0, help="limit training steps (0: a full epoch)"
+        "--replication-factor", type=int, default=1, help="data-parallel replicas (1: no RTS)"
     )
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--download", action="store_true")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per replica")
+    parser.add_argument("--test-batch-size", type=int, default=80, help="test batch size")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many steps (0: a full epoch)"
+    )
+    add_data_dir_argument(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     R = args.replication_factor
-    x_train, y_train, x_test, y_test = mnist_arrays(args.data_dir, args.download)
+    x_train, y_train, x_test, y_test = load_mnist_or_exit(mnist_arrays, args.data_dir)
     images, test_images = x_train.reshape(-1, 28, 28), x_test.reshape(-1, 28, 28)
     global_batch = args.batch_size * R
     start = time.time()

@@ -1,4 +1,4 @@
-"""Reproduces seed 003's remote-buffer example: two ``Add`` layers whose weights share one remote buffer.
+"""Remote buffers in plain PopXL: two ``Add`` layers whose weights share one remote buffer.
 
 The popxl-addons tutorial builds this with ``addons.Module`` and ``named_variable_buffers``;
 this is the same program in plain PopXL: one buffer with two entries, a load graph and a
@@ -9,12 +9,16 @@ Expected output (every element): w_0 1 -> 2, output0 2 -> 3, w_1 1 -> 3, output1
 Run: ``.venv/bin/python examples/remote_buffer.py``
 """
 
-import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
-import torch_popxl as popxl
-import torch_popxl.ops as ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch_popxl as popxl  # noqa: E402
+import torch_popxl.ops as ops  # noqa: E402
+from common import example_parser  # noqa: E402
 
 
 def add(x: popxl.Tensor, w: popxl.Tensor) -> popxl.Tensor:
@@ -103,7 +107,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    example_parser(__doc__).parse_args()
     main()

@@ -1,6 +1,6 @@
-"""Reproduces the sharding-threshold study of seed 002: the off-chip-optimizer MNIST program
+"""Reproduces the popxl-addons sharding-threshold study: the off-chip-optimizer MNIST program
 (784-512-512-512-10 GELU MLP, Adam; data parallel 4, gradient accumulation 8, micro-batch 8)
-for each row of the seed's table, and sets the cost model's throughput beside the published
+for each row of the published table, and sets the cost model's throughput beside the published
 IPU throughput, both relative to the on-chip optimizer.
 
 Rows: no sharding (threshold inf), only the state of fc1.weight (262145), all state of the
@@ -12,7 +12,6 @@ machine running the simulator (not comparable with the IPU).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -24,7 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from common import mnist_arrays  # noqa: E402
+from common import (  # noqa: E402
+    add_data_dir_argument,
+    example_parser,
+    load_mnist_or_exit,
+    mnist_arrays,
+)
 from mnist_compile import make_model  # noqa: E402
 from torch_popxl.runtime.cost_model import (  # noqa: E402
     FITTED_PARAMETERS,
@@ -171,19 +175,19 @@ def chart(results, path: Path, model: CostModel) -> None:
 
 
 def main(argv=None) -> list:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = example_parser(__doc__)
     parser.add_argument("--steps", type=int, default=20, help="timed simulator steps per row")
     parser.add_argument(
         "--chart",
         default=str(Path(__file__).resolve().parent.parent / "out" / "sharding_study.png"),
+        help="where to save the chart of modeled against published throughput",
     )
     parser.add_argument(
         "--fit", action="store_true", help="refit the fitted parameters and print them"
     )
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--download", action="store_true")
+    add_data_dir_argument(parser)
     args = parser.parse_args(argv)
-    x, y, _, _ = mnist_arrays(args.data_dir, args.download)
+    x, y, _, _ = load_mnist_or_exit(mnist_arrays, args.data_dir)
     model = CostModel()
     results = [
         (name, thr, run_row(name, thr, state, x, y, args.steps, model)) for name, thr, state in ROWS

@@ -220,13 +220,16 @@ def test_report_prints_as_a_table():
     s = popxl.Session(ir, "ipu_model")
     with s:
         s.run({in_stream: np.ones((4, 8), np.float32)})
-    text = str(s.memory_report())
-    assert "Memory per replica (R=4)" in text
-    assert "streaming memory (remote buffers)" in text
-    for kind in TRAFFIC_KINDS:
-        assert kind in text
-    assert f"{EXPECTED_BYTES['all_reduce']:,}" in text
-    assert "Estimated step time" in text and "total" in text
+    report = s.memory_report()
+    text = str(report)
+    assert "Memory per replica (4 replicas" in text
+    assert "streaming memory (off-chip)" in text
+    for label in ("all-reduce", "all-gather", "reduce-scatter", "loads", "stores"):
+        assert label in text
+    assert EXPECTED_BYTES["all_reduce"] == 1088 and "1.06 KiB" in text  # human units
+    assert "Modeled device time per run" in text and "total" in text
+    for kind in TRAFFIC_KINDS:  # the counters table, on request
+        assert kind.split("_")[0] in report.format(counters=True)
 
 
 def test_fused_matmul_all_reduce_is_counted_as_an_all_reduce():

@@ -17,7 +17,11 @@ own peak while it runs. Views are counted as copies, so the figure is an upper b
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
+import os
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,18 +38,90 @@ from .executor import ReferenceExecutor
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["CostModel", "MemoryReport", "TRAFFIC_KINDS", "build_report"]
+__all__ = [
+    "CostModel",
+    "MemoryReport",
+    "TRAFFIC_KINDS",
+    "build_report",
+    "format_bytes",
+    "format_seconds",
+]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``136 B``, ``785.0 KiB``, ``7.11 MiB``, ``1.50 GiB``."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        if abs(n) < 1024 * scale or unit == "TiB":
+            value = n / scale
+            return f"{value:.1f} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_seconds(s: float) -> str:
+    """A duration in ns / µs / ms / s with 3-4 significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.1f} {unit}"
+    return f"{s * 1e9:.1f} ns"
+
+
+def _format_rate(name: str, value: float) -> str:
+    """A cost-model setting for people: ``replica links 64 GB/s``, ``60 TFLOP/s``."""
+    label = name.removesuffix("_bytes_per_s").removesuffix("_per_s").replace("_", " ")
+    if name.endswith("bytes_per_s"):
+        return f"{label} {value / 1e9:g} GB/s"
+    if name.endswith("flops_per_s"):
+        return f"{value / 1e12:g} TFLOP/s"
+    return f"{label} {value:g}"
+
+
+# How the report names traffic kinds and cost-model phases for people (keys stay as they are
+# in ``traffic`` / ``time_breakdown_s``; a phase the cost model adds later shows its own key).
+_TRAFFIC_LABELS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "local_slice": "local slices (no traffic)",
+    "remote_load": "loads",
+    "remote_store": "stores",
+    "host_to_device": "host to device",
+    "device_to_host": "device to host",
+}
+_TRAFFIC_GROUPS = (
+    ("replica links (collectives)", _COLLECTIVE_KINDS),
+    ("streaming memory", ("remote_load", "remote_store")),
+    ("host", ("host_to_device", "device_to_host")),
+)
+_PHASE_LABELS = {
+    "compute": "compute (matmuls)",
+    "replica_links": "replica links",
+    "streaming_memory": "streaming memory",
+    "host_io": "host transfers",
+}
 
 
 @dataclass(frozen=True)
 class MemoryReport:
     """Per-replica memory and per-run traffic of a session's program.
 
+    ``print(report)`` gives a table for people (human units, where state lives, what sharding
+    and off-chip state saved, the modeled time split); ``report.to_dict()`` the same figures
+    as plain numbers; ``report.plot()`` a chart; ``report.format(counters=True)`` adds the
+    runtime's own counters.
+
     Memory fields are bytes on ONE replica. ``traffic`` / ``op_counts`` are per ``run``, bytes
     summed over all replicas, keyed by ``TRAFFIC_KINDS``. ``predicted_counters`` restates them
     with the names of ``kernels.traffic_counters()``; ``measured_counters`` is what the
     runtime counted in the session's last ``run`` (``None`` before the first run, and with the
     reference executor, whose Python collectives do not feed the C++ counters).
+
+    Streaming memory splits into ``sharded_streaming_bytes`` (replica-sharded state kept
+    off-chip), ``backing_streaming_bytes`` (the streaming-memory home of on-chip RTS shards,
+    ``replica_sharded_variable``) and the rest, unsharded. ``rts_saved_bytes`` is what
+    sharding saves per replica against full copies; ``shard_counts`` the distinct numbers of
+    replicas a tensor is sharded over.
     """
 
     num_replicas: int
@@ -62,6 +138,10 @@ class MemoryReport:
     measured_counters: Mapping[str, int] | None
     cost_model: CostModel = field(default_factory=CostModel)
     workload: Workload = field(default_factory=lambda: Workload(()))  # what the model prices
+    sharded_streaming_bytes: int = 0
+    backing_streaming_bytes: int = 0
+    rts_saved_bytes: int = 0
+    shard_counts: tuple[int, ...] = ()
 
     @property
     def on_chip_bytes(self) -> int:
@@ -74,6 +154,23 @@ class MemoryReport:
         )
 
     @property
+    def unsharded_streaming_bytes(self) -> int:
+        """Streaming memory holding full (unsharded) copies, per replica."""
+        return self.streaming_bytes - self.sharded_streaming_bytes - self.backing_streaming_bytes
+
+    @property
+    def offchip_bytes(self) -> int:
+        """State kept off-chip instead of on chip (excludes the backing copies of on-chip
+        shards, which the on-chip program also has), per replica."""
+        return self.sharded_streaming_bytes + self.unsharded_streaming_bytes
+
+    @property
+    def unsharded_on_chip_bytes(self) -> int:
+        """On-chip bytes of the same program with every tensor unsharded and on chip, per
+        replica (intermediates counted as they are now)."""
+        return self.on_chip_bytes + self.rts_saved_bytes + self.offchip_bytes
+
+    @property
     def time_breakdown_s(self) -> dict[str, float]:
         return self.cost_model.breakdown(self.workload)
 
@@ -82,35 +179,182 @@ class MemoryReport:
         """The cost model's device time for one ``run`` (torch_popxl/runtime/cost_model.py)."""
         return self.cost_model.step_time_s(self.workload)
 
-    def __str__(self) -> str:
-        def row(label, *cells) -> str:
-            return f"  {label:<34}" + "".join(f"{c:>14}" for c in cells)
+    def _shard_label(self) -> str:
+        counts = self.shard_counts
+        return f"1/{counts[0]} on each replica" if len(counts) == 1 else "split over replicas"
 
-        lines = [f"Memory per replica (R={self.num_replicas})".ljust(36) + f"{'bytes':>14}"]
-        for label, value in (
-            ("on-chip variables", self.variable_bytes),
-            ("RTS shards (persistent)", self.rts_shard_bytes),
-            ("constants", self.constant_bytes),
-            ("peak live intermediates", self.peak_intermediate_bytes),
-            ("on-chip total", self.on_chip_bytes),
-            ("streaming memory (remote buffers)", self.streaming_bytes),
-        ):
-            lines.append(row(label, f"{value:,}"))
-        lines += ["", "Traffic per run (all replicas)".ljust(36) + f"{'ops':>14}{'bytes':>14}"]
-        for kind in TRAFFIC_KINDS:
-            lines.append(row(kind, self.op_counts[kind], f"{self.traffic[kind]:,}"))
-        lines += ["", "Counters".ljust(36) + f"{'IR':>14}{'runtime':>14}"]
-        measured = self.measured_counters
-        for name, value in self.predicted_counters.items():
-            lines.append(
-                row(name, f"{value:,}", "-" if measured is None else f"{measured[name]:,}")
-            )
-        lines += ["", f"Estimated step time (matmul FLOPs per replica: {self.flops:,})".ljust(36)
-                  + f"{'us':>14}"]  # fmt: skip
+    def savings_summary(self) -> str:
+        """One sentence: what sharding and off-chip state saved against the same program
+        unsharded and on chip."""
+        base = self.unsharded_on_chip_bytes
+        if base == self.on_chip_bytes:
+            return "Nothing is sharded or off-chip: every tensor is a full copy on chip."
+        saved = 1 - self.on_chip_bytes / base if base else 0.0
+        return (
+            f"RTS saves {format_bytes(self.rts_saved_bytes)} per replica; off-chip moves "
+            f"{format_bytes(self.offchip_bytes)} to streaming memory. On chip: "
+            f"{format_bytes(self.on_chip_bytes)} instead of {format_bytes(base)} "
+            f"({saved:.0%} less)."
+        )
+
+    def format(self, counters: bool = False) -> str:
+        """The report as text; ``counters=True`` adds the IR-predicted and runtime-counted
+        traffic counters (they agree; tests check it), for debugging the simulator."""
+        width = 48
+
+        def row(label: str, *cells: str, indent: int = 2) -> str:
+            return (" " * indent + label).ljust(width) + "".join(f"{c:>14}" for c in cells)
+
+        def mem(label: str, value: int, indent: int = 4, always: bool = True) -> list[str]:
+            return [row(label, format_bytes(value), indent=indent)] if always or value else []
+
+        R = self.num_replicas
+        lines = [
+            f"Memory per replica ({R} replica{'s' if R != 1 else ''}; KiB/MiB = 2^10/2^20 bytes)"
+        ]
+        lines += [row("on chip", format_bytes(self.on_chip_bytes))]
+        lines += mem("variables (a full copy on every replica)", self.variable_bytes)
+        lines += mem(f"sharded variables (RTS, {self._shard_label()})", self.rts_shard_bytes,
+                     always=False)  # fmt: skip
+        lines += mem("constants", self.constant_bytes)
+        lines += mem("peak live intermediates (upper bound)", self.peak_intermediate_bytes)
+        lines += [row("streaming memory (off-chip)", format_bytes(self.streaming_bytes))]
+        lines += mem(f"sharded state (RTS, {self._shard_label()})", self.sharded_streaming_bytes,
+                     always=False)  # fmt: skip
+        lines += mem("unsharded state", self.unsharded_streaming_bytes, always=False)
+        lines += mem("home of the on-chip RTS shards", self.backing_streaming_bytes,
+                     always=False)  # fmt: skip
+        lines += ["", "Against the same program unsharded and on chip:"]
+        lines += textwrap.wrap(self.savings_summary(), 88, initial_indent="  ",
+                               subsequent_indent="  ")  # fmt: skip
+
+        lines += ["", row(f"Traffic per run (all {R} replicas)", "ops", "bytes", indent=0)]
+        for group, kinds in _TRAFFIC_GROUPS:
+            lines.append(row(group, "", format_bytes(sum(self.traffic[k] for k in kinds))))
+            for kind in kinds:
+                lines.append(
+                    row(
+                        _TRAFFIC_LABELS[kind],
+                        str(self.op_counts[kind]),
+                        format_bytes(self.traffic[kind]),
+                        indent=4,
+                    )  # fmt: skip
+                )
+
+        total = self.estimated_step_time_s
+        settings = ", ".join(
+            _format_rate(f.name, getattr(self.cost_model, f.name))
+            for f in dataclasses.fields(self.cost_model)
+        )
+        lines += ["", row("Modeled device time per run", "time", "share", indent=0)]
+        lines += textwrap.wrap(f"(cost model: {settings}; phases added, not overlapped)", 88,
+                               initial_indent="  ", subsequent_indent="   ")  # fmt: skip
         for phase, seconds in self.time_breakdown_s.items():
-            lines.append(row(phase, f"{seconds * 1e6:.3f}"))
-        lines.append(row("total", f"{self.estimated_step_time_s * 1e6:.3f}"))
-        return "\n".join(lines)
+            label = _PHASE_LABELS.get(phase, phase.replace("_", " "))
+            share = f"{seconds / total:.0%}" if total else "-"
+            lines.append(row(label, format_seconds(seconds), share))
+        lines.append(row("total", format_seconds(total), ""))
+        flops = f"{self.flops / 1e6:,.1f} MFLOP" if self.flops >= 1e6 else f"{self.flops:,} FLOP"
+        lines.append(f"  ({flops} of matmuls per replica)")
+
+        if counters:
+            measured = self.measured_counters
+            lines += ["", row("Counters (IR vs runtime)", "IR", "runtime", indent=0)]
+            for name, value in self.predicted_counters.items():
+                lines.append(
+                    row(name, f"{value:,}", "-" if measured is None else f"{measured[name]:,}")
+                )
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def to_dict(self) -> dict:
+        """Every figure as plain numbers (bytes, seconds), ready for ``json.dumps``."""
+        breakdown = self.time_breakdown_s
+        return {
+            "num_replicas": self.num_replicas,
+            "memory_per_replica_bytes": {
+                "on_chip": self.on_chip_bytes,
+                "variables": self.variable_bytes,
+                "rts_shards": self.rts_shard_bytes,
+                "constants": self.constant_bytes,
+                "peak_intermediates": self.peak_intermediate_bytes,
+                "streaming": self.streaming_bytes,
+                "streaming_sharded": self.sharded_streaming_bytes,
+                "streaming_unsharded": self.unsharded_streaming_bytes,
+                "streaming_home_of_on_chip_shards": self.backing_streaming_bytes,
+            },
+            "savings_per_replica_bytes": {
+                "unsharded_on_chip": self.unsharded_on_chip_bytes,
+                "rts_saved": self.rts_saved_bytes,
+                "moved_off_chip": self.offchip_bytes,
+            },
+            "shard_counts": list(self.shard_counts),
+            "traffic_per_run_bytes": dict(self.traffic),
+            "ops_per_run": dict(self.op_counts),
+            "matmul_flops_per_replica": self.flops,
+            "modeled_time_s": {**breakdown, "total": sum(breakdown.values())},
+            "cost_model": dataclasses.asdict(self.cost_model),
+            "counters": {
+                "ir": dict(self.predicted_counters),
+                "runtime": None if self.measured_counters is None else dict(self.measured_counters),
+            },
+        }
+
+    def plot(self, path: str | os.PathLike | None = None, title: str | None = None):
+        """A ``matplotlib`` figure: memory per replica now and unsharded on chip, and the
+        modeled time split. Saved to ``path`` when given; returned either way.
+
+        Needs matplotlib (``pip install 'torch_popxl[examples]'``).
+        """
+        try:
+            # Optional dependency, so imported on use; the Figure API needs no GUI backend.
+            mfigure = importlib.import_module("matplotlib.figure")
+        except ImportError as e:
+            raise ImportError(
+                "MemoryReport.plot() needs matplotlib, which is not installed. Install it with "
+                "pip install matplotlib (or pip install 'torch_popxl[examples]')."
+            ) from e
+        fig = mfigure.Figure(figsize=(11, 4.2))
+        ax_mem, ax_time = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]})
+        mib = 2**20
+        parts = (
+            ("full-copy variables", self.variable_bytes, self.variable_bytes),
+            ("RTS shards", self.rts_shard_bytes, 0),
+            ("constants + peak intermediates",
+             self.constant_bytes + self.peak_intermediate_bytes,
+             self.constant_bytes + self.peak_intermediate_bytes),
+            ("sharded + off-chip state as full copies", 0,
+             self.unsharded_on_chip_bytes - self.on_chip_bytes + self.rts_shard_bytes),
+        )  # fmt: skip
+        columns = ("on chip now", "unsharded,\non chip", "streaming\nmemory now")
+        bottoms = [0.0, 0.0, 0.0]
+        for label, now, base in parts:
+            values = [now / mib, base / mib, 0.0]
+            ax_mem.bar(columns, values, bottom=bottoms, label=label)
+            bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+        for label, value in (
+            ("sharded state", self.sharded_streaming_bytes),
+            ("unsharded state", self.unsharded_streaming_bytes),
+            ("home of on-chip shards", self.backing_streaming_bytes),
+        ):
+            ax_mem.bar(columns[2], value / mib, bottom=bottoms[2], label=label)
+            bottoms[2] += value / mib
+        ax_mem.set_ylabel("MiB per replica")
+        ax_mem.set_title("Memory per replica")
+        ax_mem.legend(fontsize=7)
+        breakdown = self.time_breakdown_s
+        labels = [_PHASE_LABELS.get(k, k.replace("_", " ")) for k in breakdown]
+        ax_time.barh(labels, [v * 1e6 for v in breakdown.values()], color="tab:orange")
+        ax_time.invert_yaxis()
+        ax_time.set_xlabel("µs per run (cost model)")
+        ax_time.set_title(f"Modeled device time: {format_seconds(self.estimated_step_time_s)}")
+        fig.suptitle(title or f"{self.num_replicas} replicas: {self.savings_summary()}", fontsize=9)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=110)
+        return fig
 
 
 # ---- building the report ------------------------------------------------------------------
@@ -151,6 +395,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         "num_remote_loads": counts["remote_load"],
         "num_remote_stores": counts["remote_store"],
     }
+    placement = _buffer_placement(ir, main)
     measured = getattr(session, "_last_run_counters", None)
     if isinstance(session._executor, ReferenceExecutor):
         measured = None
@@ -169,7 +414,41 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         measured_counters=None if measured is None else MappingProxyType(dict(measured)),
         cost_model=cost_model or CostModel(),
         workload=workload(ir),
+        **placement,
     )
+
+
+def _buffer_placement(ir, main: Graph) -> dict:
+    """Which streaming memory holds sharded state, which is the home of on-chip RTS shards
+    (loaded in WeightsFromHost), and what sharding saves against full copies, per replica."""
+    shard_over: dict[int, int] = {}
+    for v in ir._all_variables:
+        remote, layout = getattr(v, "_remote", None), getattr(v, "_shard", None)
+        if remote is not None and layout is not None:
+            shard_over[id(remote[0])] = layout.shard_over
+    homes = {
+        id(op.attrs["buffer"])
+        for op in main._ops_in_context("weights_from_host")
+        if op.kind in ("remote_load", "remote_load_")
+    }
+    sharded = backing = saved = 0
+    for rb in ir._remote_buffers:
+        itemsize = _itemsize(rb.tensor_dtype)
+        slot = math.prod(rb.tensor_shape) * itemsize
+        if id(rb) not in shard_over and not rb.meta_shape:
+            continue
+        full = math.prod(rb.meta_shape or rb.tensor_shape) * itemsize
+        saved += rb.entries * max(0, full - slot)
+        if id(rb) in homes:
+            backing += rb.entries * slot
+        else:
+            sharded += rb.entries * slot
+    return {
+        "sharded_streaming_bytes": sharded,
+        "backing_streaming_bytes": backing,
+        "rts_saved_bytes": saved,
+        "shard_counts": tuple(sorted(set(shard_over.values()))),
+    }
 
 
 def _arg(op: Op, i: int) -> Tensor:

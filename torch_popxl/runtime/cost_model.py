@@ -196,16 +196,16 @@ class CostModel:
     flops_per_s: float = 62.5e12
     matmul_half_efficiency_flops: float = 4.7e6
     on_chip_bytes_per_s: float = 47.5e12
-    op_overhead_s: float = 4.13e-6
+    op_overhead_s: float = 4.63e-6
     # replica links (collectives)
     replica_link_bytes_per_s: float = 64e9
     collective_step_latency_s: float = 2.0e-6
     # streaming memory (remote buffers)
-    streaming_memory_bytes_per_s: float = 4.84e9
-    remote_latency_s: float = 15.1e-6
+    streaming_memory_bytes_per_s: float = 4.83e9
+    remote_latency_s: float = 15.0e-6
     # host IO
     host_bytes_per_s: float = 3.125e9
-    host_latency_s: float = 15.1e-6
+    host_latency_s: float = 15.0e-6
     # overlap of IO-tile transfers with compute
     io_tile_overlap: float = 1.0
 

@@ -535,7 +535,7 @@ def _per_replica_input(ir, data):
 
 
 def _count_ops(graph, opname):
-    return sum(1 for op in graph.ops if op.kind == "torch" and opname in str(op.attrs["target"]))
+    return sum(1 for op in graph.ops if op.kind == "torch" and opname in str(op.attrs.target))
 
 
 def test_reduce_replica_sharded_graph_mean_scatters_large_and_all_reduces_small_tensors():
@@ -723,7 +723,7 @@ def test_offchip_sharded_mnist_step_matches_torch_adam_on_the_global_batch(monke
     adam_calls = [
         op
         for op in session.ir.main_graph.ops
-        if op.kind == "call" and "Adam" in op.attrs["graph"].id
+        if op.kind == "call" and "Adam" in op.attrs.graph.id
     ]
     assert len(adam_calls) == 8
     sharded = [op.inputs[0].name for op in adam_calls if op.inputs[0].meta_shape]
@@ -798,6 +798,6 @@ def test_function_decorator_outlines_once_per_spec():
         (y3,) = double(popxl.constant(np.ones(4, np.float32)))
         s = addons.host_store(y2)
     calls = [op for op in ir.main_graph.ops if op.kind == "call"]
-    assert calls[0].attrs["graph"] is calls[1].attrs["graph"] is not calls[2].attrs["graph"]
+    assert calls[0].attrs.graph is calls[1].attrs.graph is not calls[2].attrs.graph
     out, _ = run(ir)
     np.testing.assert_array_equal(out[s], [4, 4, 4])

@@ -423,13 +423,13 @@ def _buffer_placement(ir, main: Graph) -> dict:
     (loaded in WeightsFromHost), and what sharding saves against full copies, per replica."""
     shard_over: dict[int, int] = {}
     for v in ir._all_variables:
-        remote, layout = getattr(v, "_remote", None), getattr(v, "_shard", None)
+        remote, layout = v.info.remote, v.info.shard
         if remote is not None and layout is not None:
             shard_over[id(remote[0])] = layout.shard_over
     homes = {
-        id(op.attrs["buffer"])
+        id(op.attrs.buffer)
         for op in main._ops_in_context("weights_from_host")
-        if op.kind in ("remote_load", "remote_load_")
+        if op.kind in (OpKind.REMOTE_LOAD, OpKind.REMOTE_LOAD_INPLACE)
     }
     sharded = backing = saved = 0
     for rb in ir._remote_buffers:

@@ -14,6 +14,8 @@ class RemoteBuffer:
     Every replica has its own private copy of every buffer.
     """
 
+    _id: int  # unique within the Ir, from 1
+
     def __init__(self, tensor_shape, tensor_dtype, entries: int = 1):
         ir = gcg().ir
         ir._check_mutable()

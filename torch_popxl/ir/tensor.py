@@ -22,8 +22,10 @@ from .context import current_ipu, current_tile_set, gcg
 from .fake import fake_like
 
 if TYPE_CHECKING:
+    from ..remote import RtsLayout
     from .graph import Graph
     from .ir import Ir
+    from .remote_buffer import RemoteBuffer
     from .replica_grouping import ReplicaGrouping
 
 __all__ = [
@@ -101,6 +103,15 @@ class Tensor:
     __contains__ = None
     # Make `np_array @ tensor` dispatch to the Tensor.
     __array_ufunc__ = None
+
+    # Set by ``_create`` (handles are built with ``object.__new__``, never ``__init__``).
+    _graph: Graph
+    _fake: torch.Tensor
+    _dtype: _dtypes.dtype
+    _meta_shape: tuple[int, ...]
+    _ipu: int | None
+    _tile_set: str
+    _id: str
 
     def __init__(self, *args, **kwargs):
         raise RuntimeError(
@@ -245,6 +256,14 @@ def _data_dependent(t: Tensor, what: str):
 class Variable(Tensor):
     """A tensor whose value persists across ``Session.run`` calls (a weight)."""
 
+    # Set by ``_create``'s keyword arguments (see ``variable`` and ``remote._make_remote``).
+    _replica_grouping: ReplicaGrouping
+    _retrieval_mode: str | None
+    # (buffer, offset) of a remote variable; None when the variable lives on chip.
+    _remote: tuple[RemoteBuffer, int] | None
+    # The replicated-tensor-sharding layout of an RTS variable; None when not sharded.
+    _shard: RtsLayout | None
+
     @property
     def replica_grouping(self) -> ReplicaGrouping:
         return self._replica_grouping
@@ -269,6 +288,8 @@ class Variable(Tensor):
 
 class Constant(Tensor):
     """A tensor with a fixed value known at graph-construction time."""
+
+    _data: torch.Tensor  # the real (not fake) value, set by ``_create``
 
     @property
     def data(self) -> np.ndarray:

@@ -136,7 +136,7 @@ _MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
 
 
 class _Walker:
-    def __init__(self):
+    def __init__(self) -> None:
         # (kind, nbytes, flops, group_size, io_tiles) -> count; keyword order of WorkItem.
         self.items: Counter = Counter()
         self._ops = torch.ops.torch_popxl

@@ -23,10 +23,18 @@ from .fake import fake_like
 
 if TYPE_CHECKING:
     from ..remote import RtsLayout
+    from ..tensor_methods import _TensorMethods
     from .graph import Graph
     from .ir import Ir
     from .remote_buffer import RemoteBuffer
     from .replica_grouping import ReplicaGrouping
+
+    # The type checker sees the operators and methods that ``tensor_methods.install`` puts on
+    # Tensor at import time (Note [tensor methods are installed from above]); at run time the
+    # class derives from object only.
+    _InstalledMethods = _TensorMethods
+else:
+    _InstalledMethods = object
 
 __all__ = [
     "Tensor",
@@ -95,7 +103,7 @@ class TensorByRef:
     """Annotation marking a ``create_graph`` parameter as pass-by-reference."""
 
 
-class Tensor:
+class Tensor(_InstalledMethods):
     """A value in a popxl graph (an op output, a graph input, a variable or constant)."""
 
     # PopXL disables iteration and `in` on tensors (they would silently loop forever).

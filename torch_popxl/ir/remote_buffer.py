@@ -25,6 +25,8 @@ class RemoteBuffer:
         self._entries = 1
         self.entries = entries
         self._meta_shape: tuple[int, ...] = ()
+        # The shard count of a buffer made by popxl.replica_sharded_buffer; None otherwise.
+        self._rts_shard_over: int | None = None
         ids = [b._id for b in ir._remote_buffers]
         self._id = max(ids, default=0) + 1
         ir._remote_buffers.append(self)

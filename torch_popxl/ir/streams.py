@@ -25,7 +25,7 @@ class _Stream:
     _spec: TensorSpec
     _name: str
     _used: bool  # True once a host_load / host_store uses the stream
-    _index: int | None  # position in the Ir's list of streams of this direction
+    _index: int  # position in the Ir's list of streams of this direction
 
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(
@@ -33,13 +33,13 @@ class _Stream:
         )
 
     @classmethod
-    def _create(cls, ir, shape, dtype, name):
+    def _create(cls, ir, shape, dtype, name, index: int):
         s = object.__new__(cls)
         s._ir = ir
         s._spec = TensorSpec(shape, _dtypes.dtype.as_dtype(dtype))
         s._name = name
         s._used = False
-        s._index = None
+        s._index = index
         return s
 
     @property
@@ -94,10 +94,8 @@ def _new_stream(cls, shape, dtype, name: str | None):
     ir = gcg().ir
     ir._check_mutable()
     registry = ir._h2d_streams if cls is HostToDeviceStream else ir._d2h_streams
-    s = cls._create(
-        ir, shape, dtype, _unique([*ir._h2d_streams, *ir._d2h_streams], name or cls._factory)
-    )
-    s._index = len(registry)
+    unique_name = _unique([*ir._h2d_streams, *ir._d2h_streams], name or cls._factory)
+    s = cls._create(ir, shape, dtype, unique_name, len(registry))
     registry.append(s)
     return s
 

@@ -99,10 +99,6 @@ class TensorSpec(Mapping):
         )
 
 
-class TensorByRef:
-    """Annotation marking a ``create_graph`` parameter as pass-by-reference."""
-
-
 class Tensor(_InstalledMethods):
     """A value in a popxl graph (an op output, a graph input, a variable or constant)."""
 
@@ -251,6 +247,12 @@ class Tensor(_InstalledMethods):
         if not self.shape:
             raise ValueError(f"len() of the scalar tensor {self._id!r} is undefined.")
         return self.shape[0]
+
+
+class TensorByRef(Tensor):
+    """Annotation marking a ``create_graph`` parameter as pass-by-reference.
+
+    A subclass of ``Tensor`` (as in PopXL), so the annotated parameter is typed as a tensor."""
 
 
 def _data_dependent(t: Tensor, what: str):

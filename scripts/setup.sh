@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check \
-  torch==2.14.1 torchvision==0.29.1 numpy pytest hypothesis ninja tqdm matplotlib ruff setuptools wheel
+  torch==2.14.1 torchvision==0.29.1 numpy pytest hypothesis ninja tqdm matplotlib ruff mypy setuptools wheel
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps -e .

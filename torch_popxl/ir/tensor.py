@@ -252,7 +252,8 @@ class Tensor(_InstalledMethods):
 class TensorByRef(Tensor):
     """Annotation marking a ``create_graph`` parameter as pass-by-reference.
 
-    A subclass of ``Tensor`` (as in PopXL), so the annotated parameter is typed as a tensor."""
+    PopXL makes it an alias annotation of ``Tensor``; a subclass does the same for the type
+    checker: the annotated parameter is a tensor. It is never instantiated."""
 
 
 def _data_dependent(t: Tensor, what: str):

@@ -721,9 +721,7 @@ def test_offchip_sharded_mnist_step_matches_torch_adam_on_the_global_batch(monke
     for k, t in variables.to_dict().items():  # updates are ~1e-3; tolerance 0.1% of one
         np.testing.assert_allclose(after[t], params[k].detach().numpy(), atol=1e-6, err_msg=k)
     adam_calls = [
-        op
-        for op in session.ir.main_graph.ops
-        if op.kind == "call" and "Adam" in op.attrs.graph.id
+        op for op in session.ir.main_graph.ops if op.kind == "call" and "Adam" in op.attrs.graph.id
     ]
     assert len(adam_calls) == 8
     sharded = [op.inputs[0].name for op in adam_calls if op.inputs[0].meta_shape]

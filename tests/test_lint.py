@@ -1,4 +1,4 @@
-"""The code base stays lint-clean (ruff, configured in pyproject.toml)."""
+"""The code base stays lint-clean and formatted (ruff, configured in pyproject.toml)."""
 
 import shutil
 import subprocess
@@ -10,10 +10,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ruff_check_is_clean():
+PATHS = ["torch_popxl", "tests", "examples", "benchmarks"]
+
+
+def _ruff() -> str:
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
         pytest.fail("ruff is not installed; scripts/setup.sh installs it")
-    out = subprocess.run([ruff, "check", "torch_popxl", "tests", "examples", "benchmarks"], cwd=ROOT,
-                         capture_output=True, text=True)  # fmt: skip
+    return ruff
+
+
+def test_ruff_check_is_clean():
+    out = subprocess.run([_ruff(), "check", *PATHS], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_format_check_is_clean():
+    out = subprocess.run([_ruff(), "format", "--check", *PATHS], cwd=ROOT, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0, (
+        "These files are not formatted; run `ruff format` on them:\n" + out.stdout + out.stderr
+    )

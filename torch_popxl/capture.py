@@ -39,7 +39,7 @@ _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 
 
 def _op_name(func) -> str:
-    return getattr(func, "_opname", None) or getattr(func, "__name__", "op")
+    return str(getattr(func, "_opname", None) or getattr(func, "__name__", "op"))
 
 
 class _Recorder(TorchDispatchMode):

@@ -742,7 +742,8 @@ class Trainer:
         self._opt_stale = True
         # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
-        self.optimizer._opt_called = True
+        # (an attribute torch's wrapper sets, unknown to the stubs)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
 
     def _push(self, prog: _Program) -> None:
@@ -946,7 +947,7 @@ class Trainer:
                 raise ValueError("load_state_dict: optimizer state is given but step is 0.")
         # Everything checked: apply.
         self.model.load_state_dict(state["model"])
-        torch_state = collections.defaultdict(dict)
+        torch_state: collections.defaultdict[Any, dict] = collections.defaultdict(dict)
         for n, st in opt["state"].items():
             entry = {"step": torch.tensor(float(step))} if self._kind != "sgd" else {}
             entry.update({k: v.detach().clone() for k, v in st.items()})
@@ -1089,6 +1090,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
                 "apply to training."
             )
         return InferenceProgram(model, replication_factor, device, executor)
+    assert loss_fn is not None  # checked above: both or neither
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
                    optimizer_state, device, executor, max_grad_norm)  # fmt: skip
 

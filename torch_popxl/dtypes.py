@@ -85,6 +85,14 @@ class dtype:  # noqa: N801 -- PopXL's public name
         "_np_type",
         "_torch_type",
     )
+    # The slots' types; ``_register`` fills them (dtypes are never built by ``__init__``).
+    _name: str
+    _is_int: builtins.bool
+    _is_floating_point: builtins.bool
+    _is_signed: builtins.bool
+    _is_complex: builtins.bool
+    _np_type: np.dtype
+    _torch_type: torch.dtype
 
     def __init__(self) -> None:
         raise TypeError(
@@ -446,7 +454,7 @@ def _to_float8(
     return scaled.to(target.as_torch()).view(torch.uint8).numpy().view(target.as_numpy())
 
 
-def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: bool = True) -> np.ndarray:
+def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: builtins.bool = True) -> np.ndarray:
     """``t`` as a host array of popxl dtype ``dt`` (float8 kept bitwise, bf16 as float32)."""
     t = t.detach().cpu()
     np_dt = dt.as_numpy()

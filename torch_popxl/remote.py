@@ -256,7 +256,7 @@ def remote_replica_sharded_variable(
             "in one buffer must have the same full shape; create another buffer."
         )
     n = math.prod(shape)
-    shard_over = getattr(rb, "_rts_shard_over", None) or _infer_shard_over(rb, n, rg, name)
+    shard_over = rb._rts_shard_over or _infer_shard_over(rb, n, rg, name)
     return _make_remote(
         graph, arr, dt, rb, offset, name, rg, retrieval_mode, RtsLayout(shard_over, n)
     )

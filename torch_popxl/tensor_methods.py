@@ -11,20 +11,31 @@ imported (as JAX installs array methods onto its tracers), so the IR never impor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 import torch
 
 from . import capture, ops
+from . import dtypes as _dtypes
 from .ir.tensor import Tensor, _data_dependent, constant
 
 __all__ = ["install"]
 
 
+def _this(self: _TensorMethods) -> Tensor:
+    """``self`` as the ``Tensor`` it always is: ``install`` copies these methods onto Tensor."""
+    return cast(Tensor, self)
+
+
 class _TensorMethods:
-    """Methods copied onto ``ir.Tensor`` by ``install`` (``self`` is always a ``Tensor``)."""
+    """Methods copied onto ``ir.Tensor`` by ``install`` (``self`` is always a ``Tensor``).
+
+    For the type checker ``ir.Tensor`` derives from this class, so it knows the operators.
+    """
 
     _id: str
-    _dtype: object
+    _dtype: _dtypes.dtype
 
     # ---- shape ops ------------------------------------------------------------------------
 
@@ -41,40 +52,42 @@ class _TensorMethods:
         if (
             len(permutation) == 2
             and all(isinstance(p, int) for p in permutation)
-            and self.rank != 2
+            and _this(self).rank != 2
         ):
             return self._torch_method("transpose", *permutation)
         if len(permutation) == 2 and all(isinstance(p, int) for p in permutation):
             permutation = ((1, 0) if permutation[0] != permutation[1] else (0, 1),)
-        return ops.transpose(self, permutation[0] if permutation else None)
+        return ops.transpose(_this(self), permutation[0] if permutation else None)
 
     def transpose_(self, permutation=None) -> Tensor:
-        return ops.transpose_(self, permutation)
+        return ops.transpose_(_this(self), permutation)
 
     def reshape(self, *shape) -> Tensor:
         """PopXL ``reshape(shape)``; torch-style ``reshape(d0, d1, ...)`` also works."""
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = tuple(shape[0])
-        return ops.reshape(self, shape)
+        return ops.reshape(_this(self), shape)
 
     def reshape_(self, shape) -> Tensor:
-        return ops.reshape_(self, shape)
+        return ops.reshape_(_this(self), shape)
 
     def flatten(self, *args) -> Tensor:
         if args:
             return self._torch_method("flatten", *args)
-        return ops.flatten(self)
+        return ops.flatten(_this(self))
 
     def detach(self) -> Tensor:
-        return ops.detach(self)
+        return ops.detach(_this(self))
 
     def diag(self) -> Tensor:
-        if self.rank != 2:
-            raise ValueError(f"diag() needs a 2-D tensor; {self._id!r} has shape {self.shape}.")
+        if _this(self).rank != 2:
+            raise ValueError(
+                f"diag() needs a 2-D tensor; {self._id!r} has shape {_this(self).shape}."
+            )
         return self._torch_method("diagonal")
 
     def copy_to_ipu(self, destination: int, source: int | None = None) -> Tensor:
-        return ops.ipu_copy(self, destination, source)
+        return ops.ipu_copy(_this(self), destination, source)
 
     # ---- operators ------------------------------------------------------------------------
 
@@ -85,90 +98,90 @@ class _TensorMethods:
             raise ValueError(f"Cannot combine tensor {self._id!r} with an empty value {other!r}.")
         return constant(other, self._dtype)
 
-    def _binary(self, fn, other, reverse=False):
+    def _binary(self, fn, other, reverse=False) -> Tensor:
         other = self._coerce(other)
         a, b = (other, self) if reverse else (self, other)
         return capture.call_torch(fn, (a, b), {})
 
-    def __add__(self, o):
+    def __add__(self, o) -> Tensor:
         return self._binary(torch.add, o)
 
-    def __radd__(self, o):
+    def __radd__(self, o) -> Tensor:
         return self._binary(torch.add, o, True)
 
-    def __iadd__(self, o):
+    def __iadd__(self, o) -> Tensor:
         return capture.call_torch(torch.Tensor.add_, (self, self._coerce(o)), {})
 
-    def __sub__(self, o):
+    def __sub__(self, o) -> Tensor:
         return self._binary(torch.sub, o)
 
-    def __rsub__(self, o):
+    def __rsub__(self, o) -> Tensor:
         return self._binary(torch.sub, o, True)
 
-    def __mul__(self, o):
+    def __mul__(self, o) -> Tensor:
         return self._binary(torch.mul, o)
 
-    def __rmul__(self, o):
+    def __rmul__(self, o) -> Tensor:
         return self._binary(torch.mul, o, True)
 
-    def __truediv__(self, o):
+    def __truediv__(self, o) -> Tensor:
         return self._binary(ops._div, o)
 
-    def __rtruediv__(self, o):
+    def __rtruediv__(self, o) -> Tensor:
         return self._binary(ops._div, o, True)
 
-    def __mod__(self, o):
+    def __mod__(self, o) -> Tensor:
         return self._binary(torch.fmod, o)
 
-    def __rmod__(self, o):
+    def __rmod__(self, o) -> Tensor:
         return self._binary(torch.fmod, o, True)
 
-    def __matmul__(self, o):
+    def __matmul__(self, o) -> Tensor:
         return self._binary(torch.matmul, o)
 
-    def __rmatmul__(self, o):
+    def __rmatmul__(self, o) -> Tensor:
         return self._binary(torch.matmul, o, True)
 
-    def __pow__(self, o):
+    def __pow__(self, o) -> Tensor:
         return self._binary(torch.pow, o)
 
-    def __rpow__(self, o):
+    def __rpow__(self, o) -> Tensor:
         return self._binary(torch.pow, o, True)
 
-    def __and__(self, o):
+    def __and__(self, o) -> Tensor:
         return self._binary(torch.logical_and, o)
 
-    def __rand__(self, o):
+    def __rand__(self, o) -> Tensor:
         return self._binary(torch.logical_and, o, True)
 
-    def __or__(self, o):
+    def __or__(self, o) -> Tensor:
         return self._binary(torch.logical_or, o)
 
-    def __ror__(self, o):
+    def __ror__(self, o) -> Tensor:
         return self._binary(torch.logical_or, o, True)
 
     # Comparisons record ops (torch.Tensor semantics) so `if t.sum() > 0:` reaches __bool__ and
     # fails with DataDependentError; `==` stays PopXL's identity test.
-    def __gt__(self, o):
+    def __gt__(self, o) -> Tensor:
         return self._binary(torch.gt, o)
 
-    def __ge__(self, o):
+    def __ge__(self, o) -> Tensor:
         return self._binary(torch.ge, o)
 
-    def __lt__(self, o):
+    def __lt__(self, o) -> Tensor:
         return self._binary(torch.lt, o)
 
-    def __le__(self, o):
+    def __le__(self, o) -> Tensor:
         return self._binary(torch.le, o)
 
-    def __invert__(self):
+    def __invert__(self) -> Tensor:
         return capture.call_torch(torch.logical_not, (self,), {})
 
-    def __neg__(self):
+    def __neg__(self) -> Tensor:
         return capture.call_torch(torch.neg, (self,), {})
 
     def __getitem__(self, key) -> Tensor:
-        return ops._getitem(self, key)
+        return ops._getitem(_this(self), key)
 
     # ---- torch interop --------------------------------------------------------------------
 
@@ -179,23 +192,27 @@ class _TensorMethods:
     def _torch_method(self, name, *args, **kwargs):
         return capture.call_torch(getattr(torch.Tensor, name), (self, *args), kwargs)
 
-    def __getattr__(self, name: str):
-        # Module code calls torch.Tensor methods on what it thinks is a torch tensor
-        # (x.flatten(1), x.view(...), x.size(0)); route every such method through capture
-        # instead of keeping a hand-written list.
-        if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(name)
-        if name in ("item", "tolist", "numpy"):
-            raise _data_dependent(self, f".{name}()")
-        method = getattr(torch.Tensor, name, None)
-        if method is None or not callable(method):
-            raise AttributeError(f"popxl Tensor has no attribute {name!r}")
+    # Hidden from the type checker, which would otherwise accept any attribute of a Tensor:
+    # code that calls torch.Tensor methods on handles says so where it does.
+    if not TYPE_CHECKING:
 
-        def bound(*args, **kwargs):
-            return capture.call_torch(method, (self, *args), kwargs)
+        def __getattr__(self, name: str):
+            # Module code calls torch.Tensor methods on what it thinks is a torch tensor
+            # (x.flatten(1), x.view(...), x.size(0)); route every such method through capture
+            # instead of keeping a hand-written list.
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+                raise AttributeError(name)
+            if name in ("item", "tolist", "numpy"):
+                raise _data_dependent(_this(self), f".{name}()")
+            method = getattr(torch.Tensor, name, None)
+            if method is None or not callable(method):
+                raise AttributeError(f"popxl Tensor has no attribute {name!r}")
 
-        bound.__name__ = name
-        return bound
+            def bound(*args, **kwargs):
+                return capture.call_torch(method, (self, *args), kwargs)
+
+            bound.__name__ = name
+            return bound
 
 
 def install() -> None:

@@ -94,7 +94,7 @@ class DotTree(Generic[L]):
         tree = cls._empty()
         for key, value in d.items():
             segs = _split(key)
-            node = tree
+            node: DotTree[Any] = tree
             for i, s in enumerate(segs[:-1]):
                 child = node._map.get(s)
                 if child is None:

@@ -114,8 +114,8 @@ def function(fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, ...]]:
     return outlined
 
 
-def _tensors_in(values) -> list[Tensor]:
-    out: list[Tensor] = []
+def _tensors_in(values) -> list[Tensor | TensorSpec]:
+    out: list[Tensor | TensorSpec] = []
     for v in values:
         if isinstance(v, Tensor | TensorSpec):
             out.append(v)

@@ -77,6 +77,15 @@ class Module(_PopXLModule):
     ``cache=True`` (or a ``GraphCache``) reuses graphs for equal argument specs.
     """
 
+    # Set through ``__dict__`` by ``__init__`` (``__setattr__`` treats sub-modules specially).
+    _variable_factories: NamedVariableFactories
+    _named_inputs: NamedTensors
+    _graph_cache: GraphCache | None
+    _args_cache: dict[Any, Any]
+    _name_scope: str | None
+    grad_inlining_error: str
+    aux: dict[Any, Any]
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         build = cls.__dict__.get("build")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +51,12 @@ class OpKind(str, enum.Enum):
     PRINT = "print"
 
     __hash__ = str.__hash__
-    __str__ = str.__str__
-    __format__ = str.__format__
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +103,23 @@ _CONTEXTS = ("weights_from_host", "normal", "weights_to_host")
 class Graph:
     """A popxl graph. Create with ``ir.create_graph`` / ``ir.create_empty_graph``."""
 
+    # Set by ``_create`` (graphs are built with ``object.__new__``, never ``__init__``).
+    _ir: Ir
+    _id: str
+    _name: str
+    _tensors: dict[str, Tensor]
+    # id(fake) -> (fake, handle). The fake is kept alive so its id cannot be reused by
+    # a later fake tensor (which would then resolve to the wrong handle).
+    _by_fake: dict[int, tuple[torch.Tensor, Tensor]]
+    _inputs: list[Tensor]
+    _by_ref: set[str]
+    _outputs: list[Tensor]
+    _ops: list[Op]
+    _op_context: str
+    _hooks: dict[int, Callable[[Op], None]]
+    _hook_ids: Iterator[int]
+    _version: int
+
     def __init__(self, *args, **kwargs):
         raise TypeError("Graphs cannot be constructed directly; use ir.create_graph(...).")
 
@@ -108,16 +129,14 @@ class Graph:
         g._ir = ir
         g._id = graph_id
         g._name = name
-        g._tensors: dict[str, Tensor] = {}
-        # id(fake) -> (fake, handle). The fake is kept alive so its id cannot be reused by
-        # a later fake tensor (which would then resolve to the wrong handle).
-        g._by_fake: dict[int, tuple[torch.Tensor, Tensor]] = {}
-        g._inputs: list[Tensor] = []
-        g._by_ref: set[str] = set()
-        g._outputs: list[Tensor] = []
-        g._ops: list[Op] = []
+        g._tensors = {}
+        g._by_fake = {}
+        g._inputs = []
+        g._by_ref = set()
+        g._outputs = []
+        g._ops = []
         g._op_context = "normal"
-        g._hooks: dict[int, Callable] = {}
+        g._hooks = {}
         g._hook_ids = itertools.count()
         g._version = 0
         return g

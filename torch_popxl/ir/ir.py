@@ -93,7 +93,7 @@ class Ir:
         return self._replication_factor * self._num_instances
 
     @replication_factor.setter
-    def replication_factor(self, value: int) -> None:
+    def replication_factor(self, value: object) -> None:  # validated: any value may come in
         if self._sessions:
             raise RuntimeError(
                 f"Cannot set replication_factor of {self!r}: a Session has been created from it "
@@ -249,7 +249,9 @@ def _container(value, name: str, by_ref: bool):
     return type(value)(items) if isinstance(value, tuple) else items
 
 
-def _graph_arguments(sig, bound, hints):
+def _graph_arguments(
+    sig: inspect.Signature, bound: inspect.BoundArguments, hints: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
     call_args: list[Any] = []
     call_kwargs: dict[str, Any] = {}
     for pname, value in bound.arguments.items():

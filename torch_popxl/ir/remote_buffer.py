@@ -14,6 +14,8 @@ class RemoteBuffer:
     Every replica has its own private copy of every buffer.
     """
 
+    _id: int  # unique within the Ir, from 1
+
     def __init__(self, tensor_shape, tensor_dtype, entries: int = 1):
         ir = gcg().ir
         ir._check_mutable()
@@ -23,6 +25,8 @@ class RemoteBuffer:
         self._entries = 1
         self.entries = entries
         self._meta_shape: tuple[int, ...] = ()
+        # The shard count of a buffer made by popxl.replica_sharded_buffer; None otherwise.
+        self._rts_shard_over: int | None = None
         ids = [b._id for b in ir._remote_buffers]
         self._id = max(ids, default=0) + 1
         ir._remote_buffers.append(self)

@@ -17,7 +17,10 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .ir import Ir
 
 __all__ = ["ReplicaGrouping"]
 
@@ -35,6 +38,15 @@ class ReplicaGrouping:
         "_index_table",
         "_refinement_cache",
     )
+    # The slots' types; every instance fills them in ``_build`` (never ``__init__``).
+    ir: Ir
+    _num_replicas: int
+    _stride: int | None  # None for a non-constant grouping
+    _group_size: int
+    _assignment: tuple[int, ...]
+    _members_table: tuple[tuple[int, ...], ...]
+    _index_table: tuple[int, ...]
+    _refinement_cache: tuple[ReplicaGrouping, tuple[int, ...], tuple[int, ...]] | None
 
     # `__eq__` compares assignments, which PopXL does without defining `__hash__`.
     __hash__ = None  # type: ignore[assignment]
@@ -248,7 +260,7 @@ class ReplicaGrouping:
         """The grouping whose group k holds the k-th member of every group of ``self``."""
         if self.is_const and self._stride == 1:
             return ReplicaGrouping._from_params(self.ir, self._group_size, self.num_groups)
-        if self.is_const and self._stride * self._group_size == self._num_replicas:
+        if self._stride is not None and self._stride * self._group_size == self._num_replicas:
             return ReplicaGrouping._from_params(self.ir, 1, self.num_groups)
         transposed = [0] * self._num_replicas
         for group in self._members_table:
@@ -322,9 +334,11 @@ class ReplicaGrouping:
     # below rely on.
     def _refinement(self) -> tuple[ReplicaGrouping, tuple[int, ...], tuple[int, ...]]:
         """``(const_rg, to_device_map, to_host_map)`` for a non-constant grouping (cached)."""
-        if self._refinement_cache is None:
-            object.__setattr__(self, "_refinement_cache", self._compute_refinement())
-        return self._refinement_cache
+        cache = self._refinement_cache
+        if cache is None:
+            cache = self._compute_refinement()
+            object.__setattr__(self, "_refinement_cache", cache)
+        return cache
 
     def _compute_refinement(self) -> tuple[ReplicaGrouping, tuple[int, ...], tuple[int, ...]]:
         steps = [b - a for m in self._members_table for a, b in itertools.pairwise(m)]

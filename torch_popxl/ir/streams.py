@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
 from .. import dtypes as _dtypes
 from .context import gcg
 from .tensor import TensorSpec
+
+if TYPE_CHECKING:
+    from .ir import Ir
 
 __all__ = ["HostToDeviceStream", "DeviceToHostStream", "h2d_stream", "d2h_stream"]
 
 
 class _Stream:
     _direction = "stream"
+    _factory: ClassVar[str]  # the public factory's name, set by each subclass
+
+    # Set by ``_create`` (streams are built with ``object.__new__``, never ``__init__``).
+    _ir: Ir
+    _spec: TensorSpec
+    _name: str
+    _used: bool  # True once a host_load / host_store uses the stream
+    _index: int  # position in the Ir's list of streams of this direction
 
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(
@@ -20,13 +33,13 @@ class _Stream:
         )
 
     @classmethod
-    def _create(cls, ir, shape, dtype, name):
+    def _create(cls, ir, shape, dtype, name, index: int):
         s = object.__new__(cls)
         s._ir = ir
         s._spec = TensorSpec(shape, _dtypes.dtype.as_dtype(dtype))
         s._name = name
         s._used = False
-        s._index = None
+        s._index = index
         return s
 
     @property
@@ -65,7 +78,7 @@ class DeviceToHostStream(_Stream):
     _factory = "d2h_stream"
 
 
-def _unique(existing: list[_Stream], name: str) -> str:
+def _unique(existing: Iterable[_Stream], name: str) -> str:
     names = {s._name for s in existing}
     if name not in names:
         return name
@@ -81,10 +94,8 @@ def _new_stream(cls, shape, dtype, name: str | None):
     ir = gcg().ir
     ir._check_mutable()
     registry = ir._h2d_streams if cls is HostToDeviceStream else ir._d2h_streams
-    s = cls._create(
-        ir, shape, dtype, _unique(ir._h2d_streams + ir._d2h_streams, name or cls._factory)
-    )
-    s._index = len(registry)
+    unique_name = _unique([*ir._h2d_streams, *ir._d2h_streams], name or cls._factory)
+    s = cls._create(ir, shape, dtype, unique_name, len(registry))
     registry.append(s)
     return s
 

@@ -24,10 +24,18 @@ from .context import current_ipu, current_tile_set, gcg
 from .fake import fake_like
 
 if TYPE_CHECKING:
+    from ..tensor_methods import _TensorMethods
     from .graph import Graph
     from .ir import Ir
     from .remote_buffer import RemoteBuffer
     from .replica_grouping import ReplicaGrouping
+
+    # The type checker sees the operators and methods that ``tensor_methods.install`` puts on
+    # Tensor at import time (Note [tensor methods are installed from above]); at run time the
+    # class derives from object only.
+    _InstalledMethods = _TensorMethods
+else:
+    _InstalledMethods = object
 
 __all__ = [
     "Placement",
@@ -95,11 +103,7 @@ class TensorSpec(Mapping):
         )
 
 
-class TensorByRef:
-    """Annotation marking a ``create_graph`` parameter as pass-by-reference."""
-
-
-class Tensor:
+class Tensor(_InstalledMethods):
     """A value in a popxl graph (an op output, a graph input, a variable or constant)."""
 
     # PopXL disables iteration and `in` on tensors (they would silently loop forever).
@@ -107,6 +111,15 @@ class Tensor:
     __contains__ = None
     # Make `np_array @ tensor` dispatch to the Tensor.
     __array_ufunc__ = None
+
+    # Set by ``_create`` (handles are built with ``object.__new__``, never ``__init__``).
+    _graph: Graph
+    _fake: torch.Tensor
+    _dtype: _dtypes.dtype
+    _meta_shape: tuple[int, ...]
+    _ipu: int | None
+    _tile_set: str
+    _id: str
 
     def __init__(self, *args, **kwargs):
         raise RuntimeError(
@@ -240,6 +253,13 @@ class Tensor:
         return self.shape[0]
 
 
+class TensorByRef(Tensor):
+    """Annotation marking a ``create_graph`` parameter as pass-by-reference.
+
+    PopXL makes it an alias annotation of ``Tensor``; a subclass does the same for the type
+    checker: the annotated parameter is a tensor. It is never instantiated."""
+
+
 def _data_dependent(t: Tensor, what: str):
     return DataDependentError(
         f"{what} needs the value of popxl tensor {t._id!r}, which is not known while the graph is "
@@ -327,6 +347,8 @@ class Variable(Tensor):
 
 class Constant(Tensor):
     """A tensor with a fixed value known at graph-construction time."""
+
+    _data: torch.Tensor  # the real (not fake) value, set by ``_create``
 
     @property
     def data(self) -> np.ndarray:

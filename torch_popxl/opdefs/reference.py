@@ -102,6 +102,13 @@ def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
     return result.to(dtype)
 
 
+def _filled(out: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``out`` once every replica's entry is set (the groups partition the replicas)."""
+    filled = [t for t in out if t is not None]
+    assert len(filled) == len(out), "the groups do not cover every replica"
+    return filled
+
+
 def all_reduce(xs: list[torch.Tensor], op: str, group_size: int, stride: int) -> list[torch.Tensor]:
     """Every member of a group receives the reduction of all members' values."""
     out: list[torch.Tensor | None] = [None] * len(xs)
@@ -109,7 +116,7 @@ def all_reduce(xs: list[torch.Tensor], op: str, group_size: int, stride: int) ->
         reduced = _reduce([xs[m] for m in members], op)
         for m in members:
             out[m] = reduced.clone()
-    return out
+    return _filled(out)
 
 
 def all_gather(xs: list[torch.Tensor], group_size: int, stride: int) -> list[torch.Tensor]:
@@ -119,7 +126,7 @@ def all_gather(xs: list[torch.Tensor], group_size: int, stride: int) -> list[tor
         gathered = torch.stack([xs[m] for m in members])
         for m in members:
             out[m] = gathered.clone()
-    return out
+    return _filled(out)
 
 
 def _flat_padded(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
@@ -151,7 +158,7 @@ def reduce_scatter(
             reduced = _reduce(padded, op)
             for i, m in enumerate(members):
                 out[m] = reduced[i * chunk : (i + 1) * chunk].clone()
-    return out
+    return _filled(out)
 
 
 def take_own(xs: list[torch.Tensor], group_size: int, stride: int) -> list[torch.Tensor]:

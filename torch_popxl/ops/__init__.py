@@ -18,7 +18,7 @@ from ..ir.attrs import HostTransfer, PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
-from ..ir.tensor import Tensor, _fake_like, constant
+from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
 from . import collectives, var_updates
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .remote import remote_load, remote_load_, remote_store
@@ -67,6 +67,11 @@ __all__ = [
 ]  # fmt: skip
 
 
+# What the binary ops accept on either side: a tensor, or host data made a constant of the
+# other side's dtype (``add(t, 1.0)``).
+_TensorLike = Tensor | HostTensor
+
+
 def _coerce(t: Tensor, other) -> Tensor:
     if isinstance(other, Tensor):
         return other
@@ -93,11 +98,11 @@ def _unary(fn, t, op, **kwargs):
 # ---- elementwise --------------------------------------------------------------------------
 
 
-def add(lhs: Tensor, rhs: Tensor) -> Tensor:
+def add(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.add, lhs, rhs, "add")
 
 
-def sub(lhs: Tensor, rhs: Tensor) -> Tensor:
+def sub(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.sub, lhs, rhs, "sub")
 
 
@@ -108,15 +113,15 @@ def _div(a, b):
     return torch.div(a, b)
 
 
-def mul(lhs: Tensor, rhs: Tensor) -> Tensor:
+def mul(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.mul, lhs, rhs, "mul")
 
 
-def div(lhs: Tensor, rhs: Tensor) -> Tensor:
+def div(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(_div, lhs, rhs, "div")
 
 
-def fmod(lhs: Tensor, rhs: Tensor) -> Tensor:
+def fmod(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.fmod, lhs, rhs, "fmod")
 
 
@@ -216,11 +221,11 @@ def where(condition: Tensor, lhs, rhs) -> Tensor:
     return call_torch(torch.where, (condition, _coerce(ref, lhs), _coerce(ref, rhs)), {})
 
 
-def maximum(lhs: Tensor, rhs: Tensor) -> Tensor:
+def maximum(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.maximum, lhs, rhs, "maximum")
 
 
-def minimum(lhs: Tensor, rhs: Tensor) -> Tensor:
+def minimum(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
     return _binary(torch.minimum, lhs, rhs, "minimum")
 
 

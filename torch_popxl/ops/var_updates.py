@@ -230,6 +230,8 @@ def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tens
     eps = _cast(epsilon, calc) if isinstance(epsilon, Tensor) else float(epsilon)
     x = _t(torch.div, mc, _t(torch.add, _t(torch.sqrt, vc), eps))
     if decay:
+        # `decay` implies both (checked above); the type checker cannot follow the bool.
+        assert weight is not None and weight_decay is not None
         wd = _cast(weight_decay, calc) if isinstance(weight_decay, Tensor) else float(weight_decay)
         x = _t(torch.add, x, _t(torch.mul, _cast(weight, calc), wd))
     return _cast(x, out_like)

@@ -126,7 +126,7 @@ _MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
 
 
 class _Walker:
-    def __init__(self, num_replicas: int):
+    def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
         # (kind, nbytes, flops, group_size, io_tiles) -> count; keyword order of WorkItem.
         self.items: Counter = Counter()

@@ -11,17 +11,20 @@ Both run the same program against the same session state:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Graph, Op, OpKind, Slot
-from ..ir.tensor import Constant, Tensor
+from ..ir.tensor import Constant, Tensor, Variable
 from ..opdefs import kernels
 from ..opdefs import reference as refc
 from ..opdefs.collectives import all_reduce_bytes, reduce_scatter_bytes
 from .lower import Program, lower_fragment, mutated_inputs
+
+if TYPE_CHECKING:
+    from ..ir.ir import Ir
 
 __all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]
 
@@ -35,7 +38,7 @@ class SessionState:
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def fragment_signature(ir) -> tuple[list[Tensor], list[Tensor]]:
+def fragment_signature(ir: Ir) -> tuple[list[Variable], list[Tensor]]:
     """(on-chip variables, tensors defined in WeightsFromHost and used later)."""
     main = ir.main_graph
     on_chip = [v for v in ir._all_variables if v.info.remote is None]
@@ -56,7 +59,7 @@ class _RunContext:
         self.num_replicas = num_replicas
         self.cursor = [0] * len(ins)
         self.outs: dict[int, list[torch.Tensor]] = {}
-        self.prints: list[tuple[dict, torch.Tensor]] = []
+        self.prints: list[tuple[PrintOptions, torch.Tensor]] = []
         self.buffers = buffers
 
     def host_load(self, k: int) -> torch.Tensor:
@@ -179,7 +182,7 @@ class FastExecutor:
     def run(self, state: SessionState, fragment: str, ins: list[torch.Tensor], nht: int):
         R = state.num_replicas
         fn = self.fns[fragment]
-        tensors = list(self.on_chip)
+        tensors: list[Tensor] = list(self.on_chip)
         if fragment != "weights_from_host":
             tensors += self.defined
         values = [

@@ -49,9 +49,9 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,7 +60,7 @@ from ..ir.tensor import Constant, Tensor
 from ..opdefs import kernels  # also registers torch.ops.torch_popxl
 from . import explicit as _explicit
 
-__all__ = ["Program", "mutated_inputs", "lower_fragment"]
+__all__ = ["Program", "mutated_inputs", "lower_fragment", "Fragment"]
 
 _SIMPLE = (int, bool, str, type(None))
 _aten = torch.ops.aten
@@ -164,6 +164,14 @@ class FlatOp:
     outs: list[str]
     body: list[FlatOp] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source(self) -> Op:
+        """The IR op this flat op lowers; only the flattener's own copies and aliases and the
+        fused kinds have none."""
+        if self.op is None:
+            raise AssertionError(f"A {self.kind!r} flat op has no source op.")
+        return self.op
 
 
 class _Flattener:
@@ -317,8 +325,8 @@ class _Analysis:
 
     def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> None:
         """Note [replica-sum accumulators]: accept the allowed uses, else fall back."""
-        target = f.op.attrs.target
-        args = f.op.attrs.args
+        target = f.source.attrs.target
+        args = f.source.attrs.args
         first = args[0].index if args and isinstance(args[0], Slot) else None
         name = getattr(target, "_opname", "")
         if uses == [first] and written == {first}:
@@ -340,30 +348,30 @@ class _Analysis:
         self._disqualify(f.ins[uses[0]])
 
     def _torch(self, f: FlatOp) -> None:
-        target = f.op.attrs.target
+        target = f.source.attrs.target
         f.extra.pop("sum_add", None)
         f.extra.pop("sum_read", None)
         uses = self._sum_roots(f)
         if uses:
-            self._sum_use(f, uses, _schema_effects(f.op)[0])
+            self._sum_use(f, uses, _schema_effects(f.source)[0])
             if "sum_add" in f.extra:  # the write is of a sum: replica-invariant by design
                 return
         ins = [self.b(n) for n in f.ins]
         any_b = any(ins)
         name = getattr(target, "_opname", "")
         if getattr(target, "namespace", "") == "torch_popxl":
-            group_size = f.op.attrs.argument("group_size")
+            group_size = f.source.attrs.argument("group_size")
             if name in _GROUPED_OPS:
                 # Validate before the full-group test below, which looks at group_size only:
                 # (G=R, stride=-1) must be an error, not the whole replica set.
-                kernels.check_grouping(name, self.R, group_size, f.op.attrs.argument("stride"))
+                kernels.check_grouping(name, self.R, group_size, f.source.attrs.argument("stride"))
             full = name in _FULL_GROUP_OPS and group_size == self.R
             out_b = False if full else (self.R > 1)
             if name in _FULL_GROUP_OPS and group_size == 1:
                 out_b = any_b
         else:
             out_b = any_b or _is_random(target)
-        written, aliases = _schema_effects(f.op)
+        written, aliases = _schema_effects(f.source)
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
         write_b = any_b or (self.R > 1 and _is_random(target))
@@ -445,13 +453,13 @@ def _matmul_behind(
     while (
         p is not None
         and p.kind == OpKind.TORCH
-        and p.op.attrs.target in _VIEW_OPS
+        and p.source.attrs.target in _VIEW_OPS
         and uses.get(src) == 1
     ):
         views.append(p)
         src = p.ins[0]
         p = producer.get(src)
-    if (p is not None and p.kind == OpKind.TORCH and p.op.attrs.target is _aten.mm.default
+    if (p is not None and p.kind == OpKind.TORCH and p.source.attrs.target is _aten.mm.default
             and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
         return p, views
     return None, views
@@ -491,10 +499,13 @@ def _fold_block(
                 f.extra["presummed"] = True
         if (
             f.kind == "torch"
-            and getattr(f.op.attrs.target, "_opname", "") == "replicated_all_reduce"
+            and getattr(f.source.attrs.target, "_opname", "") == "replicated_all_reduce"
         ):
             # Note [fold replicas into the matmul].
-            op_name, group_size = f.op.attrs.argument("op"), f.op.attrs.argument("group_size")
+            op_name, group_size = (
+                f.source.attrs.argument("op"),
+                f.source.attrs.argument("group_size"),
+            )
             if group_size == R and R > 1 and op_name in ("add", "mean"):
                 mm, views = _matmul_behind(f.ins[0], producer, uses, analysis)
                 if mm is not None:
@@ -630,7 +641,7 @@ class _Emitter:
             self._torch_plain(f, ind)
 
     def _torch_plain(self, f: FlatOp, ind: str) -> None:
-        target = f.op.attrs.target
+        target = f.source.attrs.target
         is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
         if target is _aten.view.default and self.p.R > 1:
             fn = "VIEW"
@@ -641,7 +652,7 @@ class _Emitter:
             return
         if self._trivial_all_reduce(f, ind):
             return
-        args = [self.literal(x, f) for x in f.op.attrs.args]
+        args = [self.literal(x, f) for x in f.source.attrs.args]
         if "sum_add" in f.extra:
             x = f.ins[f.extra["sum_add"]]
             if f.extra.get("presummed"):
@@ -650,13 +661,13 @@ class _Emitter:
                 summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
             args = [summed if a == x else a for a in args]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
-                and f.op.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
+                and f.source.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
             # A collective needs its input batched to reach its vmap rule (it is the same
             # value on every replica, so this is a broadcast, not a copy per replica of work).
             args[0] = f"rt.batch({args[0]})"
-        args += [f"{k}={self.literal(v, f)}" for k, v in f.op.attrs.kwargs.items()]
+        args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
         call = f"{fn}({', '.join(args)})"
-        paths = f.op.attrs.out_paths
+        paths = f.source.attrs.out_paths
         if not f.outs:
             self.lines.append(f"{ind}{call}")
         elif len(paths) == 1 and paths[0] == ():
@@ -673,10 +684,10 @@ class _Emitter:
     def _trivial_all_reduce(self, f: FlatOp, ind: str) -> bool:
         """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
         value through (no copy) when neither side is updated in place later."""
-        target = f.op.attrs.target
+        target = f.source.attrs.target
         if getattr(target, "_opname", "") != "replicated_all_reduce":
             return False
-        args = f.op.attrs.args
+        args = f.source.attrs.args
         src, out = f.ins[0], f.outs[0]
         if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
             return False
@@ -694,7 +705,7 @@ class _Emitter:
     def _sum_read(self, f: FlatOp, ind: str) -> None:
         """The full-group reduction of a replica-sum accumulator (its value is the sum)."""
         v = f.ins[0]
-        op = f.op.attrs.argument("op")
+        op = f.source.attrs.argument("op")
         value = f"{v}.clone()" if op == "add" else f"({v} / {self.p.R})"
         kind = "all_reduce" if f.extra["sum_read"] == "replicated_all_reduce" else "reduce_scatter"
         self.lines.append(f"{ind}{f.outs[0]} = rt.sum_reduce({value}, {kind!r}, {self.p.R})")
@@ -711,7 +722,7 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
 
     def _host_load(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.op.attrs.stream._index})")
+        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.source.attrs.stream._index})")
 
     def _host_store(self, f: FlatOp, ind: str) -> None:
         # A stored value needs a snapshot only if something may update it in place later.
@@ -719,24 +730,24 @@ class _Emitter:
         snapshot = self.a.root.get(name, name) in self.a.written
         if self.explicit and not self.a.b(name):  # one row per replica on the host side
             name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
-        self.lines.append(f"{ind}rt.host_store({f.op.attrs.stream._index}, {name}, {snapshot})")
+        self.lines.append(f"{ind}rt.host_store({f.source.attrs.stream._index}, {name}, {snapshot})")
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs.buffer.remote_buffer_id
+        bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
 
     def _remote_load_(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs.buffer.remote_buffer_id
+        bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(
             f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
         )
 
     def _remote_store(self, f: FlatOp, ind: str) -> None:
-        bid = f.op.attrs.buffer.remote_buffer_id
+        bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
 
     def _print(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}rt.print({self.p.literal(f.op.attrs)}, {f.ins[0]})")
+        self.lines.append(f"{ind}rt.print({self.p.literal(f.source.attrs)}, {f.ins[0]})")
 
     def _loop(self, f: FlatOp, ind: str) -> None:
         for carried, arg in zip(f.outs, f.ins, strict=True):
@@ -758,8 +769,18 @@ class _Emitter:
             self.lines.append(f"{ind}    {lhs}= {rhs}")
 
 
-def lower_fragment(program: Program, graph: Graph, params: list[Tensor], ops: list[Op],
-                   outputs: list[Tensor], name: str, batched_params: list[bool]) -> Callable:  # fmt: skip
+class Fragment(Protocol):
+    """A compiled fragment, ``fn(rt, *params) -> outputs``, and what the executor needs to know
+    about it (set as attributes on the generated function)."""
+
+    out_batched: list[bool]  # per output: does it differ between replicas?
+    explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
+
+    def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+
+def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops: list[Op],
+                   outputs: Sequence[Tensor], name: str, batched_params: list[bool]) -> Fragment:  # fmt: skip
     """Compile ``ops`` of the main graph into ``fn(rt, *params) -> outputs``."""
     scope = {}
     param_names = []

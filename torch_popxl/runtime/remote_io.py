@@ -22,6 +22,18 @@ def _remote_variables(ir) -> list[Variable]:
     return [v for v in ir._all_variables if v.info.remote is not None]
 
 
+def _slot_of(v: Variable) -> tuple[RemoteBuffer, int]:
+    """``(buffer, offset)`` of a remote variable (``_remote_variables`` lists only those)."""
+    assert v.info.remote is not None, f"{v.id!r} is not a remote variable"
+    return v.info.remote
+
+
+def _layout_of(v: Variable) -> RtsLayout:
+    """The RTS layout of a sharded remote variable."""
+    assert v.info.shard is not None, f"{v.id!r} is not a sharded variable"
+    return v.info.shard
+
+
 def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
     if offset >= rb.entries:
         raise ValueError(
@@ -48,7 +60,7 @@ def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
 
 def _per_replica_values(session, v: Variable) -> torch.Tensor:
     """``[R, *slot_shape]``: what replica r's slot holds after the upload of ``v``."""
-    rb, _ = v.info.remote
+    rb, _ = _slot_of(v)
     host = session._host[v.id]
     groups = list(v.replica_grouping.assignment)
     data = _torch_from_numpy(np.asarray(host), v.dtype)
@@ -64,7 +76,7 @@ def _per_replica_values(session, v: Variable) -> torch.Tensor:
 
 def _shards_of(per_group: torch.Tensor, v: Variable) -> torch.Tensor:
     """Replica r's shard (Note [RTS layout]) from the ``[num_user_groups, n]`` values."""
-    layout: RtsLayout = v.info.shard
+    layout = _layout_of(v)
     k, c = layout.shard_over, layout.shard_elements
     padded = torch.nn.functional.pad(per_group, (0, k * c - layout.num_elements))
     chunks = padded.reshape(per_group.shape[0], k, c)
@@ -84,9 +96,9 @@ def upload_remote_variables(session) -> None:
     """
     variables = _remote_variables(session.ir)
     for v in variables:
-        _slot_check(v, *v.info.remote)
+        _slot_check(v, *_slot_of(v))
     for v in variables:
-        rb, offset = v.info.remote
+        rb, offset = _slot_of(v)
         buffer = session._state.buffers[rb.remote_buffer_id]
         buffer[:, offset] = session._local_rows(_per_replica_values(session, v)).to(buffer.device)
 
@@ -94,7 +106,7 @@ def upload_remote_variables(session) -> None:
 def download_remote_variables(session) -> None:
     """Read every remote variable back from its slots into the session's host copies."""
     for v in _remote_variables(session.ir):
-        rb, offset = v.info.remote
+        rb, offset = _slot_of(v)
         rows = (
             session._global_rows(session._state.buffers[rb.remote_buffer_id][:, offset])
             .detach()
@@ -107,7 +119,7 @@ def download_remote_variables(session) -> None:
 
 
 def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
-    layout: RtsLayout = v.info.shard
+    layout = _layout_of(v)
     rg = v.replica_grouping
     const = rg.const_rg
     assignment = rg.assignment

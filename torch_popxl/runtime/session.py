@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -187,7 +188,7 @@ class Session:
         """Read every variable back into its host copy (after running WeightsToHost)."""
         self._require_attached("weights_to_host")
         self._run_fragment("weights_to_host", [], 1)
-        invariant = getattr(self._executor, "uniform", frozenset())
+        invariant: frozenset[str] = getattr(self._executor, "uniform", frozenset())
         for v in self._executor.on_chip:
             value = self._global_rows(self._state.vars[v.id], v.id in invariant)
             self._store_host(v, value)
@@ -359,7 +360,7 @@ class Session:
                 continue
             self._fill_output(s, arr, values)
 
-    def _verify_streams(self, given: Mapping, expected: set, kind: str) -> None:
+    def _verify_streams(self, given: Mapping, expected: AbstractSet, kind: str) -> None:
         given_set = set(given)
         unexpected = [_describe_key(s, self._ir) for s in given_set - expected]
         missing = [s.tensor_id for s in expected - given_set]

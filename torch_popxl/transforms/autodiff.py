@@ -51,6 +51,12 @@ class ExpectedConnection:
 class GradGraphInfo:
     """The result of ``autodiff``: the grad graph and how to connect it."""
 
+    # Set by ``_create`` (built with ``object.__new__``, never ``__init__``).
+    _graph: Graph
+    _forward_graph: Graph
+    _expected_inputs: tuple[ExpectedConnection, ...]
+    _expected_outputs: tuple[ExpectedConnection, ...]
+
     def __init__(self, *args, **kwargs):
         raise TypeError("GradGraphInfo is created by popxl.transforms.autodiff.")
 
@@ -323,8 +329,8 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                     grad_outputs=[s._fake for _, s in pairs],
                     allow_unused=True,
                 )
-            for (t, _), g in zip(wrt_grad, results, strict=True):
-                grads[t.id] = g
+            for (t, _), result in zip(wrt_grad, results, strict=True):
+                grads[t.id] = result
         expected_out: list[ExpectedConnection] = []
         for t in required:
             g = grads[t.id]

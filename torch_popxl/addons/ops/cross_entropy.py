@@ -7,6 +7,8 @@ non-ignored items for "mean", 1 for "sum"); the loss itself is never scaled.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ... import dtypes as _dtypes
@@ -15,6 +17,11 @@ from ...ir.tensor import Tensor
 __all__ = ["cross_entropy", "cross_entropy_with_grad"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+# The maths below is torch code run on popxl handles: each torch function or method records an
+# op (``Tensor.__torch_function__`` / ``__getattr__``) and returns a popxl Tensor, where torch's
+# stubs say torch.Tensor. Such traced values are typed ``_Traced``.
+_Traced = Any
 
 
 def _eps(x: Tensor) -> float:
@@ -35,9 +42,11 @@ def _check(x: Tensor, labels: Tensor, reduction: str) -> None:
         )
 
 
-def _parts(x: Tensor, labels: Tensor, ignore_index: int | None):
+def _parts(
+    x: _Traced, labels: _Traced, ignore_index: int | None
+) -> tuple[_Traced, _Traced, _Traced, _Traced]:
     """(probabilities, one-hot labels, mask of counted items or None, per-item loss)."""
-    p = torch.softmax(x, dim=-1)
+    p: _Traced = torch.softmax(x, dim=-1)
     lab = labels.to(torch.int64)
     mask = None
     if ignore_index is not None:
@@ -86,11 +95,12 @@ def cross_entropy_with_grad(x: Tensor, labels: Tensor, loss_scaling: float | Ten
     num_items = int(torch.Size(labels.shape).numel())
     divisor = _divisor(x, mask, reduction, num_items)
     loss = _reduce(item_loss, divisor, reduction)
-    dx = torch.sub(p, onehot)
+    dx: _Traced = torch.sub(p, onehot)
     if mask is not None:
         dx = dx * mask.unsqueeze(-1).to(dx.dtype.as_torch())
     if isinstance(loss_scaling, Tensor):
-        dx = dx * loss_scaling.to(dx.dtype.as_torch())
+        scale: _Traced = loss_scaling
+        dx = dx * scale.to(dx.dtype.as_torch())
     elif float(loss_scaling) != 1.0:
         dx = dx * float(loss_scaling)
     if divisor is not None:

@@ -69,12 +69,33 @@ def format_seconds(s: float) -> str:
 
 def _format_rate(name: str, value: float) -> str:
     """A cost-model setting for people: ``replica links 64 GB/s``, ``60 TFLOP/s``."""
-    label = name.removesuffix("_bytes_per_s").removesuffix("_per_s").replace("_", " ")
+    label = name.removesuffix("_bytes_per_s").removesuffix("_per_s").removesuffix("_s")
+    label = label.replace("_", " ")
     if name.endswith("bytes_per_s"):
-        return f"{label} {value / 1e9:g} GB/s"
+        if value >= 1e12:
+            return f"{label} {value / 1e12:.3g} TB/s"
+        return f"{label} {value / 1e9:.3g} GB/s"
     if name.endswith("flops_per_s"):
-        return f"{value / 1e12:g} TFLOP/s"
+        return f"{value / 1e12:.3g} TFLOP/s"
+    if name.endswith("_s"):
+        return f"{label} {format_seconds(value)}"
+    if name.endswith("_flops"):
+        return f"{label} {value / 1e6:.3g} MFLOP"
     return f"{label} {value:g}"
+
+
+def _wrap_items(first: str, items: list[str], last: str, width: int) -> list[str]:
+    """``first + ", ".join(items) + last`` in lines of at most ``width``, breaking between
+    items only (a setting and its unit stay on one line)."""
+    lines, line = [], first
+    for i, item in enumerate(items):
+        piece = item + (last if i == len(items) - 1 else ",")
+        if len(line) + len(piece) + 1 > width and line.strip():
+            lines.append(line.rstrip())
+            line = "   "
+        line += piece + " "
+    lines.append(line.rstrip())
+    return lines
 
 
 # How the report names traffic kinds and cost-model phases for people (keys stay as they are
@@ -95,7 +116,7 @@ _TRAFFIC_GROUPS = (
     ("host", ("host_to_device", "device_to_host")),
 )
 _PHASE_LABELS = {
-    "compute": "compute (matmuls)",
+    "compute": "compute (matmuls and other ops)",
     "replica_links": "replica links",
     "streaming_memory": "streaming memory",
     "host_io": "host transfers",
@@ -242,14 +263,15 @@ class MemoryReport:
                 )
 
         total = self.estimated_step_time_s
-        settings = ", ".join(
+        settings = [
             _format_rate(f.name, getattr(self.cost_model, f.name))
             for f in dataclasses.fields(self.cost_model)
-        )
+        ]
         lines += ["", row("Modeled device time per run", "time", "share", indent=0)]
-        lines += textwrap.wrap(f"(cost model: {settings}; phases added, not overlapped)", 88,
-                               initial_indent="  ", subsequent_indent="   ")  # fmt: skip
+        lines += _wrap_items("  (cost model: ", settings, "; docs/cost_model.md)", 88)
         for phase, seconds in self.time_breakdown_s.items():
+            if phase == "io_tile_overlap" and seconds == 0:
+                continue  # nothing ran on IO tiles
             label = _PHASE_LABELS.get(phase, phase.replace("_", " "))
             share = f"{seconds / total:.0%}" if total else "-"
             lines.append(row(label, format_seconds(seconds), share))

@@ -152,9 +152,13 @@ class Session:
 
     def _run_fragment(self, fragment: str, ins: list[torch.Tensor], nht: int):
         # Every fragment runs inside a traffic scope (they take turns across threads), so no
-        # weights_from_host of one session is counted in another session's run.
-        with kernels.traffic_scope(), kernels.use_collectives(self._collectives):
-            return self._executor.run(self._state, fragment, ins, nht)
+        # weights_from_host of one session is counted in another session's run. The scope's
+        # counts are kept: the "normal" fragment's are the last run's figures.
+        with kernels.traffic_scope() as counted, kernels.use_collectives(self._collectives):
+            result = self._executor.run(self._state, fragment, ins, nht)
+        if fragment == "normal":
+            self._last_run_counters = counted
+        return result
 
     def _global_rows(self, rows: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """``[R_local, ...]`` -> ``[R, ...]`` in global replica order (gathered from every
@@ -350,9 +354,7 @@ class Session:
         ]
         # Measured as a delta over this run only (never a reset of the process-wide counters),
         # so other sessions' runs cannot change this session's figures.
-        with kernels.traffic_scope() as counted:
-            stored = self._run_fragment("normal", ins, nht)
-        self._last_run_counters = counted
+        stored = self._run_fragment("normal", ins, nht)
         self._in_sync = False
         for s, arr in outputs.items():
             values = stored.get(s._index)

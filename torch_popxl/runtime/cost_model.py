@@ -38,6 +38,7 @@ import torch
 
 from .. import opdefs
 from ..ir.graph import OpKind
+from ..ir.walk import executed_ops
 from ..opdefs.registry import TRAFFIC_KINDS
 
 if TYPE_CHECKING:
@@ -136,21 +137,18 @@ class _Walker:
         self.items[(kind, float(nbytes), float(flops), int(group_size), bool(io))] += times
 
     def walk(self, ops: Iterable[Op], times: int) -> None:
-        for op in ops:
+        for op, count in executed_ops(ops, times):
             # Where an op runs is where its outputs live; a store has none, so its input's.
             io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
-            if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                self.walk(op.attrs.graph._ops, times * op.attrs.repeat_count)
-                continue
             opdef = opdefs.lookup(op)
             if opdef is not None:
                 # Per-replica work: the op's total over the replicas that run it, divided back.
                 t = opdef.traffic(op, self.num_replicas)
                 nbytes = t.total_bytes / self.num_replicas
                 group = t.group_size if t.kind in _RING_KINDS else 1
-                self.add(t.kind, times, nbytes, 0, group, io)
+                self.add(t.kind, count, nbytes, 0, group, io)
             elif op.kind == OpKind.TORCH:
-                self._torch(op, times, io)
+                self._torch(op, count, io)
 
     def _arg(self, op: Op, i: int):
         return op.inputs[op.attrs.args[i].index]

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ir.graph import OpKind
+from .. import opdefs
 from ..ir.instances import (
     ENV_BACKEND,
     ENV_REPLICATION_FACTOR,
@@ -77,6 +77,7 @@ from ..ir.ir import Ir
 from ..opdefs import kernels
 from ..opdefs import reference as refc
 from ..opdefs.collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from ..opdefs.registry import Effect
 
 __all__ = [
     "ENV_BACKEND",
@@ -98,14 +99,6 @@ __all__ = [
 ]
 
 
-_COLLECTIVE_OPS = frozenset(
-    {
-        "replicated_all_reduce",
-        "replicated_all_gather",
-        "replicated_reduce_scatter",
-        "replicated_take_own",
-    }
-)
 # Reduced in float32 on the wire: partial sums in these dtypes would round twice.
 _NARROW_FLOATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -190,11 +183,8 @@ def _ir_groupings(ir) -> list[tuple[int, int]]:
     found: set[tuple[int, int]] = set()
     for graph in ir._graphs:
         for op in graph._ops:
-            target = op.attrs.target if op.kind == OpKind.TORCH else None
-            if (
-                getattr(target, "namespace", "") == "torch_popxl"
-                and getattr(target, "_opname", "") in _COLLECTIVE_OPS
-            ):
+            opdef = opdefs.lookup(op)
+            if opdef is not None and Effect.COLLECTIVE in opdef.effects:
                 group_size, stride = op.attrs.argument("group_size"), op.attrs.argument("stride")
                 found.add((group_size, 1 if group_size == 1 else stride))
     return sorted(found)

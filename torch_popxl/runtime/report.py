@@ -32,6 +32,7 @@ import torch
 from .. import opdefs
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
+from ..ir.walk import executed_ops
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
 
@@ -496,19 +497,16 @@ class _TrafficCounter:
         self.calls[kind] += times
 
     def count(self, ops, times: int) -> None:
-        for op in ops:
-            if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                self.count(op.attrs.graph._ops, times * op.attrs.repeat_count)
-                continue
+        for op, count in executed_ops(ops, times):
             opdef = opdefs.lookup(op)
             if opdef is not None:
                 traffic = opdef.traffic(op, self.R)
-                self.add(traffic.kind, traffic.total_bytes, times)
+                self.add(traffic.kind, traffic.total_bytes, count)
             elif op.kind == OpKind.TORCH and getattr(op.attrs.target, "namespace", None) == "aten":
                 k_arg = _MATMUL_K_ARG.get(op.attrs.target._schema.name.split("::")[-1])
                 if k_arg is not None:
                     k = _arg(op, k_arg).shape[-1]
-                    self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * times
+                    self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * count
 
 
 class _Liveness:

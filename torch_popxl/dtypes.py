@@ -17,6 +17,7 @@ Note [float8 encoding]
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 from typing import Any
 
@@ -465,3 +466,14 @@ def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: builtins.bool = True) -> np
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
         return t.to(torch.int64).numpy().astype(np_dt)
     return t.numpy().astype(np_dt, copy=copy)
+
+
+def itemsize(dt: dtype) -> int:
+    """Bytes per element of popxl dtype ``dt`` (1 for a dtype torch cannot hold)."""
+    tdt = dt.as_torch()
+    return tdt.itemsize if tdt is not None else 1
+
+
+def nbytes(shape, dt: dtype) -> int:
+    """Bytes of a tensor of ``shape`` and popxl dtype ``dt``: the one byte count of the IR."""
+    return math.prod(shape) * itemsize(dt)

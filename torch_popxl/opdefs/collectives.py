@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
+from ..dtypes import itemsize, nbytes
 from ..ir.graph import Op, Slot
 from ..ir.tensor import Tensor
 from . import kernels, reference  # kernels registers the per-replica custom ops
@@ -35,12 +34,7 @@ __all__ = [
     "reduce_scatter_bytes",
     "reduce_scatter_p",
     "take_own_p",
-    "tensor_bytes",
 ]
-
-
-def tensor_bytes(shape: tuple[int, ...] | torch.Size, itemsize: int) -> int:
-    return math.prod(shape) * itemsize
 
 
 def all_reduce_bytes(num_replicas: int, group_size: int, row_bytes: int) -> int:
@@ -71,13 +65,8 @@ def _input(op: Op, position: int) -> Tensor:
     return op.inputs[slot.index]
 
 
-def _itemsize(t: Tensor) -> int:
-    tdt = t.dtype.as_torch()
-    return tdt.itemsize if tdt is not None else 1
-
-
 def _row_bytes(t: Tensor) -> int:
-    return tensor_bytes(t.shape, _itemsize(t))
+    return nbytes(t.shape, t.dtype)
 
 
 def _all_reduce_traffic(op: Op, num_replicas: int) -> Traffic:
@@ -101,7 +90,7 @@ def _reduce_scatter_traffic(op: Op, num_replicas: int) -> Traffic:
     if reduce_op == "local":
         return Traffic("local_slice", 0, group_size)
     nbytes = reduce_scatter_bytes(
-        num_replicas, group_size, math.prod(x.shape), _itemsize(x), reduce_op
+        num_replicas, group_size, math.prod(x.shape), itemsize(x.dtype), reduce_op
     )
     return Traffic("reduce_scatter", nbytes, group_size)
 

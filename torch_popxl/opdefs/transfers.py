@@ -3,11 +3,9 @@ replicas that run them)."""
 
 from __future__ import annotations
 
-import math
-
+from ..dtypes import nbytes
 from ..ir.graph import Op, OpKind
 from ..ir.remote_buffer import RemoteBuffer
-from ..ir.tensor import Tensor
 from . import reference
 from .registry import Effect, OpDef, Traffic, register
 
@@ -21,18 +19,9 @@ __all__ = [
 ]
 
 
-def _itemsize(dtype) -> int:
-    tdt = dtype.as_torch()
-    return tdt.itemsize if tdt is not None else 1
-
-
 def slot_bytes(rb: RemoteBuffer) -> int:
     """Bytes of one entry of ``rb`` on one replica."""
-    return math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype)
-
-
-def _entry_bytes(t: Tensor) -> int:
-    return math.prod(t.shape) * _itemsize(t.dtype)
+    return nbytes(rb.tensor_shape, rb.tensor_dtype)
 
 
 def _remote(kind: str):
@@ -43,11 +32,13 @@ def _remote(kind: str):
 
 
 def _host_load_traffic(op: Op, num_replicas: int) -> Traffic:
-    return Traffic("host_to_device", num_replicas * _entry_bytes(op.outputs[0]))
+    return Traffic(
+        "host_to_device", num_replicas * nbytes(op.outputs[0].shape, op.outputs[0].dtype)
+    )
 
 
 def _host_store_traffic(op: Op, num_replicas: int) -> Traffic:
-    return Traffic("device_to_host", num_replicas * _entry_bytes(op.inputs[0]))
+    return Traffic("device_to_host", num_replicas * nbytes(op.inputs[0].shape, op.inputs[0].dtype))
 
 
 remote_load_p = register(

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .. import dtypes as _dtypes
 from .. import opdefs
 from ..ir.graph import OpKind
 from ..ir.walk import executed_ops
@@ -117,11 +118,6 @@ def workload(ir: Ir) -> Workload:
     )
 
 
-def _nbytes(t) -> int:
-    tdt = t.dtype.as_torch()
-    return math.prod(t.shape) * (tdt.itemsize if tdt is not None else 1)
-
-
 # The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
 _MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
 
@@ -158,7 +154,7 @@ class _Walker:
         if _is_view(target):
             return  # an alias: no work on the device
         else:
-            nbytes = sum(_nbytes(t) for t in (*op.inputs, *op.outputs))
+            nbytes = sum(_dtypes.nbytes(t.shape, t.dtype) for t in (*op.inputs, *op.outputs))
             k_arg = _MATMUL_K_ARG.get(target._schema.name.split("::")[-1])
             if getattr(target, "namespace", None) == "aten" and k_arg is not None:
                 k = self._arg(op, k_arg).shape[-1]

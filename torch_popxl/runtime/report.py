@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import dtypes as _dtypes
 from .. import opdefs
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
@@ -383,15 +384,6 @@ class MemoryReport:
 # ---- building the report ------------------------------------------------------------------
 
 
-def _bytes(t: Tensor) -> int:
-    return math.prod(t.shape) * _itemsize(t.dtype)
-
-
-def _itemsize(dt) -> int:
-    tdt = dt.as_torch()
-    return tdt.itemsize if tdt is not None else 1
-
-
 def build_report(session: Session, cost_model: CostModel | None = None) -> MemoryReport:
     """The report for ``session`` (see ``Session.memory_report``)."""
 
@@ -402,7 +394,11 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
     persistent = {t.id for t in defined}
     constants = {id(c): c for g in ir.graphs for c in g.constants}
     buffers = tuple(
-        (rb.remote_buffer_id, rb.entries, math.prod(rb.tensor_shape) * _itemsize(rb.tensor_dtype))
+        (
+            rb.remote_buffer_id,
+            rb.entries,
+            math.prod(rb.tensor_shape) * _dtypes.itemsize(rb.tensor_dtype),
+        )
         for rb in ir._remote_buffers
     )
     counter = _TrafficCounter(R)
@@ -424,9 +420,9 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         measured = None
     return MemoryReport(
         num_replicas=R,
-        variable_bytes=sum(_bytes(v) for v in on_chip),
-        rts_shard_bytes=sum(_bytes(t) for t in defined),
-        constant_bytes=sum(_bytes(c) for c in constants.values()),
+        variable_bytes=sum(_dtypes.nbytes(v.shape, v.dtype) for v in on_chip),
+        rts_shard_bytes=sum(_dtypes.nbytes(t.shape, t.dtype) for t in defined),
+        constant_bytes=sum(_dtypes.nbytes(c.shape, c.dtype) for c in constants.values()),
         peak_intermediate_bytes=_Liveness(persistent).peak(main, main._ops_in_context("normal")),
         streaming_bytes=sum(entries * slot for _, entries, slot in buffers),
         buffers=buffers,
@@ -456,7 +452,7 @@ def _buffer_placement(ir, main: Graph) -> dict:
     }
     sharded = backing = saved = 0
     for rb in ir._remote_buffers:
-        itemsize = _itemsize(rb.tensor_dtype)
+        itemsize = _dtypes.itemsize(rb.tensor_dtype)
         slot = math.prod(rb.tensor_shape) * itemsize
         if id(rb) not in shard_over and not rb.meta_shape:
             continue
@@ -535,7 +531,7 @@ class _Liveness:
                 peak = max(peak, total + self._callee_peak(op.attrs.graph))
             for t in op.outputs:
                 if t.id not in live and self._is_intermediate(t, graph):
-                    live[t.id] = _bytes(t)
+                    live[t.id] = _dtypes.nbytes(t.shape, t.dtype)
                     total += live[t.id]
             peak = max(peak, total)
             for tid in [tid for tid in live if last_use.get(tid, i) <= i]:

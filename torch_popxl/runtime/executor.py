@@ -11,16 +11,17 @@ Both run the same program against the same session state:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from .. import opdefs
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from ..opdefs import kernels
-from ..opdefs import reference as refc
 from ..opdefs.collectives import all_reduce_bytes, reduce_scatter_bytes
+from ..opdefs.registry import Effect
 from .lower import Program, lower_fragment, mutated_inputs
 
 if TYPE_CHECKING:
@@ -241,18 +242,6 @@ class FastExecutor:
 _aten = torch.ops.aten
 
 
-def _ref_collectives() -> dict[Any, Any]:
-    ops = torch.ops.torch_popxl
-    return {
-        ops.replicated_all_reduce.default: lambda xs, op, g, s: refc.all_reduce(xs, op, g, s),
-        ops.replicated_all_gather.default: lambda xs, g, s: refc.all_gather(xs, g, s),
-        ops.replicated_reduce_scatter.default: lambda xs, op, g, s: refc.reduce_scatter(
-            xs, op, g, s
-        ),
-        ops.replicated_take_own.default: lambda xs, g, s: refc.take_own(xs, g, s),
-    }
-
-
 class ReferenceExecutor:
     """Plain interpretation, op by op, with a Python loop over replicas (the specification).
 
@@ -264,8 +253,6 @@ class ReferenceExecutor:
         self.ir = ir
         self.device = device
         self.on_chip, self.defined = fragment_signature(ir)
-        self.collectives = _ref_collectives()
-        _ = kernels
 
     def allocate(self, state: SessionState, v) -> torch.Tensor:
         return torch.zeros(
@@ -306,12 +293,14 @@ class ReferenceExecutor:
                 _count_host_bytes(ins[0][0], R)
                 rt.outs.setdefault(op.attrs.stream._index, []).append([x.clone() for x in ins[0]])
             elif op.kind == OpKind.REMOTE_LOAD:
-                env[op.outputs[0].id] = refc.remote_load(rt.buffer(op), ins[0], _buffer_id(op))
+                load = _reference_rule(op)
+                env[op.outputs[0].id] = load(rt.buffer(op), ins[0], _buffer_id(op))
             elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
-                for r, v in enumerate(refc.remote_load(rt.buffer(op), ins[1], _buffer_id(op))):
+                load = _reference_rule(op)
+                for r, v in enumerate(load(rt.buffer(op), ins[1], _buffer_id(op))):
                     ins[0][r].copy_(v)
             elif op.kind == OpKind.REMOTE_STORE:
-                refc.remote_store(rt.buffer(op), ins[1], ins[0], _buffer_id(op))
+                _reference_rule(op)(rt.buffer(op), ins[1], ins[0], _buffer_id(op))
             elif op.kind == OpKind.PRINT:
                 rt.prints.append((op.attrs, ins[0]))
                 env[op.outputs[0].id] = ins[0]
@@ -325,9 +314,11 @@ class ReferenceExecutor:
     def _exec_torch(self, op: Op, ins, env, R) -> None:
         target = op.attrs.target
         args, kwargs = op.attrs.args, op.attrs.kwargs
-        if target in self.collectives:
-            result = kernels.collectives().reference(self.collectives[target], ins[0], *args[1:])
-            env[op.outputs[0].id] = result
+        opdef = opdefs.lookup(op)
+        if opdef is not None and Effect.COLLECTIVE in opdef.effects:
+            # The collective's per-replica semantics, run by the active backend over all replicas.
+            semantics = opdef.rule("reference")
+            env[op.outputs[0].id] = kernels.collectives().reference(semantics, ins[0], *args[1:])
             return
         per_replica = []
         for r in range(R):
@@ -362,6 +353,13 @@ class ReferenceExecutor:
                 carry[:k] = outs
         for i, t in enumerate(op.outputs):
             env[t.id] = carry[i]
+
+
+def _reference_rule(op: Op):
+    """The per-replica reference semantics from ``op``'s definition (``opdefs``)."""
+    opdef = opdefs.lookup(op)
+    assert opdef is not None, f"{op.kind} has no op definition"
+    return opdef.rule("reference")
 
 
 def _buffer_id(op: Op) -> int:

@@ -84,6 +84,12 @@ class Op:
     def with_outputs(self, outputs) -> Op:
         return replace(self, outputs=tuple(outputs))
 
+    def tensor_arg(self, position: int) -> Tensor:
+        """The input tensor at argument ``position`` of a captured torch op."""
+        slot = self.attrs.args[position]
+        assert isinstance(slot, Slot), f"{self.name}: argument {position} is not a tensor"
+        return self.inputs[slot.index]
+
 
 _ATTRS: dict[OpKind, type] = {
     OpKind.TORCH: TorchCall,

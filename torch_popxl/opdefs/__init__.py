@@ -4,7 +4,7 @@ their fake, vmap and autograd rules, and their per-replica reference semantics.
 Sits on the IR and below capture (docs/architecture.md). Importing it loads the C++ extension.
 """
 
-from . import collectives, kernels, reference, registry, transfers
+from . import collectives, compute, kernels, reference, registry, transfers
 from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "OpDef",
     "Traffic",
     "collectives",
+    "compute",
     "kernels",
     "lookup",
     "reference",

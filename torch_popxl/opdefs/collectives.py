@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from ..dtypes import itemsize, nbytes
-from ..ir.graph import Op, Slot
+from ..ir.graph import Op
 from ..ir.tensor import Tensor
 from . import kernels, reference  # kernels registers the per-replica custom ops
 from .registry import Effect, OpDef, Traffic, register
@@ -59,31 +59,25 @@ def reduce_scatter_bytes(
 # ---- rules over IR ops ----------------------------------------------------------------------
 
 
-def _input(op: Op, position: int) -> Tensor:
-    slot = op.attrs.args[position]
-    assert isinstance(slot, Slot), f"{op.name}: argument {position} is not a tensor"
-    return op.inputs[slot.index]
-
-
 def _row_bytes(t: Tensor) -> int:
     return nbytes(t.shape, t.dtype)
 
 
 def _all_reduce_traffic(op: Op, num_replicas: int) -> Traffic:
     group_size = op.attrs.argument("group_size")
-    nbytes = all_reduce_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
+    nbytes = all_reduce_bytes(num_replicas, group_size, _row_bytes(op.tensor_arg(0)))
     return Traffic("all_reduce", nbytes, group_size)
 
 
 def _all_gather_traffic(op: Op, num_replicas: int) -> Traffic:
     group_size = op.attrs.argument("group_size")
-    nbytes = all_gather_bytes(num_replicas, group_size, _row_bytes(_input(op, 0)))
+    nbytes = all_gather_bytes(num_replicas, group_size, _row_bytes(op.tensor_arg(0)))
     return Traffic("all_gather", nbytes, group_size)
 
 
 def _reduce_scatter_traffic(op: Op, num_replicas: int) -> Traffic:
     x, reduce_op, group_size = (
-        _input(op, 0),
+        op.tensor_arg(0),
         op.attrs.argument("op"),
         op.attrs.argument("group_size"),
     )
@@ -101,37 +95,16 @@ def _take_own_traffic(op: Op, num_replicas: int) -> Traffic:
 
 # ---- the stanzas ----------------------------------------------------------------------------
 
-_popxl = kernels._ops
 
-all_reduce_p = register(
-    OpDef(
-        "replicated_all_reduce",
-        Effect.COLLECTIVE,
-        {"traffic": _all_reduce_traffic, "reference": reference.all_reduce},
-    ),
-    _popxl.replicated_all_reduce.default,
+def _collective(name: str, traffic, semantics) -> OpDef:
+    """The definition of the per-replica custom op ``torch_popxl::<name>``."""
+    opdef = OpDef(name, Effect.COLLECTIVE, {"traffic": traffic, "reference": semantics})
+    return register(opdef, getattr(kernels._ops, name).default)
+
+
+all_reduce_p = _collective("replicated_all_reduce", _all_reduce_traffic, reference.all_reduce)
+all_gather_p = _collective("replicated_all_gather", _all_gather_traffic, reference.all_gather)
+reduce_scatter_p = _collective(
+    "replicated_reduce_scatter", _reduce_scatter_traffic, reference.reduce_scatter
 )
-all_gather_p = register(
-    OpDef(
-        "replicated_all_gather",
-        Effect.COLLECTIVE,
-        {"traffic": _all_gather_traffic, "reference": reference.all_gather},
-    ),
-    _popxl.replicated_all_gather.default,
-)
-reduce_scatter_p = register(
-    OpDef(
-        "replicated_reduce_scatter",
-        Effect.COLLECTIVE,
-        {"traffic": _reduce_scatter_traffic, "reference": reference.reduce_scatter},
-    ),
-    _popxl.replicated_reduce_scatter.default,
-)
-take_own_p = register(
-    OpDef(
-        "replicated_take_own",
-        Effect.COLLECTIVE,
-        {"traffic": _take_own_traffic, "reference": reference.take_own},
-    ),
-    _popxl.replicated_take_own.default,
-)
+take_own_p = _collective("replicated_take_own", _take_own_traffic, reference.take_own)

@@ -41,33 +41,24 @@ def _host_store_traffic(op: Op, num_replicas: int) -> Traffic:
     return Traffic("device_to_host", num_replicas * nbytes(op.inputs[0].shape, op.inputs[0].dtype))
 
 
-remote_load_p = register(
-    OpDef(
-        "remote_load",
-        Effect.REMOTE,
-        {"traffic": _remote("remote_load"), "reference": reference.remote_load},
-    ),
+def _transfer(kind: OpKind, effects: Effect, rules: dict) -> OpDef:
+    return register(OpDef(kind.value, effects, rules), kind)
+
+
+remote_load_p = _transfer(
     OpKind.REMOTE_LOAD,
+    Effect.REMOTE,
+    {"traffic": _remote("remote_load"), "reference": reference.remote_load},
 )
-remote_load_inplace_p = register(
-    OpDef(
-        "remote_load_",
-        Effect.REMOTE | Effect.INPLACE,
-        {"traffic": _remote("remote_load"), "reference": reference.remote_load},
-    ),
+remote_load_inplace_p = _transfer(
     OpKind.REMOTE_LOAD_INPLACE,
+    Effect.REMOTE | Effect.INPLACE,
+    {"traffic": _remote("remote_load"), "reference": reference.remote_load},
 )
-remote_store_p = register(
-    OpDef(
-        "remote_store",
-        Effect.REMOTE,
-        {"traffic": _remote("remote_store"), "reference": reference.remote_store},
-    ),
+remote_store_p = _transfer(
     OpKind.REMOTE_STORE,
+    Effect.REMOTE,
+    {"traffic": _remote("remote_store"), "reference": reference.remote_store},
 )
-host_load_p = register(
-    OpDef("host_load", Effect.HOST_IO, {"traffic": _host_load_traffic}), OpKind.HOST_LOAD
-)
-host_store_p = register(
-    OpDef("host_store", Effect.HOST_IO, {"traffic": _host_store_traffic}), OpKind.HOST_STORE
-)
+host_load_p = _transfer(OpKind.HOST_LOAD, Effect.HOST_IO, {"traffic": _host_load_traffic})
+host_store_p = _transfer(OpKind.HOST_STORE, Effect.HOST_IO, {"traffic": _host_store_traffic})

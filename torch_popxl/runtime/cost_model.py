@@ -40,6 +40,7 @@ from .. import dtypes as _dtypes
 from .. import opdefs
 from ..ir.graph import OpKind
 from ..ir.walk import executed_ops
+from ..opdefs.compute import matmul_flops
 from ..opdefs.registry import TRAFFIC_KINDS
 
 if TYPE_CHECKING:
@@ -118,10 +119,6 @@ def workload(ir: Ir) -> Workload:
     )
 
 
-# The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
-_MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
-
-
 class _Walker:
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
@@ -146,22 +143,15 @@ class _Walker:
             elif op.kind == OpKind.TORCH:
                 self._torch(op, count, io)
 
-    def _arg(self, op: Op, i: int):
-        return op.inputs[op.attrs.args[i].index]
-
     def _torch(self, op: Op, times: int, io: bool) -> None:
-        target = op.attrs.target
-        if _is_view(target):
+        if _is_view(op.attrs.target):
             return  # an alias: no work on the device
+        nbytes = sum(_dtypes.nbytes(t.shape, t.dtype) for t in (*op.inputs, *op.outputs))
+        flops = matmul_flops(op)
+        if flops is not None:
+            self.add("matmul", times, nbytes, flops, io=io)
         else:
-            nbytes = sum(_dtypes.nbytes(t.shape, t.dtype) for t in (*op.inputs, *op.outputs))
-            k_arg = _MATMUL_K_ARG.get(target._schema.name.split("::")[-1])
-            if getattr(target, "namespace", None) == "aten" and k_arg is not None:
-                k = self._arg(op, k_arg).shape[-1]
-                flops = 2 * max(1, math.prod(op.outputs[0].shape)) * k
-                self.add("matmul", times, nbytes, flops, io=io)
-            else:
-                self.add("compute", times, nbytes, io=io)
+            self.add("compute", times, nbytes, io=io)
 
 
 def _is_view(target) -> bool:

@@ -31,9 +31,10 @@ import torch
 
 from .. import dtypes as _dtypes
 from .. import opdefs
-from ..ir.graph import Graph, Op, OpKind, Slot
+from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Constant, Tensor, Variable
 from ..ir.walk import executed_ops
+from ..opdefs.compute import matmul_flops
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
 
@@ -470,16 +471,6 @@ def _buffer_placement(ir, main: Graph) -> dict:
     }
 
 
-def _arg(op: Op, i: int) -> Tensor:
-    a = op.attrs.args[i]
-    assert isinstance(a, Slot), f"{op.name}: argument {i} is not a tensor"
-    return op.inputs[a.index]
-
-
-# The tensor argument whose last dim is the contraction size K, per matmul-like aten op.
-_MATMUL_K_ARG = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "dot": 0}
-
-
 class _TrafficCounter:
     def __init__(self, num_replicas: int):
         self.R = num_replicas
@@ -498,11 +489,8 @@ class _TrafficCounter:
             if opdef is not None:
                 traffic = opdef.traffic(op, self.R)
                 self.add(traffic.kind, traffic.total_bytes, count)
-            elif op.kind == OpKind.TORCH and getattr(op.attrs.target, "namespace", None) == "aten":
-                k_arg = _MATMUL_K_ARG.get(op.attrs.target._schema.name.split("::")[-1])
-                if k_arg is not None:
-                    k = _arg(op, k_arg).shape[-1]
-                    self.flops += 2 * max(1, math.prod(op.outputs[0].shape)) * k * count
+            elif (flops := matmul_flops(op)) is not None:
+                self.flops += flops * count
 
 
 class _Liveness:

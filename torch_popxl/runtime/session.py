@@ -352,9 +352,7 @@ class Session:
             else self._unused_input(s)
             for s in h2d
         ]
-        # Measured as a delta over this run only (never a reset of the process-wide counters),
-        # so other sessions' runs cannot change this session's figures.
-        stored = self._run_fragment("normal", ins, nht)
+        stored = self._run_fragment("normal", ins, nht)  # also records this run's traffic
         self._in_sync = False
         for s, arr in outputs.items():
             values = stored.get(s._index)

@@ -27,14 +27,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-import torch
-
 from .. import dtypes as _dtypes
-from .. import opdefs
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Constant, Tensor, Variable
-from ..ir.walk import executed_ops
-from ..opdefs.compute import matmul_flops
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
 
@@ -402,10 +397,10 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         )
         for rb in ir._remote_buffers
     )
-    counter = _TrafficCounter(R)
-    counter.count(main._ops_in_context("normal"), 1)
-    traffic = {k: counter.bytes[k] for k in TRAFFIC_KINDS}
-    counts = {k: counter.calls[k] for k in TRAFFIC_KINDS}
+    # One walk of the program (the cost model's workload, per replica) gives the traffic too.
+    work = workload(ir)
+    traffic = {k: round(work.nbytes(k) * R) for k in TRAFFIC_KINDS}
+    counts = {k: work.count(k) for k in TRAFFIC_KINDS}
     predicted = {
         "collective_bytes": sum(traffic[k] for k in _COLLECTIVE_KINDS),
         "remote_load_bytes": traffic["remote_load"],
@@ -429,11 +424,11 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         buffers=buffers,
         traffic=MappingProxyType(traffic),
         op_counts=MappingProxyType(counts),
-        flops=counter.flops,
+        flops=round(work.flops),
         predicted_counters=MappingProxyType(predicted),
         measured_counters=None if measured is None else MappingProxyType(dict(measured)),
         cost_model=cost_model or CostModel(),
-        workload=workload(ir),
+        workload=work,
         **placement,
     )
 
@@ -469,28 +464,6 @@ def _buffer_placement(ir, main: Graph) -> dict:
         "rts_saved_bytes": saved,
         "shard_counts": tuple(sorted(set(shard_over.values()))),
     }
-
-
-class _TrafficCounter:
-    def __init__(self, num_replicas: int):
-        self.R = num_replicas
-        self.bytes = dict.fromkeys(TRAFFIC_KINDS, 0)
-        self.calls = dict.fromkeys(TRAFFIC_KINDS, 0)
-        self.flops = 0
-        self._ops = torch.ops.torch_popxl
-
-    def add(self, kind: str, nbytes: int, times: int) -> None:
-        self.bytes[kind] += nbytes * times
-        self.calls[kind] += times
-
-    def count(self, ops, times: int) -> None:
-        for op, count in executed_ops(ops, times):
-            opdef = opdefs.lookup(op)
-            if opdef is not None:
-                traffic = opdef.traffic(op, self.R)
-                self.add(traffic.kind, traffic.total_bytes, count)
-            elif (flops := matmul_flops(op)) is not None:
-                self.flops += flops * count
 
 
 class _Liveness:

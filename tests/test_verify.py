@@ -110,3 +110,29 @@ def test_ops_carry_typed_attribute_records():
         Op("call", "Call", (), (), {"graph": sub})
     with pytest.raises(ValueError, match="'no_such_kind' is not a valid OpKind"):
         Op("no_such_kind", "X", (), (), {})
+
+
+def test_identical_ops_share_a_fake_rerun_but_each_is_checked():
+    # Two ops with one signature: the second's wrong record must still be caught, although
+    # its fake re-run is taken from the first.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones((2, 3), np.float32))
+        a = x + 1.0
+        b = x + 1.0
+    b._fake = fake_like((3, 2), torch.float32)
+    del a
+    with pytest.raises(IrVerificationError, match=r"recorded as torch.float32\[3, 2\]"):
+        ir.verify()
+
+
+def test_a_graph_changed_after_it_verified_is_verified_again():
+    ir, _ = _program()
+    ir.verify()
+    main = ir.main_graph
+    with main:
+        x = next(t for t in main._tensors.values() if t.name == "x")
+        y = x * 2.0  # the graph's version moves on
+    y._fake = fake_like((7,), torch.float32)
+    with pytest.raises(IrVerificationError, match="recorded as"):
+        ir.verify()

@@ -9,10 +9,16 @@
 * graph outputs are defined tensors of the graph.
 
 ``Session`` verifies its Ir before compiling it, and the tests verify what they build.
+
+Verification is part of every program build, so it is kept cheap: a graph that passed is not
+checked again until it changes (its ``_version``), and a fake re-run is shared by every op with
+the same target, literal arguments and input shapes and dtypes (a stack of identical layers
+re-runs each op once), since those alone decide the shapes and dtypes the op gives.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,13 +35,26 @@ if TYPE_CHECKING:
 __all__ = ["verify_graph", "verify_ir"]
 
 
+# graph -> the _version that last passed verification.
+_verified: weakref.WeakKeyDictionary[Graph, int] = weakref.WeakKeyDictionary()
+
+# A fake re-run's signature -> the (shape, dtype) of each output it gave.
+_Signature = tuple[Any, ...]
+
+
 def verify_ir(ir: Ir) -> None:
     """Raise ``IrVerificationError`` naming the first broken invariant in any graph of ``ir``."""
+    results: dict[_Signature, list[tuple[tuple[int, ...], torch.dtype]]] = {}
     for graph in ir.graphs:
-        verify_graph(graph)
+        if _verified.get(graph) != graph._version:
+            verify_graph(graph, results)
 
 
-def verify_graph(graph: Graph) -> None:
+def verify_graph(
+    graph: Graph, results: dict[_Signature, list[tuple[tuple[int, ...], torch.dtype]]] | None = None
+) -> None:
+    """Check one graph; ``results`` shares fake re-runs between calls (see the module notes)."""
+    results = {} if results is None else results
     defined = {id(t) for t in graph._inputs}
     defined |= {id(t) for t in graph._tensors.values() if isinstance(t, Variable | Constant)}
     for index, op in enumerate(graph._ops):
@@ -53,7 +72,7 @@ def verify_graph(graph: Graph) -> None:
                     "already has, and only one of its own inputs."
                 )
         if op.kind == OpKind.TORCH:
-            _check_fake_propagation(op, where)
+            _check_fake_propagation(op, where, results)
         elif op.kind in (OpKind.CALL, OpKind.REPEAT):
             _check_call(op, where)
         defined |= {id(t) for t in op.outputs}
@@ -61,6 +80,7 @@ def verify_graph(graph: Graph) -> None:
         _check_member(graph, t, f"graph {graph.id!r}", "outputs")
         if id(t) not in defined:
             raise IrVerificationError(f"graph {graph.id!r} outputs {t.id!r}, which no op defines.")
+    _verified[graph] = graph._version
 
 
 def _check_member(graph: Graph, t: Any, where: str, verb: str) -> None:
@@ -73,7 +93,28 @@ def _check_member(graph: Graph, t: Any, where: str, verb: str) -> None:
         )
 
 
-def _check_fake_propagation(op: Op, where: str) -> None:
+def _signature(op: Op) -> _Signature | None:
+    """What decides an op's output shapes and dtypes, hashable; None when an argument is not."""
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, Slot):
+            fake = op.inputs[x.index]._fake
+            return ("slot", tuple(fake.shape), fake.dtype)
+        return x
+
+    is_slot = lambda x: isinstance(x, Slot)  # noqa: E731
+    args = pytree.tree_leaves(pytree.tree_map(meta, list(op.attrs.args), is_leaf=is_slot))
+    kwargs = sorted(op.attrs.kwargs.items())
+    key = (op.attrs.target, tuple(args), repr(pytree.tree_structure(list(op.attrs.args))),
+           repr(kwargs), op.attrs.out_paths)  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _fake_results(op: Op, where: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
     def fill(x: Any) -> Any:
         return op.inputs[x.index]._fake if isinstance(x, Slot) else x
 
@@ -82,14 +123,28 @@ def _check_fake_propagation(op: Op, where: str) -> None:
     kwargs = pytree.tree_map(fill, dict(op.attrs.kwargs), is_leaf=is_slot)
     with fake_mode():
         result = op.attrs.target(*args, **kwargs)
-    paths = op.attrs.out_paths
-    for t, path in zip(op.outputs, paths, strict=True):
+    found = []
+    for path in op.attrs.out_paths:
         value = result
         for i in path:
             value = value[i]
         if not isinstance(value, torch.Tensor):
             raise IrVerificationError(f"{where}: output path {path} is not a tensor on re-run.")
-        got, want = (tuple(value.shape), value.dtype), (tuple(t._fake.shape), t._fake.dtype)
+        found.append((tuple(value.shape), value.dtype))
+    return found
+
+
+def _check_fake_propagation(
+    op: Op, where: str, results: dict[_Signature, list[tuple[tuple[int, ...], torch.dtype]]]
+) -> None:
+    key = _signature(op)
+    found = results.get(key) if key is not None else None
+    if found is None:
+        found = _fake_results(op, where)
+        if key is not None:
+            results[key] = found
+    for t, got in zip(op.outputs, found, strict=True):
+        want = (tuple(t._fake.shape), t._fake.dtype)
         if got != want:
             raise IrVerificationError(
                 f"{where}: {t.id!r} was recorded as {want[1]}{list(want[0])} but the op gives "

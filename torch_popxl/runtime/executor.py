@@ -17,12 +17,13 @@ import torch
 
 from .. import opdefs
 from ..ir.attrs import PrintOptions
-from ..ir.graph import Graph, Op, OpKind, Slot
+from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
+from ..ir.walk import Interpreter
 from ..opdefs import kernels
 from ..opdefs.collectives import all_reduce_bytes, reduce_scatter_bytes
 from ..opdefs.registry import Effect
-from .lower import Program, lower_fragment, mutated_inputs
+from .lower import Assumptions, Program, lower_fragment
 
 if TYPE_CHECKING:
     from ..ir.ir import Ir
@@ -140,34 +141,36 @@ class FastExecutor:
         # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
         sums = ({v.id for v in self.on_chip if v.info.replica_sum} & uniform
                 if self.global_R == self.R else set())  # fmt: skip
-        forced: set[str] = set()
+        # Note [explicit batching] (runtime/explicit.py): only within one process.
+        explicit_ok = self.global_R == self.R > 1
+        assume = Assumptions(frozenset(uniform), frozenset(sums))
         while True:  # the fragments share variables: iterate until all agree
             self.program = Program(device, self.global_R)
-            self.program.uniform_vars = set(uniform)
-            self.program.sum_vars = set(sums)
-            self.program.force_batched = set(forced)
-            # Note [explicit batching] (runtime/explicit.py): only within one process.
-            self.program.explicit_ok = self.global_R == self.R > 1
-            self._compile()
-            p = self.program
-            if p.uniform_vars == uniform and p.force_batched == forced and p.sum_vars == sums:
+            self.program.explicit_ok = explicit_ok
+            settled = self._compile(assume)
+            if settled == assume:
                 break
-            uniform, forced, sums = set(p.uniform_vars), set(p.force_batched), set(p.sum_vars)
-        self.uniform = frozenset(uniform)
-        self.replica_sums = frozenset(sums)
+            assume = settled
+        self.uniform = assume.uniform_vars
+        self.replica_sums = assume.sum_vars
 
-    def _compile(self) -> None:
+    def _compile(self, assume: Assumptions) -> Assumptions:
+        """Lower the three fragments in turn, each starting from the assumptions the previous
+        one settled on; returns the last fragment's."""
         main = self.ir.main_graph
         params = self.on_chip + self.defined
         flags = [True] * len(params)
-        self.fns = {
-            "weights_from_host": lower_fragment(
-                self.program, main, self.on_chip, main._ops_in_context("weights_from_host"), self.defined,
-                "wfh", flags[: len(self.on_chip)]),
-            "normal": lower_fragment(self.program, main, params, main._ops_in_context("normal"), [], "main", flags),
-            "weights_to_host": lower_fragment(
-                self.program, main, params, main._ops_in_context("weights_to_host"), [], "wth", flags),
-        }  # fmt: skip
+        self.fns = {}
+        for fragment, tag, ps, outs in (
+            ("weights_from_host", "wfh", self.on_chip, self.defined),
+            ("normal", "main", params, []),
+            ("weights_to_host", "wth", params, []),
+        ):
+            fn = lower_fragment(self.program, main, ps, main._ops_in_context(fragment), outs, tag,
+                                flags[: len(ps)], assume)  # fmt: skip
+            assume = fn.plan.assumptions
+            self.fns[fragment] = fn
+        return assume
 
     def allocate(self, state: SessionState, v) -> torch.Tensor:
         """Storage for an on-chip variable: replica-invariant ones are stored once."""
@@ -268,91 +271,13 @@ class ReferenceExecutor:
         if fragment != "weights_from_host":
             for t in self.defined:
                 env[t.id] = list(state.persistent[t.id].unbind(0))
-        rt = _RefRun(ins, state, nht, R)
-        self._exec_ops(main._ops_in_context(fragment), env, rt)
+        rt = _RefRun(ins, state, nht, R, self.device)
+        rt.run(main._ops_in_context(fragment), env)
         if fragment == "weights_from_host":
             for t in self.defined:
                 state.persistent[t.id] = torch.stack(env[t.id])
         _emit_prints([(a, torch.stack(v)) for a, v in rt.prints], R)
         return {k: torch.stack([torch.stack(rows) for rows in ts]) for k, ts in rt.outs.items()}
-
-    def _value(self, t: Tensor, env, R):
-        if t.id not in env and isinstance(t, Constant):
-            env[t.id] = [t._data.to(self.device)] * R
-        return env[t.id]
-
-    def _exec_ops(self, ops: list[Op], env, rt: _RefRun) -> None:
-        R = rt.R
-        for op in ops:
-            ins = [self._value(t, env, R) for t in op.inputs]
-            if op.kind == OpKind.TORCH:
-                self._exec_torch(op, ins, env, R)
-            elif op.kind == OpKind.HOST_LOAD:
-                env[op.outputs[0].id] = rt.host_load(op.attrs.stream._index)
-            elif op.kind == OpKind.HOST_STORE:
-                _count_host_bytes(ins[0][0], R)
-                rt.outs.setdefault(op.attrs.stream._index, []).append([x.clone() for x in ins[0]])
-            elif op.kind == OpKind.REMOTE_LOAD:
-                load = _reference_rule(op)
-                env[op.outputs[0].id] = load(rt.buffer(op), ins[0], _buffer_id(op))
-            elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
-                load = _reference_rule(op)
-                for r, v in enumerate(load(rt.buffer(op), ins[1], _buffer_id(op))):
-                    ins[0][r].copy_(v)
-            elif op.kind == OpKind.REMOTE_STORE:
-                _reference_rule(op)(rt.buffer(op), ins[1], ins[0], _buffer_id(op))
-            elif op.kind == OpKind.PRINT:
-                rt.prints.append((op.attrs, ins[0]))
-                env[op.outputs[0].id] = ins[0]
-            elif op.kind in (OpKind.CALL, OpKind.REPEAT):
-                self._exec_call(op, ins, env, rt)
-            else:
-                raise NotImplementedError(
-                    f"The reference executor has no rule for op kind {op.kind!r}."
-                )
-
-    def _exec_torch(self, op: Op, ins, env, R) -> None:
-        target = op.attrs.target
-        args, kwargs = op.attrs.args, op.attrs.kwargs
-        opdef = opdefs.lookup(op)
-        if opdef is not None and Effect.COLLECTIVE in opdef.effects:
-            # The collective's per-replica semantics, run by the active backend over all replicas.
-            semantics = opdef.rule("reference")
-            env[op.outputs[0].id] = kernels.collectives().reference(semantics, ins[0], *args[1:])
-            return
-        per_replica = []
-        for r in range(R):
-            a = _fill(args, ins, r, self.device)
-            k = _fill(kwargs, ins, r, self.device)
-            per_replica.append(target(*a, **k))
-        for t, path in zip(op.outputs, op.attrs.out_paths, strict=True):
-            values = []
-            for res in per_replica:
-                for i in path:
-                    res = res[i]
-                values.append(res)
-            env[t.id] = values
-
-    def _exec_call(self, op: Op, ins, env, rt: _RefRun) -> None:
-        graph: Graph = op.attrs.graph
-        clone = mutated_inputs(graph) - set(op.attrs.modified)
-        carry = [[x.clone() for x in v] if i in clone else v for i, v in enumerate(ins)]
-        count = op.attrs.repeat_count
-        k = len(graph._outputs)
-        for _ in range(count):
-            sub_env = {t.id: v for t, v in zip(graph._inputs, carry, strict=True)}
-            self._exec_ops(graph._ops, sub_env, rt)
-            outs = [self._value(t, sub_env, rt.R) for t in graph._outputs]
-            outs = [
-                [x.clone() for x in o] if t in graph._inputs else o
-                for t, o in zip(graph._outputs, outs, strict=True)
-            ]
-            if op.kind == OpKind.CALL:
-                carry = outs
-            else:
-                carry[:k] = outs
-        for i, t in enumerate(op.outputs):
-            env[t.id] = carry[i]
 
 
 def _reference_rule(op: Op):
@@ -380,15 +305,72 @@ def _fill(x, ins, r, device):
     return x
 
 
-class _RefRun:
-    def __init__(self, ins, state: SessionState, nht: int, R: int):
+class _RefRun(Interpreter[list[torch.Tensor]]):
+    """One run of the reference executor: a value is the list of every replica's tensor
+    (``ir.walk.Interpreter`` does calls, repeats and pass-by-value)."""
+
+    def __init__(self, ins, state: SessionState, nht: int, R: int, device: torch.device):
         self.ins = ins
         self.state = state
         self.nht = nht
         self.R = R
+        self.device = device
         self.cursor = [0] * len(ins)
         self.outs: dict[int, list[list[torch.Tensor]]] = {}
         self.prints: list = []
+
+    def constant(self, t: Constant) -> list[torch.Tensor]:
+        return [t._data.to(self.device)] * self.R
+
+    def copy(self, value: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [x.clone() for x in value]
+
+    def op(self, op: Op, ins: list[list[torch.Tensor]], env) -> list[list[torch.Tensor]]:
+        R = self.R
+        if op.kind == OpKind.TORCH:
+            return self._torch(op, ins)
+        if op.kind == OpKind.HOST_LOAD:
+            return [self.host_load(op.attrs.stream._index)]
+        if op.kind == OpKind.HOST_STORE:
+            _count_host_bytes(ins[0][0], R)
+            self.outs.setdefault(op.attrs.stream._index, []).append([x.clone() for x in ins[0]])
+            return []
+        if op.kind == OpKind.REMOTE_LOAD:
+            return [_reference_rule(op)(self.buffer(op), ins[0], _buffer_id(op))]
+        if op.kind == OpKind.REMOTE_LOAD_INPLACE:
+            for r, v in enumerate(_reference_rule(op)(self.buffer(op), ins[1], _buffer_id(op))):
+                ins[0][r].copy_(v)
+            return [ins[0]]
+        if op.kind == OpKind.REMOTE_STORE:
+            _reference_rule(op)(self.buffer(op), ins[1], ins[0], _buffer_id(op))
+            return []
+        if op.kind == OpKind.PRINT:
+            self.prints.append((op.attrs, ins[0]))
+            return [ins[0]]
+        raise NotImplementedError(f"The reference executor has no rule for op kind {op.kind!r}.")
+
+    def _torch(self, op: Op, ins) -> list[list[torch.Tensor]]:
+        target = op.attrs.target
+        args, kwargs = op.attrs.args, op.attrs.kwargs
+        opdef = opdefs.lookup(op)
+        if opdef is not None and Effect.COLLECTIVE in opdef.effects:
+            # The collective's per-replica semantics, run by the active backend over all replicas.
+            semantics = opdef.rule("reference")
+            return [kernels.collectives().reference(semantics, ins[0], *args[1:])]
+        per_replica = []
+        for r in range(self.R):
+            a = _fill(args, ins, r, self.device)
+            k = _fill(kwargs, ins, r, self.device)
+            per_replica.append(target(*a, **k))
+        outs = []
+        for path in op.attrs.out_paths:
+            values = []
+            for res in per_replica:
+                for i in path:
+                    res = res[i]
+                values.append(res)
+            outs.append(values)
+        return outs
 
     def host_load(self, k: int) -> list[torch.Tensor]:
         i = self.cursor[k] % self.nht

@@ -2,21 +2,20 @@
 
 Three phases, one direction:
 
-1. **Flatten.** The main program's ops are walked with calls inlined (each call site gets its
-   own names) and ``repeat`` kept as a loop whose body is flattened the same way. Pass-by-value
-   becomes explicit clones (Note [pass by value]).
-2. **Analyse.** Which values are *batched* over replicas (Note [replica-invariant values]),
-   and rewrites that fold replicas into one op (Note [replica-sum accumulators], Note [fold
-   replicas into the matmul]).
-3. **Emit.** One Python function per fragment. When every op of the fragment has an explicit
-   batching rule (``runtime/explicit.py``) it works on the stacked ``[R, ...]`` values
-   directly; otherwise it runs under ``torch.func.vmap`` over the replica dimension. Either
-   way R replicas cost one pass of Python.
-
-Note [pass by value]
-    A called graph must not change its caller's tensors unless the input is by-reference or
-    marked modified. Ops run in place on the real values, so the call site clones exactly the
-    inputs the callee may modify (``mutated_inputs``) and nothing else.
+1. **Flatten** (``_Flattener``, an ``ir.walk.Interpreter`` whose values are names). The
+   fragment's ops are walked with calls inlined (each call site binds its own names) and a
+   ``repeat`` kept as one ``loop`` flat op whose body is flattened once. Pass-by-value
+   becomes explicit ``clone`` flat ops (Note [pass by value] in ``ir/walk.py``).
+2. **Analyse** (``analyse`` -> a frozen ``Plan``). Which values are *batched* over replicas
+   (Note [replica-invariant values]), which replica-sum accumulators keep their sum form and
+   where (Note [replica-sum accumulators]). A fixed point over ``Assumptions`` that only
+   narrow; the fragments of one program share variables, so ``FastExecutor`` repeats the
+   three fragments until their assumptions agree. Then ``_fold_matmuls`` rewrites the flat
+   ops (Note [fold replicas into the matmul]).
+3. **Emit** (``_Emitter``, reading the plan). One Python function per fragment. When every
+   op of the fragment has an explicit batching rule (``runtime/explicit.py``) it works on the
+   stacked ``[R, ...]`` values directly; otherwise it runs under ``torch.func.vmap`` over the
+   replica dimension. Either way R replicas cost one pass of Python.
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same
@@ -31,8 +30,8 @@ Note [replica-invariant values]
 Note [replica-sum accumulators]
     A gradient accumulator that is only ever added to, zeroed or scaled, and read only by a
     full-group add/mean all-reduce or reduce-scatter, never needs its per-replica values:
-    every use depends on their sum. Such variables (marked ``_replica_sum`` by their builder,
-    ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
+    every use depends on their sum. Such variables (``VariableInfo.replica_sum``, set by their
+    builder, ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
     ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
     matmul]) and the final reduction divides or slices it, counting the traffic the real
     collective would move. Any other use keeps the per-replica layout.

@@ -224,3 +224,25 @@ def test_fast_compiler_analysis_plan_is_frozen():
         plan.batched["v0"] = True  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.assumptions.uniform_vars = frozenset()  # type: ignore[misc]
+
+
+def test_analysis_narrows_the_invariant_set_to_variables_written_only_with_invariant_values():
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        per_replica = popxl.variable(np.zeros(4, np.float32), name="per_replica")
+        reduced = popxl.variable(np.zeros(4, np.float32), name="reduced")
+        untouched = popxl.variable(np.ones(4, np.float32), name="untouched")
+        stream = popxl.h2d_stream((4,), popxl.float32, "x")
+        x = ops.host_load(stream)
+        per_replica += x  # differs between replicas
+        reduced += ops.collectives.replicated_all_reduce(x * untouched)  # the same everywhere
+    ex = FastExecutor(ir, torch.device("cpu"))
+    assert ex.uniform == {reduced.id, untouched.id}
+    # Every fragment's plan settled on the same assumptions (the executor's fixed point).
+    assert {fn.plan.assumptions for fn in ex.fns.values()} == {ex.fns["normal"].plan.assumptions}
+    data = np.arange(16, dtype=np.float32).reshape(4, 4)
+    with popxl.Session(ir, "ipu_hw") as session:
+        session.run({stream: data})
+        got = session.get_tensors_data([per_replica, reduced])
+    assert np.allclose(got[per_replica], data[0])  # replica 0's own row
+    assert np.allclose(got[reduced], data.sum(0))  # the all-reduced sum

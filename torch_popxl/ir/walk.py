@@ -44,7 +44,7 @@ _aten = torch.ops.aten
 
 
 class Interpreter(Generic[V]):
-    """Walks ops with their values in an environment ``{tensor id: value}``; one per graph run.
+    """Walks ops with their values in an environment ``{tensor id: value}`` per graph run.
 
     Subclasses implement ``op`` and, where the program can use constants, ``constant``; they
     may override ``copy`` (Note [pass by value]), ``unbound`` and ``call`` / ``repeat``.

@@ -69,7 +69,9 @@ class Interpreter(Generic[V]):
         raise AssertionError(f"tensor {t.id} is used before it is defined")
 
     def copy(self, value: V) -> V:
-        """A copy of ``value`` that ops may change without changing ``value`` (pass by value)."""
+        """A copy of ``value`` that ops may change without changing ``value`` (pass by value).
+        The default is ``value`` itself, for value domains that stand for tensors without
+        holding their data (names, indices, fake tensors)."""
         return value
 
     def call(self, op: Op, ins: list[V]) -> Sequence[V]:

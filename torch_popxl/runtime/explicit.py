@@ -58,7 +58,7 @@ def is_random(target) -> bool:
 
 def _ok_torch(f, a, R: int) -> bool:
     target = f.op.attrs.target
-    if "sum_add" in f.extra or "sum_read" in f.extra:
+    if f in a.sum_adds or f in a.sum_reads:
         return False
     if is_random(target):
         # Each replica draws its own values (vmap's randomness="different"); the stacked form

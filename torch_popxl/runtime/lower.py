@@ -2,21 +2,20 @@
 
 Three phases, one direction:
 
-1. **Flatten.** The main program's ops are walked with calls inlined (each call site gets its
-   own names) and ``repeat`` kept as a loop whose body is flattened the same way. Pass-by-value
-   becomes explicit clones (Note [pass by value]).
-2. **Analyse.** Which values are *batched* over replicas (Note [replica-invariant values]),
-   and rewrites that fold replicas into one op (Note [replica-sum accumulators], Note [fold
-   replicas into the matmul]).
-3. **Emit.** One Python function per fragment. When every op of the fragment has an explicit
-   batching rule (``runtime/explicit.py``) it works on the stacked ``[R, ...]`` values
-   directly; otherwise it runs under ``torch.func.vmap`` over the replica dimension. Either
-   way R replicas cost one pass of Python.
-
-Note [pass by value]
-    A called graph must not change its caller's tensors unless the input is by-reference or
-    marked modified. Ops run in place on the real values, so the call site clones exactly the
-    inputs the callee may modify (``mutated_inputs``) and nothing else.
+1. **Flatten** (``_Flattener``, an ``ir.walk.Interpreter`` whose values are names). The
+   fragment's ops are walked with calls inlined (each call site binds its own names) and a
+   ``repeat`` kept as one ``loop`` flat op whose body is flattened once. Pass-by-value
+   becomes explicit ``clone`` flat ops (Note [pass by value] in ``ir/walk.py``).
+2. **Analyse** (``analyse`` -> a frozen ``Plan``). Which values are *batched* over replicas
+   (Note [replica-invariant values]), which replica-sum accumulators keep their sum form and
+   where (Note [replica-sum accumulators]). A fixed point over ``Assumptions`` that only
+   narrow; the fragments of one program share variables, so ``FastExecutor`` repeats the
+   three fragments until their assumptions agree. Then ``_fold_matmuls`` rewrites the flat
+   ops (Note [fold replicas into the matmul]).
+3. **Emit** (``_Emitter``, reading the plan). One Python function per fragment. When every
+   op of the fragment has an explicit batching rule (``runtime/explicit.py``) it works on the
+   stacked ``[R, ...]`` values directly; otherwise it runs under ``torch.func.vmap`` over the
+   replica dimension. Either way R replicas cost one pass of Python.
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same
@@ -31,8 +30,8 @@ Note [replica-invariant values]
 Note [replica-sum accumulators]
     A gradient accumulator that is only ever added to, zeroed or scaled, and read only by a
     full-group add/mean all-reduce or reduce-scatter, never needs its per-replica values:
-    every use depends on their sum. Such variables (marked ``_replica_sum`` by their builder,
-    ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
+    every use depends on their sum. Such variables (``VariableInfo.replica_sum``, set by their
+    builder, ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
     ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
     matmul]) and the final reduction divides or slices it, counting the traffic the real
     collective would move. Any other use keeps the per-replica layout.
@@ -48,106 +47,23 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
 
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
+from ..ir.walk import Interpreter, schema_effects
 from ..opdefs import kernels  # also registers torch.ops.torch_popxl
 from . import explicit as _explicit
 
-__all__ = ["Program", "mutated_inputs", "lower_fragment", "Fragment"]
+__all__ = ["Assumptions", "Fragment", "Plan", "Program", "analyse", "lower_fragment"]
 
 _SIMPLE = (int, bool, str, type(None))
 _aten = torch.ops.aten
-
-
-# ---- pass-by-value analysis (per graph) ---------------------------------------------------
-
-
-def _leaves(x):
-    if isinstance(x, list | tuple):
-        for y in x:
-            yield from _leaves(y)
-    else:
-        yield x
-
-
-def _schema_effects(op: Op):
-    """(written input indices, {output index: aliased input index}) of a torch op."""
-    schema = getattr(op.attrs.target, "_schema", None)
-    written: set[int] = set()
-    aliases: dict[int, int] = {}
-    if schema is None:
-        return written, aliases
-    args, kwargs = op.attrs.args, op.attrs.kwargs
-    sets: dict[str, int] = {}
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        for s in _leaves(value):
-            if isinstance(s, Slot):
-                if info.is_write:
-                    written.add(s.index)
-                for a in info.before_set:
-                    sets.setdefault(a, s.index)
-    hidden = _HIDDEN_WRITES.get(op.attrs.target)
-    if hidden is not None:
-        for i in hidden(args):
-            if i < len(args) and isinstance(args[i], Slot):
-                written.add(args[i].index)
-    for k, ret in enumerate(schema.returns):
-        info = ret.alias_info
-        if info is not None:
-            for a in info.before_set:
-                if a in sets:
-                    aliases[k] = sets[a]
-    return written, aliases
-
-
-# Ops that update inputs in place without saying so in their schema: native_batch_norm
-# writes the running statistics (arguments 3 and 4) when training.
-_HIDDEN_WRITES = {
-    _aten.native_batch_norm.default: lambda args: (3, 4) if len(args) > 5 and args[5] else (),
-}
-
-# Keyed by the graph object itself (weakly), so a freed graph's id can never hand its entry
-# to a new graph; the version invalidates the entry when the graph changes.
-_mutated_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def mutated_inputs(graph: Graph) -> frozenset[int]:
-    """Indices of the graph's inputs that its ops may modify in place."""
-    cached = _mutated_cache.get(graph)
-    if cached is not None and cached[0] == graph._version:
-        return cached[1]
-    root: dict[str, int] = {t.id: i for i, t in enumerate(graph._inputs)}
-    mutated: set[int] = set()
-    for op in graph._ops:
-        if op.kind == OpKind.TORCH:
-            written, aliases = _schema_effects(op)
-            for i in written:
-                if op.inputs[i].id in root:
-                    mutated.add(root[op.inputs[i].id])
-            for k, i in aliases.items():
-                if op.inputs[i].id in root and k < len(op.outputs):
-                    root.setdefault(op.outputs[k].id, root[op.inputs[i].id])
-        elif op.kind == OpKind.REMOTE_LOAD_INPLACE:
-            if op.inputs[0].id in root:
-                mutated.add(root[op.inputs[0].id])
-        elif op.kind in (OpKind.CALL, OpKind.REPEAT):
-            for i in mutated_inputs(op.attrs.graph) & set(op.attrs.modified):
-                if op.inputs[i].id in root:
-                    mutated.add(root[op.inputs[i].id])
-    result = frozenset(mutated)
-    _mutated_cache[graph] = (graph._version, result)
-    return result
 
 
 # ---- phase 1: flatten ---------------------------------------------------------------------
@@ -155,15 +71,23 @@ def mutated_inputs(graph: Graph) -> frozenset[int]:
 
 @dataclass(eq=False)
 class FlatOp:
-    """An op of the flattened program; ``ins``/``outs`` are value names."""
+    """An op of the flattened program; ``ins``/``outs`` are value names. Hashed by identity:
+    the analysis plan keys its per-op decisions by the flat op itself."""
 
     kind: str  # torch | clone | host_load | host_store | remote_load | remote_load_ |
-    # remote_store | print | loop | mm_all_reduce
+    # remote_store | print | loop | alias | mm_all_reduce | mm_replica_sum
     op: Op | None
     ins: list[str]
     outs: list[str]
     body: list[FlatOp] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # ``loop``: the body's result names fed back into ``outs[:len(results)]``, and its count.
+    results: list[str] = field(default_factory=list)
+    count: int = 0
+    # ``mm_all_reduce``: the all-reduce's operation ("add" or "mean").
+    reduce_op: str = ""
+    # A replica-sum ``add_`` whose addend is already the sum over replicas (a folded matmul,
+    # Note [replica-sum accumulators]); set by ``_fold_matmuls``.
+    presummed: bool = False
 
     @property
     def source(self) -> Op:
@@ -174,84 +98,58 @@ class FlatOp:
         return self.op
 
 
-class _Flattener:
+class _Flattener(Interpreter[str]):
+    """The program's ops as flat ops over value names (``ir.walk.Interpreter`` over names).
+
+    Calls are inlined by the walker (each call site binds its own names); a repeat becomes one
+    ``loop`` flat op whose body is the callee flattened once over fresh carried names."""
+
     def __init__(self, program: Program):
         self.program = program
+        self.out: list[FlatOp] = []  # the block being written (a loop body while in one)
 
     def flatten(self, ops, scope: dict[str, str]) -> list[FlatOp]:
-        out: list[FlatOp] = []
-        for op in ops:
-            ins = [self.name_of(t, scope) for t in op.inputs]
-            if op.kind == OpKind.CALL:
-                self._inline_call(op, ins, scope, out)
-            elif op.kind == OpKind.REPEAT:
-                self._loop(op, ins, scope, out)
-            elif op.kind == OpKind.PRINT:
-                scope[op.outputs[0].id] = ins[0]
-                out.append(FlatOp("print", op, ins, []))
-            elif (
-                op.kind == OpKind.TORCH
-                and op.attrs.target in _IDENTITY_VIEWS
-                and op.outputs[0].id not in scope
-            ):
-                # detach/alias only matter to autograd: at run time they are the same tensor
-                # (a view of the same storage), so the name is simply shared.
-                scope[op.outputs[0].id] = ins[0]
-            else:
-                outs = [self.define(t, scope) for t in op.outputs]
-                out.append(FlatOp(op.kind, op, ins, outs))
-        return out
+        self.run(ops, scope)
+        return self.out
 
-    def name_of(self, t: Tensor, scope: dict[str, str]) -> str:
-        if t.id in scope:
-            return scope[t.id]
-        if isinstance(t, Constant):
-            return self.program.constant(t)
-        raise AssertionError(f"tensor {t.id} is used before it is defined")
+    def op(self, op: Op, ins: list[str], env) -> list[str]:
+        if op.kind == OpKind.PRINT:
+            self.out.append(FlatOp("print", op, ins, []))
+            return [ins[0]]
+        if (
+            op.kind == OpKind.TORCH
+            and op.attrs.target in _IDENTITY_VIEWS
+            and op.outputs[0].id not in env
+        ):
+            # detach/alias only matter to autograd: at run time they are the same tensor
+            # (a view of the same storage), so the name is simply shared.
+            return [ins[0]]
+        # In-place ops return their (already named) input.
+        outs = [env[t.id] if t.id in env else self.program.fresh() for t in op.outputs]
+        self.out.append(FlatOp(op.kind, op, ins, outs))
+        return outs
 
-    def define(self, t: Tensor, scope: dict[str, str]) -> str:
-        if t.id in scope:  # in-place ops return their (already named) input
-            return scope[t.id]
-        name = self.program.fresh()
-        scope[t.id] = name
-        return name
+    def constant(self, t: Constant) -> str:
+        return self.program.constant(t)
 
-    def _by_value(self, graph: Graph, op: Op, ins: list[str], out: list[FlatOp]) -> list[str]:
-        clone = mutated_inputs(graph) - set(op.attrs.modified)
-        result = []
-        for i, name in enumerate(ins):
-            if i in clone:
-                new = self.program.fresh()
-                out.append(FlatOp("clone", None, [name], [new]))
-                name = new
-            result.append(name)
-        return result
+    def copy(self, value: str) -> str:
+        new = self.program.fresh()
+        self.out.append(FlatOp("clone", None, [value], [new]))
+        return new
 
-    def _inline_call(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
+    def repeat(self, op: Op, ins: list[str]) -> list[str]:
         graph: Graph = op.attrs.graph
-        args = self._by_value(graph, op, ins, out)
-        inner = {t.id: n for t, n in zip(graph._inputs, args, strict=True)}
-        out.extend(self.flatten(graph._ops, inner))
-        input_ids = {t.id for t in graph._inputs}
-        for parent_t, graph_t in zip(op.outputs, graph._outputs, strict=True):
-            name = self.name_of(graph_t, inner)
-            if graph_t.id in input_ids:  # never hand the caller an alias of its own input
-                new = self.program.fresh()
-                out.append(FlatOp("clone", None, [name], [new]))
-                name = new
-            scope[parent_t.id] = name
-
-    def _loop(self, op: Op, ins: list[str], scope, out: list[FlatOp]) -> None:
-        graph: Graph = op.attrs.graph
-        args = self._by_value(graph, op, ins, out)
+        args = self.by_value(op, ins)
         carried = [self.program.fresh() for _ in args]
-        inner = {t.id: n for t, n in zip(graph._inputs, carried, strict=True)}
-        body = self.flatten(graph._ops, inner)
-        results = [self.name_of(t, inner) for t in graph._outputs]
-        out.append(FlatOp("loop", op, args, carried, body,
-                          {"results": results, "count": op.attrs.repeat_count}))  # fmt: skip
-        for i, parent_t in enumerate(op.outputs):
-            scope[parent_t.id] = carried[i]
+        outer, self.out = self.out, []
+        env = self.run(graph._ops, self.bind(graph, carried))
+        # Loop-carried results are not copied: the loop's assignment rebinds the carried
+        # names, it never writes into a caller's value.
+        results = [self.read(t, env) for t in graph._outputs]
+        body, self.out = self.out, outer
+        self.out.append(FlatOp("loop", op, args, carried, body, results=results,
+                               count=op.attrs.repeat_count))  # fmt: skip
+        return carried[: len(op.outputs)]
 
 
 # ---- phase 2: analysis --------------------------------------------------------------------
@@ -267,63 +165,124 @@ _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._
 _is_random = _explicit.is_random
 
 
-class _Conflict(Exception):
-    """An in-place write of a batched value into an unbatched one (analysis must restart)."""
+@dataclass(frozen=True)
+class Assumptions:
+    """What the analyses of a program's fragments must agree on (they share variables): the
+    replica-invariant variables and the replica-sum variables (variable ids, Note
+    [replica-invariant values], Note [replica-sum accumulators]), and the value names that must
+    be batched although their sources are not. The analysis only ever narrows them."""
+
+    uniform_vars: frozenset[str] = frozenset()
+    sum_vars: frozenset[str] = frozenset()
+    force_batched: frozenset[str] = frozenset()
 
 
-class _Analysis:
-    """Computes ``batched[name]`` for every value; collects names that must be batched."""
+@dataclass(frozen=True)
+class Plan:
+    """The analysis of one fragment: frozen, read by the rewrites and the emitter.
 
-    def __init__(self, program: Program, R: int):
-        self.program = program
+    ``batched[name]``: whether the value differs between replicas (absent: a constant, never);
+    ``root[name]``: the value a view or in-place result aliases; ``written``: roots updated in
+    place; ``sum_adds[f]``: the input index of the per-replica addend of a replica-sum
+    ``add_``; ``sum_reads[f]``: the collective (name) that finishes a replica-sum reduction."""
+
+    assumptions: Assumptions
+    batched: Mapping[str, bool]
+    root: Mapping[str, str]
+    written: frozenset[str]
+    sum_adds: Mapping[FlatOp, int]
+    sum_reads: Mapping[FlatOp, str]
+
+    @property
+    def force_batched(self) -> frozenset[str]:
+        return self.assumptions.force_batched
+
+    def b(self, name: str) -> bool:
+        return self.batched.get(name, False)  # constants are unbatched
+
+    def root_of(self, name: str) -> str:
+        return self.root.get(name, name)
+
+
+def analyse(flat: list[FlatOp], params: Sequence[tuple[str, str, bool]],
+            var_names: Mapping[str, str], R: int, assume: Assumptions) -> Plan:  # fmt: skip
+    """The plan of ``flat`` under the widest assumptions, narrowed from ``assume``, that hold.
+
+    ``params`` are (value name, variable id, batched unless replica-invariant). Each pass
+    either accepts every op under the current assumptions or returns them narrowed by the
+    first conflict it meets (a batched value written into an unbatched one, a replica-sum
+    variable used otherwise than allowed); the passes repeat until one accepts. Assumptions
+    only narrow, so this ends."""
+    while True:
+        batched = {n: d and tid not in assume.uniform_vars for n, tid, d in params}
+        walk = _Pass(R, var_names, assume, batched)
+        narrowed = walk.block(flat)
+        if narrowed is None:
+            return Plan(assume, MappingProxyType(walk.batched), MappingProxyType(walk.root),
+                        frozenset(walk.written), MappingProxyType(walk.sum_adds),
+                        MappingProxyType(walk.sum_reads))  # fmt: skip
+        assert narrowed != assume, "an analysis conflict must narrow the assumptions"
+        assume = narrowed
+
+
+# A pass's answer for one flat op: None (accepted) or the narrowed assumptions to restart with.
+_Verdict = Assumptions | None
+
+
+class _Pass:
+    """One pass of the analysis under fixed assumptions (see ``analyse``)."""
+
+    def __init__(self, R: int, var_names: Mapping[str, str], assume: Assumptions,
+                 params: dict[str, bool]):  # fmt: skip
         self.R = R
-        self.batched: dict[str, bool] = {}
-        self.root: dict[str, str] = {}
-
-    def run(self, flat: list[FlatOp], params: dict[str, bool]) -> None:
-        self.batched = dict(params)
-        self.root = {n: n for n in params}
-        self.sum_names = {
-            n for n in params if self.program.var_names.get(n) in self.program.sum_vars
-        }
+        self.var_names = var_names
+        self.assume = assume
+        self.batched: dict[str, bool] = dict(params)
+        self.root: dict[str, str] = {n: n for n in params}
+        self.sum_names = {n for n in params if var_names.get(n) in assume.sum_vars}
         self.written: set[str] = set()  # roots of every value updated in place
-        self._block(flat)
+        self.sum_adds: dict[FlatOp, int] = {}
+        self.sum_reads: dict[FlatOp, str] = {}
+
+    def block(self, flat: list[FlatOp]) -> _Verdict:
+        for f in flat:
+            verdict = getattr(self, f"_{f.kind}")(f)
+            if verdict is not None:
+                return verdict
+        return None
 
     def b(self, name: str) -> bool:
         return self.batched.get(name, False)  # constants are unbatched
 
     def _set(self, name: str, value: bool) -> None:
-        self.batched[name] = value or name in self.program.force_batched
+        self.batched[name] = value or name in self.assume.force_batched
 
-    def _write(self, target: str, batched_source: bool) -> None:
-        self.written.add(self.root.get(target, target))
-        if batched_source and not self.b(target):
-            root = self.root.get(target, target)
-            if root in self.program.var_names:
-                self.program.uniform_vars.discard(self.program.var_names[root])
-            elif root in self.program.force_batched or root not in self.batched:
-                raise RuntimeError(
-                    f"The fast executor cannot write a per-replica value into {root}, a value "
-                    "shared by all replicas (a constant). Run with executor='reference' and "
-                    "report this program."
-                )
-            else:
-                self.program.force_batched.add(root)
-            raise _Conflict(root)
-
-    def _block(self, flat: list[FlatOp]) -> None:
-        for f in flat:
-            getattr(self, f"_{f.kind}")(f)
+    def _write(self, target: str, batched_source: bool) -> _Verdict:
+        root = self.root.get(target, target)
+        self.written.add(root)
+        if not batched_source or self.b(target):
+            return None
+        if root in self.var_names:
+            return replace(
+                self.assume, uniform_vars=self.assume.uniform_vars - {self.var_names[root]}
+            )
+        if root in self.assume.force_batched or root not in self.batched:
+            raise RuntimeError(
+                f"The fast executor cannot write a per-replica value into {root}, a value "
+                "shared by all replicas (a constant). Run with executor='reference' and "
+                "report this program."
+            )
+        return replace(self.assume, force_batched=self.assume.force_batched | {root})
 
     def _sum_roots(self, f: FlatOp) -> list[int]:
         return [i for i, n in enumerate(f.ins) if self.root.get(n, n) in self.sum_names]
 
-    def _disqualify(self, name: str) -> None:
+    def _disqualify(self, name: str) -> _Verdict:
         root = self.root.get(name, name)
-        self.program.sum_vars.discard(self.program.var_names.get(root, root))
-        raise _Conflict(root)
+        var = self.var_names.get(root, root)
+        return replace(self.assume, sum_vars=self.assume.sum_vars - {var})
 
-    def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> None:
+    def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> _Verdict:
         """Note [replica-sum accumulators]: accept the allowed uses, else fall back."""
         target = f.source.attrs.target
         args = f.source.attrs.args
@@ -331,31 +290,31 @@ class _Analysis:
         name = getattr(target, "_opname", "")
         if uses == [first] and written == {first}:
             if target is _aten.add_.Tensor and isinstance(args[1], Slot):
-                f.extra["sum_add"] = args[1].index
-                return
+                self.sum_adds[f] = args[1].index
+                return None
             if target in (_aten.zero_.default, _aten.mul_.Scalar):
-                return
+                return None
             if (
                 target is _aten.mul_.Tensor
                 and isinstance(args[1], Slot)
                 and not self.b(f.ins[args[1].index])
             ):
-                return
+                return None
         if (uses == [first] and not written and name in ("replicated_all_reduce", "replicated_reduce_scatter")
                 and args[1] in ("add", "mean") and args[2] == self.R):  # fmt: skip
-            f.extra["sum_read"] = name
-            return
-        self._disqualify(f.ins[uses[0]])
+            self.sum_reads[f] = name
+            return None
+        return self._disqualify(f.ins[uses[0]])
 
-    def _torch(self, f: FlatOp) -> None:
+    def _torch(self, f: FlatOp) -> _Verdict:
         target = f.source.attrs.target
-        f.extra.pop("sum_add", None)
-        f.extra.pop("sum_read", None)
         uses = self._sum_roots(f)
         if uses:
-            self._sum_use(f, uses, _schema_effects(f.source)[0])
-            if "sum_add" in f.extra:  # the write is of a sum: replica-invariant by design
-                return
+            verdict = self._sum_use(f, uses, schema_effects(f.source)[0])
+            if verdict is not None:
+                return verdict
+            if f in self.sum_adds:  # the write is of a sum: replica-invariant by design
+                return None
         ins = [self.b(n) for n in f.ins]
         any_b = any(ins)
         name = getattr(target, "_opname", "")
@@ -371,12 +330,14 @@ class _Analysis:
                 out_b = any_b
         else:
             out_b = any_b or _is_random(target)
-        written, aliases = _schema_effects(f.source)
+        written, aliases = schema_effects(f.source)
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
         write_b = any_b or (self.R > 1 and _is_random(target))
         for i in written:
-            self._write(f.ins[i], write_b)
+            verdict = self._write(f.ins[i], write_b)
+            if verdict is not None:
+                return verdict
         for k, out in enumerate(f.outs):
             if k in aliases:
                 src = f.ins[aliases[k]]
@@ -384,50 +345,56 @@ class _Analysis:
                 self._set(out, self.b(src))
             elif out not in self.batched:
                 self._set(out, out_b)
+        return None
 
-    def _mm_all_reduce(self, f: FlatOp) -> None:
+    def _mm_all_reduce(self, f: FlatOp) -> _Verdict:
         self._set(f.outs[0], False)
+        return None
 
-    def _alias(self, f: FlatOp) -> None:
+    def _alias(self, f: FlatOp) -> _Verdict:
         self._set(f.outs[0], self.b(f.ins[0]))
+        return None
 
-    def _clone(self, f: FlatOp) -> None:
+    def _clone(self, f: FlatOp) -> _Verdict:
         if self.root.get(f.ins[0], f.ins[0]) in self.sum_names:
-            self._disqualify(f.ins[0])
+            return self._disqualify(f.ins[0])
         self._set(f.outs[0], self.b(f.ins[0]))
+        return None
 
-    def _host_load(self, f: FlatOp) -> None:
+    def _host_load(self, f: FlatOp) -> _Verdict:
         self._set(f.outs[0], self.R > 1)
+        return None
 
-    def _remote_load(self, f: FlatOp) -> None:
+    def _remote_load(self, f: FlatOp) -> _Verdict:
         self._set(f.outs[0], self.R > 1)
+        return None
 
-    def _remote_store(self, f: FlatOp) -> None:
-        self._host_store(f)
+    def _remote_load_(self, f: FlatOp) -> _Verdict:
+        return self._write(f.ins[0], self.R > 1)
 
-    def _remote_load_(self, f: FlatOp) -> None:
-        self._write(f.ins[0], self.R > 1)
-
-    def _host_store(self, f: FlatOp) -> None:
+    def _host_store(self, f: FlatOp) -> _Verdict:
         for n in f.ins:
             if self.root.get(n, n) in self.sum_names:
-                self._disqualify(n)
+                return self._disqualify(n)
+        return None
 
-    _print = _host_store
+    _remote_store = _print = _host_store
 
-    def _loop(self, f: FlatOp) -> None:
+    def _loop(self, f: FlatOp) -> _Verdict:
         for carried, arg in zip(f.outs, f.ins, strict=True):
             self._set(carried, self.b(arg))
             self.root[carried] = self.root.get(arg, arg)  # a by-ref carry aliases its source
-        self._block(f.body)
-        results = f.extra["results"]  # loop outputs past the carried ones are not fed back
-        for carried, result in zip(f.outs[: len(results)], results, strict=True):
+        verdict = self.block(f.body)
+        if verdict is not None:
+            return verdict
+        # Loop outputs past the carried ones are not fed back.
+        for carried, result in zip(f.outs[: len(f.results)], f.results, strict=True):
             if self.b(result) and not self.b(carried):
-                self.program.force_batched.add(carried)
-                raise _Conflict(carried)
+                return replace(self.assume, force_batched=self.assume.force_batched | {carried})
+        return None
 
 
-def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatOp]:
+def _fold_matmuls(flat: list[FlatOp], plan: Plan, program: Program, R: int) -> list[FlatOp]:
     """Note [fold replicas into the matmul]."""
     uses: dict[str, int] = {}
 
@@ -437,16 +404,14 @@ def _fold_matmuls(flat: list[FlatOp], analysis: _Analysis, R: int) -> list[FlatO
                 uses[n] = uses.get(n, 0) + 1
             if f.kind == "loop":
                 count(f.body)
-                for n in f.extra["results"]:
+                for n in f.results:
                     uses[n] = uses.get(n, 0) + 1
 
     count(flat)
-    return _fold_block(flat, analysis, R, uses)
+    return _fold_block(flat, plan, program, R, uses)
 
 
-def _matmul_behind(
-    src: str, producer: dict[str, FlatOp], uses: dict[str, int], analysis: _Analysis
-):
+def _matmul_behind(src: str, producer: dict[str, FlatOp], uses: dict[str, int], plan: Plan):
     """(mm op, view ops from src back to it) when ``src`` is only-used views of a batched mm."""
     views: list[FlatOp] = []
     p = producer.get(src)
@@ -460,13 +425,13 @@ def _matmul_behind(
         src = p.ins[0]
         p = producer.get(src)
     if (p is not None and p.kind == OpKind.TORCH and p.source.attrs.target is _aten.mm.default
-            and uses.get(src) == 1 and all(analysis.b(n) for n in p.ins)):  # fmt: skip
+            and uses.get(src) == 1 and all(plan.b(n) for n in p.ins)):  # fmt: skip
         return p, views
     return None, views
 
 
 def _fold_block(
-    flat: list[FlatOp], analysis: _Analysis, R: int, uses: dict[str, int]
+    flat: list[FlatOp], plan: Plan, program: Program, R: int, uses: dict[str, int]
 ) -> list[FlatOp]:
     producer: dict[str, FlatOp] = {}
     for f in flat:
@@ -475,28 +440,28 @@ def _fold_block(
     removed: set[int] = set()
     result: list[FlatOp] = []
 
-    def fuse(kind: str, mm: FlatOp, views: list[FlatOp], name: str, extra: dict) -> None:
+    def fuse(kind: str, mm: FlatOp, views: list[FlatOp], name: str, reduce_op: str = "") -> None:
         """Replace ``mm`` (and the views after it) by ``kind``; the views are re-applied."""
         removed.add(id(mm))
         removed.update(id(v) for v in views)
-        prev = analysis.program.fresh()
-        result.append(FlatOp(kind, None, list(mm.ins), [prev], extra=extra))
+        prev = program.fresh()
+        result.append(FlatOp(kind, None, list(mm.ins), [prev], reduce_op=reduce_op))
         for v in reversed(views):  # forward order
-            out = analysis.program.fresh()
+            out = program.fresh()
             result.append(FlatOp("torch", v.op, [prev], [out]))
             prev = out
         result.append(FlatOp("alias", None, [prev], [name]))
 
     for f in flat:
         if f.kind == "loop":
-            f.body = _fold_block(f.body, analysis, R, uses)
-        if f.kind == "torch" and "sum_add" in f.extra:
+            f.body = _fold_block(f.body, plan, program, R, uses)
+        if f.kind == "torch" and f in plan.sum_adds:
             # Note [replica-sum accumulators]: acc += sum_r (a_r @ b_r) as one matmul.
-            src = f.ins[f.extra["sum_add"]]
-            mm, views = _matmul_behind(src, producer, uses, analysis)
+            src = f.ins[plan.sum_adds[f]]
+            mm, views = _matmul_behind(src, producer, uses, plan)
             if mm is not None:
-                fuse("mm_replica_sum", mm, views, src, {})
-                f.extra["presummed"] = True
+                fuse("mm_replica_sum", mm, views, src)
+                f.presummed = True
         if (
             f.kind == "torch"
             and getattr(f.source.attrs.target, "_opname", "") == "replicated_all_reduce"
@@ -507,9 +472,9 @@ def _fold_block(
                 f.source.attrs.argument("group_size"),
             )
             if group_size == R and R > 1 and op_name in ("add", "mean"):
-                mm, views = _matmul_behind(f.ins[0], producer, uses, analysis)
+                mm, views = _matmul_behind(f.ins[0], producer, uses, plan)
                 if mm is not None:
-                    fuse("mm_all_reduce", mm, views, f.outs[0], {"op": op_name})
+                    fuse("mm_all_reduce", mm, views, f.outs[0], op_name)
                     continue
         result.append(f)
     return [f for f in result if id(f) not in removed]
@@ -571,11 +536,8 @@ class Program:
         self._keepalive: list[Any] = []
         self._constants: dict[int, str] = {}
         self.sources: dict[str, str] = {}
-        self.uniform_vars: set[str] = set()
-        self.sum_vars: set[str] = set()
         self.explicit_ok = False  # set by the executor (single process, R > 1)
         self.var_names: dict[str, str] = {}
-        self.force_batched: set[str] = set()
 
     def fresh(self) -> str:
         return f"v{next(self._counter)}"
@@ -600,11 +562,9 @@ class Program:
 
 
 class _Emitter:
-    def __init__(
-        self, program: Program, analysis: _Analysis, params: list[str], explicit: bool = False
-    ):
+    def __init__(self, program: Program, plan: Plan, params: list[str], explicit: bool = False):
         self.p = program
-        self.a = analysis
+        self.a = plan
         self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
         self.lines: list[str] = []
         self.defined: set[str] = set(params)
@@ -630,7 +590,7 @@ class _Emitter:
             for n in f.outs:
                 # Materialise a forced value once, where it is defined (not after in-place
                 # ops that return it again, which would break aliasing).
-                if n in self.p.force_batched and f.kind != "loop" and n not in self.defined:
+                if n in self.a.force_batched and f.kind != "loop" and n not in self.defined:
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
                 self.defined.add(n)
 
@@ -647,15 +607,15 @@ class _Emitter:
             fn = "VIEW"
         else:
             fn = self.p.literal(target._op if is_aten else target)
-        if "sum_read" in f.extra:
+        if f in self.a.sum_reads:
             self._sum_read(f, ind)
             return
         if self._trivial_all_reduce(f, ind):
             return
         args = [self.literal(x, f) for x in f.source.attrs.args]
-        if "sum_add" in f.extra:
-            x = f.ins[f.extra["sum_add"]]
-            if f.extra.get("presummed"):
+        if f in self.a.sum_adds:
+            x = f.ins[self.a.sum_adds[f]]
+            if f.presummed:
                 summed = x
             else:
                 summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
@@ -691,10 +651,7 @@ class _Emitter:
         src, out = f.ins[0], f.outs[0]
         if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
             return False
-        if (
-            self.a.root.get(src, src) in self.a.written
-            or self.a.root.get(out, out) in self.a.written
-        ):
+        if self.a.root_of(src) in self.a.written or self.a.root_of(out) in self.a.written:
             return False
         self.lines.append(f"{ind}{out} = {src}")
         self.lines.append(
@@ -707,13 +664,13 @@ class _Emitter:
         v = f.ins[0]
         op = f.source.attrs.argument("op")
         value = f"{v}.clone()" if op == "add" else f"({v} / {self.p.R})"
-        kind = "all_reduce" if f.extra["sum_read"] == "replicated_all_reduce" else "reduce_scatter"
+        kind = "all_reduce" if self.a.sum_reads[f] == "replicated_all_reduce" else "reduce_scatter"
         self.lines.append(f"{ind}{f.outs[0]} = rt.sum_reduce({value}, {kind!r}, {self.p.R})")
 
     def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
         a, b = f.ins
         fn = "MM_ALL_REDUCE_STACKED" if self.explicit else "MM_ALL_REDUCE"
-        self.lines.append(f"{ind}{f.outs[0]} = {fn}({a}, {b}, {f.extra['op']!r})")
+        self.lines.append(f"{ind}{f.outs[0]} = {fn}({a}, {b}, {f.reduce_op!r})")
 
     def _clone(self, f: FlatOp, ind: str) -> None:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}.clone()")
@@ -727,7 +684,7 @@ class _Emitter:
     def _host_store(self, f: FlatOp, ind: str) -> None:
         # A stored value needs a snapshot only if something may update it in place later.
         name = f.ins[0]
-        snapshot = self.a.root.get(name, name) in self.a.written
+        snapshot = self.a.root_of(name) in self.a.written
         if self.explicit and not self.a.b(name):  # one row per replica on the host side
             name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
         self.lines.append(f"{ind}rt.host_store({f.source.attrs.stream._index}, {name}, {snapshot})")
@@ -753,11 +710,11 @@ class _Emitter:
         for carried, arg in zip(f.outs, f.ins, strict=True):
             self.defined.add(carried)
             self.lines.append(f"{ind}{carried} = {arg}")
-            if carried in self.p.force_batched:
+            if carried in self.a.force_batched:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
-        self.lines.append(f"{ind}for _ in range({f.extra['count']}):")
+        self.lines.append(f"{ind}for _ in range({f.count}):")
         self.block(f.body, ind + "    ")
-        results = f.extra["results"]
+        results = f.results
         if results:
             lhs = "".join(c + ", " for c in f.outs[: len(results)])
             # A carried value forced batched must stay batched when the body's result is a
@@ -774,14 +731,18 @@ class Fragment(Protocol):
     about it (set as attributes on the generated function)."""
 
     out_batched: list[bool]  # per output: does it differ between replicas?
+    plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
 
     def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
 def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops: list[Op],
-                   outputs: Sequence[Tensor], name: str, batched_params: list[bool]) -> Fragment:  # fmt: skip
-    """Compile ``ops`` of the main graph into ``fn(rt, *params) -> outputs``."""
+                   outputs: Sequence[Tensor], name: str, batched_params: list[bool],
+                   assume: Assumptions) -> Fragment:  # fmt: skip
+    """Compile ``ops`` of the main graph into ``fn(rt, *params) -> outputs`` under ``assume``;
+    ``fn.plan.assumptions`` are the ones the fragment's analysis settled on (narrower than
+    ``assume`` when the fragment contradicts them, see ``FastExecutor``)."""
     scope = {}
     param_names = []
     for t in params:
@@ -791,22 +752,12 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     program.var_names.update({n: t.id for t, n in zip(params, param_names, strict=True)})
     flat = _Flattener(program).flatten(ops, scope)
     out_names = [scope[t.id] for t in outputs]
-    analysis = _Analysis(program, program.R)
-    while True:
-        batched = {}
-        for t, n, default in zip(params, param_names, batched_params, strict=True):
-            batched[n] = default if t.id not in program.uniform_vars else False
-        try:
-            analysis.run(flat, batched)
-            break
-        except _Conflict:
-            continue
+    plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
+                   program.var_names, program.R, assume)  # fmt: skip
     if program.R > 1:
-        flat = _fold_matmuls(flat, analysis, program.R)
-    explicit = (
-        program.explicit_ok and program.R > 1 and _explicit.batchable(flat, analysis, program.R)
-    )
-    em = _Emitter(program, analysis, param_names, explicit)
+        flat = _fold_matmuls(flat, plan, program, program.R)
+    explicit = program.explicit_ok and program.R > 1 and _explicit.batchable(flat, plan, program.R)
+    em = _Emitter(program, plan, param_names, explicit)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")
@@ -815,6 +766,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     scope_: dict[str, Any] = {}
     exec(compile(src, f"<torch_popxl {graph.id} {name}>", "exec"), program.globals, scope_)
     fn = scope_["fn"]
-    fn.out_batched = [analysis.b(n) for n in out_names]
+    fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
+    fn.plan = plan
     return fn

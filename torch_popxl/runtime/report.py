@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from .. import dtypes as _dtypes
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Constant, Tensor, Variable
+from ..ir.walk import Interpreter
 from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
 from .executor import ReferenceExecutor
 
@@ -466,41 +467,62 @@ def _buffer_placement(ir, main: Graph) -> dict:
     }
 
 
-class _Liveness:
-    """Peak bytes of live intermediates over a graph's op order (Note [peak intermediates])."""
+class _Liveness(Interpreter[None]):
+    """Peak bytes of live intermediates over a graph's op order (Note [peak intermediates]).
 
-    def __init__(self, persistent: set[str]):
+    A walk of one graph (``ir.walk.Interpreter``) that carries no values: each op's outputs
+    become live, a call or repeat first adds its callee's own peak (one walk per callee graph,
+    shared by every call site), and values die after their last reader."""
+
+    def __init__(self, persistent: set[str], callee_peaks: dict[int, int] | None = None):
         self.persistent = persistent
-        self._callee_peaks: dict[int, int] = {}
-
-    def _is_intermediate(self, t: Tensor, graph: Graph) -> bool:
-        if isinstance(t, Variable | Constant) or t.id in self.persistent:
-            return False
-        return all(t.id != x.id for x in graph._inputs)
+        self._callee_peaks: dict[int, int] = {} if callee_peaks is None else callee_peaks
 
     def peak(self, graph: Graph, ops: list[Op]) -> int:
-        last_use: dict[str, int] = {}
+        self.graph = graph
+        self.last_use: dict[str, int] = {}
         for i, op in enumerate(ops):
             for t in op.inputs:
-                last_use[t.id] = i
+                self.last_use[t.id] = i
         for t in graph._outputs:
-            last_use[t.id] = len(ops)
-        live: dict[str, int] = {}
-        total = peak = 0
-        for i, op in enumerate(ops):
-            if op.kind in (OpKind.CALL, OpKind.REPEAT):
-                peak = max(peak, total + self._callee_peak(op.attrs.graph))
-            for t in op.outputs:
-                if t.id not in live and self._is_intermediate(t, graph):
-                    live[t.id] = _dtypes.nbytes(t.shape, t.dtype)
-                    total += live[t.id]
-            peak = max(peak, total)
-            for tid in [tid for tid in live if last_use.get(tid, i) <= i]:
-                total -= live.pop(tid)
-        return peak
+            self.last_use[t.id] = len(ops)
+        self.live: dict[str, int] = {}
+        self.index = self.total = self.max = 0
+        self.run(ops, {})
+        return self.max
+
+    def op(self, op: Op, ins: list[None], env) -> list[None]:
+        for t in op.outputs:
+            if t.id not in self.live and self._is_intermediate(t):
+                self.live[t.id] = _dtypes.nbytes(t.shape, t.dtype)
+                self.total += self.live[t.id]
+        self.max = max(self.max, self.total)
+        i = self.index
+        for tid in [tid for tid in self.live if self.last_use.get(tid, i) <= i]:
+            self.total -= self.live.pop(tid)
+        self.index += 1
+        return [None] * len(op.outputs)
+
+    def call(self, op: Op, ins: list[None]) -> list[None]:
+        self.max = max(self.max, self.total + self._callee_peak(op.attrs.graph))
+        return self.op(op, ins, {})
+
+    repeat = call
+
+    def constant(self, t: Constant) -> None:
+        return None
+
+    def unbound(self, t: Tensor) -> None:
+        return None
+
+    def _is_intermediate(self, t: Tensor) -> bool:
+        if isinstance(t, Variable | Constant) or t.id in self.persistent:
+            return False
+        return all(t.id != x.id for x in self.graph._inputs)
 
     def _callee_peak(self, graph: Graph) -> int:
         key = id(graph)
         if key not in self._callee_peaks:
-            self._callee_peaks[key] = self.peak(graph, graph._ops)
+            walk = _Liveness(self.persistent, self._callee_peaks)
+            self._callee_peaks[key] = walk.peak(graph, graph._ops)
         return self._callee_peaks[key]

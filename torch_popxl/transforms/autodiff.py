@@ -28,6 +28,7 @@ from ..ir.tensor import (
     graph_input,
     graph_output,
 )
+from ..ir.walk import Interpreter
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -151,14 +152,17 @@ def _differentiable_dtype(t: Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
-class _Replay:
-    """The forward graph re-run on fake tensors that track gradients."""
+class _Replay(Interpreter[torch.Tensor]):
+    """The forward graph re-run on fake tensors that track gradients (``ir.walk.Interpreter``
+    over fake tensors). Calls are entered; a repeat, like a host or remote load, yields fresh
+    values without a gradient path."""
 
     def __init__(self, graph: Graph, required: list[Tensor]):
         self.graph = graph
         self.value: dict[str, torch.Tensor] = {}
         self.fwd_of: dict[int, Tensor] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused
+        self._depth = 0  # > 0 inside a callee, whose values are not the graph's own
         required_ids = {t.id for t in required}
         with fake_mode():
             for t in graph._inputs:
@@ -167,7 +171,7 @@ class _Replay:
                     leaf.requires_grad_(True)
                 self._bind(t, leaf)
             with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
-                self._run_ops(graph._ops, self.value)
+                self.run(graph._ops, self.value)
 
     def _note(self, fake: torch.Tensor, t: Tensor) -> None:
         self._alive.append(fake)
@@ -177,29 +181,20 @@ class _Replay:
         self.value[t.id] = fake
         self._note(fake, t)
 
-    def _get(self, t: Tensor, env) -> torch.Tensor:
-        if t.id not in env and isinstance(t, Constant):
-            with fake_mode() as fm:
-                fake = fm.from_tensor(t._data)
-            env[t.id] = fake
-            self._note(fake, t)
-        return env[t.id]
+    def _note_outputs(self, op: Op, values) -> None:
+        if self._depth == 0:
+            for t, v in zip(op.outputs, values, strict=True):
+                self._note(v, t)
 
-    def _run_ops(self, ops: Iterable[Op], env) -> None:
-        for op in ops:
-            if op.kind == OpKind.TORCH:
-                self._run_torch(op, env)
-            elif op.kind == OpKind.CALL:
-                self._run_call(op, env)
-            else:
-                # Host loads, remote loads, prints: values without a gradient path.
-                for t in op.outputs:
-                    fake = _fake_like(t.shape, t.dtype)
-                    env[t.id] = fake
-                    self._note(fake, t)
+    def constant(self, t: Constant) -> torch.Tensor:
+        with fake_mode() as fm:
+            fake = fm.from_tensor(t._data)
+        self._note(fake, t)
+        return fake
 
-    def _run_torch(self, op: Op, env) -> None:
-        ins = [self._get(t, env) for t in op.inputs]
+    def op(self, op: Op, ins: list[torch.Tensor], env) -> list[torch.Tensor]:
+        if op.kind != OpKind.TORCH:
+            return self._no_gradient_path(op)
         target = op.attrs.target
         args = _fill(op.attrs.args, ins)
         kwargs = _fill(op.attrs.kwargs, ins)
@@ -208,23 +203,33 @@ class _Replay:
                 result = target(*args, **kwargs)
         else:
             result = target(*args, **kwargs)
-        for t, path in zip(op.outputs, op.attrs.out_paths, strict=True):
+        outs = []
+        for path in op.attrs.out_paths:
             value = result
             for i in path:
                 value = value[i]
-            env[t.id] = value
-            if env is self.value:
-                self._note(value, t)
+            outs.append(value)
+        self._note_outputs(op, outs)
+        return outs
 
-    def _run_call(self, op: Op, env) -> None:
-        callee: Graph = op.attrs.graph
-        sub = {gt.id: self._get(pt, env) for gt, pt in zip(callee._inputs, op.inputs, strict=True)}
-        self._run_ops(callee._ops, sub)
-        for pt, gt in zip(op.outputs, callee._outputs, strict=True):
-            value = sub[gt.id]
-            env[pt.id] = value
-            if env is self.value:
-                self._note(value, pt)
+    def call(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        self._depth += 1
+        try:
+            outs = self.enter(op, self.by_value(op, ins))
+        finally:
+            self._depth -= 1
+        self._note_outputs(op, outs)
+        return outs
+
+    def repeat(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._no_gradient_path(op)
+
+    def _no_gradient_path(self, op: Op) -> list[torch.Tensor]:
+        # Host loads, remote loads, prints, repeats: values without a gradient path.
+        outs = [_fake_like(t.shape, t.dtype) for t in op.outputs]
+        for t, fake in zip(op.outputs, outs, strict=True):
+            self._note(fake, t)
+        return outs
 
 
 def _has_no_gradient(target) -> bool:

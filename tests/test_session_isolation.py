@@ -179,6 +179,70 @@ def test_run_never_modifies_the_callers_input_array(replicas, kind, executor):
     np.testing.assert_array_equal(np.asarray(given), data)
 
 
+def _write_through_a_view(replicas):
+    """x = host_load; reshape_(x) += 3 (a view of the loaded value); store x."""
+    ir = popxl.Ir(replicas)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        x = ops.host_load(xs)
+        v = ops.reshape_(x, (3, 1))
+        v += 3.0
+        ys = popxl.d2h_stream((3,), popxl.float32, "y")
+        ops.host_store(ys, x)
+    return ir, xs, ys, lambda d: d + 3
+
+
+def _write_inside_a_called_graph(replicas):
+    """The loaded value passed to a subgraph that adds to its input, marked modified."""
+    ir = popxl.Ir(replicas)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        x = ops.host_load(xs)
+
+        def bump(t):
+            t += 2.0
+            return t
+
+        g = ir.create_graph(bump, x)
+        info = ops.call_with_info(g, x)
+        info.set_parent_input_modified(x)
+        ys = popxl.d2h_stream((3,), popxl.float32, "y")
+        ops.host_store(ys, x)
+    return ir, xs, ys, lambda d: d + 2
+
+
+@pytest.mark.parametrize("build", [_write_through_a_view, _write_inside_a_called_graph])
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_inputs_written_through_views_or_calls_are_copied(build, replicas, executor):
+    ir, xs, ys, expect = build(replicas)
+    shape = (replicas, 3) if replicas > 1 else (3,)
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1
+    given = data.copy()
+    with popxl.Session(ir, executor=executor) as session:
+        for _ in range(2):
+            np.testing.assert_array_equal(session.run({xs: given})[ys], expect(data))
+    np.testing.assert_array_equal(given, data)
+
+
+def test_only_streams_the_program_writes_are_copied():
+    # The fast executor shares memory with inputs nothing writes (no copy per run) and copies
+    # the ones it writes; the analysis tells which.
+    ir = popxl.Ir(2)
+    with ir.main_graph:
+        a_s = popxl.h2d_stream((3,), popxl.float32, "a")
+        b_s = popxl.h2d_stream((3,), popxl.float32, "b")
+        a, b = ops.host_load(a_s), ops.host_load(b_s)
+        b += a
+        ys = popxl.d2h_stream((3,), popxl.float32, "y")
+        ops.host_store(ys, b * 1.0)
+    with popxl.Session(ir) as session:
+        assert session._executor.written_streams == frozenset({b_s._index})
+        a_data, b_data = np.ones((2, 3), np.float32), np.full((2, 3), 2.0, np.float32)
+        y = session.run({a_s: a_data, b_s: b_data})[ys]
+    np.testing.assert_array_equal(y, np.full((2, 3), 3.0))
+    np.testing.assert_array_equal(b_data, np.full((2, 3), 2.0))
+
+
 # ----------------------------------------------------------------------------------------
 # Data of another kind than the stream's dtype
 # ----------------------------------------------------------------------------------------

@@ -154,6 +154,8 @@ class FastExecutor:
             assume = settled
         self.uniform = assume.uniform_vars
         self.replica_sums = assume.sum_vars
+        # Session copies only these inputs; the others are read, never written.
+        self.written_streams = self.fns["normal"].written_streams
 
     def _compile(self, assume: Assumptions) -> Assumptions:
         """Lower the three fragments in turn, each starting from the assumptions the previous

@@ -733,6 +733,7 @@ class Fragment(Protocol):
     out_batched: list[bool]  # per output: does it differ between replicas?
     plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
+    written_streams: frozenset[int]  # host streams whose loaded values it updates in place
 
     def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
@@ -769,4 +770,16 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
     fn.plan = plan
+    fn.written_streams = _written_streams(flat, plan)
     return fn
+
+
+def _written_streams(flat: list[FlatOp], plan: Plan) -> frozenset[int]:
+    """Indices of the host streams whose loaded values (or views of them) an op updates in
+    place: only their inputs need a private copy per run (``Session``)."""
+    found: set[int] = set()
+    for f in flat:
+        if f.kind == "host_load" and f.outs[0] in plan.written:
+            found.add(f.source.attrs.stream._index)
+        found |= _written_streams(f.body, plan)
+    return frozenset(found)

@@ -346,8 +346,13 @@ class Session:
                 self._verify_shape(s, np.asarray(arr), "output")
         nht = self._ir.num_host_transfers
         h2d = self._ir._h2d_streams  # in index order (appended as created)
+        # Note [inputs are never written]: a private copy only of the streams whose loaded
+        # values the program updates in place (all of them for an executor that cannot say).
+        written = getattr(self._executor, "written_streams", None)
         ins = [
-            self._input_tensor(s, inputs[s], downcast_inputs)
+            self._input_tensor(
+                s, inputs[s], downcast_inputs, copy=written is None or s._index in written
+            )  # fmt: skip
             if s in inputs
             else self._unused_input(s)
             for s in h2d
@@ -405,8 +410,11 @@ class Session:
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor
         return torch.zeros((nht, R, *s.shape), dtype=s.dtype.as_torch(), device=self._torch_device)
 
-    def _input_tensor(self, s: HostToDeviceStream, data, downcast: bool) -> torch.Tensor:
-        """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device."""
+    def _input_tensor(
+        self, s: HostToDeviceStream, data, downcast: bool, copy: bool = True
+    ) -> torch.Tensor:
+        """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device; ``copy``:
+        never share memory with ``data`` (needed when the program writes the loaded value)."""
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu().numpy()
         arr = np.asarray(data)
@@ -428,9 +436,10 @@ class Session:
         t = torch.from_numpy(np.ascontiguousarray(arr))
         if t.dtype == torch.uint8 and s.dtype.name.startswith("float8"):
             t = t.view(s.dtype.as_torch())
-        # Always a copy: the program may update a loaded tensor in place (``+=``, an in-place
-        # all-reduce), and the caller's array must never change.
-        return t.to(device=self._torch_device, dtype=s.dtype.as_torch(), copy=True)
+        # Note [inputs are never written]: the program may update a loaded tensor in place
+        # (``+=``, an in-place all-reduce); the caller's array must never change, so such
+        # inputs are copied. The others may share the caller's memory: nothing writes them.
+        return t.to(device=self._torch_device, dtype=s.dtype.as_torch(), copy=copy)
 
     def _fill_output(self, s: DeviceToHostStream, arr: np.ndarray, values: torch.Tensor) -> None:
         nht, R = self._ir.num_host_transfers, self._ir.instance_replication_factor

@@ -22,6 +22,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from torch_popxl.opdefs import kernels as K
 from torch_popxl.opdefs import reference as ref
+from torch_popxl.opdefs.all_gather import reference as ref_all_gather
+from torch_popxl.opdefs.all_reduce import reference as ref_all_reduce
+from torch_popxl.opdefs.reduce_scatter import reference as ref_reduce_scatter
+from torch_popxl.opdefs.remote import reference_load as ref_remote_load
+from torch_popxl.opdefs.remote import reference_store as ref_remote_store
+from torch_popxl.opdefs.take_own import reference as ref_take_own
 
 ops = torch.ops.torch_popxl
 
@@ -95,7 +101,7 @@ def test_worked_all_reduce_add(stride, group_size):
     expected = torch.tensor(ALL_REDUCE_ADD[(stride, group_size)], dtype=torch.float32)[:, None]
     stacked = ops.all_reduce_stacked(x, "add", group_size, stride)
     vmapped = per_replica(K.replicated_all_reduce, "add", group_size, stride)(x)
-    reference = torch.stack(ref.all_reduce(list(x), "add", group_size, stride))
+    reference = torch.stack(ref_all_reduce(list(x), "add", group_size, stride))
     for result in (stacked, vmapped, reference):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
@@ -107,7 +113,7 @@ def test_worked_reduce_scatter_add(stride, group_size):
     expected = expected[:, None]  # output shape (1,) per replica
     stacked = ops.reduce_scatter_stacked(x, "add", group_size, stride)
     vmapped = per_replica(K.replicated_reduce_scatter, "add", group_size, stride)(x)
-    reference = torch.stack(ref.reduce_scatter(list(x), "add", group_size, stride))
+    reference = torch.stack(ref_reduce_scatter(list(x), "add", group_size, stride))
     for result in (stacked, vmapped, reference):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
@@ -118,7 +124,7 @@ def test_worked_all_gather_new_axis(stride, group_size):
     expected = torch.tensor(ALL_GATHER[(stride, group_size)], dtype=torch.float32)[..., None]
     stacked = ops.all_gather_stacked(x, group_size, stride)
     vmapped = per_replica(K.replicated_all_gather, group_size, stride)(x)
-    reference = torch.stack(ref.all_gather(list(x), group_size, stride))
+    reference = torch.stack(ref_all_gather(list(x), group_size, stride))
     for result in (stacked, vmapped, reference):
         assert result.shape == (8, group_size, 1)
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
@@ -172,24 +178,24 @@ def test_stacked_kernels_match_reference(case, op):
     tol = TOLERANCES[dtype]
 
     if op != "local":
-        expected = torch.stack(ref.all_reduce(xs, op, group_size, stride))
+        expected = torch.stack(ref_all_reduce(xs, op, group_size, stride))
         torch.testing.assert_close(
             ops.all_reduce_stacked(x, op, group_size, stride), expected, **tol
         )
 
     flat = x.reshape(replicas, math.prod(shape))
-    expected = torch.stack(ref.reduce_scatter(xs, op, group_size, stride))
+    expected = torch.stack(ref_reduce_scatter(xs, op, group_size, stride))
     result = ops.reduce_scatter_stacked(flat, op, group_size, stride)
     assert result.shape == (replicas, -(-math.prod(shape) // group_size))
     torch.testing.assert_close(result, expected, **tol)
 
     gathered = ops.all_gather_stacked(x, group_size, stride)
-    torch.testing.assert_close(gathered, torch.stack(ref.all_gather(xs, group_size, stride)))
+    torch.testing.assert_close(gathered, torch.stack(ref_all_gather(xs, group_size, stride)))
 
     rows = make_stacked(replicas, (group_size, *shape), dtype, seed + 1, contiguous)
     torch.testing.assert_close(
         ops.take_own_stacked(rows, group_size, stride),
-        torch.stack(ref.take_own(list(rows), group_size, stride)),
+        torch.stack(ref_take_own(list(rows), group_size, stride)),
     )
 
 
@@ -208,11 +214,11 @@ def test_other_dtypes_match_reference(dtype, op):
     # float64 one can round differently by one ulp (<= 2**-7 relative).
     tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0}
     torch.testing.assert_close(
-        ops.all_reduce_stacked(x, op, 2, 2), torch.stack(ref.all_reduce(list(x), op, 2, 2)), **tol
+        ops.all_reduce_stacked(x, op, 2, 2), torch.stack(ref_all_reduce(list(x), op, 2, 2)), **tol
     )
     torch.testing.assert_close(
         ops.reduce_scatter_stacked(x.reshape(8, 6), op, 4, 1),
-        torch.stack(ref.reduce_scatter(list(x), op, 4, 1)),
+        torch.stack(ref_reduce_scatter(list(x), op, 4, 1)),
         **tol,
     )
 
@@ -323,7 +329,7 @@ def test_remote_store_inside_vmap_writes_through():
     loaded = torch.func.vmap(step)(buffer, offsets, values)
     torch.testing.assert_close(loaded, values)
     expected = torch.zeros(4, 3, 2)
-    ref.remote_store(list(expected), offsets.tolist(), list(values))
+    ref_remote_store(list(expected), offsets.tolist(), list(values))
     torch.testing.assert_close(buffer, expected)
 
     # Replica dim not first, and an unbatched offset and value shared by every replica.
@@ -347,7 +353,7 @@ def test_remote_load_matches_reference_and_copies():
     buffer = torch.randn(4, 5, 2, 3)[:, ::2]  # non-contiguous: [R=4, entries=3, 2, 3]
     offsets = torch.tensor([2, 0, 1, 2], dtype=torch.uint8)
     loaded = ops.remote_load_stacked(buffer, offsets, 3)
-    torch.testing.assert_close(loaded, torch.stack(ref.remote_load(list(buffer), offsets.tolist())))
+    torch.testing.assert_close(loaded, torch.stack(ref_remote_load(list(buffer), offsets.tolist())))
     loaded.zero_()
     assert buffer.abs().sum() > 0
 
@@ -473,7 +479,7 @@ def test_all_gather_grad_is_own_row(stride, group_size):
     y = per_replica(K.replicated_all_gather, group_size, stride)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    torch.testing.assert_close(x.grad, torch.stack(ref.take_own(list(grad), group_size, stride)))
+    torch.testing.assert_close(x.grad, torch.stack(ref_take_own(list(grad), group_size, stride)))
 
 
 @pytest.mark.parametrize(("stride", "group_size"), [(1, 4), (2, 2), (1, 8)])
@@ -482,7 +488,7 @@ def test_reduce_scatter_local_grad_is_all_gather(stride, group_size):
     y = per_replica(K.replicated_reduce_scatter, "local", group_size, stride)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    gathered = ref.all_gather(list(grad), group_size, stride)
+    gathered = ref_all_gather(list(grad), group_size, stride)
     expected = torch.stack([g.reshape(-1)[:6].reshape(3, 2) for g in gathered])
     torch.testing.assert_close(x.grad, expected)
 
@@ -500,7 +506,7 @@ def test_take_own_grad_is_all_gather():
     y = per_replica(K.replicated_take_own, 2, 2)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    torch.testing.assert_close(x.grad, torch.stack(ref.all_gather(list(grad), 2, 2)))
+    torch.testing.assert_close(x.grad, torch.stack(ref_all_gather(list(grad), 2, 2)))
 
 
 def test_single_replica_autograd():
@@ -737,10 +743,10 @@ def test_full_group_shortcut_matches_reference_for_valid_grouping():
     """The fast path still gives the reference numbers when the grouping is the full set."""
     x = torch.tensor([1.0, 2.0, 4.0])
     got = torch.func.vmap(lambda t: K.replicated_all_reduce(t, "add", 3, 1))(x)
-    want = torch.stack(ref.all_reduce(list(x.unbind(0)), "add", 3, 1))
+    want = torch.stack(ref_all_reduce(list(x.unbind(0)), "add", 3, 1))
     torch.testing.assert_close(got.expand(3), want)
     gathered = torch.func.vmap(lambda t: K.replicated_all_gather(t, 3, 1))(x)
-    want = torch.stack(ref.all_gather(list(x.unbind(0)), 3, 1))
+    want = torch.stack(ref_all_gather(list(x.unbind(0)), 3, 1))
     torch.testing.assert_close(gathered.expand(3, 3), want)
 
 
@@ -765,7 +771,7 @@ def test_remote_offsets_are_range_checked_as_64_bit():
     torch.testing.assert_close(buffer, before)
     # The reference semantics agree: same check, same wording.
     with pytest.raises(ValueError, match=r"offset 4294967296 is out of range"):
-        ref.remote_load([buffer[0]], [torch.tensor(2**32)], 7)
+        ref_remote_load([buffer[0]], [torch.tensor(2**32)], 7)
 
 
 def test_nan_remote_offset_says_nan():
@@ -773,6 +779,6 @@ def test_nan_remote_offset_says_nan():
     with pytest.raises(TypeError, match="NaN"):
         ops.remote_load_stacked(buffer, torch.tensor([0.0, float("nan")]), 7)
     with pytest.raises(TypeError, match="NaN"):
-        ref.remote_load([buffer[0]], [torch.tensor(float("nan"))], 7)
+        ref_remote_load([buffer[0]], [torch.tensor(float("nan"))], 7)
     with pytest.raises(TypeError, match="NaN"):
-        ref.remote_store([buffer[0]], [float("nan")], [torch.zeros(2)], 7)
+        ref_remote_store([buffer[0]], [float("nan")], [torch.zeros(2)], 7)

@@ -1,6 +1,7 @@
-"""Tests for the torch_popxl._C kernels and their Python registrations (opdefs/kernels.py).
+"""Tests for the torch_popxl._C kernels and their Python registrations (the op stanzas in
+opdefs/, re-exported by opdefs/kernels.py).
 
-The readable reference in opdefs/reference.py is the specification; the stacked
+The readable reference, each stanza's ``reference`` function, is the specification; the stacked
 C++ kernels and the per-replica ops under vmap must agree with it and with the worked numbers
 of popxl.md §11.5.
 """

@@ -2,7 +2,7 @@
 values (popxl.md §5.1). Everything the project knows about the op is here; its C++ kernels are
 ``all_reduce_stacked`` and ``all_reduce_full`` (csrc/collectives.cpp).
 
-Gradient: PopXL defines none, so backward raises (Note [collective gradients] in kernels.py).
+Gradient: PopXL defines none, so backward raises (Note [collective gradients] in opdefs/kernels.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = [
 NAME = "replicated_all_reduce"
 
 
-# ---- traffic (Note [traffic formulas] in collectives.py) -----------------------------------
+# ---- traffic (Note [traffic formulas] in registry.py) --------------------------------------
 
 
 def all_reduce_bytes(num_replicas: int, group_size: int, row_bytes: int) -> int:

@@ -9,7 +9,7 @@ import torch
 
 import torch_popxl as popxl
 from torch_popxl import opdefs, ops
-from torch_popxl.opdefs import kernels as K
+from torch_popxl.opdefs import backends
 from torch_popxl.opdefs.all_gather import all_gather_bytes
 from torch_popxl.opdefs.all_reduce import all_reduce_bytes
 from torch_popxl.opdefs.reduce_scatter import reduce_scatter_bytes
@@ -23,16 +23,24 @@ def test_python_formulas_equal_the_bytes_the_cpp_kernels_count(R, G, S, num_elem
     x = torch.randn(R, num_elements)
     row = num_elements * x.element_size()
     cases = [
-        (lambda: K._ops.all_reduce_stacked(x, "add", G, S), all_reduce_bytes(R, G, row)),
-        (lambda: K._ops.all_gather_stacked(x, G, S), all_gather_bytes(R, G, row)),
         (
-            lambda: K._ops.reduce_scatter_stacked(x, "add", G, S),
+            lambda: torch.ops.torch_popxl.all_reduce_stacked(x, "add", G, S),
+            all_reduce_bytes(R, G, row),
+        ),
+        (lambda: torch.ops.torch_popxl.all_gather_stacked(x, G, S), all_gather_bytes(R, G, row)),
+        (
+            lambda: torch.ops.torch_popxl.reduce_scatter_stacked(x, "add", G, S),
             reduce_scatter_bytes(R, G, num_elements, x.element_size(), "add"),
         ),
-        (lambda: K._ops.take_own_stacked(x.reshape(R, 1, -1).expand(R, G, -1), G, S), 0),
+        (
+            lambda: torch.ops.torch_popxl.take_own_stacked(
+                x.reshape(R, 1, -1).expand(R, G, -1), G, S
+            ),
+            0,
+        ),
     ]
     for run, expected in cases:
-        with K.traffic_scope() as delta:
+        with backends.traffic_scope() as delta:
             run()
         assert delta["collective_bytes"] == expected
         assert delta["num_collectives"] == 1
@@ -175,7 +183,7 @@ def test_a_sum_read_gives_the_collectives_value_and_counts_its_bytes():
     found = {d.name: (d, op) for d, op in _program_ops()}
     summed = torch.arange(8, dtype=torch.float32)  # the sum over 4 replicas, already taken
     ar, ar_op = found["replicated_all_reduce"]
-    with K.traffic_scope() as delta:
+    with backends.traffic_scope() as delta:
         out = ar.rule("sum_read")(ar_op, 4)(summed, lambda v: v)
     torch.testing.assert_close(out, summed)
     assert delta["collective_bytes"] == all_reduce_bytes(4, 4, 32)

@@ -9,8 +9,8 @@ Stanzas: ``all_reduce``, ``all_gather``, ``reduce_scatter`` (with ``'local'``, P
 stores), ``host`` (host streams), ``fused`` (ops the fast compiler makes by fusion) and
 ``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
-layout helpers), ``_api`` (wrapper checks) and ``reference`` (helpers of the reference
-semantics). ``kernels`` re-exports the custom ops for the C++ library and older imports.
+layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
+(helpers of the reference semantics).
 
 Sits above capture and below the public API (docs/architecture.md). Importing it loads the
 C++ extension.
@@ -23,7 +23,6 @@ from . import (
     compute,
     fused,
     host,
-    kernels,
     reduce_scatter,
     reference,
     registry,
@@ -43,7 +42,6 @@ __all__ = [
     "compute",
     "fused",
     "host",
-    "kernels",
     "lookup",
     "reduce_scatter",
     "reference",

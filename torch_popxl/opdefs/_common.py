@@ -3,6 +3,36 @@ kernels' wording, and the small layout helpers of the vmap rules.
 
 Importing this module loads the C++ extension (``torch_popxl._C``), which defines the stacked
 ops (``torch.ops.torch_popxl.*_stacked``) that the stanzas register fake and autograd rules on.
+
+Two layers of ops live in the ``torch_popxl`` namespace:
+
+* **Stacked ops** (C++, ``csrc/``, named ``<op>_stacked``): dim 0 of every tensor is the
+  replica dim, of size R, so one call simulates all replicas at once.
+* **Per-replica ops** (``torch.library.custom_op``, one per stanza, ``per_replica`` there):
+  they describe ONE replica's view, which is what a captured PopXL program records. Running the per-replica program under
+  ``torch.func.vmap`` over a leading replica dim turns each call into the stacked op: the vmap
+  batch size *is* the replica count R (torch-techniques.md §3.1).
+
+Outside vmap a per-replica op sees a single replica, so it only accepts ``group_size == 1``.
+Limits that follow from how vmap dispatches custom ops:
+
+* The replica dim is the vmap level that batches the op's inputs. Inside vmap an op whose
+  inputs are all unbatched never reaches its vmap rule (torch runs the plain kernel), so it
+  behaves as a single replica; batch such a value over replicas first.
+* Under nested vmaps the innermost level that batches the inputs is taken as the replica dim.
+* Gradients work with ``torch.autograd`` over a vmapped program. ``torch.func.grad`` combined
+  with these ops (``vmap(grad(f))`` or ``grad(vmap(f))``) is rejected by torch ("must override
+  the setup_context staticmethod"), a limitation of custom-op autograd under functorch.
+
+Note [collective gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Gradients follow PopXL's autodiff rules (popxl.md §5), not the derivative of the stacked
+function. PopXL treats each replica's incoming gradient as that replica's local contribution
+and leaves any cross-replica sum to collectives the program calls explicitly (for example the
+reduce-scatter of weight gradients in RTS training), and an op PopXL defines no gradient for
+raises in backward. Each stanza's docstring states its op's rule (all_gather's gradient is
+take_own, for example). The same rules are registered on the stacked ops, because ``torch.autograd`` over a vmapped
+program records the stacked calls made by the vmap rules, not the per-replica ops.
 """
 
 from __future__ import annotations

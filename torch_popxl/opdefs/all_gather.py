@@ -2,7 +2,7 @@
 value (popxl.md §5.5). Its C++ kernels are ``all_gather_stacked`` and ``all_gather_full``.
 
 Gradient: ``take_own`` — each replica keeps its own row, no summing (Note [collective
-gradients] in opdefs/kernels.py).
+gradients] in opdefs/_common.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 values (popxl.md §5.1). Everything the project knows about the op is here; its C++ kernels are
 ``all_reduce_stacked`` and ``all_reduce_full`` (csrc/collectives.cpp).
 
-Gradient: PopXL defines none, so backward raises (Note [collective gradients] in opdefs/kernels.py).
+Gradient: PopXL defines none, so backward raises (Note [collective gradients] in opdefs/_common.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ chunk i (popxl.md §5.2). ``op == "local"`` is PopXL's no-reduction variant
 moves. Its C++ kernel is ``reduce_scatter_stacked``.
 
 Gradient: for ``'local'`` the ``all_gather`` of the gradient shard; PopXL has none for any
-other op, so backward raises (Note [collective gradients] in opdefs/kernels.py).
+other op, so backward raises (Note [collective gradients] in opdefs/_common.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 is ``take_own_stacked``.
 
 Gradient: ``all_gather`` (PopXL's grad of a 'local' reduce-scatter; Note [collective
-gradients] in opdefs/kernels.py).
+gradients] in opdefs/_common.py).
 """
 
 from __future__ import annotations

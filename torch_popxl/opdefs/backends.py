@@ -29,6 +29,7 @@ from ._common import ops
 
 __all__ = [
     "Collectives",
+    "InstanceTransport",
     "SimulatorCollectives",
     "add_collective_traffic",
     "add_host_bytes",

@@ -675,8 +675,9 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = {fn}({f.ins[0]}, {f.ins[1]})")
 
     def _passthrough(self, f: FlatOp, ind: str) -> bool:
-        """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
-        value through (no copy) when neither side is updated in place later."""
+        """A collective whose definition says it returns its input unchanged (``passthrough``:
+        an add/mean/min/max all-reduce over groups of one replica): pass the value through (no
+        copy) when neither side is updated in place later."""
         collective = _collective(f.source)
         if collective is None or not collective.rule("passthrough")(f.source):
             return False

@@ -3,8 +3,8 @@
 // Each kernel views the replica dim [R] as [R/(G*S), G, S] (see Grouping in
 // collective_common.h) and works with ordinary ATen reductions/permutes on that view, so it
 // runs on any device, on non-contiguous inputs, and inherits ATen's parallel CPU kernels
-// instead of hand-written loops. The readable per-replica specification lives in
-// torch_popxl/opdefs/reference.py; tests/test_kernels.py checks the two agree.
+// instead of hand-written loops. The readable per-replica specification is each op stanza's
+// reference function (torch_popxl/opdefs/<op>.py); tests/test_kernels.py checks the two agree.
 #include "collective_common.h"
 #include "kernels.h"
 

@@ -5,25 +5,31 @@
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
-// torch_popxl.opdefs.kernels.py; their vmap rules call these kernels. kernels.py also holds
-// the fake (shape) implementations and the autograd formulas, which set_python_module below
-// tells the dispatcher where to find.
+// the op's stanza, torch_popxl/opdefs/<op>.py; their vmap rules call these kernels. The stanza
+// also holds the kernels' fake (shape) implementations and autograd formulas: each
+// set_python_module below names the stanza of the ops defined after it, so the dispatcher
+// knows where to find them.
 #include <torch/library.h>
 
 #include "kernels.h"
 
 TORCH_LIBRARY(torch_popxl, m) {
-  m.set_python_module("torch_popxl.opdefs.kernels");
-  // Stacked collectives (collectives.cpp).
+  // Stacked collectives (collectives.cpp) and their full-group forms (fused.cpp).
+  m.set_python_module("torch_popxl.opdefs.all_reduce");
   m.def("all_reduce_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
-  m.def("all_gather_stacked(Tensor x, int group_size, int stride) -> Tensor");
-  m.def("reduce_scatter_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
-  m.def("take_own_stacked(Tensor x, int group_size, int stride) -> Tensor");
-  // Full-group collectives and the fused matmul + all-reduce (fused.cpp).
   m.def("all_reduce_full(Tensor x, str op) -> Tensor");
+  m.set_python_module("torch_popxl.opdefs.all_gather");
+  m.def("all_gather_stacked(Tensor x, int group_size, int stride) -> Tensor");
   m.def("all_gather_full(Tensor x) -> Tensor");
+  m.set_python_module("torch_popxl.opdefs.reduce_scatter");
+  m.def("reduce_scatter_stacked(Tensor x, str op, int group_size, int stride) -> Tensor");
+  m.set_python_module("torch_popxl.opdefs.take_own");
+  m.def("take_own_stacked(Tensor x, int group_size, int stride) -> Tensor");
+  // The fused matmul + all-reduce (fused.cpp).
+  m.set_python_module("torch_popxl.opdefs.fused");
   m.def("mm_all_reduce_stacked(Tensor a, Tensor b, str op) -> Tensor");
   // Remote buffers (remote.cpp).
+  m.set_python_module("torch_popxl.opdefs.remote");
   m.def("remote_load_stacked(Tensor buffer, Tensor offsets, int buffer_id) -> Tensor");
   m.def(
       "remote_store_stacked_(Tensor(a!) buffer, Tensor offsets, Tensor value, int buffer_id)"
@@ -39,7 +45,7 @@ TORCH_LIBRARY(torch_popxl, m) {
 }
 
 // The kernels are built only from device-generic ATen ops, so one CompositeExplicitAutograd
-// registration serves CPU, CUDA and any other backend (autograd comes from kernels.py).
+// registration serves CPU, CUDA and any other backend (autograd comes from the stanzas).
 TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("all_reduce_stacked", TORCH_FN(torch_popxl::all_reduce_stacked));
   m.impl("all_gather_stacked", TORCH_FN(torch_popxl::all_gather_stacked));

@@ -1,6 +1,7 @@
-"""Tests for the torch_popxl._C kernels and their Python registrations (opdefs/kernels.py).
+"""Tests for the torch_popxl._C kernels and their Python registrations (the op stanzas in
+opdefs/).
 
-The readable reference in opdefs/reference.py is the specification; the stacked
+The readable reference, each stanza's ``reference`` function, is the specification; the stacked
 C++ kernels and the per-replica ops under vmap must agree with it and with the worked numbers
 of popxl.md §11.5.
 """
@@ -20,8 +21,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torch_popxl.opdefs import kernels as K
+from torch_popxl.opdefs import backends
 from torch_popxl.opdefs import reference as ref
+from torch_popxl.opdefs._common import VALID_OPS, check_grouping
+from torch_popxl.opdefs.all_gather import per_replica as replicated_all_gather
+from torch_popxl.opdefs.all_gather import reference as ref_all_gather
+from torch_popxl.opdefs.all_reduce import per_replica as replicated_all_reduce
+from torch_popxl.opdefs.all_reduce import reference as ref_all_reduce
+from torch_popxl.opdefs.reduce_scatter import per_replica as replicated_reduce_scatter
+from torch_popxl.opdefs.reduce_scatter import reference as ref_reduce_scatter
+from torch_popxl.opdefs.remote import load_per_replica as remote_load
+from torch_popxl.opdefs.remote import reference_load as ref_remote_load
+from torch_popxl.opdefs.remote import reference_store as ref_remote_store
+from torch_popxl.opdefs.remote import store_per_replica as remote_store_
+from torch_popxl.opdefs.take_own import per_replica as replicated_take_own
+from torch_popxl.opdefs.take_own import reference as ref_take_own
+
+_ops = torch.ops.torch_popxl
 
 ops = torch.ops.torch_popxl
 
@@ -94,8 +110,8 @@ def test_worked_all_reduce_add(stride, group_size):
     x = replica_ids()
     expected = torch.tensor(ALL_REDUCE_ADD[(stride, group_size)], dtype=torch.float32)[:, None]
     stacked = ops.all_reduce_stacked(x, "add", group_size, stride)
-    vmapped = per_replica(K.replicated_all_reduce, "add", group_size, stride)(x)
-    reference = torch.stack(ref.all_reduce(list(x), "add", group_size, stride))
+    vmapped = per_replica(replicated_all_reduce, "add", group_size, stride)(x)
+    reference = torch.stack(ref_all_reduce(list(x), "add", group_size, stride))
     for result in (stacked, vmapped, reference):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
@@ -106,8 +122,8 @@ def test_worked_reduce_scatter_add(stride, group_size):
     expected = torch.tensor(REDUCE_SCATTER_ADD[(stride, group_size)], dtype=torch.float32)
     expected = expected[:, None]  # output shape (1,) per replica
     stacked = ops.reduce_scatter_stacked(x, "add", group_size, stride)
-    vmapped = per_replica(K.replicated_reduce_scatter, "add", group_size, stride)(x)
-    reference = torch.stack(ref.reduce_scatter(list(x), "add", group_size, stride))
+    vmapped = per_replica(replicated_reduce_scatter, "add", group_size, stride)(x)
+    reference = torch.stack(ref_reduce_scatter(list(x), "add", group_size, stride))
     for result in (stacked, vmapped, reference):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
@@ -117,8 +133,8 @@ def test_worked_all_gather_new_axis(stride, group_size):
     x = replica_ids()
     expected = torch.tensor(ALL_GATHER[(stride, group_size)], dtype=torch.float32)[..., None]
     stacked = ops.all_gather_stacked(x, group_size, stride)
-    vmapped = per_replica(K.replicated_all_gather, group_size, stride)(x)
-    reference = torch.stack(ref.all_gather(list(x), group_size, stride))
+    vmapped = per_replica(replicated_all_gather, group_size, stride)(x)
+    reference = torch.stack(ref_all_gather(list(x), group_size, stride))
     for result in (stacked, vmapped, reference):
         assert result.shape == (8, group_size, 1)
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
@@ -164,7 +180,7 @@ def make_stacked(replicas, shape, dtype, seed, contiguous):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=grouped_cases(), op=st.sampled_from(K.VALID_OPS + ("local",)))
+@given(case=grouped_cases(), op=st.sampled_from(VALID_OPS + ("local",)))
 def test_stacked_kernels_match_reference(case, op):
     replicas, group_size, stride, shape, dtype, seed, contiguous = case
     x = make_stacked(replicas, shape, dtype, seed, contiguous)
@@ -172,31 +188,31 @@ def test_stacked_kernels_match_reference(case, op):
     tol = TOLERANCES[dtype]
 
     if op != "local":
-        expected = torch.stack(ref.all_reduce(xs, op, group_size, stride))
+        expected = torch.stack(ref_all_reduce(xs, op, group_size, stride))
         torch.testing.assert_close(
             ops.all_reduce_stacked(x, op, group_size, stride), expected, **tol
         )
 
     flat = x.reshape(replicas, math.prod(shape))
-    expected = torch.stack(ref.reduce_scatter(xs, op, group_size, stride))
+    expected = torch.stack(ref_reduce_scatter(xs, op, group_size, stride))
     result = ops.reduce_scatter_stacked(flat, op, group_size, stride)
     assert result.shape == (replicas, -(-math.prod(shape) // group_size))
     torch.testing.assert_close(result, expected, **tol)
 
     gathered = ops.all_gather_stacked(x, group_size, stride)
-    torch.testing.assert_close(gathered, torch.stack(ref.all_gather(xs, group_size, stride)))
+    torch.testing.assert_close(gathered, torch.stack(ref_all_gather(xs, group_size, stride)))
 
     rows = make_stacked(replicas, (group_size, *shape), dtype, seed + 1, contiguous)
     torch.testing.assert_close(
         ops.take_own_stacked(rows, group_size, stride),
-        torch.stack(ref.take_own(list(rows), group_size, stride)),
+        torch.stack(ref_take_own(list(rows), group_size, stride)),
     )
 
 
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float64, torch.int64, torch.uint8, torch.bool]
 )
-@pytest.mark.parametrize("op", K.VALID_OPS)
+@pytest.mark.parametrize("op", VALID_OPS)
 def test_other_dtypes_match_reference(dtype, op):
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, 6, (8, 3, 2), generator=generator).to(dtype)
@@ -208,11 +224,11 @@ def test_other_dtypes_match_reference(dtype, op):
     # float64 one can round differently by one ulp (<= 2**-7 relative).
     tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0}
     torch.testing.assert_close(
-        ops.all_reduce_stacked(x, op, 2, 2), torch.stack(ref.all_reduce(list(x), op, 2, 2)), **tol
+        ops.all_reduce_stacked(x, op, 2, 2), torch.stack(ref_all_reduce(list(x), op, 2, 2)), **tol
     )
     torch.testing.assert_close(
         ops.reduce_scatter_stacked(x.reshape(8, 6), op, 4, 1),
-        torch.stack(ref.reduce_scatter(list(x), op, 4, 1)),
+        torch.stack(ref_reduce_scatter(list(x), op, 4, 1)),
         **tol,
     )
 
@@ -253,20 +269,20 @@ def test_expanded_input_and_outputs_never_alias():
 def test_per_replica_ops_under_vmap(stride, group_size):
     x = torch.randn(8, 3, 5)
     torch.testing.assert_close(
-        per_replica(K.replicated_all_reduce, "max", group_size, stride)(x),
+        per_replica(replicated_all_reduce, "max", group_size, stride)(x),
         ops.all_reduce_stacked(x, "max", group_size, stride),
     )
     torch.testing.assert_close(
-        per_replica(K.replicated_reduce_scatter, "mean", group_size, stride)(x),
+        per_replica(replicated_reduce_scatter, "mean", group_size, stride)(x),
         ops.reduce_scatter_stacked(x.reshape(8, 15), "mean", group_size, stride),
     )
     # A non-zero batch dim is moved to the front before the stacked kernel sees it.
     moved = x.movedim(0, 1)
-    gathered = torch.func.vmap(lambda t: K.replicated_all_gather(t, group_size, stride), in_dims=1)(
+    gathered = torch.func.vmap(lambda t: replicated_all_gather(t, group_size, stride), in_dims=1)(
         moved
     )
     torch.testing.assert_close(gathered, ops.all_gather_stacked(x, group_size, stride))
-    torch.testing.assert_close(per_replica(K.replicated_take_own, group_size, stride)(gathered), x)
+    torch.testing.assert_close(per_replica(replicated_take_own, group_size, stride)(gathered), x)
 
 
 def test_unbatched_value_is_replicated_across_vmap():
@@ -274,21 +290,21 @@ def test_unbatched_value_is_replicated_across_vmap():
     # input broadcasts it to all R replicas.
     buffer = torch.arange(12.0).reshape(3, 4)  # shared, unbatched
     offsets = torch.tensor([2, 0, 1, 2])
-    loaded = torch.func.vmap(lambda o: K.remote_load(buffer, o, 5))(offsets)
+    loaded = torch.func.vmap(lambda o: remote_load(buffer, o, 5))(offsets)
     torch.testing.assert_close(loaded, buffer[offsets])
 
 
 def test_single_replica_ops_outside_vmap():
     x = torch.randn(2, 3)
-    torch.testing.assert_close(K.replicated_all_reduce(x, "add", 1, 1), x)
-    torch.testing.assert_close(K.replicated_all_reduce(x, "square_add", 1, 4), x * x)
-    torch.testing.assert_close(K.replicated_all_gather(x, 1, 1), x[None])
-    torch.testing.assert_close(K.replicated_take_own(x[None], 1, 1), x)
-    torch.testing.assert_close(K.replicated_reduce_scatter(x, "add", 1, 1), x.reshape(-1))
+    torch.testing.assert_close(replicated_all_reduce(x, "add", 1, 1), x)
+    torch.testing.assert_close(replicated_all_reduce(x, "square_add", 1, 4), x * x)
+    torch.testing.assert_close(replicated_all_gather(x, 1, 1), x[None])
+    torch.testing.assert_close(replicated_take_own(x[None], 1, 1), x)
+    torch.testing.assert_close(replicated_reduce_scatter(x, "add", 1, 1), x.reshape(-1))
     buffer = torch.zeros(3, 2)
-    K.remote_store_(buffer, torch.tensor(1), torch.tensor([4.0, 5.0]), 9)
+    remote_store_(buffer, torch.tensor(1), torch.tensor([4.0, 5.0]), 9)
     assert buffer.tolist() == [[0, 0], [4, 5], [0, 0]]
-    loaded = K.remote_load(buffer, torch.tensor(1, dtype=torch.int16), 9)
+    loaded = remote_load(buffer, torch.tensor(1, dtype=torch.int16), 9)
     loaded.add_(1)  # a load is a copy: the buffer is unchanged
     assert buffer.tolist() == [[0, 0], [4, 5], [0, 0]]
 
@@ -296,10 +312,10 @@ def test_single_replica_ops_outside_vmap():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: K.replicated_all_reduce(torch.ones(2), "add", 2, 1),
-        lambda: K.replicated_all_gather(torch.ones(2), 4, 1),
-        lambda: K.replicated_reduce_scatter(torch.ones(2), "local", 2, 1),
-        lambda: K.replicated_take_own(torch.ones(2, 2), 2, 1),
+        lambda: replicated_all_reduce(torch.ones(2), "add", 2, 1),
+        lambda: replicated_all_gather(torch.ones(2), 4, 1),
+        lambda: replicated_reduce_scatter(torch.ones(2), "local", 2, 1),
+        lambda: replicated_take_own(torch.ones(2, 2), 2, 1),
     ],
 )
 def test_collective_outside_vmap_needs_group_size_one(call):
@@ -317,19 +333,19 @@ def test_remote_store_inside_vmap_writes_through():
     values = torch.arange(8.0).reshape(4, 2)
 
     def step(b, o, v):
-        K.remote_store_(b, o, v, 7)
-        return K.remote_load(b, o, 7)
+        remote_store_(b, o, v, 7)
+        return remote_load(b, o, 7)
 
     loaded = torch.func.vmap(step)(buffer, offsets, values)
     torch.testing.assert_close(loaded, values)
     expected = torch.zeros(4, 3, 2)
-    ref.remote_store(list(expected), offsets.tolist(), list(values))
+    ref_remote_store(list(expected), offsets.tolist(), list(values))
     torch.testing.assert_close(buffer, expected)
 
     # Replica dim not first, and an unbatched offset and value shared by every replica.
     other = torch.zeros(3, 4, 2)  # [entries, R, slot]
     torch.func.vmap(
-        lambda b: (K.remote_store_(b, torch.tensor(2), torch.ones(2), 7), b.sum())[1], in_dims=1
+        lambda b: (remote_store_(b, torch.tensor(2), torch.ones(2), 7), b.sum())[1], in_dims=1
     )(other)
     assert other[2].eq(1).all() and other[:2].eq(0).all()
 
@@ -337,7 +353,7 @@ def test_remote_store_inside_vmap_writes_through():
 def test_remote_store_inside_vmap_needs_a_batched_buffer():
     shared = torch.zeros(3, 2)
     with pytest.raises(ValueError, match=r"private copy.*in_dims=0"):
-        torch.func.vmap(lambda v: (K.remote_store_(shared, torch.tensor(0), v, 1), v)[1])(
+        torch.func.vmap(lambda v: (remote_store_(shared, torch.tensor(0), v, 1), v)[1])(
             torch.ones(4, 2)
         )
     assert shared.eq(0).all()
@@ -347,7 +363,7 @@ def test_remote_load_matches_reference_and_copies():
     buffer = torch.randn(4, 5, 2, 3)[:, ::2]  # non-contiguous: [R=4, entries=3, 2, 3]
     offsets = torch.tensor([2, 0, 1, 2], dtype=torch.uint8)
     loaded = ops.remote_load_stacked(buffer, offsets, 3)
-    torch.testing.assert_close(loaded, torch.stack(ref.remote_load(list(buffer), offsets.tolist())))
+    torch.testing.assert_close(loaded, torch.stack(ref_remote_load(list(buffer), offsets.tolist())))
     loaded.zero_()
     assert buffer.abs().sum() > 0
 
@@ -438,7 +454,7 @@ def test_fake_impls_validate_while_tracing():
     with FakeTensorMode():
         x = torch.empty(8, 5)
         assert ops.reduce_scatter_stacked(x, "add", 4, 2).shape == (8, 2)
-        assert K.replicated_all_gather(torch.empty(3), 4, 2).shape == (4, 3)
+        assert replicated_all_gather(torch.empty(3), 4, 2).shape == (4, 3)
         with pytest.raises(ValueError, match="unknown op"):
             ops.all_reduce_stacked(x, "prod", 2, 1)
         with pytest.raises(ValueError, match="R=8"):
@@ -449,8 +465,8 @@ def test_capture_once_then_simulate():
     # A per-replica program traced with fake tensors records the custom ops (group_size > 1 is
     # fine at trace time); vmap over the captured graph then simulates all replicas.
     def program(x):
-        shard = K.replicated_reduce_scatter(x * 2, "add", 4, 1)
-        return K.replicated_all_gather(shard, 4, 1).reshape(-1)[: x.numel()].reshape(x.shape)
+        shard = replicated_reduce_scatter(x * 2, "add", 4, 1)
+        return replicated_all_gather(shard, 4, 1).reshape(-1)[: x.numel()].reshape(x.shape)
 
     graph = make_fx(program, tracing_mode="fake")(torch.randn(3, 2))
     targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
@@ -464,32 +480,32 @@ def test_capture_once_then_simulate():
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd (Note [collective gradients] in opdefs/kernels.py)
+# Autograd (Note [collective gradients] in opdefs/_common.py)
 
 
 @pytest.mark.parametrize(("stride", "group_size"), [(1, 4), (2, 2), (2, 4)])
 def test_all_gather_grad_is_own_row(stride, group_size):
     x = torch.randn(8, 3, requires_grad=True)
-    y = per_replica(K.replicated_all_gather, group_size, stride)(x)
+    y = per_replica(replicated_all_gather, group_size, stride)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    torch.testing.assert_close(x.grad, torch.stack(ref.take_own(list(grad), group_size, stride)))
+    torch.testing.assert_close(x.grad, torch.stack(ref_take_own(list(grad), group_size, stride)))
 
 
 @pytest.mark.parametrize(("stride", "group_size"), [(1, 4), (2, 2), (1, 8)])
 def test_reduce_scatter_local_grad_is_all_gather(stride, group_size):
     x = torch.randn(8, 3, 2, requires_grad=True)  # n = 6, not a multiple of G = 4 or 8
-    y = per_replica(K.replicated_reduce_scatter, "local", group_size, stride)(x)
+    y = per_replica(replicated_reduce_scatter, "local", group_size, stride)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    gathered = ref.all_gather(list(grad), group_size, stride)
+    gathered = ref_all_gather(list(grad), group_size, stride)
     expected = torch.stack([g.reshape(-1)[:6].reshape(3, 2) for g in gathered])
     torch.testing.assert_close(x.grad, expected)
 
 
 def test_reduce_scatter_local_grad_of_empty_input():
     x = torch.randn(4, 0, requires_grad=True)
-    y = per_replica(K.replicated_reduce_scatter, "local", 2, 1)(x)
+    y = per_replica(replicated_reduce_scatter, "local", 2, 1)(x)
     assert y.shape == (4, 0)
     y.sum().backward()
     assert x.grad.shape == (4, 0)
@@ -497,28 +513,28 @@ def test_reduce_scatter_local_grad_of_empty_input():
 
 def test_take_own_grad_is_all_gather():
     x = torch.randn(8, 2, 3, requires_grad=True)
-    y = per_replica(K.replicated_take_own, 2, 2)(x)
+    y = per_replica(replicated_take_own, 2, 2)(x)
     grad = torch.randn_like(y)
     y.backward(grad)
-    torch.testing.assert_close(x.grad, torch.stack(ref.all_gather(list(grad), 2, 2)))
+    torch.testing.assert_close(x.grad, torch.stack(ref_all_gather(list(grad), 2, 2)))
 
 
 def test_single_replica_autograd():
     x = torch.randn(2, 3, requires_grad=True)
-    K.replicated_reduce_scatter(x, "local", 1, 1).sum().backward()
+    replicated_reduce_scatter(x, "local", 1, 1).sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(2, 3))
     x.grad = None
-    (K.replicated_all_gather(x, 1, 1) * 3).sum().backward()
+    (replicated_all_gather(x, 1, 1) * 3).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((2, 3), 3.0))
 
 
 @pytest.mark.parametrize(
     "forward",
     [
-        lambda x: per_replica(K.replicated_reduce_scatter, "add", 2, 1)(x),
-        lambda x: per_replica(K.replicated_all_reduce, "add", 2, 1)(x),
-        lambda x: K.replicated_reduce_scatter(x[0], "max", 1, 1),
-        lambda x: K.replicated_all_reduce(x[0], "add", 1, 1),
+        lambda x: per_replica(replicated_reduce_scatter, "add", 2, 1)(x),
+        lambda x: per_replica(replicated_all_reduce, "add", 2, 1)(x),
+        lambda x: replicated_reduce_scatter(x[0], "max", 1, 1),
+        lambda x: replicated_all_reduce(x[0], "add", 1, 1),
     ],
 )
 def test_no_popxl_gradient_raises(forward):
@@ -533,8 +549,8 @@ def test_no_popxl_gradient_raises(forward):
 
 
 def test_traffic_counters_follow_ring_formulas():
-    K.reset_traffic_counters()
-    assert set(K.traffic_counters().values()) == {0}
+    backends.reset_traffic_counters()
+    assert set(backends.traffic_counters().values()) == {0}
     R, G, S = 8, 4, 2
     x = torch.randn(R, 5)  # float32: n = 20 bytes per replica
     n = 20
@@ -551,12 +567,12 @@ def test_traffic_counters_follow_ring_formulas():
     ops.remote_store_stacked_(
         buffer, torch.ones(R, dtype=torch.int64), torch.ones(R, 2, 3, dtype=torch.float16), 1
     )
-    K.add_host_bytes(100)
+    backends.add_host_bytes(100)
 
     all_reduce = (R // G) * 2 * (G - 1) * n  # sum over replicas of 2(G-1)/G * n
     all_gather = R * (G - 1) * n
     reduce_scatter = R * (G - 1) * 2 * 4  # (G-1)/G * padded bytes (G * 2 * 4) per replica
-    assert K.traffic_counters() == {
+    assert backends.traffic_counters() == {
         "collective_bytes": all_reduce + all_gather + reduce_scatter,
         "remote_load_bytes": R * 12,
         "remote_store_bytes": 2 * R * 12,
@@ -569,28 +585,28 @@ def test_traffic_counters_follow_ring_formulas():
     # A failed call moves nothing.
     with pytest.raises(ValueError):
         ops.remote_load_stacked(buffer, torch.full((R,), 3), 1)
-    assert K.traffic_counters()["num_remote_loads"] == 1
+    assert backends.traffic_counters()["num_remote_loads"] == 1
 
-    K.reset_traffic_counters()
-    assert set(K.traffic_counters().values()) == {0}
+    backends.reset_traffic_counters()
+    assert set(backends.traffic_counters().values()) == {0}
     with pytest.raises(ValueError, match=">= 0"):
-        K.add_host_bytes(-1)
+        backends.add_host_bytes(-1)
 
 
 def test_traffic_counters_are_thread_safe():
-    K.reset_traffic_counters()
+    backends.reset_traffic_counters()
 
     def work():
         for _ in range(2000):
-            K.add_host_bytes(3)
+            backends.add_host_bytes(3)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert K.traffic_counters()["host_bytes"] == 4 * 2000 * 3
-    K.reset_traffic_counters()
+    assert backends.traffic_counters()["host_bytes"] == 4 * 2000 * 3
+    backends.reset_traffic_counters()
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,13 +629,13 @@ OPCHECK_CASES = [
         ops.remote_store_stacked_.default,
         lambda: (torch.randn(4, 3, 2), torch.tensor([0, 2, 1, 0]), torch.randn(4, 2), 1),
     ),
-    (K.replicated_all_reduce, lambda: (torch.randn(3), "square_add", 1, 1)),
-    (K.replicated_all_gather, lambda: (torch.randn(3, requires_grad=True), 1, 1)),
-    (K.replicated_take_own, lambda: (torch.randn(1, 3, requires_grad=True), 1, 1)),
-    (K.replicated_reduce_scatter, lambda: (torch.randn(2, 3, requires_grad=True), "local", 1, 1)),
-    (K.replicated_reduce_scatter, lambda: (torch.randn(2, 3), "add", 1, 1)),
-    (K.remote_load, lambda: (torch.randn(3, 2), torch.tensor(2), 1)),
-    (K.remote_store_, lambda: (torch.randn(3, 2), torch.tensor(2), torch.randn(2), 1)),
+    (replicated_all_reduce, lambda: (torch.randn(3), "square_add", 1, 1)),
+    (replicated_all_gather, lambda: (torch.randn(3, requires_grad=True), 1, 1)),
+    (replicated_take_own, lambda: (torch.randn(1, 3, requires_grad=True), 1, 1)),
+    (replicated_reduce_scatter, lambda: (torch.randn(2, 3, requires_grad=True), "local", 1, 1)),
+    (replicated_reduce_scatter, lambda: (torch.randn(2, 3), "add", 1, 1)),
+    (remote_load, lambda: (torch.randn(3, 2), torch.tensor(2), 1)),
+    (remote_store_, lambda: (torch.randn(3, 2), torch.tensor(2), torch.randn(2), 1)),
 ]
 
 
@@ -669,8 +685,8 @@ _OVERFLOW_CALLS = {
 
 _SUBPROCESS_TEMPLATE = """
 import torch
-from torch_popxl.opdefs import kernels as K
-ops = torch.ops.torch_popxl
+import torch_popxl.opdefs  # registers the ops
+K = ops = torch.ops.torch_popxl
 x = torch.zeros([1], dtype=torch.int8)
 try:
     {call}
@@ -714,9 +730,9 @@ def test_grouping_bounds_are_checked_without_overflow(R, group_size, stride):
     with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
         ops.all_reduce_stacked(x, "add", group_size, stride)
     with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
-        K.check_grouping("all_reduce", R, group_size, stride)
+        check_grouping("all_reduce", R, group_size, stride)
     with pytest.raises(ValueError, match=rf"does not tile R={R} replicas"):
-        torch.func.vmap(lambda t: K.replicated_all_reduce(t, "add", group_size, stride))(x)
+        torch.func.vmap(lambda t: replicated_all_reduce(t, "add", group_size, stride))(x)
 
 
 @pytest.mark.parametrize("stride", [-1, 0, 2])
@@ -725,9 +741,9 @@ def test_full_group_shortcut_validates_stride(op, stride):
     """G = R takes the full-group fast path under vmap; an invalid stride must not."""
     x = torch.arange(3, dtype=torch.float32)
     if op == "all_reduce":
-        fn = lambda t: K.replicated_all_reduce(t, "add", 3, stride)  # noqa: E731
+        fn = lambda t: replicated_all_reduce(t, "add", 3, stride)  # noqa: E731
     else:
-        fn = lambda t: K.replicated_all_gather(t, 3, stride)  # noqa: E731
+        fn = lambda t: replicated_all_gather(t, 3, stride)  # noqa: E731
     match = "must be >= 1" if stride < 1 else "does not tile R=3"
     with pytest.raises(ValueError, match=match):
         torch.func.vmap(fn)(x)
@@ -736,11 +752,11 @@ def test_full_group_shortcut_validates_stride(op, stride):
 def test_full_group_shortcut_matches_reference_for_valid_grouping():
     """The fast path still gives the reference numbers when the grouping is the full set."""
     x = torch.tensor([1.0, 2.0, 4.0])
-    got = torch.func.vmap(lambda t: K.replicated_all_reduce(t, "add", 3, 1))(x)
-    want = torch.stack(ref.all_reduce(list(x.unbind(0)), "add", 3, 1))
+    got = torch.func.vmap(lambda t: replicated_all_reduce(t, "add", 3, 1))(x)
+    want = torch.stack(ref_all_reduce(list(x.unbind(0)), "add", 3, 1))
     torch.testing.assert_close(got.expand(3), want)
-    gathered = torch.func.vmap(lambda t: K.replicated_all_gather(t, 3, 1))(x)
-    want = torch.stack(ref.all_gather(list(x.unbind(0)), 3, 1))
+    gathered = torch.func.vmap(lambda t: replicated_all_gather(t, 3, 1))(x)
+    want = torch.stack(ref_all_gather(list(x.unbind(0)), 3, 1))
     torch.testing.assert_close(gathered.expand(3, 3), want)
 
 
@@ -765,7 +781,7 @@ def test_remote_offsets_are_range_checked_as_64_bit():
     torch.testing.assert_close(buffer, before)
     # The reference semantics agree: same check, same wording.
     with pytest.raises(ValueError, match=r"offset 4294967296 is out of range"):
-        ref.remote_load([buffer[0]], [torch.tensor(2**32)], 7)
+        ref_remote_load([buffer[0]], [torch.tensor(2**32)], 7)
 
 
 def test_nan_remote_offset_says_nan():
@@ -773,6 +789,6 @@ def test_nan_remote_offset_says_nan():
     with pytest.raises(TypeError, match="NaN"):
         ops.remote_load_stacked(buffer, torch.tensor([0.0, float("nan")]), 7)
     with pytest.raises(TypeError, match="NaN"):
-        ref.remote_load([buffer[0]], [torch.tensor(float("nan"))], 7)
+        ref_remote_load([buffer[0]], [torch.tensor(float("nan"))], 7)
     with pytest.raises(TypeError, match="NaN"):
-        ref.remote_store([buffer[0]], [float("nan")], [torch.zeros(2)], 7)
+        ref_remote_store([buffer[0]], [float("nan")], [torch.zeros(2)], 7)

@@ -15,7 +15,7 @@ import torch
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
-from torch_popxl.opdefs import kernels
+from torch_popxl.opdefs import backends
 
 EXECUTORS = ("reference", "fast")
 F32 = 4
@@ -46,7 +46,7 @@ def _all_reduce_session(executor):
         x = popxl.variable(np.arange(4, dtype=np.float32))
         out = popxl.d2h_stream((4,), popxl.float32)
         ops.host_store(out, ops.collectives.replicated_all_reduce(x))
-    expected = dict.fromkeys(kernels.traffic_counters(), 0)
+    expected = dict.fromkeys(backends.traffic_counters(), 0)
     # all-reduce: (R/G) * 2(G-1) * n = 1 * 2 * 1 * 16; host: R * 16
     expected.update(collective_bytes=2 * 1 * 4 * F32, num_collectives=1, host_bytes=2 * 4 * F32)
     return popxl.Session(ir, executor=executor), _as_counted_by(executor, expected)
@@ -65,7 +65,7 @@ def _gather_and_remote_session(executor):
         ops.host_store(out, gathered)
         out2 = popxl.d2h_stream((2,), popxl.float32)
         ops.host_store(out2, loaded)
-    expected = dict.fromkeys(kernels.traffic_counters(), 0)
+    expected = dict.fromkeys(backends.traffic_counters(), 0)
     expected.update(
         collective_bytes=4 * 3 * 3 * F32,  # all-gather: R * (G-1) * n
         num_collectives=1,
@@ -91,11 +91,11 @@ def test_interleaved_sessions_keep_their_solo_figures_and_the_global_counters_ad
     b, expected_b = _gather_and_remote_session(executor)
     order = [a, b, a, b, b, a, b]
     with a, b:
-        before = kernels.traffic_counters()
+        before = backends.traffic_counters()
         for s in order:
             s.run()
             assert s._last_run_counters == (expected_a if s is a else expected_b)
-        after = kernels.traffic_counters()
+        after = backends.traffic_counters()
     # A session's run never resets the process-wide counters: they hold every run's traffic.
     runs_a, runs_b = order.count(a), order.count(b)
     assert {k: after[k] - before[k] for k in after} == {
@@ -135,15 +135,15 @@ def test_sessions_running_in_two_threads_each_report_their_solo_figures(executor
 
 
 def test_traffic_scope_measures_only_the_enclosed_code_and_never_resets():
-    kernels.add_host_bytes(5)
-    total = kernels.traffic_counters()["host_bytes"]
-    with kernels.traffic_scope() as outer:
-        kernels.add_host_bytes(7)
-        with kernels.traffic_scope() as inner:
-            kernels.add_host_bytes(11)
+    backends.add_host_bytes(5)
+    total = backends.traffic_counters()["host_bytes"]
+    with backends.traffic_scope() as outer:
+        backends.add_host_bytes(7)
+        with backends.traffic_scope() as inner:
+            backends.add_host_bytes(11)
     assert inner["host_bytes"] == 11
     assert outer["host_bytes"] == 18
-    assert kernels.traffic_counters()["host_bytes"] == total + 18
+    assert backends.traffic_counters()["host_bytes"] == total + 18
 
 
 # ----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .. import ops
+from .. import opdefs, ops
 from ..ir.attrs import CallSite
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
@@ -154,8 +154,6 @@ _OP_TYPES = {
     "neg": "Neg", "sum": "ReduceSum", "mean": "ReduceMean", "clone": "Identity",
     "detach": "Detach", "_to_copy": "Cast", "zero_": "AccumulatorZero", "pow": "Pow",
     "reciprocal": "Reciprocal", "rsub": "Sub", "exp": "Exp", "log": "Log",
-    "replicated_all_reduce": "ReplicatedAllReduce", "replicated_reduce_scatter": "ReplicatedReduceScatter",
-    "replicated_all_gather": "ReplicatedAllGather",
 }  # fmt: skip
 _KIND_TYPES = {"call": "Call", "repeat": "Loop", "remote_load": "RemoteLoad", "remote_load_": "RemoteLoad",
                "remote_store": "RemoteStore", "host_load": "HostLoad", "host_store": "HostStore",
@@ -165,6 +163,9 @@ _KIND_TYPES = {"call": "Call", "repeat": "Loop", "remote_load": "RemoteLoad", "r
 def _op_type(op: Op) -> str:
     if op.kind != OpKind.TORCH:
         return _KIND_TYPES.get(op.kind, op.name)
+    opdef = opdefs.lookup(op)
+    if opdef is not None and opdef.popart_type:  # a torch_popxl op names its own type
+        return opdef.popart_type
     target = op.attrs.target
     base = getattr(target, "_opname", None) or str(target).split(".")[-2]
     return _OP_TYPES.get(base, "".join(p.capitalize() for p in base.split("_")) or base)

@@ -1,22 +1,52 @@
-"""Op definitions: the ``torch_popxl`` custom ops (collectives, remote memory, fused kernels),
-their fake, vmap and autograd rules, and their per-replica reference semantics.
+"""Op definitions: one stanza module per PopXL-specific op (or tight family) holding all the
+project knows about it — its per-replica custom op with fake, vmap and autograd rules, the
+fake and autograd rules of its stacked C++ kernel, its per-replica reference semantics, its
+traffic formula, the facts the fast compiler needs, its explicit-batching and torch.distributed
+rules, and its public wrapper — registered by name in one ``OpDef`` (``registry.py``).
 
-Sits on the IR and below capture (docs/architecture.md). Importing it loads the C++ extension.
+Stanzas: ``all_reduce``, ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
+``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
+stores), ``host`` (host streams), ``fused`` (ops the fast compiler makes by fusion) and
+``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
+``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
+layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
+(helpers of the reference semantics).
+
+Sits above capture and below the public API (docs/architecture.md). Importing it loads the
+C++ extension.
 """
 
-from . import collectives, compute, kernels, reference, registry, transfers
-from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup
+from . import (
+    all_gather,
+    all_reduce,
+    backends,
+    compute,
+    fused,
+    host,
+    reduce_scatter,
+    reference,
+    registry,
+    remote,
+    take_own,
+)
+from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup, registered
 
 __all__ = [
     "Effect",
     "MissingRuleError",
     "OpDef",
     "Traffic",
-    "collectives",
+    "all_gather",
+    "all_reduce",
+    "backends",
     "compute",
-    "kernels",
+    "fused",
+    "host",
     "lookup",
+    "reduce_scatter",
     "reference",
+    "registered",
     "registry",
-    "transfers",
+    "remote",
+    "take_own",
 ]

@@ -1,11 +1,47 @@
 """``OpDef``: what the project knows about one op, and the table that finds it for an IR op.
 
-An op definition names its rules (``traffic``, ``reference``, ...). Code that needs a rule asks
-the definition for it; a definition without that rule raises ``MissingRuleError`` naming the op
-and the rule, instead of a ``KeyError`` deep inside a walker.
+An op definition names its rules. Code that needs a rule asks the definition for it
+(``opdef.rule("traffic")``); a definition without that rule raises ``MissingRuleError`` naming
+the op and the rule, instead of a ``KeyError`` deep inside a walker. The rules, by name:
+
+* ``traffic(op, num_replicas) -> Traffic``: what one execution moves (Note [traffic formulas]);
+* ``reference(values, *args)``: the per-replica semantics, one list entry per replica;
+* ``wrapper``: the public function (``popxl.ops...``) that records the op;
+* ``explicit(op, batched, num_replicas) -> fn | None``: the op on stacked ``[R, ...]`` tensors
+  without vmap (Note [explicit batching] in runtime/explicit.py): ``fn`` is called with the
+  op's arguments, each tensor stacked or replica-invariant as ``batched`` says; None when the
+  op has no such form for these inputs;
+
+and, for collectives (``Effect.COLLECTIVE``):
+
+* ``distributed(backend, stacked, *args) -> (value, out_dim)``: the vmap result when a group
+  crosses processes, using the transport services of ``backends.InstanceTransport``;
+* ``output_batched(op, num_replicas, input_batched) -> bool``: whether the result differs
+  between replicas (validates the grouping first);
+* ``passthrough(op) -> bool``: whether the op returns its input unchanged;
+* ``no_gradient(op) -> bool``: whether PopXL's autodiff yields no gradient through the op;
+* ``sum_read(op, num_replicas) -> fn | None``: how to finish the op on an accumulator that
+  already holds the sum over replicas (Note [replica-sum accumulators] in runtime/lower.py);
+* ``matmul_fusion(op, num_replicas) -> str | None``: the ``mm_all_reduce`` reduction when the
+  op applied to a matmul can be fused (Note [fold replicas into the matmul]).
 
 IR ops are looked up by their target: the ``OpOverload`` of a captured ``torch_popxl`` custom
-op, or the kind string of a runtime op (``host_load``, ``remote_store``, ...).
+op, or the kind of a runtime op (``OpKind.HOST_LOAD``, ``OpKind.REMOTE_STORE``, ...).
+
+Note [traffic formulas]
+~~~~~~~~~~~~~~~~~~~~~~~
+Collectives are costed with the bandwidth-optimal ring algorithm. Bytes are summed over the R
+replicas that run the op; with n = bytes of one replica's input and G = group size:
+
+* all_reduce      R * 2 * (G - 1) * n / G
+* all_gather      R * (G - 1) * n
+* reduce_scatter  R * (G - 1) * ceil(elements / G) * itemsize (the zero-padded chunk)
+* local slices    0 (``take_own``, the ``'local'`` reduce-scatter: PopXL's grad of all_gather)
+
+A group of size 1 moves nothing but still counts as one call. Each formula is written once, in
+its op's stanza (``all_reduce_bytes`` in all_reduce.py, ...): the report, the cost model, the
+executor and the torch.distributed rules call it; the C++ counters (csrc/collective_common.h)
+implement the same formulas and the tests compare the two.
 """
 
 from __future__ import annotations
@@ -18,7 +54,16 @@ from typing import Any
 
 from ..ir.graph import Op, OpKind
 
-__all__ = ["Effect", "MissingRuleError", "OpDef", "Traffic", "TRAFFIC_KINDS", "lookup", "register"]
+__all__ = [
+    "Effect",
+    "MissingRuleError",
+    "OpDef",
+    "Traffic",
+    "TRAFFIC_KINDS",
+    "lookup",
+    "register",
+    "registered",
+]
 
 # What a run moves, by kind; every byte figure of the report, the cost model, the runtime
 # counters and the torch.distributed backend is one of these.
@@ -48,11 +93,14 @@ class MissingRuleError(NotImplementedError):
 
 @dataclass(frozen=True, slots=True)
 class Traffic:
-    """What one execution of an op moves: ``total_bytes`` summed over ``num_replicas``."""
+    """What one execution of an op moves: ``total_bytes`` summed over ``num_replicas``, in
+    ``steps`` sync-and-exchange rounds of its ring algorithm (0 for transfers and local
+    slices)."""
 
     kind: str
     total_bytes: int
     group_size: int = 1
+    steps: int = 0
 
     def __post_init__(self) -> None:
         assert self.kind in TRAFFIC_KINDS, self.kind
@@ -65,6 +113,7 @@ class OpDef:
     name: str
     effects: Effect = Effect.NONE
     rules: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    popart_type: str = ""  # the upstream op type, as popxl-addons' graph listings print it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", MappingProxyType(dict(self.rules)))
@@ -78,6 +127,9 @@ class OpDef:
                 f"{', '.join(sorted(self.rules)) or 'none'}); add it to the op's stanza in "
                 "torch_popxl/opdefs/."
             ) from None
+
+    def has(self, rule: str) -> bool:
+        return rule in self.rules
 
     def traffic(self, op: Op, num_replicas: int) -> Traffic:
         return self.rule("traffic")(op, num_replicas)
@@ -98,3 +150,11 @@ def lookup(op: Op) -> OpDef | None:
     """The definition of an IR op, or None for plain captured torch ops."""
     key = op.attrs.target if op.kind == OpKind.TORCH else op.kind
     return _TABLE.get(key)
+
+
+def registered() -> list[OpDef]:
+    """Every registered op definition, once each, in registration order."""
+    seen: dict[int, OpDef] = {}
+    for opdef in _TABLE.values():
+        seen.setdefault(id(opdef), opdef)
+    return list(seen.values())

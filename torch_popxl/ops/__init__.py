@@ -14,11 +14,11 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
-from ..ir.attrs import HostTransfer, PrintOptions
+from ..ir.attrs import PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
-from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
+from ..opdefs.host import host_load, host_store
 from . import collectives, var_updates
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .remote import remote_load, remote_load_, remote_store
@@ -621,63 +621,6 @@ def _positive_steps(t: Tensor, key):
 
 
 # ---- host IO and printing -----------------------------------------------------------------
-
-
-def host_load(h2d_stream, name: str | None = None) -> Tensor:
-    """Load the next entry of ``h2d_stream`` (one row per replica)."""
-
-    if not isinstance(h2d_stream, HostToDeviceStream):
-        raise TypeError(f"host_load expects a HostToDeviceStream; got {type(h2d_stream).__name__}.")
-    graph = gcg()
-    if h2d_stream._ir is not graph.ir:
-        raise ValueError(f"Stream {h2d_stream.tensor_id!r} belongs to another Ir.")
-    out = Tensor._create(
-        graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype)
-    )
-    h2d_stream._used = True
-    graph._append_op(
-        Op(
-            OpKind.HOST_LOAD,
-            "HostLoad",
-            (),
-            (out,),
-            HostTransfer(h2d_stream),
-        )
-    )
-    return out
-
-
-def host_store(d2h_stream, t: Tensor) -> None:
-    """Store ``t`` into the next entry of ``d2h_stream`` (one row per replica)."""
-
-    if not isinstance(d2h_stream, DeviceToHostStream):
-        raise TypeError(
-            f"host_store expects a DeviceToHostStream; got {type(d2h_stream).__name__}."
-        )
-    graph = gcg()
-    _check_tensor(t, "host_store")
-    if t._graph is not graph:
-        raise ValueError(f"host_store: tensor {t.id!r} is not in the current graph {graph.id!r}.")
-    if t.dtype != d2h_stream.dtype:
-        raise ValueError(
-            f"host_store: tensor {t.id!r} has dtype {t.dtype.name} but stream "
-            f"{d2h_stream.tensor_id!r} has dtype {d2h_stream.dtype.name}."
-        )
-    if tuple(t.shape) != tuple(d2h_stream.shape):
-        raise ValueError(
-            f"host_store: tensor {t.id!r} has shape {t.shape} but stream "
-            f"{d2h_stream.tensor_id!r} has shape {d2h_stream.shape}."
-        )
-    d2h_stream._used = True
-    graph._append_op(
-        Op(
-            OpKind.HOST_STORE,
-            "HostStore",
-            (t,),
-            (),
-            HostTransfer(d2h_stream),
-        )
-    )
 
 
 def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,

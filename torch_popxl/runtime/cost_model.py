@@ -15,8 +15,9 @@ Per replica (replicas run in lockstep, so one replica's time is the step time):
                   (a small matmul cannot keep every tile's AMP unit busy), 1 otherwise.
                   Views (``aten.t``, ``view``, ``detach``...) are free: Poplar aliases them.
 * collective      collective_step_latency_s * steps + ring bytes / replica_link_bytes_per_s,
-                  steps = 2 (G - 1) for all_reduce, G - 1 for all_gather / reduce_scatter
-                  (ring algorithms: one sync-and-exchange per step). Local slices are free.
+                  steps from the op's traffic rule: 2 (G - 1) for all_reduce, G - 1 for
+                  all_gather / reduce_scatter (ring algorithms: one sync-and-exchange per
+                  step). Local slices are free.
 * remote transfer remote_latency_s + bytes / streaming_memory_bytes_per_s.
 * host transfer   host_latency_s + bytes / host_bytes_per_s.
 
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .. import dtypes as _dtypes
 from .. import opdefs
@@ -60,7 +60,6 @@ __all__ = [
 
 _COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
 _REMOTE_KINDS = ("remote_load", "remote_store")
-_RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # local slices move nothing
 _HOST_KINDS = ("host_to_device", "device_to_host")
 WORK_KINDS = (*TRAFFIC_KINDS, "matmul", "compute")
 PHASES = ("compute", "replica_links", "streaming_memory", "host_io", "io_tile_overlap")
@@ -74,8 +73,9 @@ class WorkItem:
     """``count`` identical pieces of work, per replica.
 
     ``nbytes``: bytes one replica moves (collective ring bytes, slot bytes, host entry bytes) or,
-    for compute, reads and writes; ``group_size`` for collectives; ``flops`` for compute;
-    ``io_tiles`` when the op runs on IO tiles.
+    for compute, reads and writes; ``group_size`` and ``steps`` (ring steps of one piece, from
+    the op's traffic rule) for collectives; ``flops`` for compute; ``io_tiles`` when the op
+    runs on IO tiles.
     """
 
     kind: str
@@ -84,6 +84,7 @@ class WorkItem:
     flops: float = 0.0
     group_size: int = 1
     io_tiles: bool = False
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,15 +107,15 @@ class Workload:
 def workload(ir: Ir) -> Workload:
     """The per-replica work of one run of ``ir``'s main program.
 
-    Byte counts follow the op definitions' formulas (opdefs/collectives.py, Note [traffic formulas]) divided
+    Byte counts follow the op definitions' formulas (Note [traffic formulas]) divided
     by the replica count; calls count once per call and ``repeat_count`` times in a repeat.
     """
     walker = _Walker(ir.instance_replication_factor)
     walker.walk(ir.main_graph._ops_in_context("normal"), 1)
     return Workload(
         tuple(
-            WorkItem(kind, n, nbytes, flops, group, io)
-            for (kind, nbytes, flops, group, io), n in walker.items.items()
+            WorkItem(kind, n, nbytes, flops, group, io, steps)
+            for (kind, nbytes, flops, group, io, steps), n in walker.items.items()
         )
     )
 
@@ -122,12 +123,12 @@ def workload(ir: Ir) -> Workload:
 class _Walker:
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
-        # (kind, nbytes, flops, group_size, io_tiles) -> count; keyword order of WorkItem.
+        # (kind, nbytes, flops, group_size, io_tiles, steps) -> count; WorkItem's field order.
         self.items: Counter = Counter()
-        self._ops = torch.ops.torch_popxl
 
-    def add(self, kind, times, nbytes=0.0, flops=0.0, group_size=1, io=False) -> None:
-        self.items[(kind, float(nbytes), float(flops), int(group_size), bool(io))] += times
+    def add(self, kind, times, nbytes=0.0, flops=0.0, group_size=1, io=False, steps=0) -> None:
+        key = (kind, float(nbytes), float(flops), int(group_size), bool(io), int(steps))
+        self.items[key] += times
 
     def walk(self, ops: Iterable[Op], times: int) -> None:
         for op, count in executed_ops(ops, times):
@@ -138,8 +139,8 @@ class _Walker:
                 # Per-replica work: the op's total over the replicas that run it, divided back.
                 t = opdef.traffic(op, self.num_replicas)
                 nbytes = t.total_bytes / self.num_replicas
-                group = t.group_size if t.kind in _RING_KINDS else 1
-                self.add(t.kind, count, nbytes, 0, group, io)
+                group = t.group_size if t.steps else 1
+                self.add(t.kind, count, nbytes, 0, group, io, t.steps)
             elif op.kind == OpKind.TORCH:
                 self._torch(op, count, io)
 
@@ -225,9 +226,9 @@ class CostModel:
         elif k == "local_slice":
             each = 0.0
         elif k in _COLLECTIVE_KINDS:
-            steps = (2 if k == "all_reduce" else 1) * (item.group_size - 1)
             each = (
-                self.collective_step_latency_s * steps + item.nbytes / self.replica_link_bytes_per_s
+                self.collective_step_latency_s * item.steps
+                + item.nbytes / self.replica_link_bytes_per_s
             )
         elif k in _REMOTE_KINDS:
             each = self.remote_latency_s + item.nbytes / self.streaming_memory_bytes_per_s
@@ -272,8 +273,7 @@ class CostModel:
                 use["op_overhead_s"] += n
                 use["fixed_s"] += self.item_seconds(item) - n * self.op_overhead_s
             elif k in _COLLECTIVE_KINDS and k != "local_slice":
-                steps = (2 if k == "all_reduce" else 1) * (item.group_size - 1)
-                use["collective_step_latency_s"] += n * steps
+                use["collective_step_latency_s"] += n * item.steps
                 use["replica_link_bytes_per_s"] += n * item.nbytes
             elif k in _REMOTE_KINDS:
                 use["remote_latency_s"] += n

@@ -43,15 +43,18 @@ when a Session is built (``new_group`` is collective) and cached by rank set.
 Floating-point sums reduce locally first, so they can differ from the single-process
 simulator in the last bits; integer and min/max results are identical.
 
-Traffic counters (``kernels.traffic_counters``) count per instance: one call per collective,
+Traffic counters (``backends.traffic_counters``) count per instance: one call per collective,
 and this instance's replicas' share of the ring-model bytes (csrc/traffic.cpp), so the bytes
 summed over the instances equal the single-process figures.
+
+This module is transport only (process groups, layout, moving rows, counting shares): what
+each collective does across instances is its op stanza's ``distributed`` rule
+(``torch_popxl/opdefs/``; Note [collective backends] in opdefs/backends.py).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,9 +77,9 @@ from ..ir.instances import (
     timeout_s,
 )
 from ..ir.ir import Ir
-from ..opdefs import kernels
 from ..opdefs import reference as refc
-from ..opdefs.collectives import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from ..opdefs._common import NARROW_FLOATS
+from ..opdefs.backends import add_collective_traffic
 from ..opdefs.registry import Effect
 
 __all__ = [
@@ -97,10 +100,6 @@ __all__ = [
     "num_instances",
     "timeout_s",
 ]
-
-
-# Reduced in float32 on the wire: partial sums in these dtypes would round twice.
-_NARROW_FLOATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def make_ir(replication_factor: int):
@@ -202,7 +201,7 @@ def collectives_for(ir, device: torch.device) -> TorchDistributedCollectives:
 def _wire(x: torch.Tensor) -> torch.Tensor:
     """A dtype every backend can move byte for byte (gathers only, no arithmetic)."""
     x = x.contiguous()
-    if x.dtype == torch.bool or x.dtype in _NARROW_FLOATS[2:]:
+    if x.dtype == torch.bool or x.dtype in NARROW_FLOATS[2:]:
         return x.view(torch.uint8)
     return x
 
@@ -211,16 +210,12 @@ def _unwire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(dtype) if x.dtype != dtype else x
 
 
-def _row_bytes(x: torch.Tensor) -> int:
-    """Bytes of one replica's input in a stacked ``[R_local, ...]`` tensor."""
-    return math.prod(x.shape[1:]) * x.element_size()
-
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistributedCollectives:
-    """``kernels.Collectives`` across processes (Note [cross-instance collectives])."""
+    """``backends.InstanceTransport`` over ``torch.distributed`` (Note [cross-instance
+    collectives])."""
 
     def __init__(
         self, layout: InstanceLayout, groupings: Sequence[tuple[int, int]], device: torch.device
@@ -270,7 +265,7 @@ class TorchDistributedCollectives:
             self._links[(group_size, stride)] = None if local else (self._world, world)
         return self._links[(group_size, stride)]
 
-    def _member_index(self, group_size: int, stride: int) -> torch.Tensor:
+    def member_index(self, group_size: int, stride: int) -> torch.Tensor:
         """``i(r)`` of every local replica r, from its global index (popxl.md §2.1)."""
         rows = [
             0 if group_size == 1 else ((self.offset + r) % (stride * group_size)) // stride
@@ -293,28 +288,39 @@ class TorchDistributedCollectives:
             out[m * self.local : (m + 1) * self.local] = rows[j * self.local : (j + 1) * self.local]
         return out
 
-    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.offset : self.offset + self.local]
 
-    def _count(self, total: int, counted: int = 0, calls: int = 0) -> None:
+    def count(self, total: int, counted: int = 0, calls: int = 0) -> None:
         """Record this instance's share of ``total`` ring bytes (Note [traffic accounting]),
         less the ``counted`` bytes a stacked kernel already recorded here."""
         share = total * self.local // self.R
         if self.layout.instance_index == 0:  # the rounding remainder, so shares sum to total
             share += total - share * self.layout.num_instances
-        kernels._ops.add_collective_traffic(share - counted, calls)
+        add_collective_traffic(share - counted, calls)
 
-    def _all_reduce_(self, t: torch.Tensor, op) -> torch.Tensor:
+    def all_reduce_partial(self, t: torch.Tensor, reduction: str) -> torch.Tensor:
+        op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
+            reduction
+        ]
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
         return t
+
+    def gather_component(self, x: torch.Tensor, group_size: int, stride: int) -> torch.Tensor:
+        link = self._link_for(group_size, stride)
+        assert link is not None, "no group of this grouping crosses an instance"
+        return self._gather(x, *link)
+
+    def gather_all(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gather(x, self._world, tuple(range(self.layout.num_instances)))
 
     def gather_rows(self, rows: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Every instance's local rows, ``[R, ...]`` in global replica order."""
         if invariant:
             return rows[:1].expand(self.R, *rows.shape[1:])
-        return self._gather(rows, self._world, tuple(range(self.layout.num_instances)))
+        return self.gather_all(rows)
 
-    # -- kernels.Collectives
+    # -- backends.Collectives
 
     def num_replicas(self, batch_size: int) -> int:
         if batch_size != self.local:
@@ -324,103 +330,10 @@ class TorchDistributedCollectives:
             )
         return self.R
 
-    def all_reduce(self, x, op, group_size, stride):
-        link = self._link_for(group_size, stride)
-        if link is None:
-            return kernels._ops.all_reduce_stacked(x, op, group_size, stride)
-        full = kernels._ops.all_reduce_stacked(self._gather(x, *link), op, group_size, stride)
-        total = all_reduce_bytes(self.R, group_size, _row_bytes(x))
-        self._count(total, counted=total)
-        return self._local_rows(full)
-
-    def all_reduce_full(self, x, op):
-        self._count(all_reduce_bytes(self.R, self.R, _row_bytes(x)), calls=1)
-        return self._reduce_all(x, op)
-
-    def _reduce_all(self, x: torch.Tensor, op: str) -> torch.Tensor:
-        kernels._check_op("replicated_all_reduce", op, x.dtype)
-        dtype = x.dtype
-        if op in ("min", "max"):
-            wide = torch.uint8 if dtype == torch.bool else dtype
-            part = (x.amin(0) if op == "min" else x.amax(0)).to(wide).contiguous()
-            red = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
-            return self._all_reduce_(part, red).to(dtype)
-        if op in ("and", "or"):
-            part = ((x != 0).all(0) if op == "and" else (x != 0).any(0)).to(torch.uint8)
-            red = dist.ReduceOp.MIN if op == "and" else dist.ReduceOp.MAX
-            return self._all_reduce_(part, red).to(dtype)
-        mean = op in ("mean", "mul")  # PopXL maps 'mul' to MEAN (popxl.md §5)
-        if dtype in _NARROW_FLOATS:
-            wide = torch.float32
-        elif mean and not (dtype.is_floating_point or dtype.is_complex):
-            wide = torch.int64  # exact sum, then truncating division, as the kernel does
-        else:
-            wide = dtype
-        v = x.to(wide)
-        part = (v * v if op == "square_add" else v).sum(0, dtype=wide).contiguous()
-        total = self._all_reduce_(part, dist.ReduceOp.SUM)
-        if mean:
-            total = (
-                total / self.R
-                if wide.is_floating_point
-                else torch.div(total, self.R, rounding_mode="trunc")
-            )
-        return total.to(dtype)
-
-    def all_gather(self, x, group_size, stride):
-        link = self._link_for(group_size, stride)
-        if link is None:
-            return kernels._ops.all_gather_stacked(x, group_size, stride)
-        full = kernels._ops.all_gather_stacked(self._gather(x, *link), group_size, stride)
-        total = all_gather_bytes(self.R, group_size, _row_bytes(x))
-        self._count(total, counted=total)
-        return self._local_rows(full)
-
-    def all_gather_full(self, x):
-        self._count(all_gather_bytes(self.R, self.R, _row_bytes(x)), calls=1)
-        return self._gather(x, self._world, tuple(range(self.layout.num_instances)))
-
-    def reduce_scatter(self, x, op, group_size, stride):
-        link = self._link_for(group_size, stride)
-        if link is None:
-            return kernels._ops.reduce_scatter_stacked(x, op, group_size, stride)
-        chunk = -(-x.shape[1] // group_size)  # ceil(n / G), popxl.md §5.2
-        total = reduce_scatter_bytes(self.R, group_size, x.shape[1], x.element_size(), op)
-        if op == "local" or group_size == self.R:
-            # Member i keeps chunk i: of its own row ('local') or of the all-reduced row.
-            self._count(total, calls=1)
-            rows = (
-                x if op == "local" else self._reduce_all(x, op).unsqueeze(0).expand(self.local, -1)
-            )
-            padded = torch.nn.functional.pad(rows, (0, group_size * chunk - x.shape[1]))
-            chunks = padded.reshape(self.local, group_size, chunk)
-            own = chunks[
-                torch.arange(self.local, device=x.device),
-                self._member_index(group_size, stride).to(x.device),
-            ]
-            return own.contiguous()
-        full = kernels._ops.reduce_scatter_stacked(self._gather(x, *link), op, group_size, stride)
-        self._count(total, counted=total)
-        return self._local_rows(full)
-
-    def take_own(self, x, group_size, stride):
-        if self._link_for(group_size, stride) is None:
-            return kernels._ops.take_own_stacked(x, group_size, stride)
-        self._count(0, calls=1)  # PopXL's 'local' reduce-scatter: one call, no bytes
-        index = self._member_index(group_size, stride).to(x.device)
-        return x[torch.arange(self.local, device=x.device), index].contiguous()
-
-    def mm_all_reduce(self, a, b, op):
-        part = kernels._ops.mm_all_reduce_stacked(a, b, "add").contiguous()
-        row = part.numel() * part.element_size()
-        self._count(
-            all_reduce_bytes(self.R, self.R, row),
-            counted=all_reduce_bytes(self.local, self.local, row),
-        )
-        total = self._all_reduce_(part, dist.ReduceOp.SUM)
-        return total / self.R if op == "mean" else total
+    def spans_instances(self, group_size: int, stride: int) -> bool:
+        return self._link_for(group_size, stride) is not None
 
     def reference(self, fn, values, *args):
         stacked = torch.stack([v.contiguous() for v in values])
-        everyone = self._gather(stacked, self._world, tuple(range(self.layout.num_instances)))
+        everyone = self.gather_all(stacked)
         return fn(list(everyone.unbind(0)), *args)[self.offset : self.offset + self.local]

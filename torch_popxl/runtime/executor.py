@@ -21,8 +21,7 @@ from ..ir.attrs import PrintOptions
 from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from ..ir.walk import Interpreter
-from ..opdefs import kernels
-from ..opdefs.collectives import all_reduce_bytes, reduce_scatter_bytes
+from ..opdefs import backends
 from ..opdefs.registry import Effect
 from .lower import Assumptions, Program, lower_fragment
 
@@ -82,19 +81,13 @@ class _RunContext:
         self.prints.append((attrs, value))
 
     def count_collective_call(self) -> None:
-        kernels._ops.add_collective_traffic(0, 1)
+        backends.add_collective_traffic(0, 1)
 
-    def sum_reduce(self, value: torch.Tensor, kind: str, R: int) -> torch.Tensor:
-        """Finish a full-group add/mean reduction of a replica-sum accumulator whose ``value``
-        is already reduced, counting the bytes the real collective moves (Note [traffic
-        formulas] in opdefs/collectives.py)."""
-        numel, item = value.numel(), value.element_size()
-        if kind == "all_reduce":
-            kernels._ops.add_collective_traffic(all_reduce_bytes(R, R, numel * item), 1)
-            return value
-        # The call itself is counted by the 'local' reduce-scatter below.
-        kernels._ops.add_collective_traffic(reduce_scatter_bytes(R, R, numel, item, "add"), 0)
-        return torch.ops.torch_popxl.replicated_reduce_scatter(self.batch(value), "local", R, 1)
+    def sum_read(self, finish, value: torch.Tensor) -> torch.Tensor:
+        """Finish a full-group reduction of a replica-sum accumulator whose ``value`` is
+        already the sum over replicas, with the collective's ``sum_read`` rule (which counts
+        the bytes the real collective moves)."""
+        return finish(value, self.batch)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""
@@ -109,7 +102,7 @@ class _RunContext:
 
 def _count_host_bytes(value: torch.Tensor, num_replicas: int) -> None:
     # Under vmap `value` is one replica's entry; every replica moves its own copy.
-    kernels.add_host_bytes(num_replicas * value.numel() * value.element_size())
+    backends.add_host_bytes(num_replicas * value.numel() * value.element_size())
 
 
 def _emit_prints(prints, num_replicas: int) -> None:
@@ -360,7 +353,7 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
         if opdef is not None and Effect.COLLECTIVE in opdef.effects:
             # The collective's per-replica semantics, run by the active backend over all replicas.
             semantics = opdef.rule("reference")
-            return [kernels.collectives().reference(semantics, ins[0], *args[1:])]
+            return [backends.collectives().reference(semantics, ins[0], *args[1:])]
         per_replica = []
         for r in range(self.R):
             a = _fill(args, ins, r, self.device)

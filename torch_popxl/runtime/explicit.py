@@ -7,8 +7,10 @@ Note [explicit batching]
     (stored once). For a small, common set of ops the stacked form is a direct rewrite —
     elementwise ops broadcast correctly when every batched input has the same per-replica
     rank and no unbatched input has a larger one; ``mm`` becomes ``matmul``/``bmm``; ops
-    taking a ``dim`` shift it past the replica dimension; full-group collectives call the
-    stacked kernels. When every op of a fragment has such a rule the fragment is emitted in
+    taking a ``dim`` shift it past the replica dimension. A ``torch_popxl`` op brings its own
+    rule: its definition's ``explicit`` rule (``opdefs/registry.py``) says whether it has a
+    stacked form for the given batched inputs and returns the callable that runs it (a
+    full-group all-reduce is one call of the stacked kernel). When every op of a fragment has such a rule the fragment is emitted in
     this form and runs on the physical stacked tensors with no ``vmap``; otherwise the whole
     fragment runs under ``vmap`` as before. The reference executor checks both.
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.graph import Slot
+from .. import opdefs
+from ..ir.graph import Op, Slot
 
 __all__ = ["batchable", "emit_torch", "is_random"]
 
@@ -79,9 +82,13 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target is aten._softmax_backward_data.default:
         return True
-    if getattr(target, "_opname", "") == "replicated_all_reduce":
-        return f.op.attrs.argument("group_size") == R
-    return False
+    return _opdef_rule(f.op, batched, R) is not None
+
+
+def _opdef_rule(op: Op, batched: list[bool], R: int):
+    """The stacked form of a ``torch_popxl`` op from its definition, or None."""
+    opdef = opdefs.lookup(op)
+    return None if opdef is None else opdef.rule("explicit")(op, batched, R)
 
 
 def batchable(flat, analysis, R: int) -> bool:
@@ -116,10 +123,10 @@ def emit_torch(em, f, ind: str) -> None:
 
     out = f.outs[0] if f.outs else None
     R = em.p.R
-    name = getattr(target, "_opname", "")
-    if name == "replicated_all_reduce":  # full group (batchable() checked): one stacked kernel
-        x = lit(args[0]) if batched[0] else f"{lit(args[0])}.expand({R}, *{lit(args[0])}.shape)"
-        em.lines.append(f"{ind}{out} = ALL_REDUCE_FULL({x}, {args[1]!r})")
+    stacked_form = _opdef_rule(f.op, batched, R) if any(batched) else None
+    if stacked_form is not None:  # the op's own rule (batchable() checked it has one)
+        call_args = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        em.lines.append(f"{ind}{out} = {em.p.literal(stacked_form)}({', '.join(call_args)})")
         return
     if not any(batched) or target in _ELEMENTWISE:
         em._torch_plain(f, ind)

@@ -47,17 +47,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
 
+from .. import opdefs  # also registers torch.ops.torch_popxl
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Interpreter, schema_effects
-from ..opdefs import kernels  # also registers torch.ops.torch_popxl
+from ..opdefs.registry import Effect, OpDef
 from . import explicit as _explicit
 
 __all__ = ["Assumptions", "Fragment", "Plan", "Program", "analyse", "lower_fragment"]
@@ -155,14 +156,18 @@ class _Flattener(Interpreter[str]):
 # ---- phase 2: analysis --------------------------------------------------------------------
 
 _IDENTITY_VIEWS = frozenset({_aten.detach.default, _aten.alias.default})
-_FULL_GROUP_OPS = ("replicated_all_reduce", "replicated_all_gather")
-# Collectives whose last two arguments are (group_size, stride).
-_GROUPED_OPS = _FULL_GROUP_OPS + ("replicated_take_own", "replicated_reduce_scatter")
 _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 
 
 # Which ops draw random numbers (defined next to the explicit-batching rules, which need it).
 _is_random = _explicit.is_random
+
+
+def _collective(op: Op | None) -> OpDef | None:
+    """The definition of a captured collective; what the compiler needs to know about one
+    (output batching, sum reads, pass-through, matmul fusion) is asked of it."""
+    opdef = opdefs.lookup(op) if op is not None and op.kind == OpKind.TORCH else None
+    return opdef if opdef is not None and Effect.COLLECTIVE in opdef.effects else None
 
 
 @dataclass(frozen=True)
@@ -184,14 +189,14 @@ class Plan:
     ``batched[name]``: whether the value differs between replicas (absent: a constant, never);
     ``root[name]``: the value a view or in-place result aliases; ``written``: roots updated in
     place; ``sum_adds[f]``: the input index of the per-replica addend of a replica-sum
-    ``add_``; ``sum_reads[f]``: the collective (name) that finishes a replica-sum reduction."""
+    ``add_``; ``sum_reads[f]``: the collective stanza's ``sum_read`` finisher that completes a replica-sum reduction."""
 
     assumptions: Assumptions
     batched: Mapping[str, bool]
     root: Mapping[str, str]
     written: frozenset[str]
     sum_adds: Mapping[FlatOp, int]
-    sum_reads: Mapping[FlatOp, str]
+    sum_reads: Mapping[FlatOp, Callable[..., Any]]
 
     @property
     def force_batched(self) -> frozenset[str]:
@@ -242,7 +247,7 @@ class _Pass:
         self.sum_names = {n for n in params if var_names.get(n) in assume.sum_vars}
         self.written: set[str] = set()  # roots of every value updated in place
         self.sum_adds: dict[FlatOp, int] = {}
-        self.sum_reads: dict[FlatOp, str] = {}
+        self.sum_reads: dict[FlatOp, Callable[..., Any]] = {}
 
     def block(self, flat: list[FlatOp]) -> _Verdict:
         for f in flat:
@@ -287,7 +292,6 @@ class _Pass:
         target = f.source.attrs.target
         args = f.source.attrs.args
         first = args[0].index if args and isinstance(args[0], Slot) else None
-        name = getattr(target, "_opname", "")
         if uses == [first] and written == {first}:
             if target is _aten.add_.Tensor and isinstance(args[1], Slot):
                 self.sum_adds[f] = args[1].index
@@ -300,9 +304,10 @@ class _Pass:
                 and not self.b(f.ins[args[1].index])
             ):
                 return None
-        if (uses == [first] and not written and name in ("replicated_all_reduce", "replicated_reduce_scatter")
-                and args[1] in ("add", "mean") and args[2] == self.R):  # fmt: skip
-            self.sum_reads[f] = name
+        opdef = _collective(f.source) if uses == [first] and not written else None
+        finish = opdef.rule("sum_read")(f.source, self.R) if opdef is not None else None
+        if finish is not None:
+            self.sum_reads[f] = finish
             return None
         return self._disqualify(f.ins[uses[0]])
 
@@ -317,17 +322,11 @@ class _Pass:
                 return None
         ins = [self.b(n) for n in f.ins]
         any_b = any(ins)
-        name = getattr(target, "_opname", "")
-        if getattr(target, "namespace", "") == "torch_popxl":
-            group_size = f.source.attrs.argument("group_size")
-            if name in _GROUPED_OPS:
-                # Validate before the full-group test below, which looks at group_size only:
-                # (G=R, stride=-1) must be an error, not the whole replica set.
-                kernels.check_grouping(name, self.R, group_size, f.source.attrs.argument("stride"))
-            full = name in _FULL_GROUP_OPS and group_size == self.R
-            out_b = False if full else (self.R > 1)
-            if name in _FULL_GROUP_OPS and group_size == 1:
-                out_b = any_b
+        collective = _collective(f.source)
+        if collective is not None:
+            # The rule validates the grouping first: (G=R, stride=-1) is an error, not the
+            # whole replica set.
+            out_b = collective.rule("output_batched")(f.source, self.R, any_b)
         else:
             out_b = any_b or _is_random(target)
         written, aliases = schema_effects(f.source)
@@ -462,19 +461,14 @@ def _fold_block(
             if mm is not None:
                 fuse("mm_replica_sum", mm, views, src)
                 f.presummed = True
-        if (
-            f.kind == "torch"
-            and getattr(f.source.attrs.target, "_opname", "") == "replicated_all_reduce"
-        ):
+        collective = _collective(f.source) if f.kind == "torch" else None
+        if collective is not None:
             # Note [fold replicas into the matmul].
-            op_name, group_size = (
-                f.source.attrs.argument("op"),
-                f.source.attrs.argument("group_size"),
-            )
-            if group_size == R and R > 1 and op_name in ("add", "mean"):
+            fusion = collective.rule("matmul_fusion")(f.source, R)
+            if fusion is not None:
                 mm, views = _matmul_behind(f.ins[0], producer, uses, plan)
                 if mm is not None:
-                    fuse("mm_all_reduce", mm, views, f.outs[0], op_name)
+                    fuse("mm_all_reduce", mm, views, f.outs[0], fusion)
                     continue
         result.append(f)
     return [f for f in result if id(f) not in removed]
@@ -526,7 +520,6 @@ class Program:
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
             "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
             "MM_ALL_REDUCE_STACKED": torch.ops.torch_popxl.mm_all_reduce_stacked,
-            "ALL_REDUCE_FULL": torch.ops.torch_popxl.all_reduce_full,
             "MM_FOLD": _mm_fold,
             "STACKED_VIEW": _stacked_view,
             "torch": torch,
@@ -610,7 +603,7 @@ class _Emitter:
         if f in self.a.sum_reads:
             self._sum_read(f, ind)
             return
-        if self._trivial_all_reduce(f, ind):
+        if self._passthrough(f, ind):
             return
         args = [self.literal(x, f) for x in f.source.attrs.args]
         if f in self.a.sum_adds:
@@ -641,16 +634,14 @@ class _Emitter:
         fn = "MM_FOLD" if self.explicit else "MM_REPLICA_SUM"
         self.lines.append(f"{ind}{f.outs[0]} = {fn}({f.ins[0]}, {f.ins[1]})")
 
-    def _trivial_all_reduce(self, f: FlatOp, ind: str) -> bool:
-        """An add/mean/min/max all-reduce over groups of one replica is the identity: pass the
-        value through (no copy) when neither side is updated in place later."""
-        target = f.source.attrs.target
-        if getattr(target, "_opname", "") != "replicated_all_reduce":
+    def _passthrough(self, f: FlatOp, ind: str) -> bool:
+        """A collective whose definition says it returns its input unchanged (``passthrough``:
+        an add/mean/min/max all-reduce over groups of one replica): pass the value through (no
+        copy) when neither side is updated in place later."""
+        collective = _collective(f.source)
+        if collective is None or not collective.rule("passthrough")(f.source):
             return False
-        args = f.source.attrs.args
         src, out = f.ins[0], f.outs[0]
-        if args[2] != 1 or args[1] not in ("add", "mean", "min", "max"):
-            return False
         if self.a.root_of(src) in self.a.written or self.a.root_of(out) in self.a.written:
             return False
         self.lines.append(f"{ind}{out} = {src}")
@@ -661,11 +652,8 @@ class _Emitter:
 
     def _sum_read(self, f: FlatOp, ind: str) -> None:
         """The full-group reduction of a replica-sum accumulator (its value is the sum)."""
-        v = f.ins[0]
-        op = f.source.attrs.argument("op")
-        value = f"{v}.clone()" if op == "add" else f"({v} / {self.p.R})"
-        kind = "all_reduce" if self.a.sum_reads[f] == "replicated_all_reduce" else "reduce_scatter"
-        self.lines.append(f"{ind}{f.outs[0]} = rt.sum_reduce({value}, {kind!r}, {self.p.R})")
+        finish = self.p.literal(self.a.sum_reads[f])
+        self.lines.append(f"{ind}{f.outs[0]} = rt.sum_read({finish}, {f.ins[0]})")
 
     def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
         a, b = f.ins

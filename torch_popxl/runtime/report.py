@@ -1,11 +1,12 @@
 """Memory and traffic report of a ``Session`` (``session.memory_report()``).
 
 Everything is computed from the IR, per replica for memory and per ``run`` for traffic, and
-set next to what the runtime counted during the last ``run`` (``kernels.traffic_counters``),
+set next to what the runtime counted during the last ``run`` (``backends.traffic_counters``),
 so the two can be checked against each other.
 
-Traffic per op comes from its op definition (Note [traffic formulas] in
-opdefs/collectives.py; remote and host transfers in opdefs/transfers.py). Ops inside called graphs count once per call, and ``repeat_count`` times inside ``repeat``.
+Traffic per op comes from its op definition's ``traffic`` rule (Note [traffic formulas] in
+opdefs/registry.py; each op's formula in its stanza under opdefs/). Ops inside called graphs
+count once per call, and ``repeat_count`` times inside ``repeat``.
 
 Note [peak intermediates]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,7 +134,7 @@ class MemoryReport:
 
     Memory fields are bytes on ONE replica. ``traffic`` / ``op_counts`` are per ``run``, bytes
     summed over all replicas, keyed by ``TRAFFIC_KINDS``. ``predicted_counters`` restates them
-    with the names of ``kernels.traffic_counters()``; ``measured_counters`` is what the
+    with the names of ``backends.traffic_counters()``; ``measured_counters`` is what the
     runtime counted in the session's last ``run`` (``None`` before the first run, and with the
     reference executor, whose Python collectives do not feed the C++ counters).
 

@@ -20,7 +20,7 @@ from .. import dtypes as _dtypes
 from ..ir.ir import Ir
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Constant, Tensor, Variable
-from ..opdefs import kernels
+from ..opdefs import backends
 from . import distributed, remote_io
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 from .report import build_report
@@ -154,7 +154,7 @@ class Session:
         # Every fragment runs inside a traffic scope (they take turns across threads), so no
         # weights_from_host of one session is counted in another session's run. The scope's
         # counts are kept: the "normal" fragment's are the last run's figures.
-        with kernels.traffic_scope() as counted, kernels.use_collectives(self._collectives):
+        with backends.traffic_scope() as counted, backends.use_collectives(self._collectives):
             result = self._executor.run(self._state, fragment, ins, nht)
         if fragment == "normal":
             self._last_run_counters = counted

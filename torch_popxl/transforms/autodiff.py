@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import opdefs
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
 from ..ir.graph import Graph, Op, OpKind, Slot
@@ -29,6 +30,7 @@ from ..ir.tensor import (
     graph_output,
 )
 from ..ir.walk import Interpreter
+from ..opdefs.registry import Effect
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -198,7 +200,7 @@ class _Replay(Interpreter[torch.Tensor]):
         target = op.attrs.target
         args = _fill(op.attrs.args, ins)
         kwargs = _fill(op.attrs.kwargs, ins)
-        if _has_no_gradient(target):
+        if _has_no_gradient(op):
             with torch.no_grad():
                 result = target(*args, **kwargs)
         else:
@@ -232,9 +234,12 @@ class _Replay(Interpreter[torch.Tensor]):
         return outs
 
 
-def _has_no_gradient(target) -> bool:
-    # PopXL has no gradient for all-reduce (spec §5.1): autodiff yields none through it.
-    return getattr(target, "_opname", "") in ("replicated_all_reduce",)
+def _has_no_gradient(op: Op) -> bool:
+    # Ops PopXL defines no gradient for (all-reduce, spec §5.1): autodiff yields none through them.
+    opdef = opdefs.lookup(op)
+    return (
+        opdef is not None and Effect.COLLECTIVE in opdef.effects and opdef.rule("no_gradient")(op)
+    )
 
 
 def _fill(x, ins):

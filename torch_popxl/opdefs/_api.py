@@ -1,0 +1,62 @@
+"""Argument checks shared by the public collective wrappers of the op stanzas."""
+
+from __future__ import annotations
+
+from ..ir.context import gcg
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor
+
+__all__ = ["CollectiveOperator", "check_tensor", "grouping_of", "reduce_op"]
+
+# PopXL maps the op strings onto its CollectiveOperator enum; 'mul' maps to MEAN (a quirk
+# of the source, kept so programs behave as on hardware).
+_OPS = {"add": "add", "mean": "mean", "mul": "mean", "min": "min", "max": "max",
+        "and": "and", "or": "or", "square_add": "square_add"}  # fmt: skip
+_DTYPES = ("float32", "float16", "int32", "uint32")
+
+
+class CollectiveOperator:
+    """The reduction names accepted by the collectives."""
+
+    Add = "add"
+    Mean = "mean"
+    Mul = "mul"
+    Min = "min"
+    Max = "max"
+    LogicalAnd = "and"
+    LogicalOr = "or"
+    SquareAdd = "square_add"
+    Local = "local"
+
+
+def check_tensor(t, name: str) -> Tensor:
+    """``t`` if it is a handle of the current graph with a dtype PopXL collectives support."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} expects a popxl Tensor; got {type(t).__name__}.")
+    graph = gcg()
+    if t._graph is not graph:
+        raise ValueError(f"{name}: tensor {t.id!r} is not in the current graph {graph.id!r}.")
+    if t.dtype.name not in _DTYPES:
+        raise TypeError(
+            f"{name}: tensor {t.id!r} has dtype {t.dtype.name}; PopXL collectives support "
+            f"{', '.join(_DTYPES)}. Cast it first (ops.cast)."
+        )
+    return t
+
+
+def grouping_of(t: Tensor, group: ReplicaGrouping | None) -> tuple[int, int]:
+    """``(group_size, stride)`` of ``group`` (all replicas when None)."""
+    rg = t.ir._check_grouping(group)
+    if not rg.is_const:
+        raise NotImplementedError(
+            f"Collectives need a constant-stride replica grouping; {rg!r} is not. Use "
+            "ir.replica_grouping(stride, group_size)."
+        )
+    return rg.group_size, rg.stride
+
+
+def reduce_op(op: str) -> str:
+    """The kernel's name for a PopXL collective operator string."""
+    if op not in _OPS:
+        raise ValueError(f"Not a valid op {op!r} for a collective; expected one of {sorted(_OPS)}.")
+    return _OPS[op]

@@ -1,0 +1,81 @@
+"""Host streams: ``host_load`` and ``host_store`` (popxl.md §3). Each replica moves its own
+row of the stream entry; the runtime counts the bytes (``backends.add_host_bytes``).
+"""
+
+from __future__ import annotations
+
+from ..dtypes import nbytes
+from ..ir.attrs import HostTransfer
+from ..ir.context import gcg
+from ..ir.graph import Op, OpKind
+from ..ir.streams import DeviceToHostStream, HostToDeviceStream
+from ..ir.tensor import Tensor, _fake_like
+from .registry import Effect, OpDef, Traffic, register
+
+__all__ = ["host_load", "host_load_opdef", "host_store", "host_store_opdef"]
+
+
+def _load_traffic(op: Op, num_replicas: int) -> Traffic:
+    out = op.outputs[0]
+    return Traffic("host_to_device", num_replicas * nbytes(out.shape, out.dtype))
+
+
+def _store_traffic(op: Op, num_replicas: int) -> Traffic:
+    x = op.inputs[0]
+    return Traffic("device_to_host", num_replicas * nbytes(x.shape, x.dtype))
+
+
+def host_load(h2d_stream, name: str | None = None) -> Tensor:
+    """Load the next entry of ``h2d_stream`` (one row per replica)."""
+    if not isinstance(h2d_stream, HostToDeviceStream):
+        raise TypeError(f"host_load expects a HostToDeviceStream; got {type(h2d_stream).__name__}.")
+    graph = gcg()
+    if h2d_stream._ir is not graph.ir:
+        raise ValueError(f"Stream {h2d_stream.tensor_id!r} belongs to another Ir.")
+    out = Tensor._create(
+        graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype)
+    )
+    h2d_stream._used = True
+    graph._append_op(Op(OpKind.HOST_LOAD, "HostLoad", (), (out,), HostTransfer(h2d_stream)))
+    return out
+
+
+def host_store(d2h_stream, t: Tensor) -> None:
+    """Store ``t`` into the next entry of ``d2h_stream`` (one row per replica)."""
+    if not isinstance(d2h_stream, DeviceToHostStream):
+        raise TypeError(
+            f"host_store expects a DeviceToHostStream; got {type(d2h_stream).__name__}."
+        )
+    graph = gcg()
+    if not isinstance(t, Tensor):
+        raise TypeError(f"ops.host_store expects a popxl Tensor; got {type(t).__name__}.")
+    if t._graph is not graph:
+        raise ValueError(f"host_store: tensor {t.id!r} is not in the current graph {graph.id!r}.")
+    if t.dtype != d2h_stream.dtype:
+        raise ValueError(
+            f"host_store: tensor {t.id!r} has dtype {t.dtype.name} but stream "
+            f"{d2h_stream.tensor_id!r} has dtype {d2h_stream.dtype.name}."
+        )
+    if tuple(t.shape) != tuple(d2h_stream.shape):
+        raise ValueError(
+            f"host_store: tensor {t.id!r} has shape {t.shape} but stream "
+            f"{d2h_stream.tensor_id!r} has shape {d2h_stream.shape}."
+        )
+    d2h_stream._used = True
+    graph._append_op(Op(OpKind.HOST_STORE, "HostStore", (t,), (), HostTransfer(d2h_stream)))
+
+
+# Host transfers have no per-replica reference rule: both executors read and write the
+# streams themselves (asking for one raises MissingRuleError).
+host_load_opdef = register(
+    OpDef(OpKind.HOST_LOAD.value, Effect.HOST_IO, {"traffic": _load_traffic, "wrapper": host_load}),
+    OpKind.HOST_LOAD,
+)
+host_store_opdef = register(
+    OpDef(
+        OpKind.HOST_STORE.value,
+        Effect.HOST_IO,
+        {"traffic": _store_traffic, "wrapper": host_store},
+    ),
+    OpKind.HOST_STORE,
+)

@@ -1,0 +1,271 @@
+"""``replicated_reduce_scatter``: flatten, zero-pad, reduce over the group, and give member i
+chunk i (popxl.md §5.2). ``op == "local"`` is PopXL's no-reduction variant
+(``replica_sharded_slice``, §5.3): each replica takes chunk i of its own input and nothing
+moves. Its C++ kernel is ``reduce_scatter_stacked``.
+
+Gradient: for ``'local'`` the ``all_gather`` of the gradient shard; PopXL has none for any
+other op, so backward raises (Note [collective gradients] in opdefs/_common.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from ..capture import call_torch
+from ..dtypes import itemsize
+from ..ir.graph import Op
+from ..ir.replica_grouping import ReplicaGrouping
+from ..ir.tensor import Tensor as Handle
+from . import reference as ref
+from ._api import check_tensor, grouping_of, reduce_op
+from ._common import (
+    check_grouping,
+    check_op,
+    chunk,
+    no_explicit_rule,
+    no_gradient,
+    ops,
+    require_single_replica,
+    stacked,
+)
+from .all_reduce import reduce_across_instances
+from .backends import InstanceTransport, add_collective_traffic, collectives
+from .registry import Effect, OpDef, Traffic, register
+
+__all__ = [
+    "opdef",
+    "reduce_scatter_bytes",
+    "reference",
+    "replica_sharded_slice",
+    "replicated_reduce_scatter",
+]
+
+NAME = "replicated_reduce_scatter"
+
+
+def reduce_scatter_bytes(
+    num_replicas: int, group_size: int, num_elements: int, itemsize: int, op: str
+) -> int:
+    """Ring bytes summed over ``num_replicas``: ``R * (G - 1) * ceil(n / G) * itemsize`` (the
+    zero-padded chunk); ``'local'`` moves nothing."""
+    if op == "local":
+        return 0
+    return num_replicas * (group_size - 1) * chunk(num_elements, group_size) * itemsize
+
+
+def _traffic(op: Op, num_replicas: int) -> Traffic:
+    x, reduce, group_size = (
+        op.tensor_arg(0),
+        op.attrs.argument("op"),
+        op.attrs.argument("group_size"),
+    )
+    if reduce == "local":
+        return Traffic("local_slice", 0, group_size)
+    nbytes = reduce_scatter_bytes(
+        num_replicas, group_size, math.prod(x.shape), itemsize(x.dtype), reduce
+    )
+    return Traffic("reduce_scatter", nbytes, group_size, group_size - 1)
+
+
+def reference(xs: list[Tensor], op: str, group_size: int, stride: int) -> list[Tensor]:
+    """Flatten, zero-pad, reduce over the group, and give member i chunk i (popxl.md §5.2).
+
+    ``op == "local"`` does no reduction: each replica takes chunk i of its *own* padded input
+    (popxl.md §5.3).
+    """
+    out: list[Tensor | None] = [None] * len(xs)
+    for members in ref.groups(len(xs), group_size, stride):
+        padded = []
+        size = 0
+        for m in members:
+            p, size = ref.flat_padded(xs[m], group_size)
+            padded.append(p)
+        if op == "local":
+            for i, m in enumerate(members):
+                out[m] = padded[i][i * size : (i + 1) * size].clone()
+        else:
+            reduced = ref.reduce(padded, op)
+            for i, m in enumerate(members):
+                out[m] = reduced[i * size : (i + 1) * size].clone()
+    return ref.filled(out)
+
+
+# ---- the stacked kernel ----------------------------------------------------------------------
+
+
+@torch.library.register_fake("torch_popxl::reduce_scatter_stacked")
+def _stacked_fake(x, op, group_size, stride):
+    if x.dim() != 2:
+        raise ValueError(
+            f"reduce_scatter: expected a stacked tensor [R, n], got shape {tuple(x.shape)}."
+        )
+    check_grouping("reduce_scatter", x.shape[0], group_size, stride)
+    check_op("reduce_scatter", op, x.dtype, allow_local=True)
+    return x.new_empty((x.shape[0], chunk(x.shape[1], group_size)))
+
+
+def _save(ctx, inputs, output):
+    x, ctx.op, ctx.group_size, ctx.stride = inputs
+    ctx.input_shape = x.shape
+
+
+def _stacked_backward(ctx, grad):
+    if ctx.op != "local":
+        raise no_gradient(NAME, ctx.op)
+    replicas, numel = ctx.input_shape
+    gathered = ops.all_gather_stacked(grad, ctx.group_size, ctx.stride)  # [R, G, chunk]
+    padded = gathered.reshape(replicas, ctx.group_size * grad.shape[1])
+    return padded[:, :numel], None, None, None
+
+
+torch.library.register_autograd(
+    "torch_popxl::reduce_scatter_stacked", _stacked_backward, setup_context=_save
+)
+
+
+# ---- the per-replica op ----------------------------------------------------------------------
+
+
+@torch.library.custom_op("torch_popxl::replicated_reduce_scatter", mutates_args=())
+def per_replica(x: Tensor, op: str, group_size: int, stride: int) -> Tensor:
+    """One replica's reduce-scatter (§5.2): ``x`` of any shape -> ``[ceil(n / G)]``.
+
+    ``op == "local"`` is PopXL's no-reduction variant (``replica_sharded_slice``, §5.3).
+    """
+    require_single_replica(NAME, group_size)
+    return ops.reduce_scatter_stacked(x.reshape(1, x.numel()), op, group_size, stride).squeeze(0)
+
+
+@per_replica.register_fake
+def _(x, op, group_size, stride):
+    check_op(NAME, op, x.dtype, allow_local=True)
+    return x.new_empty((chunk(x.numel(), group_size),))
+
+
+@per_replica.register_vmap
+def _(info, in_dims, x, op, group_size, stride):
+    backend = collectives()
+    rows = stacked(x, in_dims[0], info.batch_size)
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
+    if backend.spans_instances(group_size, stride):
+        return distributed(backend, flat, op, group_size, stride)
+    return ops.reduce_scatter_stacked(flat, op, group_size, stride), 0
+
+
+def _backward(ctx, grad):
+    if ctx.op != "local":
+        raise no_gradient(NAME, ctx.op)
+    gathered = ops.replicated_all_gather(grad, ctx.group_size, ctx.stride)  # [G, chunk]
+    numel = math.prod(ctx.input_shape)
+    return gathered.reshape(-1)[:numel].reshape(ctx.input_shape), None, None, None
+
+
+per_replica.register_autograd(_backward, setup_context=_save)
+
+
+# ---- many processes --------------------------------------------------------------------------
+
+
+def distributed(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
+    """The vmap result ``(value, out_dim)`` of ``x`` (``[R_local, n]``) when a group crosses
+    instances."""
+    size = chunk(x.shape[1], group_size)
+    total = reduce_scatter_bytes(backend.R, group_size, x.shape[1], x.element_size(), op)
+    if op == "local" or group_size == backend.R:
+        # Member i keeps chunk i: of its own row ('local') or of the all-reduced row.
+        backend.count(total, calls=1)
+        rows = (
+            x
+            if op == "local"
+            else reduce_across_instances(backend, x, op).unsqueeze(0).expand(backend.local, -1)
+        )
+        padded = torch.nn.functional.pad(rows, (0, group_size * size - x.shape[1]))
+        chunks = padded.reshape(backend.local, group_size, size)
+        own = chunks[
+            torch.arange(backend.local, device=x.device),
+            backend.member_index(group_size, stride).to(x.device),
+        ]
+        return own.contiguous(), 0
+    everyone = ops.reduce_scatter_stacked(
+        backend.gather_component(x, group_size, stride), op, group_size, stride
+    )
+    backend.count(total, counted=total)
+    return backend.local_rows(everyone), 0
+
+
+# ---- what the fast compiler asks -------------------------------------------------------------
+
+
+def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
+    check_grouping(NAME, num_replicas, op.attrs.argument("group_size"), op.attrs.argument("stride"))
+    return num_replicas > 1
+
+
+def _finish_sum(op_name: str, num_replicas: int, value: Tensor, batch) -> Tensor:
+    value = value.clone() if op_name == "add" else value / num_replicas
+    # The bytes of the real reduce-scatter; the call is counted by the 'local' one below.
+    nbytes = reduce_scatter_bytes(
+        num_replicas, num_replicas, value.numel(), value.element_size(), "add"
+    )
+    add_collective_traffic(nbytes, 0)
+    return ops.replicated_reduce_scatter(batch(value), "local", num_replicas, 1)
+
+
+def _sum_read(op: Op, num_replicas: int):
+    """Note [replica-sum accumulators] in runtime/lower.py: a full-group add/mean of an
+    accumulator that already holds the sum over replicas is each replica's chunk of it."""
+    op_name = op.attrs.argument("op")
+    if op_name in ("add", "mean") and op.attrs.argument("group_size") == num_replicas:
+        return functools.partial(_finish_sum, op_name, num_replicas)
+    return None
+
+
+# ---- the public wrappers ---------------------------------------------------------------------
+
+
+def replicated_reduce_scatter(t: Handle, op: str = "add", group: ReplicaGrouping | None = None,
+                              configure_output_for_replicated_tensor_sharding: bool = False) -> Handle:  # fmt: skip
+    """Flatten, zero-pad, reduce over the group; member i keeps chunk i (1-D)."""
+    check_tensor(t, NAME)
+    g, s = grouping_of(t, group)
+    out = call_torch(ops.replicated_reduce_scatter, (t, reduce_op(op), g, s), {})
+    if configure_output_for_replicated_tensor_sharding:
+        out._meta_shape = tuple(t.shape)
+    return out
+
+
+def replica_sharded_slice(t: Handle, group: ReplicaGrouping | None = None) -> Handle:
+    """Each replica keeps its own chunk of ``t`` (no reduction); an RTS shard of ``t``."""
+    check_tensor(t, "replica_sharded_slice")
+    g, s = grouping_of(t, group)
+    out = call_torch(ops.replicated_reduce_scatter, (t, "local", g, s), {})
+    out._meta_shape = tuple(t.shape)
+    # Programs pair shards with their variables by sorted name (spec addons §16).
+    out.graph._rename_tensor(out, f"{t.name}_sharded_slice")
+    return out
+
+
+opdef = register(
+    OpDef(
+        NAME,
+        Effect.COLLECTIVE,
+        {
+            "traffic": _traffic,
+            "reference": reference,
+            "distributed": distributed,
+            "explicit": no_explicit_rule,
+            "output_batched": _output_batched,
+            "passthrough": lambda op: False,
+            "no_gradient": lambda op: False,
+            "sum_read": _sum_read,
+            "matmul_fusion": lambda op, num_replicas: None,
+            "wrapper": replicated_reduce_scatter,
+        },
+        popart_type="ReplicatedReduceScatter",
+    ),
+    ops.replicated_reduce_scatter.default,
+)

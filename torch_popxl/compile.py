@@ -39,6 +39,7 @@ from . import ops
 from . import remote as _remote
 from .capture import call_torch
 from .dtypes import dtype as _dtype
+from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
@@ -744,7 +745,8 @@ class Trainer:
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
+        loss = numpy_to_torch(out[loss_stream], loss_stream.dtype).double().mean()
+        return _distributed.mean_over_instances(float(loss))
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
@@ -768,7 +770,7 @@ class Trainer:
         session = prog.session
         if prog.ir._num_instances > 1:  # replica 0 may live in another process
             data = session.get_tensors_data([e[0] for e in prog.copied])
-            values = [torch.from_numpy(np.array(data[e[0]])) for e in prog.copied]
+            values = [numpy_to_torch(data[e[0]], e[0].dtype) for e in prog.copied]
         else:
             values = [session._device_rows(e[0])[0] for e in prog.copied]
         with torch.no_grad():
@@ -790,7 +792,7 @@ class Trainer:
             out[s.name] = {
                 k: prog.state_t[(s.name, k)]
                 if (s.name, k) in prog.state_t
-                else torch.from_numpy(np.array(data[v]))
+                else numpy_to_torch(data[v], v.dtype)
                 for k, v in s.state.items()
             }
         return out
@@ -831,7 +833,7 @@ class Trainer:
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
-                    writes[v] = np.array(value.detach().cpu().numpy(), dtype=v.dtype.as_numpy())
+                    writes[v] = torch_to_numpy(value, v.dtype)
         if prog.step_var.id in prog.bound:
             prog.step_t.fill_(float(step))
         else:
@@ -1059,10 +1061,10 @@ class InferenceProgram:
         out = session.run(feed)
         leaves = []
         for st in out_streams:
-            o = np.array(out[st])
+            o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
                 o = o.reshape(n, *o.shape[2:])
-            leaves.append(torch.from_numpy(o))
+            leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
 
 
@@ -1144,12 +1146,13 @@ def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().copy()
+    # to_numpy: a copy, with bf16 as its bits (numpy has no bfloat16).
+    return to_numpy(t, downcast=False)
 
 
 def _array(x, what: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
+        x = to_numpy(x, downcast=False)  # bf16 as its bits (numpy has no bfloat16)
     x = np.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"{what} must have a batch dimension; got a scalar.")

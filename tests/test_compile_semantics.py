@@ -464,7 +464,7 @@ def test_cuda_without_gpu_fails_at_compile():
         popxl.compile(model, device="cuda")
 
 
-# ---- 7. dtypes (fp16 only so far: the project has no bfloat16 dtype yet) -------------------
+# ---- 7. dtypes (bf16, autocast and loss scaling: tests/test_compile_dtypes.py) -----------
 
 
 def test_float16_model_trains_like_eager_float16():

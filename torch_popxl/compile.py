@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from . import ops
 from . import remote as _remote
 from .capture import call_torch
 from .dtypes import dtype as _dtype
+from .dtypes import float32 as _float32
 from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
@@ -153,49 +155,90 @@ def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[fl
     return tuple(out)
 
 
+# Note [optimizer arithmetic as torch rounds it]
+#     torch's single-tensor SGD / Adam (the CPU default) compute their scalars in double
+#     (Python floats) and hand them to kernels that compute in float32 ("opmath") and round
+#     the result once to the parameter's dtype, per torch op: ``grad.add(param, alpha=wd)``,
+#     ``exp_avg.lerp_(grad, 1 - beta1)``, ``exp_avg_sq.mul_(beta2)`` then ``.addcmul_(...)``,
+#     ``param.addcdiv_(exp_avg, denom, value=-step_size)``. The update below does the same:
+#     the hyperparameters are float64, every scalar is derived in float64 and cast to
+#     float32 once, and every torch op is computed in float32 (``_f``) and rounded to the
+#     parameter's dtype (``_r``) where torch rounds. One quirk is kept: ``add``'s ``alpha``
+#     and an added scalar (``add_(eps)``) are first rounded to the tensor's dtype
+#     (``_alpha``), while ``mul``, ``lerp``, ``addcmul`` and ``addcdiv`` take them in
+#     float32 (measured on torch's CPU kernels for float16 and bfloat16). For float32
+#     parameters all the casts are no-ops; for float16 / bfloat16 ones this is what makes
+#     the update match eager bit for bit (``g * (1 - beta2)`` rounded before the
+#     ``addcmul`` made fp16 Adam drift ~0.025 in three steps).
+
+
+def _f(t):
+    return t.float()
+
+
+def _r(t, like):
+    return t.to(like.dtype)
+
+
+def _alpha(scalar, like):
+    return scalar.to(like.dtype).float()
+
+
 def _group_scalars(h, step, *, kind: str):
-    """Per-group scalars, computed once per step (not once per parameter)."""
+    """Per-group scalars, computed once per step (not once per parameter), in float64 and
+    then cast to float32 as torch's kernels take them (Note [optimizer arithmetic ...])."""
     lr, wd = h[0], h[1]
     if kind == "sgd":
-        return lr, wd, h[2], 1.0 - h[3]
-    t = step + 1.0
-    b1, b2, eps = h[2], h[3], h[4]
-    step_size = lr / (1.0 - torch.pow(b1, t))
-    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-    return 1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps
+        out = (lr, wd, h[2], 1.0 - h[3])
+    else:
+        t = step.double() + 1.0
+        b1, b2, eps = h[2], h[3], h[4]
+        step_size = lr / (1.0 - torch.pow(b1, t))
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        out = (1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps)
+    return tuple(v.float() for v in out)
 
 
 def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
     d_p = g
     if spec.weight_decay:
-        d_p = d_p + p * wd
+        d_p = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
     if spec.momentum:
         (buf,) = state
+        decayed = _r(_f(buf) * momentum, buf)  # buf.mul_(momentum)
+        new = _r(_f(decayed) + _f(d_p) * _alpha(one_minus_dampening, buf), buf)  # .add_(g, 1-d)
         # torch initialises the buffer with the first gradient (no dampening on step 1).
-        new = buf * momentum + d_p * one_minus_dampening
         buf.copy_(torch.where(step == 0, d_p, new))
-        d_p = d_p + buf * momentum if spec.nesterov else buf
-    p.sub_(d_p * lr)
+        d_p = _r(_f(d_p) + _f(buf) * _alpha(momentum, d_p), d_p) if spec.nesterov else buf
+    p.copy_(_r(_f(p) - _f(d_p) * _alpha(lr, p), p))  # param.add_(grad, alpha=-lr)
 
 
 def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
                  exp_avg, exp_avg_sq, *, spec: _GroupSpec):  # fmt: skip
     if spec.kind == "adamw":
         if spec.weight_decay:
-            p.mul_(decay)
+            p.copy_(_r(_f(p) * decay, p))  # param.mul_(1 - lr * weight_decay)
     elif spec.weight_decay:
-        g = g + p * wd
-    # torch's formulas; out-of-place + copy_ because vmap has no batching rule for
-    # lerp_ / addcmul_ (it would fall back to a slow per-replica loop).
-    exp_avg.copy_(torch.lerp(exp_avg, g, one_minus_b1))
-    exp_avg_sq.copy_(torch.addcmul(exp_avg_sq * b2, g * one_minus_b2, g))
-    denom = exp_avg_sq.sqrt() / bc2_sqrt + eps
-    p.sub_(exp_avg / denom * step_size)
+        g = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
+    # Out-of-place + copy_ because vmap has no batching rule for lerp_ / addcmul_ (it would
+    # fall back to a slow per-replica loop).
+    exp_avg.copy_(_r(torch.lerp(_f(exp_avg), _f(g), one_minus_b1), exp_avg))
+    decayed = _r(_f(exp_avg_sq) * b2, exp_avg_sq)  # exp_avg_sq.mul_(beta2)
+    exp_avg_sq.copy_(_r(torch.addcmul(_f(decayed), _f(g) * one_minus_b2, _f(g)), exp_avg_sq))
+    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): three roundings
+    root = exp_avg_sq.sqrt()
+    denom = _r(_f(_r(_f(root) / bc2_sqrt, root)) + _alpha(eps, root), root)
+    p.copy_(_r(_f(p) - step_size * (_f(exp_avg) / _f(denom)), p))  # param.addcdiv_(...)
 
 
 def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec) -> None:
     fn = _sgd_update if spec.kind == "sgd" else _adam_update
     call_torch(fn, (p, g, step, *scalars, *state), {"spec": spec})
+
+
+def _unpad(flat, *, shape):
+    """The gathered shards without the padding of the last one, in the parameter's shape."""
+    return flat[: math.prod(shape)].reshape(shape)
 
 
 def _sum_of_squares(g):
@@ -444,7 +487,7 @@ class Trainer:
             ]
             loss_stream = None
             hyper_vars = [
-                variable(np.zeros(_N_HYPER, np.float32), name=f"hyper/{i}")
+                variable(np.zeros(_N_HYPER, np.float64), name=f"hyper/{i}")
                 for i in range(len(specs))
             ]
             slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]
@@ -500,7 +543,7 @@ class Trainer:
         session.__enter__()
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
-            [torch.zeros(_N_HYPER) for _ in specs], torch.zeros(()),
+            [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -603,10 +646,16 @@ class Trainer:
 
     def _reduce(self, s: _Slot, R: int):
         """The gradient mean over replicas: a shard of it when the state is sharded."""
+        if R == 1 and not s.sharded:
+            return s.accum
+        # PopXL collectives take no bfloat16: reduce in float32 and round the mean once.
+        g = ops.cast(s.accum, _float32) if s.accum.dtype.name == "bfloat16" else s.accum
         if s.sharded:
-            return ops.collectives.replicated_reduce_scatter(
-                s.accum, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
-        return ops.collectives.replicated_all_reduce(s.accum, "mean") if R > 1 else s.accum
+            g = ops.collectives.replicated_reduce_scatter(
+                g, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
+        else:
+            g = ops.collectives.replicated_all_reduce(g, "mean")
+        return ops.cast(g, s.accum.dtype) if g.dtype != s.accum.dtype else g
 
     def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
         """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
@@ -622,11 +671,21 @@ class Trainer:
 
     def _update(self, s: _Slot, g, step, scalars) -> None:
         if s.sharded:
-            p_shard = ops.collectives.replica_sharded_slice(s.var)
+            if s.var.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+                p32 = ops.collectives.replica_sharded_slice(ops.cast(s.var, _float32))
+                p_shard = ops.cast(p32, s.var.dtype)
+            else:
+                p_shard = ops.collectives.replica_sharded_slice(s.var)
             state = self._load_state(s)
             _optimizer_update(p_shard, g, step, scalars, state, s.spec)
             self._store_state(s, state)
-            full = ops.collectives.replicated_all_gather(p_shard)
+            if p_shard.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+                flat = ops.collectives.replicated_all_gather(
+                    ops.cast(p_shard, _float32), output_shape="concat")  # fmt: skip
+                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
+                full = ops.cast(full, p_shard.dtype)
+            else:
+                full = ops.collectives.replicated_all_gather(p_shard)
             ops.var_updates.copy_var_update_(s.var, full)
         else:
             state = self._load_state(s)
@@ -753,7 +812,7 @@ class Trainer:
         values = _group_values(self.optimizer, self._kind)
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
-                t.copy_(torch.tensor(values[i], dtype=torch.float32))
+                t.copy_(torch.tensor(values[i], dtype=torch.float64))
                 if v.id not in prog.bound:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values

@@ -452,6 +452,12 @@ class Trainer:
         self._opt_stale = False
         self._live: _LiveState | None = None
         self._loaded_step: int | None = None  # Trainer.load_state_dict's step, until applied
+        # Note [eager optimizer steps]: an eager ``optimizer.step()`` between compiled steps
+        # changes optimizer.state (and its step count) behind the program's back; the hook
+        # makes the next compiled step import the state as torch left it.
+        self._eager_stepped = False
+        ref = weakref.ref(self)
+        optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
 
     # the active program's Ir and session (for inspection, memory reports and tests)
     @property
@@ -743,9 +749,28 @@ class Trainer:
             )
         return batch
 
+    def _check_module_tensors(self) -> None:
+        """The module must still hold the parameter and buffer objects the program trains: a
+        replaced one (``model.fc.weight = nn.Parameter(...)``) would silently stop training
+        (the program and the optimizer hold the old one)."""
+        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        changed = [n for n in params.keys() | self._params.keys()
+                   if params.get(n) is not self._params.get(n)]  # fmt: skip
+        changed += [n for n in buffers.keys() | self._buffers.keys()
+                    if buffers.get(n) is not self._buffers.get(n)]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"popxl.compile: {sorted(changed)} of the model were replaced (or added or "
+                "removed) after compiling; the program and the optimizer still hold the old "
+                "tensors. To change values, write in place: `with torch.no_grad(): "
+                "model.fc.weight.copy_(new)`. To train new tensors, build a new optimizer "
+                "from model.parameters() and call popxl.compile again."
+            )
+
     def _prepare(self, batch: _Batch) -> _Program:
         """The program for the model's current mode and optimizer structure, built or
         rebuilt as needed, with the torch-side state it must start from."""
+        self._check_module_tensors()
         specs = _group_specs(self.optimizer, self._params)
         training = self.model.training
         prog = self._programs.get(training)
@@ -790,8 +815,9 @@ class Trainer:
                     "example model.to(...), .half() or `.data = ...`); the program would no "
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
-        if self.optimizer.state is not self._live:
-            # optimizer.load_state_dict (or a state set before compiling): applied now.
+        if self.optimizer.state is not self._live or self._eager_stepped:
+            # optimizer.load_state_dict, a state set before compiling or an eager
+            # optimizer.step() (Note [eager optimizer steps]): applied now.
             self._import_torch_state(prog)
         self._push(prog)
         in_streams, loss_stream = prog.streams
@@ -882,7 +908,11 @@ class Trainer:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
         if self._kind == "sgd":  # torch's SGD keeps no count: ours goes on unless state is new
-            step = self._step_count if by_name or not self._has_momentum(prog) else 0
+            # (at least 1 with momentum buffers: step 0 would restart them from the gradient)
+            if by_name:
+                step = max(self._step_count, 1)
+            else:
+                step = self._step_count if not self._has_momentum(prog) else 0
         if self._loaded_step is not None:
             step, self._loaded_step = self._loaded_step, None
         writes = {}
@@ -907,6 +937,7 @@ class Trainer:
             prog.session.write_variables_data(writes)
         self._step_count = step
         self._live = None
+        self._eager_stepped = False
         self._publish_optimizer_state()
 
     @staticmethod
@@ -1157,6 +1188,12 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _mark_eager_step(trainer_ref) -> None:
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer._eager_stepped = True
 
 
 def _check_positive(name: str, value) -> None:

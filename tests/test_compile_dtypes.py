@@ -207,3 +207,81 @@ def test_bfloat16_streams_take_bf16_tensors_and_floats_and_return_bit_patterns()
     assert torch.equal(numpy_to_torch(from_tensor, popxl.bfloat16), expected)
     assert torch.equal(numpy_to_torch(from_floats, popxl.bfloat16), expected)
     assert numpy_to_torch(w_host, popxl.bfloat16).tolist() == [1.0, 3.0, -0.5]
+
+
+# ---- fp16 loss scaling ----------------------------------------------------------------------
+
+
+def scaled_eager_step(model, opt, scaler, x, y, chunks):
+    """torch.amp's recipe with the compiled schedule: scaled chunk losses, one step."""
+    opt.zero_grad()
+    for xc, yc in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+        scaler.scale(CE(model(xc), yc) / chunks).backward()
+    scaler.step(opt)  # unscales; skipped on inf/nan
+    scaler.update()
+
+
+def overflowing_batches():
+    """Five batches; the third has inputs large enough that its float16 gradients overflow
+    at the scale reached by then (so that step is skipped and the scale backs off)."""
+    data = batches(5)
+    x, y = data[2]
+    data[2] = (x * 3e3, y)
+    return data
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=IDS[:2])
+def test_dynamic_loss_scaling_matches_grad_scaler_including_a_skipped_step(layout):
+    torch.manual_seed(0)
+    model = AutocastMLP(torch.float16)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = optimizer("adam", model.parameters()), optimizer("adam", ref.parameters())
+    # growth_interval=2 so that growth happens within a few steps as well
+    settings = {"init_scale": 2.0**10, "growth_factor": 2.0, "growth_interval": 2}
+    scaler = torch.amp.GradScaler("cpu", **settings)
+    trainer = compiled(model, opt, layout, loss_scaling=torch.amp.GradScaler("cpu", **settings))
+    R, GA = layout[0], layout[1]
+    scales, steps = [], []
+    for x, y in overflowing_batches():
+        trainer.step(x, y)
+        scaled_eager_step(ref, ref_opt, scaler, x, y, R * GA)
+        scales.append((trainer.loss_scale, scaler.get_scale()))
+        steps.append((opt.state[model.fc1.weight]["step"].item(),
+                      ref_opt.state[ref.fc1.weight]["step"].item()))  # fmt: skip
+    assert [a for a, _ in scales] == [b for _, b in scales]
+    assert [a for a, _ in steps] == [b for _, b in steps]
+    assert scales[2][1] < scales[1][1] and steps[2] == steps[1]  # the overflow: skipped
+    assert max(b for _, b in scales) > 2.0**10  # and grown
+    # float32 parameters; see the autocast test for why 5e-5. With replicas the float16
+    # addmm runs batched over them and rounds before the bias (test_bf16_inference_matches_
+    # eager), a last-bit difference of the activations that Adam turns into ~1e-4.
+    atol = 5e-5 if R == 1 else 3e-4
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=0, atol=atol)
+
+
+def test_static_loss_scaling_scales_and_unscales_like_the_manual_recipe():
+    """Static scaling (PopTorch's): loss * 128 backward, gradients / 128, no overflow check.
+    Powers of two scale exactly, so the weights match unscaled fp32 training closely."""
+    torch.manual_seed(0)
+    model = AutocastMLP(torch.float16)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = optimizer("sgd", model.parameters()), optimizer("sgd", ref.parameters())
+    trainer = compiled(model, opt, LAYOUTS[0], loss_scaling=128.0)
+    for x, y in batches(3):
+        trainer.step(x, y)
+        ref_opt.zero_grad()
+        (CE(ref(x), y) * 128.0).backward()
+        for q in ref.parameters():
+            q.grad.mul_(torch.tensor(128.0).double().reciprocal().float())
+        ref_opt.step()
+    assert trainer.loss_scale == 128.0
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), "auto", True])
+def test_loss_scaling_rejects_bad_values(bad):
+    model = mlp()
+    with pytest.raises(ValueError, match="loss_scaling must be"):
+        popxl.compile(model, CE, torch.optim.SGD(model.parameters(), lr=0.1), loss_scaling=bad)

@@ -231,9 +231,101 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
     p.copy_(_r(_f(p) - step_size * (_f(exp_avg) / _f(denom)), p))  # param.addcdiv_(...)
 
 
-def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec) -> None:
+def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
+    """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
+    n_state = len(spec.state_names)
+    state = args[len(args) - n_state :] if n_state else ()
+    old = [p.clone(), *[t.clone() for t in state]]
+    fn = _sgd_update if spec.kind == "sgd" else _adam_update
+    fn(p, g, step, *args, spec=spec)
+    for t, o in zip([p, *state], old, strict=True):
+        t.copy_(torch.where(found > 0, o, t))
+
+
+def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) -> None:
+    if found is not None:
+        call_torch(_skippable_update, (p, g, step, found, *scalars, *state), {"spec": spec})
+        return
     fn = _sgd_update if spec.kind == "sgd" else _adam_update
     call_torch(fn, (p, g, step, *scalars, *state), {"spec": spec})
+
+
+# ---- loss scaling (Note [loss scaling]) ----------------------------------------------------
+#
+# Note [loss scaling]
+#     As torch.amp.GradScaler: the backward is seeded with ``scale / GA`` instead of
+#     ``1 / GA`` (GradScaler's ``scaler.scale(loss / GA).backward()``), the replica-reduced
+#     gradients are multiplied by ``float32(1 / double(scale))`` (``unscale_``), then clipped
+#     and applied. Dynamic scaling also checks the gradients for inf/nan (a sharded gradient's
+#     count is summed over the replicas): on an overflow the optimizer step is skipped
+#     (parameters, state and step count unchanged) and the scale is multiplied by
+#     ``backoff_factor``; after ``growth_interval`` clean steps in a row it is multiplied by
+#     ``growth_factor`` (``GradScaler.update``). Static scaling (a number) only scales and
+#     unscales, as PopTorch's static loss scaling does: no check, no skipped step.
+
+
+@dataclass(frozen=True)
+class _LossScaling:
+    init_scale: float
+    dynamic: bool
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+def _loss_scaling(value) -> _LossScaling | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.amp.GradScaler):
+        if not value.is_enabled():
+            return None
+        return _LossScaling(value.get_scale(), True, value.get_growth_factor(),
+                            value.get_backoff_factor(), value.get_growth_interval())  # fmt: skip
+    if value == "dynamic":  # GradScaler's defaults
+        return _LossScaling(2.0**16, True)
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return _LossScaling(float(value), False)
+    raise ValueError(
+        "loss_scaling must be None, a positive number (static scaling), 'dynamic' (GradScaler's "
+        f"defaults) or a torch.amp.GradScaler (its settings); got {value!r}."
+    )
+
+
+def _seed(scale, *, ga: int, dtype: torch.dtype):
+    return (scale / ga).to(dtype)
+
+
+def _unscale(g, scale):
+    inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+    return (g.float() * inv).to(g.dtype)
+
+
+def _nonfinite_count(g):
+    return (~torch.isfinite(g)).sum().float()
+
+
+def _any_positive(*counts):
+    return (torch.stack(counts).sum() > 0).float()
+
+
+def _update_scale(scale, tracker, found, *, growth: float, backoff: float, interval: int):
+    """GradScaler.update (torch._amp_update_scale_), in place."""
+    successful = tracker + 1.0
+    grow = successful >= interval
+    new_scale = torch.where(grow, scale * growth, scale)
+    new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # never grow to inf
+    skipped = found > 0
+    scale.copy_(torch.where(skipped, scale * backoff, new_scale))
+    tracker.copy_(torch.where(skipped | grow, torch.zeros_like(tracker), successful))
+
+
+def _step_increment(found):
+    return 1.0 - found
 
 
 def _unpad(flat, *, shape):
@@ -334,6 +426,8 @@ class _Program:
     hyper_last: tuple | None = None
     fresh: bool = True  # holds the zero optimizer state it was built with
     storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
+    scale_vars: list = field(default_factory=list)  # Note [loss scaling]
+    overflow_t: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
 
 class _LiveState(collections.defaultdict):
@@ -408,7 +502,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
-                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None):  # fmt: skip
+                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None,
+                 loss_scaling=None):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -442,6 +537,12 @@ class Trainer:
         self.device = device
         self.executor = executor
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._scaling = _loss_scaling(loss_scaling)
+        # The loss scale and GradScaler's growth tracker, shared by the programs of both
+        # modes (bound to their variables, or copied: Note [live torch tensors]).
+        init = 1.0 if self._scaling is None else self._scaling.init_scale
+        self._scale_t = torch.tensor(init, dtype=torch.float32)
+        self._tracker_t = torch.zeros((), dtype=torch.float32)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._kind = _optimizer_kind(optimizer)
@@ -458,6 +559,12 @@ class Trainer:
         self._eager_stepped = False
         ref = weakref.ref(self)
         optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (``None`` without ``loss_scaling``), as
+        ``GradScaler.get_scale()``."""
+        return None if self._scaling is None else float(self._scale_t)
 
     # the active program's Ir and session (for inspection, memory reports and tests)
     @property
@@ -502,6 +609,13 @@ class Trainer:
                 for n, b in self._buffers.items()
             }
             step = variable(np.zeros((), np.float32), name="optimizer_step")
+            scaling = self._scaling
+            scale_vars = []  # loss scale, growth tracker, overflow flag (Note [loss scaling])
+            if scaling is not None:
+                scale_vars.append(variable(np.float32(scaling.init_scale), name="loss_scale"))
+                if scaling.dynamic:
+                    scale_vars.append(variable(np.float32(0), name="loss_scale/growth_tracker"))
+                    scale_vars.append(variable(np.float32(0), name="loss_scale/overflow"))
 
             fwd = self._forward_graph(ir, batch, in_streams)
             n_params, n_io = len(slots), len(in_streams)
@@ -521,35 +635,52 @@ class Trainer:
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
+                sc = graph_input((), _float32, "loss_scale") if scale_vars else None
                 loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
                 info = ops.call_with_info(fwd, *loaded, *ps, *bs)
                 loss = info.outputs[0]
                 # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
-                seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
+                if sc is not None:  # GradScaler: scaler.scale(loss / GA).backward()
+                    seed = call_torch(_seed, (sc,), {"ga": GA, "dtype": loss.dtype.as_torch()})
+                else:
+                    seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
                 for acc, g in zip(accs, grads, strict=True):
                     ops.var_updates.accumulate_(acc, g)
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
-            ops.repeat(
-                body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values()
-            )
+            ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
+                       *buffer_vars.values(), *scale_vars[:1])  # fmt: skip
 
             scalars = [
                 call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
+            found = None
+            if scale_vars:
+                reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
+                if scaling is not None and scaling.dynamic:
+                    found = self._overflow(slots, reduced)
             if self.max_grad_norm is not None:
                 reduced = self._clip(slots, reduced)
             for s, g in zip(slots, reduced, strict=True):
-                self._update(s, g, step, scalars[s.group])
-            ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
+                self._update(s, g, step, scalars[s.group], found)
+            if found is None:
+                ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
+            else:  # a skipped step is no step (GradScaler skips optimizer.step())
+                ops.var_updates.accumulate_(step, call_torch(_step_increment, (found,), {}))
+                assert scaling is not None
+                call_torch(_update_scale, (scale_vars[0], scale_vars[1], found),
+                           {"growth": scaling.growth_factor, "backoff": scaling.backoff_factor,
+                            "interval": scaling.growth_interval})  # fmt: skip
+                ops.var_updates.copy_var_update_(scale_vars[2], found)
         session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
         session.__enter__()
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
             [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
+            scale_vars=scale_vars,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -584,6 +715,10 @@ class Trainer:
         for v, t in zip(prog.hyper_vars, prog.hyper_t, strict=True):
             bind(v, t)
         bind(prog.step_var, prog.step_t)
+        scale_tensors = [self._scale_t, self._tracker_t, prog.overflow_t]
+        for v, t in zip(prog.scale_vars, scale_tensors[: len(prog.scale_vars)], strict=True):
+            if not bind(v, t):
+                prog.copied.append([v, t, None])
         # What the program holds now is what the module holds: nothing to push before step 1.
         for entry in prog.copied:
             entry[2] = entry[1].detach().clone()
@@ -663,6 +798,16 @@ class Trainer:
             g = ops.collectives.replicated_all_reduce(g, "mean")
         return ops.cast(g, s.accum.dtype) if g.dtype != s.accum.dtype else g
 
+    def _overflow(self, slots: list[_Slot], grads: list[Tensor]) -> Tensor:
+        """1.0 where any gradient holds inf or nan (a shard's count summed over replicas)."""
+        counts = []
+        for s, g in zip(slots, grads, strict=True):
+            c = call_torch(_nonfinite_count, (g,), {})
+            if s.sharded:
+                c = ops.collectives.replicated_all_reduce(c, "add")
+            counts.append(c)
+        return call_torch(_any_positive, tuple(counts), {})
+
     def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
         """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
         sum of squares is summed over the replicas (the shards partition it, padding is 0)."""
@@ -675,7 +820,7 @@ class Trainer:
         coef = call_torch(_clip_coefficient, tuple(sums), {"max_norm": self.max_grad_norm})
         return [call_torch(_scale, (g, coef), {}) for g in grads]
 
-    def _update(self, s: _Slot, g, step, scalars) -> None:
+    def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         if s.sharded:
             if s.var.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
                 p32 = ops.collectives.replica_sharded_slice(ops.cast(s.var, _float32))
@@ -683,7 +828,7 @@ class Trainer:
             else:
                 p_shard = ops.collectives.replica_sharded_slice(s.var)
             state = self._load_state(s)
-            _optimizer_update(p_shard, g, step, scalars, state, s.spec)
+            _optimizer_update(p_shard, g, step, scalars, state, s.spec, found)
             self._store_state(s, state)
             if p_shard.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
                 flat = ops.collectives.replicated_all_gather(
@@ -695,7 +840,7 @@ class Trainer:
             ops.var_updates.copy_var_update_(s.var, full)
         else:
             state = self._load_state(s)
-            _optimizer_update(s.var, g, step, scalars, state, s.spec)
+            _optimizer_update(s.var, g, step, scalars, state, s.spec, found)
             self._store_state(s, state)
         ops.var_updates.accumulator_zero_(s.accum)
 
@@ -823,8 +968,8 @@ class Trainer:
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
-        self._step_count += 1
         self._pull(prog)
+        self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
         self._opt_stale = True
         # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
@@ -1161,12 +1306,14 @@ class InferenceProgram:
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast",
-            max_grad_norm: float | None = None):  # fmt: skip
+            max_grad_norm: float | None = None, loss_scaling=None):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
     With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
     :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
-    ``torch.nn.utils.clip_grad_norm_`` does. See the README section "popxl.compile".
+    ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
+    training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
+    its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does). See the README section "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -1176,15 +1323,16 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
         )
     if optimizer is None:
         if (gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip"
-                or max_grad_norm is not None):  # fmt: skip
+                or max_grad_norm is not None or loss_scaling is not None):  # fmt: skip
             raise ValueError(
-                "gradient_accumulation, rts_threshold, optimizer_state and max_grad_norm only "
+                "gradient_accumulation, rts_threshold, optimizer_state, max_grad_norm and "
+                "loss_scaling only "
                 "apply to training."
             )
         return InferenceProgram(model, replication_factor, device, executor)
     assert loss_fn is not None  # checked above: both or neither
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor, max_grad_norm)  # fmt: skip
+                   optimizer_state, device, executor, max_grad_norm, loss_scaling)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -197,6 +197,7 @@ def _group_scalars(h, step, *, kind: str):
     """Per-group scalars, computed once per step (not once per parameter), in float64 and
     then cast to float32 as torch's kernels take them (Note [optimizer arithmetic ...])."""
     lr, wd = h[0], h[1]
+    out: tuple[torch.Tensor, ...]
     if kind == "sgd":
         out = (lr, wd, h[2], 1.0 - h[3])
     else:

@@ -534,4 +534,6 @@ def test_float16_model_trains_like_eager_float16():
         np.testing.assert_allclose(loss, eager_step(ref, ref_opt, x.half(), y, 2), rtol=2e-3)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.dtype == torch.float16
-        np.testing.assert_allclose(p.float().detach(), q.float().detach(), atol=2e-3)
+        # One float16 ulp at |p| < 0.5: the update rounds as torch's (Note [optimizer
+        # arithmetic as torch rounds it]); the replicas' addmm rounds before its bias.
+        np.testing.assert_allclose(p.float().detach(), q.float().detach(), rtol=0, atol=2.5e-4)

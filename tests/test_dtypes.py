@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import torch_popxl as popxl
 from torch_popxl import dtypes
 from torch_popxl.dtypes import dtype, dtype_of_numpy, to_numpy
 
@@ -24,6 +25,8 @@ TABLE = {
     "uint64": (True, False, False, False, np.dtype(np.uint64), torch.uint64),
     "float8_143": (False, True, True, False, np.dtype([("float8_143", "u1")]), torch.float8_e4m3fn),
     "float8_152": (False, True, True, False, np.dtype([("float8_152", "u1")]), torch.float8_e5m2),
+    # Not upstream (Note [bfloat16 is an extension]): host arrays hold the bit pattern.
+    "bfloat16": (False, True, True, False, np.dtype([("bfloat16", "<u2")]), torch.bfloat16),
     "float16": (False, True, True, False, np.dtype(np.float16), torch.float16),
     "float32": (False, True, True, False, np.dtype(np.float32), torch.float32),
     "float64": (False, True, True, False, np.dtype(np.float64), torch.float64),
@@ -138,7 +141,7 @@ def test_as_dtype_numpy_torch_and_arrays(value, expected):
 
 @pytest.mark.parametrize(
     "value",
-    [None, "float128", "f4", torch.bfloat16, np.dtype("U3"), np.ndarray, object(), 3, [1.0]],
+    [None, "float128", "f4", torch.complex32, np.dtype("U3"), np.ndarray, object(), 3, [1.0]],
 )
 def test_as_dtype_rejects_everything_else(value):
     with pytest.raises(ValueError, match="no popxl dtype compatible"):
@@ -199,8 +202,35 @@ def test_to_numpy_downcasts_int64_tensors():
 
 
 def test_to_numpy_rejects_tensors_without_popxl_dtype():
-    with pytest.raises(TypeError, match="bfloat16"):
-        to_numpy(torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float8_e4m3fnuz"):
+        to_numpy(torch.zeros(2, dtype=torch.float8_e4m3fnuz))
+
+
+def test_bfloat16_host_data_is_its_bit_pattern_and_round_trips():
+    """Note [bfloat16 is an extension]: numpy has no bfloat16, so host arrays hold the bits;
+    floats are rounded as torch rounds them (to nearest, ties to even)."""
+    t = torch.tensor([1.0, -2.5, 3.0e38, 1.0 / 3.0], dtype=torch.bfloat16)
+    bits = to_numpy(t)
+    assert bits.dtype == dtypes.np_dtype_bfloat16
+    assert bits["bfloat16"].tolist() == t.view(torch.int16).numpy().view(np.uint16).tolist()
+    assert torch.equal(dtypes.numpy_to_torch(bits, dtypes.bfloat16), t)
+    from_floats = to_numpy(np.array([1.0, -2.5, 3.0e38, 1.0 / 3.0]), dtypes.bfloat16)
+    assert from_floats.tobytes() == bits.tobytes()
+    assert to_numpy(bits, dtypes.float32).tolist() == t.float().tolist()
+    assert dtype.as_dtype(bits) is dtypes.bfloat16
+    assert dtypes.torch_to_numpy(t, dtypes.bfloat16).tobytes() == bits.tobytes()
+
+
+def test_float8_variables_round_trip_through_a_session():
+    """Structured (float8 / bfloat16) host copies upload as their bits."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.array([1.0, 2.0, -0.5], np.float32), popxl.float8_143)
+        b = popxl.variable(np.array([1.0, 2.0, -0.5], np.float32), popxl.bfloat16)
+    with popxl.Session(ir, "ipu_model") as session:
+        data = session.get_tensors_data([v, b])
+    assert dtypes.numpy_to_torch(data[v], dtypes.float8_143).float().tolist() == [1.0, 2.0, -0.5]
+    assert dtypes.numpy_to_torch(data[b], dtypes.bfloat16).float().tolist() == [1.0, 2.0, -0.5]
 
 
 def test_to_numpy_rejects_non_numeric_data():

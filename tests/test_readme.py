@@ -21,6 +21,8 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "[1.5 1.7 1.9]" in text
     assert "aten.gelu.default" in text
     assert "[[0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]]" in text
-    assert "['exp_avg', 'exp_avg_sq', 'step']" in text  # popxl.compile: optimizer.state as torch's
+    assert (
+        "['exp_avg', 'exp_avg_sq', 'step'] torch.bfloat16" in text
+    )  # compile: bf16 state as torch
     assert "sharded variables (RTS, 1/4 on each replica)          12 B" in text
     assert "[[2. 2. 2.]\n [2. 2. 2.]]" in text and "['bias', 'weight']" in text

@@ -19,6 +19,7 @@ from .context import (
     name_scope,
 )
 from .dtypes import (
+    bfloat16,
     bool,
     complex64,
     complex128,
@@ -81,6 +82,6 @@ __all__ = [
     "ipu", "name_scope",
     "ops", "transforms", "dtypes", "dtype", "compile", "Trainer", "InferenceProgram",
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float8_143", "float8_152", "float16", "float32", "float64", "complex64", "complex128",
+    "float8_143", "float8_152", "bfloat16", "float16", "float32", "float64", "complex64", "complex128",
     "half", "float", "double",
 ]  # fmt: skip

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from . import ops
 from . import remote as _remote
 from .capture import call_torch
 from .dtypes import dtype as _dtype
+from .dtypes import float32 as _float32
+from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
@@ -152,49 +155,192 @@ def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[fl
     return tuple(out)
 
 
+# Note [optimizer arithmetic as torch rounds it]
+#     torch's single-tensor SGD / Adam (the CPU default) compute their scalars in double
+#     (Python floats) and hand them to kernels that compute in float32 ("opmath") and round
+#     the result once to the parameter's dtype, per torch op: ``grad.add(param, alpha=wd)``,
+#     ``exp_avg.lerp_(grad, 1 - beta1)``, ``exp_avg_sq.mul_(beta2)`` then ``.addcmul_(...)``,
+#     ``param.addcdiv_(exp_avg, denom, value=-step_size)``. The update below does the same:
+#     the hyperparameters are float64, every scalar is derived in float64 and cast to
+#     float32 once, and every torch op is computed in float32 (``_f``) and rounded to the
+#     parameter's dtype (``_r``) where torch rounds. One quirk is kept: ``add``'s ``alpha``
+#     and an added scalar (``add_(eps)``) are first rounded to the tensor's dtype
+#     (``_alpha``), while ``mul``, ``lerp``, ``addcmul`` and ``addcdiv`` take them in
+#     float32 (measured on torch's CPU kernels for float16 and bfloat16). For float32
+#     parameters all the casts are no-ops; for float16 / bfloat16 ones this is what makes
+#     the update match eager bit for bit (``g * (1 - beta2)`` rounded before the
+#     ``addcmul`` made fp16 Adam drift ~0.025 in three steps).
+
+
+def _f(t):
+    return t.float()
+
+
+def _r(t, like):
+    return t.to(like.dtype)
+
+
+def _alpha(scalar, like):
+    return scalar.to(like.dtype).float()
+
+
+def _sub_(p, update):
+    """``p -= update`` rounded once (float32 ``update`` of a 16-bit ``p``). For float32 it is
+    the plain in-place op: one op fewer per parameter in the program (and the cost model)."""
+    if p.dtype == torch.float32:
+        p.sub_(update)
+    else:
+        p.copy_(_r(_f(p) - update, p))
+
+
 def _group_scalars(h, step, *, kind: str):
-    """Per-group scalars, computed once per step (not once per parameter)."""
+    """Per-group scalars, computed once per step (not once per parameter), in float64 and
+    then cast to float32 as torch's kernels take them (Note [optimizer arithmetic ...])."""
     lr, wd = h[0], h[1]
+    out: tuple[torch.Tensor, ...]
     if kind == "sgd":
-        return lr, wd, h[2], 1.0 - h[3]
-    t = step + 1.0
-    b1, b2, eps = h[2], h[3], h[4]
-    step_size = lr / (1.0 - torch.pow(b1, t))
-    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-    return 1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps
+        out = (lr, wd, h[2], 1.0 - h[3])
+    else:
+        t = step.double() + 1.0
+        b1, b2, eps = h[2], h[3], h[4]
+        step_size = lr / (1.0 - torch.pow(b1, t))
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        out = (1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps)
+    return tuple(v.float() for v in out)
 
 
 def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
     d_p = g
     if spec.weight_decay:
-        d_p = d_p + p * wd
+        d_p = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
     if spec.momentum:
         (buf,) = state
+        decayed = _r(_f(buf) * momentum, buf)  # buf.mul_(momentum)
+        new = _r(_f(decayed) + _f(d_p) * _alpha(one_minus_dampening, buf), buf)  # .add_(g, 1-d)
         # torch initialises the buffer with the first gradient (no dampening on step 1).
-        new = buf * momentum + d_p * one_minus_dampening
         buf.copy_(torch.where(step == 0, d_p, new))
-        d_p = d_p + buf * momentum if spec.nesterov else buf
-    p.sub_(d_p * lr)
+        d_p = _r(_f(d_p) + _f(buf) * _alpha(momentum, d_p), d_p) if spec.nesterov else buf
+    _sub_(p, _f(d_p) * _alpha(lr, p))  # param.add_(grad, alpha=-lr)
 
 
 def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
                  exp_avg, exp_avg_sq, *, spec: _GroupSpec):  # fmt: skip
     if spec.kind == "adamw":
         if spec.weight_decay:
-            p.mul_(decay)
+            p.mul_(decay)  # param.mul_(1 - lr * weight_decay): float32 scalar, one rounding
     elif spec.weight_decay:
-        g = g + p * wd
-    # torch's formulas; out-of-place + copy_ because vmap has no batching rule for
-    # lerp_ / addcmul_ (it would fall back to a slow per-replica loop).
-    exp_avg.copy_(torch.lerp(exp_avg, g, one_minus_b1))
-    exp_avg_sq.copy_(torch.addcmul(exp_avg_sq * b2, g * one_minus_b2, g))
-    denom = exp_avg_sq.sqrt() / bc2_sqrt + eps
-    p.sub_(exp_avg / denom * step_size)
+        g = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
+    # Out-of-place + copy_ because vmap has no batching rule for lerp_ / addcmul_ (it would
+    # fall back to a slow per-replica loop).
+    exp_avg.copy_(_r(torch.lerp(_f(exp_avg), _f(g), one_minus_b1), exp_avg))
+    decayed = _r(_f(exp_avg_sq) * b2, exp_avg_sq)  # exp_avg_sq.mul_(beta2)
+    exp_avg_sq.copy_(_r(torch.addcmul(_f(decayed), _f(g) * one_minus_b2, _f(g)), exp_avg_sq))
+    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): three roundings
+    root = exp_avg_sq.sqrt()
+    denom = _r(_f(_r(_f(root) / bc2_sqrt, root)) + _alpha(eps, root), root)
+    _sub_(p, _f(exp_avg) / _f(denom) * step_size)  # param.addcdiv_(exp_avg, denom, -step_size)
 
 
-def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec) -> None:
+def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
+    """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
+    n_state = len(spec.state_names)
+    state = args[len(args) - n_state :] if n_state else ()
+    old = [p.clone(), *[t.clone() for t in state]]
+    fn = _sgd_update if spec.kind == "sgd" else _adam_update
+    fn(p, g, step, *args, spec=spec)
+    for t, o in zip([p, *state], old, strict=True):
+        t.copy_(torch.where(found > 0, o, t))
+
+
+def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) -> None:
+    if found is not None:
+        call_torch(_skippable_update, (p, g, step, found, *scalars, *state), {"spec": spec})
+        return
     fn = _sgd_update if spec.kind == "sgd" else _adam_update
     call_torch(fn, (p, g, step, *scalars, *state), {"spec": spec})
+
+
+# ---- loss scaling (Note [loss scaling]) ----------------------------------------------------
+#
+# Note [loss scaling]
+#     As torch.amp.GradScaler: the backward is seeded with ``scale / GA`` instead of
+#     ``1 / GA`` (GradScaler's ``scaler.scale(loss / GA).backward()``), the replica-reduced
+#     gradients are multiplied by ``float32(1 / double(scale))`` (``unscale_``), then clipped
+#     and applied. Dynamic scaling also checks the gradients for inf/nan (a sharded gradient's
+#     count is summed over the replicas): on an overflow the optimizer step is skipped
+#     (parameters, state and step count unchanged) and the scale is multiplied by
+#     ``backoff_factor``; after ``growth_interval`` clean steps in a row it is multiplied by
+#     ``growth_factor`` (``GradScaler.update``). Static scaling (a number) only scales and
+#     unscales, as PopTorch's static loss scaling does: no check, no skipped step.
+
+
+@dataclass(frozen=True)
+class _LossScaling:
+    init_scale: float
+    dynamic: bool
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+def _loss_scaling(value) -> _LossScaling | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.amp.GradScaler):
+        if not value.is_enabled():
+            return None
+        return _LossScaling(value.get_scale(), True, value.get_growth_factor(),
+                            value.get_backoff_factor(), value.get_growth_interval())  # fmt: skip
+    if value == "dynamic":  # GradScaler's defaults
+        return _LossScaling(2.0**16, True)
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return _LossScaling(float(value), False)
+    raise ValueError(
+        "loss_scaling must be None, a positive number (static scaling), 'dynamic' (GradScaler's "
+        f"defaults) or a torch.amp.GradScaler (its settings); got {value!r}."
+    )
+
+
+def _seed(scale, *, ga: int, dtype: torch.dtype):
+    return (scale / ga).to(dtype)
+
+
+def _unscale(g, scale):
+    inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+    return (g.float() * inv).to(g.dtype)
+
+
+def _nonfinite_count(g):
+    return (~torch.isfinite(g)).sum().float()
+
+
+def _any_positive(*counts):
+    return (torch.stack(counts).sum() > 0).float()
+
+
+def _update_scale(scale, tracker, found, *, growth: float, backoff: float, interval: int):
+    """GradScaler.update (torch._amp_update_scale_), in place."""
+    successful = tracker + 1.0
+    grow = successful >= interval
+    new_scale = torch.where(grow, scale * growth, scale)
+    new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # never grow to inf
+    skipped = found > 0
+    scale.copy_(torch.where(skipped, scale * backoff, new_scale))
+    tracker.copy_(torch.where(skipped | grow, torch.zeros_like(tracker), successful))
+
+
+def _step_increment(found):
+    return 1.0 - found
+
+
+def _unpad(flat, *, shape):
+    """The gathered shards without the padding of the last one, in the parameter's shape."""
+    return flat[: math.prod(shape)].reshape(shape)
 
 
 def _sum_of_squares(g):
@@ -290,6 +436,8 @@ class _Program:
     hyper_last: tuple | None = None
     fresh: bool = True  # holds the zero optimizer state it was built with
     storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
+    scale_vars: list = field(default_factory=list)  # Note [loss scaling]
+    overflow_t: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
 
 class _LiveState(collections.defaultdict):
@@ -364,7 +512,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
-                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None):  # fmt: skip
+                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None,
+                 loss_scaling=None):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -398,6 +547,12 @@ class Trainer:
         self.device = device
         self.executor = executor
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._scaling = _loss_scaling(loss_scaling)
+        # The loss scale and GradScaler's growth tracker, shared by the programs of both
+        # modes (bound to their variables, or copied: Note [live torch tensors]).
+        init = 1.0 if self._scaling is None else self._scaling.init_scale
+        self._scale_t = torch.tensor(init, dtype=torch.float32)
+        self._tracker_t = torch.zeros((), dtype=torch.float32)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._kind = _optimizer_kind(optimizer)
@@ -408,6 +563,18 @@ class Trainer:
         self._opt_stale = False
         self._live: _LiveState | None = None
         self._loaded_step: int | None = None  # Trainer.load_state_dict's step, until applied
+        # Note [eager optimizer steps]: an eager ``optimizer.step()`` between compiled steps
+        # changes optimizer.state (and its step count) behind the program's back; the hook
+        # makes the next compiled step import the state as torch left it.
+        self._eager_stepped = False
+        ref = weakref.ref(self)
+        optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (``None`` without ``loss_scaling``), as
+        ``GradScaler.get_scale()``."""
+        return None if self._scaling is None else float(self._scale_t)
 
     # the active program's Ir and session (for inspection, memory reports and tests)
     @property
@@ -443,7 +610,7 @@ class Trainer:
             ]
             loss_stream = None
             hyper_vars = [
-                variable(np.zeros(_N_HYPER, np.float32), name=f"hyper/{i}")
+                variable(np.zeros(_N_HYPER, np.float64), name=f"hyper/{i}")
                 for i in range(len(specs))
             ]
             slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]
@@ -452,6 +619,13 @@ class Trainer:
                 for n, b in self._buffers.items()
             }
             step = variable(np.zeros((), np.float32), name="optimizer_step")
+            scaling = self._scaling
+            scale_vars = []  # loss scale, growth tracker, overflow flag (Note [loss scaling])
+            if scaling is not None:
+                scale_vars.append(variable(np.float32(scaling.init_scale), name="loss_scale"))
+                if scaling.dynamic:
+                    scale_vars.append(variable(np.float32(0), name="loss_scale/growth_tracker"))
+                    scale_vars.append(variable(np.float32(0), name="loss_scale/overflow"))
 
             fwd = self._forward_graph(ir, batch, in_streams)
             n_params, n_io = len(slots), len(in_streams)
@@ -471,35 +645,52 @@ class Trainer:
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
+                sc = graph_input((), _float32, "loss_scale") if scale_vars else None
                 loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
                 info = ops.call_with_info(fwd, *loaded, *ps, *bs)
                 loss = info.outputs[0]
                 # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
-                seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
+                if sc is not None:  # GradScaler: scaler.scale(loss / GA).backward()
+                    seed = call_torch(_seed, (sc,), {"ga": GA, "dtype": loss.dtype.as_torch()})
+                else:
+                    seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
                 for acc, g in zip(accs, grads, strict=True):
                     ops.var_updates.accumulate_(acc, g)
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
-            ops.repeat(
-                body, GA, *[s.accum for s in slots], *[s.var for s in slots], *buffer_vars.values()
-            )
+            ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
+                       *buffer_vars.values(), *scale_vars[:1])  # fmt: skip
 
             scalars = [
                 call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
+            found = None
+            if scale_vars:
+                reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
+                if scaling is not None and scaling.dynamic:
+                    found = self._overflow(slots, reduced)
             if self.max_grad_norm is not None:
                 reduced = self._clip(slots, reduced)
             for s, g in zip(slots, reduced, strict=True):
-                self._update(s, g, step, scalars[s.group])
-            ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
+                self._update(s, g, step, scalars[s.group], found)
+            if found is None:
+                ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
+            else:  # a skipped step is no step (GradScaler skips optimizer.step())
+                ops.var_updates.accumulate_(step, call_torch(_step_increment, (found,), {}))
+                assert scaling is not None
+                call_torch(_update_scale, (scale_vars[0], scale_vars[1], found),
+                           {"growth": scaling.growth_factor, "backoff": scaling.backoff_factor,
+                            "interval": scaling.growth_interval})  # fmt: skip
+                ops.var_updates.copy_var_update_(scale_vars[2], found)
         session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
         session.__enter__()
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
-            [torch.zeros(_N_HYPER) for _ in specs], torch.zeros(()),
+            [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
+            scale_vars=scale_vars,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -534,6 +725,10 @@ class Trainer:
         for v, t in zip(prog.hyper_vars, prog.hyper_t, strict=True):
             bind(v, t)
         bind(prog.step_var, prog.step_t)
+        scale_tensors = [self._scale_t, self._tracker_t, prog.overflow_t]
+        for v, t in zip(prog.scale_vars, scale_tensors[: len(prog.scale_vars)], strict=True):
+            if not bind(v, t):
+                prog.copied.append([v, t, None])
         # What the program holds now is what the module holds: nothing to push before step 1.
         for entry in prog.copied:
             entry[2] = entry[1].detach().clone()
@@ -602,10 +797,26 @@ class Trainer:
 
     def _reduce(self, s: _Slot, R: int):
         """The gradient mean over replicas: a shard of it when the state is sharded."""
+        if R == 1 and not s.sharded:
+            return s.accum
+        # PopXL collectives take no bfloat16: reduce in float32 and round the mean once.
+        g = ops.cast(s.accum, _float32) if s.accum.dtype.name == "bfloat16" else s.accum
         if s.sharded:
-            return ops.collectives.replicated_reduce_scatter(
-                s.accum, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
-        return ops.collectives.replicated_all_reduce(s.accum, "mean") if R > 1 else s.accum
+            g = ops.collectives.replicated_reduce_scatter(
+                g, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
+        else:
+            g = ops.collectives.replicated_all_reduce(g, "mean")
+        return ops.cast(g, s.accum.dtype) if g.dtype != s.accum.dtype else g
+
+    def _overflow(self, slots: list[_Slot], grads: list[Tensor]) -> Tensor:
+        """1.0 where any gradient holds inf or nan (a shard's count summed over replicas)."""
+        counts = []
+        for s, g in zip(slots, grads, strict=True):
+            c = call_torch(_nonfinite_count, (g,), {})
+            if s.sharded:
+                c = ops.collectives.replicated_all_reduce(c, "add")
+            counts.append(c)
+        return call_torch(_any_positive, tuple(counts), {})
 
     def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
         """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
@@ -619,17 +830,27 @@ class Trainer:
         coef = call_torch(_clip_coefficient, tuple(sums), {"max_norm": self.max_grad_norm})
         return [call_torch(_scale, (g, coef), {}) for g in grads]
 
-    def _update(self, s: _Slot, g, step, scalars) -> None:
+    def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         if s.sharded:
-            p_shard = ops.collectives.replica_sharded_slice(s.var)
+            if s.var.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+                p32 = ops.collectives.replica_sharded_slice(ops.cast(s.var, _float32))
+                p_shard = ops.cast(p32, s.var.dtype)
+            else:
+                p_shard = ops.collectives.replica_sharded_slice(s.var)
             state = self._load_state(s)
-            _optimizer_update(p_shard, g, step, scalars, state, s.spec)
+            _optimizer_update(p_shard, g, step, scalars, state, s.spec, found)
             self._store_state(s, state)
-            full = ops.collectives.replicated_all_gather(p_shard)
+            if p_shard.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+                flat = ops.collectives.replicated_all_gather(
+                    ops.cast(p_shard, _float32), output_shape="concat")  # fmt: skip
+                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
+                full = ops.cast(full, p_shard.dtype)
+            else:
+                full = ops.collectives.replicated_all_gather(p_shard)
             ops.var_updates.copy_var_update_(s.var, full)
         else:
             state = self._load_state(s)
-            _optimizer_update(s.var, g, step, scalars, state, s.spec)
+            _optimizer_update(s.var, g, step, scalars, state, s.spec, found)
             self._store_state(s, state)
         ops.var_updates.accumulator_zero_(s.accum)
 
@@ -683,9 +904,28 @@ class Trainer:
             )
         return batch
 
+    def _check_module_tensors(self) -> None:
+        """The module must still hold the parameter and buffer objects the program trains: a
+        replaced one (``model.fc.weight = nn.Parameter(...)``) would silently stop training
+        (the program and the optimizer hold the old one)."""
+        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        changed = [n for n in params.keys() | self._params.keys()
+                   if params.get(n) is not self._params.get(n)]  # fmt: skip
+        changed += [n for n in buffers.keys() | self._buffers.keys()
+                    if buffers.get(n) is not self._buffers.get(n)]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"popxl.compile: {sorted(changed)} of the model were replaced (or added or "
+                "removed) after compiling; the program and the optimizer still hold the old "
+                "tensors. To change values, write in place: `with torch.no_grad(): "
+                "model.fc.weight.copy_(new)`. To train new tensors, build a new optimizer "
+                "from model.parameters() and call popxl.compile again."
+            )
+
     def _prepare(self, batch: _Batch) -> _Program:
         """The program for the model's current mode and optimizer structure, built or
         rebuilt as needed, with the torch-side state it must start from."""
+        self._check_module_tensors()
         specs = _group_specs(self.optimizer, self._params)
         training = self.model.training
         prog = self._programs.get(training)
@@ -730,28 +970,30 @@ class Trainer:
                     "example model.to(...), .half() or `.data = ...`); the program would no "
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
-        if self.optimizer.state is not self._live:
-            # optimizer.load_state_dict (or a state set before compiling): applied now.
+        if self.optimizer.state is not self._live or self._eager_stepped:
+            # optimizer.load_state_dict, a state set before compiling or an eager
+            # optimizer.step() (Note [eager optimizer steps]): applied now.
             self._import_torch_state(prog)
         self._push(prog)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
-        self._step_count += 1
         self._pull(prog)
+        self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
         self._opt_stale = True
         # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return _distributed.mean_over_instances(float(np.mean(out[loss_stream])))
+        loss = numpy_to_torch(out[loss_stream], loss_stream.dtype).double().mean()
+        return _distributed.mean_over_instances(float(loss))
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
         values = _group_values(self.optimizer, self._kind)
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
-                t.copy_(torch.tensor(values[i], dtype=torch.float32))
+                t.copy_(torch.tensor(values[i], dtype=torch.float64))
                 if v.id not in prog.bound:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values
@@ -768,7 +1010,7 @@ class Trainer:
         session = prog.session
         if prog.ir._num_instances > 1:  # replica 0 may live in another process
             data = session.get_tensors_data([e[0] for e in prog.copied])
-            values = [torch.from_numpy(np.array(data[e[0]])) for e in prog.copied]
+            values = [numpy_to_torch(data[e[0]], e[0].dtype) for e in prog.copied]
         else:
             values = [session._device_rows(e[0])[0] for e in prog.copied]
         with torch.no_grad():
@@ -790,7 +1032,7 @@ class Trainer:
             out[s.name] = {
                 k: prog.state_t[(s.name, k)]
                 if (s.name, k) in prog.state_t
-                else torch.from_numpy(np.array(data[v]))
+                else numpy_to_torch(data[v], v.dtype)
                 for k, v in s.state.items()
             }
         return out
@@ -821,7 +1063,11 @@ class Trainer:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
         if self._kind == "sgd":  # torch's SGD keeps no count: ours goes on unless state is new
-            step = self._step_count if by_name or not self._has_momentum(prog) else 0
+            # (at least 1 with momentum buffers: step 0 would restart them from the gradient)
+            if by_name:
+                step = max(self._step_count, 1)
+            else:
+                step = self._step_count if not self._has_momentum(prog) else 0
         if self._loaded_step is not None:
             step, self._loaded_step = self._loaded_step, None
         writes = {}
@@ -831,7 +1077,7 @@ class Trainer:
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
-                    writes[v] = np.array(value.detach().cpu().numpy(), dtype=v.dtype.as_numpy())
+                    writes[v] = torch_to_numpy(value, v.dtype)
         if prog.step_var.id in prog.bound:
             prog.step_t.fill_(float(step))
         else:
@@ -846,6 +1092,7 @@ class Trainer:
             prog.session.write_variables_data(writes)
         self._step_count = step
         self._live = None
+        self._eager_stepped = False
         self._publish_optimizer_state()
 
     @staticmethod
@@ -1059,22 +1306,24 @@ class InferenceProgram:
         out = session.run(feed)
         leaves = []
         for st in out_streams:
-            o = np.array(out[st])
+            o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
                 o = o.reshape(n, *o.shape[2:])
-            leaves.append(torch.from_numpy(o))
+            leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast",
-            max_grad_norm: float | None = None):  # fmt: skip
+            max_grad_norm: float | None = None, loss_scaling=None):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
     With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
     :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
-    ``torch.nn.utils.clip_grad_norm_`` does. See the README section "popxl.compile".
+    ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
+    training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
+    its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does). See the README section "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -1084,18 +1333,25 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
         )
     if optimizer is None:
         if (gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip"
-                or max_grad_norm is not None):  # fmt: skip
+                or max_grad_norm is not None or loss_scaling is not None):  # fmt: skip
             raise ValueError(
-                "gradient_accumulation, rts_threshold, optimizer_state and max_grad_norm only "
+                "gradient_accumulation, rts_threshold, optimizer_state, max_grad_norm and "
+                "loss_scaling only "
                 "apply to training."
             )
         return InferenceProgram(model, replication_factor, device, executor)
     assert loss_fn is not None  # checked above: both or neither
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor, max_grad_norm)  # fmt: skip
+                   optimizer_state, device, executor, max_grad_norm, loss_scaling)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _mark_eager_step(trainer_ref) -> None:
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer._eager_stepped = True
 
 
 def _check_positive(name: str, value) -> None:
@@ -1144,12 +1400,13 @@ def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().copy()
+    # to_numpy: a copy, with bf16 as its bits (numpy has no bfloat16).
+    return to_numpy(t, downcast=False)
 
 
 def _array(x, what: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
+        x = to_numpy(x, downcast=False)  # bf16 as its bits (numpy has no bfloat16)
     x = np.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"{what} must have a batch dimension; got a scalar.")

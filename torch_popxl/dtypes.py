@@ -12,6 +12,15 @@ Note [float8 encoding]
     torch kernels support best. Consequences: the raw bytes differ from PopXL's, and the
     representable range of ``float8_143`` is wider here (448 instead of 240). Host arrays
     keep PopXL's layout: a structured numpy dtype with one ``uint8`` field.
+
+Note [bfloat16 is an extension]
+    Upstream PopXL has no bfloat16 (the IPU computes in float16/float32). This simulator adds
+    ``bfloat16`` so that bf16 torch models and ``torch.autocast(dtype=torch.bfloat16)``
+    regions compile (``popxl.compile``), and so that a program may stream bf16 data. numpy
+    has no bfloat16 either, so host arrays use the float8 scheme: a structured numpy dtype
+    with one ``uint16`` field holding the bit pattern (``np_dtype_bfloat16``). Torch bf16
+    tensors are accepted wherever host data is, and float data converts with torch's
+    rounding (to nearest, ties to even).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ __all__ = [
     "uint64",
     "float8_143",
     "float8_152",
+    "bfloat16",
     "float16",
     "float32",
     "float64",
@@ -50,6 +60,8 @@ __all__ = [
 # PopXL's host representation of float8 data (numpy has no float8 type).
 np_dtype_float8_143 = np.dtype([("float8_143", "u1")])
 np_dtype_float8_152 = np.dtype([("float8_152", "u1")])
+# Host representation of bfloat16 data: its bit pattern (Note [bfloat16 is an extension]).
+np_dtype_bfloat16 = np.dtype([("bfloat16", "<u2")])
 
 # Lookup tables filled by `_register`; keyed by canonical objects only.
 _BY_NAME: dict[str, dtype] = {}
@@ -290,6 +302,7 @@ uint32 = _int("uint32", False)
 uint64 = _int("uint64", False)
 float8_143 = _float("float8_143", np_dtype_float8_143, torch.float8_e4m3fn)
 float8_152 = _float("float8_152", np_dtype_float8_152, torch.float8_e5m2)
+bfloat16 = _float("bfloat16", np_dtype_bfloat16, torch.bfloat16)
 float16 = _float("float16", np.dtype(np.float16), torch.float16)
 float32 = _float("float32", np.dtype(np.float32), torch.float32)
 float64 = _float("float64", np.dtype(np.float64), torch.float64)
@@ -316,7 +329,8 @@ def dtype_of_numpy(np_dtype: Any) -> dtype:
     if found is None:
         raise ValueError(
             f"numpy dtype {np_dtype!r} has no popxl counterpart. Host data must be bool, "
-            f"(u)int8-64, float16/32/64, complex64/128, or a popxl float8 structured dtype."
+            f"(u)int8-64, float16/32/64, complex64/128, or a popxl float8 or bfloat16 "
+            f"structured dtype."
         )
     return found
 
@@ -332,10 +346,13 @@ _DOWNCAST = {
     np.dtype(np.float64): np.dtype(np.float32),
 }
 
-_TORCH_FLOAT8_TO_NUMPY = {
+# Torch dtypes whose host arrays are structured views of their bits.
+_TORCH_BITS_TO_NUMPY = {
     torch.float8_e4m3fn: np_dtype_float8_143,
     torch.float8_e5m2: np_dtype_float8_152,
+    torch.bfloat16: np_dtype_bfloat16,
 }
+_BITS = {1: torch.uint8, 2: torch.int16}  # torch dtype of the raw bits, by itemsize
 
 # Largest finite magnitude of each float8 format, and the smallest magnitude that rounds
 # (to nearest, ties to even) past it; see Note [float8 encoding] for why these are OCP values.
@@ -383,6 +400,8 @@ def to_numpy(
 
     if target in _FLOAT8:
         return _to_float8(array, target, log2_scale, nan_on_overflow)
+    if array.dtype == np_dtype_bfloat16 and target not in (None, bfloat16):
+        array = numpy_to_torch(array, bfloat16).float().numpy()  # decode the bits first
 
     for arg_name, value in (("log2_scale", log2_scale), ("nan_on_overflow", nan_on_overflow)):
         if value is not None:
@@ -392,6 +411,11 @@ def to_numpy(
                 f"pass a float8 dtype."
             )
 
+    if target is bfloat16 and array.dtype != np_dtype_bfloat16:
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"Cannot convert data of numpy dtype {array.dtype} to bfloat16.")
+        bf16 = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).bfloat16()
+        return bf16.view(torch.int16).numpy().view(np_dtype_bfloat16)
     if target is not None:
         np_type = target.as_numpy()
     elif downcast:
@@ -412,8 +436,9 @@ def _as_host_array(data: Any) -> np.ndarray:
     """View ``data`` as a numpy array without copying where possible."""
     if isinstance(data, torch.Tensor):
         tensor = data.detach().cpu().resolve_conj().resolve_neg()
-        if tensor.dtype in _TORCH_FLOAT8_TO_NUMPY:
-            return tensor.view(torch.uint8).numpy().view(_TORCH_FLOAT8_TO_NUMPY[tensor.dtype])
+        if tensor.dtype in _TORCH_BITS_TO_NUMPY:
+            np_dt = _TORCH_BITS_TO_NUMPY[tensor.dtype]
+            return tensor.view(_BITS[tensor.itemsize]).numpy().view(np_dt)
         if tensor.dtype not in _BY_TORCH:
             raise TypeError(
                 f"torch tensors of dtype {tensor.dtype} have no popxl counterpart. Convert "
@@ -456,16 +481,27 @@ def _to_float8(
 
 
 def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: builtins.bool = True) -> np.ndarray:
-    """``t`` as a host array of popxl dtype ``dt`` (float8 kept bitwise, bf16 as float32)."""
+    """``t`` as a host array of popxl dtype ``dt`` (float8 and bfloat16 kept bitwise)."""
     t = t.detach().cpu()
     np_dt = dt.as_numpy()
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).numpy().view(np_dt).copy()
+    if np_dt.fields is not None:  # float8 / bfloat16: a structured view of the bits
+        t = t.to(dt.as_torch())
+        return t.view(_BITS[t.itemsize]).numpy().view(np_dt).copy()
     if t.dtype == torch.bfloat16:
         return t.float().numpy()
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
         return t.to(torch.int64).numpy().astype(np_dt)
     return t.numpy().astype(np_dt, copy=copy)
+
+
+def numpy_to_torch(arr: np.ndarray, dt: dtype) -> torch.Tensor:
+    """A host array as a new torch tensor of popxl dtype ``dt`` (the inverse of
+    ``torch_to_numpy``: structured float8 / bfloat16 arrays are read as their bits)."""
+    tdt = dt.as_torch()
+    if arr.dtype.fields is not None:
+        bits = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        return torch.from_numpy(bits.copy()).view(tdt).reshape(arr.shape)
+    return torch.from_numpy(np.array(arr, copy=True, order="C")).to(tdt)
 
 
 def itemsize(dt: dtype) -> int:

@@ -369,13 +369,11 @@ def _host_array(data, dtype, downcast, log2_scale, nan_on_overflow) -> np.ndarra
 
 
 def _torch_from_numpy(arr: np.ndarray, dt: _dtypes.dtype) -> torch.Tensor:
-    tdt = dt.as_torch()
-    if arr.dtype.fields is not None:  # float8 structured arrays: reinterpret the raw bytes
-        raw = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).copy())
-        return raw.view(tdt).reshape(arr.shape)
+    if arr.dtype.fields is not None:  # float8 / bfloat16 structured arrays: their bits
+        return _dtypes.numpy_to_torch(arr, dt)
     if arr.dtype in (np.uint16, np.uint32, np.uint64):
-        return torch.from_numpy(arr.astype(arr.dtype.newbyteorder("=")).copy()).to(tdt)
-    return torch.from_numpy(np.array(arr, copy=True)).to(tdt)
+        return torch.from_numpy(arr.astype(arr.dtype.newbyteorder("=")).copy()).to(dt.as_torch())
+    return torch.from_numpy(np.array(arr, copy=True)).to(dt.as_torch())
 
 
 def _fake_like(shape, dt: _dtypes.dtype) -> torch.Tensor:
@@ -398,7 +396,8 @@ def constant(
         )
     if dtype is None and isinstance(data, np.ndarray) and data.dtype.fields is not None:
         raise TypeError(
-            "popxl.constant cannot infer a float8 dtype from structured numpy data; pass dtype=."
+            "popxl.constant cannot infer a float8 or bfloat16 dtype from structured numpy "
+            "data; pass dtype=."
         )
     graph = gcg()
     dt = _dtypes.dtype.as_dtype(dtype) if dtype is not None else None

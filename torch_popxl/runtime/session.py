@@ -182,8 +182,8 @@ class Session:
 
     def _per_replica(self, v: Variable, host: np.ndarray) -> torch.Tensor:
         groups = self._replica_groups(v)
-        data = torch.from_numpy(np.array(host, copy=True, order="C")).to(self._torch_device)
-        data = data.to(v.dtype.as_torch())
+        # numpy_to_torch reads structured float8 / bfloat16 host arrays as their bits.
+        data = _dtypes.numpy_to_torch(host, v.dtype).to(self._torch_device)
         if v.replica_grouping.num_groups == 1:
             return data.unsqueeze(0).expand(len(groups), *data.shape)
         return data[torch.tensor(groups, device=self._torch_device)]
@@ -416,7 +416,8 @@ class Session:
         """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device; ``copy``:
         never share memory with ``data`` (needed when the program writes the loaded value)."""
         if isinstance(data, torch.Tensor):
-            data = data.detach().cpu().numpy()
+            # to_numpy keeps float8 / bf16 tensors as their bits (numpy has neither type).
+            data = _dtypes.to_numpy(data, downcast=False)
         arr = np.asarray(data)
         if arr.dtype.kind not in "biufc" and arr.dtype.fields is None:
             raise TypeError(
@@ -431,10 +432,10 @@ class Session:
         if nht > 1 and arr.shape[0] > nht:
             arr = arr[:nht]
         arr = arr.reshape(nht, R, *s.shape)
-        if arr.dtype.fields is not None:  # float8 host data: its raw bytes (Note [float8 encoding])
+        if arr.dtype.fields is not None:  # float8 / bf16 host data: its bits (dtypes.py)
             arr = arr.view(np.uint8)
         t = torch.from_numpy(np.ascontiguousarray(arr))
-        if t.dtype == torch.uint8 and s.dtype.name.startswith("float8"):
+        if t.dtype == torch.uint8 and s.dtype.as_numpy().fields is not None:
             t = t.view(s.dtype.as_torch())
         # Note [inputs are never written]: the program may update a loaded tensor in place
         # (``+=``, an in-place all-reduce); the caller's array must never change, so such
@@ -502,6 +503,9 @@ def _check_stream_dtype(s: HostToDeviceStream, given: np.dtype) -> None:
     expected = s.dtype.as_numpy()
     if s.dtype.name.startswith("float8"):
         if given == expected or given == np.uint8 or given.kind == "f":
+            return
+    elif expected.fields is not None:  # bfloat16: its bits, or numbers converted by torch
+        if given == expected or given.kind in "biuf":
             return
     elif np.can_cast(given, expected, casting="same_kind"):
         return

@@ -352,6 +352,7 @@ _TORCH_BITS_TO_NUMPY = {
     torch.float8_e5m2: np_dtype_float8_152,
     torch.bfloat16: np_dtype_bfloat16,
 }
+TORCH_BIT_DTYPES = frozenset(_TORCH_BITS_TO_NUMPY)
 _BITS = {1: torch.uint8, 2: torch.int16}  # torch dtype of the raw bits, by itemsize
 
 # Largest finite magnitude of each float8 format, and the smallest magnitude that rounds

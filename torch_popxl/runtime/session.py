@@ -416,8 +416,14 @@ class Session:
         """Normalise an input to ``Tensor[nht, R, *shape]`` on the session device; ``copy``:
         never share memory with ``data`` (needed when the program writes the loaded value)."""
         if isinstance(data, torch.Tensor):
-            # to_numpy keeps float8 / bf16 tensors as their bits (numpy has neither type).
-            data = _dtypes.to_numpy(data, downcast=False)
+            data = data.detach().cpu()
+            # numpy has no float8 / bf16: to_numpy keeps those as their bits (a copy); other
+            # tensors are viewed, and copied below only if the program writes them.
+            data = (
+                _dtypes.to_numpy(data, downcast=False)
+                if data.dtype in _dtypes.TORCH_BIT_DTYPES
+                else data.numpy()
+            )
         arr = np.asarray(data)
         if arr.dtype.kind not in "biufc" and arr.dtype.fields is None:
             raise TypeError(

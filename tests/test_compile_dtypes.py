@@ -80,8 +80,9 @@ def optimizer(kind, params):
 
 
 # (R, GA, rts, state)
-LAYOUTS = [(1, 1, False, "on_chip"), (2, 2, True, "remote"), (4, 1, False, "on_chip")]
-IDS = ["R1", "R2-GA2-rts-remote", "R4"]
+LAYOUTS = [(1, 1, False, "on_chip"), (2, 2, True, "remote"), (4, 1, False, "on_chip"),
+           (4, 4, True, "remote")]  # fmt: skip
+IDS = ["R1", "R2-GA2-rts-remote", "R4", "R4-GA4-rts-remote"]
 
 
 def compiled(model, opt, layout, **kw):
@@ -165,22 +166,36 @@ class AutocastMLP(torch.nn.Module):
         return out.float()
 
 
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=[IDS[0], IDS[3]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_region_in_forward_trains_like_eager(dtype):
+def test_autocast_region_in_forward_trains_like_eager(dtype, layout):
     torch.manual_seed(0)
     model = AutocastMLP(dtype)
     ref = copy.deepcopy(model)
     opt, ref_opt = optimizer("adam", model.parameters()), optimizer("adam", ref.parameters())
-    trainer = compiled(model, opt, LAYOUTS[0])
+    trainer = compiled(model, opt, layout)
+    R, GA = layout[0], layout[1]
     for x, y in batches(3):
         loss = trainer.step(x, y)
-        assert loss == pytest.approx(eager_step(ref, ref_opt, x, y, 1), rel=1e-6)
+        assert loss == pytest.approx(
+            eager_step(ref, ref_opt, x, y, R * GA), rel=1e-6 if R == 1 else 1e-3
+        )
     # float32 parameters updated from 16-bit matmul gradients: the gradients match to the
     # last bit but for Note [one-ulp matmul differences]; Adam divides by sqrt(v), so such
-    # a flip moves an update by up to ~1e-3 of its size.
+    # a flip moves an update by up to ~1e-3 of its size. With replicas the 16-bit addmm also
+    # runs batched over them and rounds before the bias (test_bf16_inference_matches_eager),
+    # which Adam turns into ~1e-4.
+    # A bfloat16 ulp is 2**-8 of the value: there a flip moves the few elements whose second
+    # moment is tiny by up to ~1e-3, so most elements are held to the tight bound and all to a
+    # looser one.
+    atol = 5e-5 if R == 1 else 3e-4
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.dtype == torch.float32
-        np.testing.assert_allclose(p.detach(), q.detach(), rtol=0, atol=5e-5)
+        if R == 1 or dtype == torch.float16:
+            np.testing.assert_allclose(p.detach(), q.detach(), rtol=0, atol=atol)
+        else:
+            diff = (p.detach() - q.detach()).abs()
+            assert (diff <= atol).float().mean() >= 0.97 and diff.max() <= 2e-3, diff.max()
 
 
 # ---- bfloat16 host streams in a PopXL program ----------------------------------------------
@@ -230,7 +245,7 @@ def overflowing_batches():
     return data
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=IDS[:2])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_dynamic_loss_scaling_matches_grad_scaler_including_a_skipped_step(layout):
     torch.manual_seed(0)
     model = AutocastMLP(torch.float16)

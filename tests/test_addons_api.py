@@ -108,7 +108,6 @@ NOT_YET = {
     ("transforms", "batch_serialise"), ("transforms", "batch_serialise_fwd_and_grad"),
     ("transforms", "batch_serial_buffer"), ("transforms", "pipelined_execution"),
     ("transforms", "recompute_graph"),
-    ("layers.linear_gq", None), ("ops.group_quantize_decompress", None),
     ("ops.cross_entropy_sharded_wr_loss", None), ("ops.static_sparse_ops", None), ("ops.linear_layout", None),
     ("seed_variable", None),
 }  # fmt: skip

@@ -68,7 +68,9 @@ CONTRACT = [
     ("ops.group_quantize_decompress", "popxl_addons/ops/group_quantize_decompress/group_quantize_decompress.py", [
         "group_quantize_decompress", "group_quantize_decompress_numpy", "group_quantize_compress_numpy",
     ]),
-    ("ops.cross_entropy_sharded_wr_loss", "popxl_addons/ops/cross_entropy_sharded_wr_loss/__init__.py", []),
+    ("ops.cross_entropy_sharded_wr_loss",
+     "popxl_addons/ops/cross_entropy_sharded_wr_loss/cross_entropy_sharded_wr_loss.py",
+     ["cross_entropy_sharded_wr_loss"]),
     ("ops.static_sparse_ops", "popxl_addons/ops/static_sparse_ops/__init__.py", []),
     ("ops.linear_layout", "popxl_addons/ops/linear_layout/__init__.py", []),
     ("remote", "popxl_addons/remote.py", [
@@ -108,7 +110,7 @@ NOT_YET = {
     ("transforms", "batch_serialise"), ("transforms", "batch_serialise_fwd_and_grad"),
     ("transforms", "batch_serial_buffer"), ("transforms", "pipelined_execution"),
     ("transforms", "recompute_graph"),
-    ("ops.cross_entropy_sharded_wr_loss", None), ("ops.static_sparse_ops", None), ("ops.linear_layout", None),
+("ops.static_sparse_ops", None), ("ops.linear_layout", None),
     ("seed_variable", None),
 }  # fmt: skip
 

@@ -12,6 +12,7 @@ import torch_popxl.addons as addons
 from torch_popxl import ops
 from torch_popxl.addons.layers.layer_norm_distributed import LayerNormDistributed
 from torch_popxl.addons.ops.cross_entropy_sharded_loss import cross_entropy_sharded_loss
+from torch_popxl.addons.ops.cross_entropy_sharded_wr_loss import cross_entropy_sharded_wr_loss
 from torch_popxl.addons.ops.grad_reduce_square_add import grad_reduce_square_add
 from torch_popxl.addons.ops.layer_norm_distributed import layer_norm_distributed
 from torch_popxl.addons.ops.rotary_pos_embed import (
@@ -232,3 +233,26 @@ def test_grad_reduce_square_add_is_the_unscaled_squared_norm(dtype, scale_as_ten
         got = session.run()[out]
     assert got.dtype == np.float32 and got.shape == ()
     np.testing.assert_allclose(got, (g.astype(np.float64) ** 2).sum() / 64**2, rtol=1e-5)
+
+
+def test_cross_entropy_sharded_wr_loss_matches_torch_per_sample_with_shard_gradients():
+    rng = np.random.default_rng(6)
+    n, widths = 4, (3, 5)
+    logits = rng.normal(size=(n, sum(widths))).astype(np.float32)
+    labels = np.array([0, 7, 3, 4])
+    parts = np.split(logits, [widths[0]], axis=1)
+    y, d0, d1 = run_fwd_bwd(
+        lambda ir, a, b, i: cross_entropy_sharded_wr_loss([a, b], [i, i], ipus=[0, 1]),
+        {"a": (parts[0][None], popxl.float32), "b": (parts[1][None], popxl.float32),
+         "i": (labels[None].astype(np.int32), popxl.int32)},
+        (n,), 2, replication=1,
+    )  # fmt: skip
+    tx = torch.tensor(logits, requires_grad=True)
+    tloss = torch.nn.functional.cross_entropy(tx, torch.tensor(labels), reduction="none")
+    tloss.sum().backward()
+    np.testing.assert_allclose(y, tloss.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate([d0, d1], 1), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+    ir = popxl.Ir()
+    with ir.main_graph, pytest.raises(ValueError, match="one indices tensor per logits shard"):
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        cross_entropy_sharded_wr_loss([x, x], [popxl.variable(np.zeros(2, np.int32))])

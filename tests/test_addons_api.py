@@ -72,7 +72,7 @@ CONTRACT = [
      "popxl_addons/ops/cross_entropy_sharded_wr_loss/cross_entropy_sharded_wr_loss.py",
      ["cross_entropy_sharded_wr_loss"]),
     ("ops.static_sparse_ops", "popxl_addons/ops/static_sparse_ops/__init__.py", []),
-    ("ops.linear_layout", "popxl_addons/ops/linear_layout/__init__.py", []),
+    ("ops.linear_layout", "popxl_addons/ops/linear_layout/linear_layout.py", ["linear_layout"]),
     ("remote", "popxl_addons/remote.py", [
         "NamedRemoteBuffers", "load_remote", "store_remote", "load_remote_graph", "store_remote_graph",
         "named_buffers", "named_variable_buffers", "create_remote_buffer",
@@ -110,7 +110,7 @@ NOT_YET = {
     ("transforms", "batch_serialise"), ("transforms", "batch_serialise_fwd_and_grad"),
     ("transforms", "batch_serial_buffer"), ("transforms", "pipelined_execution"),
     ("transforms", "recompute_graph"),
-("ops.static_sparse_ops", None), ("ops.linear_layout", None),
+("ops.static_sparse_ops", None),
     ("seed_variable", None),
 }  # fmt: skip
 

@@ -67,3 +67,29 @@ def test_utils_and_memory_proportions_are_recorded_without_effect():
     assert ir.main_graph.available_memory_proportions == (0.2,)
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):
         addons.set_available_memory_proportion_by_ipu(ir, [1.5])
+
+
+def test_linear_layout_is_a_copy_with_an_identity_gradient():
+    from torch_popxl.addons.ops.linear_layout import linear_layout
+
+    class M(addons.Module):
+        def build(self, x):
+            return linear_layout(x, bs=4) * 2.0
+
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(data)
+        facts, fwd = M().create_graph(x)
+        bwd = addons.autodiff(fwd)
+        info = fwd.bind(facts.init()).call_with_info(x)
+        (dx,) = bwd.call(
+            popxl.constant(np.ones((2, 3), np.float32)), args=bwd.grad_graph_info.inputs_dict(info)
+        )
+        outs = [addons.host_store(t) for t in (info.outputs[0], dx)]
+        with pytest.raises(ValueError, match="positive int"):
+            linear_layout(x, bs=0)
+    with popxl.Session(ir, "ipu_model") as session:
+        y, g = (session.run()[o] for o in outs)
+    np.testing.assert_array_equal(y, 2 * data)
+    np.testing.assert_array_equal(g, np.full((2, 3), 2.0, np.float32))

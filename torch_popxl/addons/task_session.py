@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from ..ir.tensor import Tensor
+from ..ir.tensor import Tensor, Variable
 from ..runtime.session import Session
 from .named_tensors import NamedTensors
 from .streams import InputStreams, OutputStreams
@@ -28,7 +28,7 @@ ReportMissingMethods = Literal["none", "warn", "error"]
 _REPORT = ("none", "warn", "error")
 
 
-def write_variables_pb(session: Session, weights: Mapping[Tensor, np.ndarray]) -> None:
+def write_variables_pb(session: Session, weights: Mapping[Variable, np.ndarray]) -> None:
     """Write ``{variable: data}`` into ``session`` (upstream's workaround name for
     ``Session.write_variables_data``; the same here)."""
     session.write_variables_data(weights)
@@ -72,7 +72,8 @@ class TaskSession(Session):
         folder = os.path.dirname(file_path)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        np.savez(file_path, **dict(ckpt))
+        arrays: dict[str, Any] = dict(ckpt)
+        np.savez(file_path, **arrays)
 
     def load_checkpoint(
         self, file_path: str, report_missing: ReportMissingMethods = "warn"

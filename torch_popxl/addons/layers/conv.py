@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ class Conv2D(Module):
                     f"Conv2D: explicit paddings are (h_begin, w_begin, h_end, w_end), got {tuple(paddings)}"
                 )
             self.pad_type, self.paddings = "not_set", tuple(paddings)
-        self.bias = bias
+        self.bias: Any = bias
         self._use_bias = bias  # self.bias becomes the variable in build, as upstream
         self.replica_grouping = replica_grouping
         self.available_memory_proportions = available_memory_proportions

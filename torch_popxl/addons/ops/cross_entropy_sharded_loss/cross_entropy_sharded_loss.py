@@ -27,6 +27,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 _Traced = Any  # torch code on popxl handles returns popxl Tensors
 
 
+def _traced(t: Tensor) -> _Traced:
+    return t
+
+
 def cross_entropy_sharded_loss(logits: Tensor, indices: Tensor, ignore_index: Tensor | int | None = None,
                                replica_grouping: ReplicaGrouping | None = None,
                                reduction: str = "mean",
@@ -50,7 +54,9 @@ def cross_entropy_sharded_loss(logits: Tensor, indices: Tensor, ignore_index: Te
         raise TypeError(
             f"cross_entropy_sharded_loss: indices must be integers, got {indices.dtype.name}"
         )
-    x: _Traced = logits.to(torch.float32) if logits.dtype != _dtypes.float32 else logits
+    traced_logits: _Traced = logits
+    traced_indices: _Traced = indices
+    x: _Traced = traced_logits.to(torch.float32) if logits.dtype != _dtypes.float32 else logits
     # The global row maximum, a constant shift for numerical range (no gradient through it).
     local_max: _Traced = torch.amax(x, dim=-1).detach()
     row_max: _Traced = replicated_all_reduce(local_max, "max", replica_grouping)
@@ -60,7 +66,7 @@ def cross_entropy_sharded_loss(logits: Tensor, indices: Tensor, ignore_index: Te
         local_sum, "add", replica_grouping, mode="identical_grad_inputs"
     )
     n_local = logits.shape[-1]
-    idx: _Traced = indices.to(torch.int64)
+    idx: _Traced = traced_indices.to(torch.int64)
     inside: _Traced = (idx >= 0) & (idx < n_local)
     safe: _Traced = torch.where(inside, idx, torch.zeros_like(idx))
     picked: _Traced = torch.gather(shifted, 1, safe.unsqueeze(-1)).squeeze(-1) * inside.to(
@@ -73,7 +79,9 @@ def cross_entropy_sharded_loss(logits: Tensor, indices: Tensor, ignore_index: Te
     mask: _Traced = None
     if ignore_index is not None:
         ignore = (
-            ignore_index.to(torch.int64) if isinstance(ignore_index, Tensor) else int(ignore_index)
+            _traced(ignore_index).to(torch.int64)
+            if isinstance(ignore_index, Tensor)
+            else int(ignore_index)
         )
         mask = torch.ne(idx, ignore).to(torch.float32)
         loss = loss * mask

@@ -14,9 +14,11 @@ __all__ = ["grad_reduce_square_add"]
 def grad_reduce_square_add(t: Tensor, loss_scaling: int | float | Tensor) -> Tensor:
     """``sum(t ** 2) / loss_scaling ** 2`` as a float32 scalar (accumulated in float32, so
     float16 gradients do not overflow). ``ops.sqrt`` of it is the gradient norm."""
-    x: Any = t.to(torch.float32)
+    traced: Any = t  # torch methods on popxl handles record ops
+    x: Any = traced.to(torch.float32)
     total: Any = (x * x).sum()
     if isinstance(loss_scaling, Tensor):
-        ls: Any = loss_scaling.to(torch.float32)
+        scale: Any = loss_scaling
+        ls: Any = scale.to(torch.float32)
         return total / (ls * ls)
     return total * (1.0 / (float(loss_scaling) * float(loss_scaling)))

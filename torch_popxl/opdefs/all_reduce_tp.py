@@ -13,6 +13,10 @@ the mode decides at once. The reduction itself is ``replicated_all_reduce``'s (i
 custom op, kernels, traffic and distributed rules): this stanza only adds the gradient rule
 (each mode's gradient is the op in the mirrored mode) and the identity direction.
 Only ``op='add'`` is supported, as upstream.
+
+Known difference: the identity direction is still one op of this definition, so reports count it
+as an all-reduce call moving 0 bytes (upstream's pattern leaves a plain identity); byte counts
+are exact.
 """
 
 from __future__ import annotations

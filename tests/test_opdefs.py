@@ -93,6 +93,7 @@ def _by_effect(effect):
 def test_every_collective_and_remote_op_is_registered():
     assert {d.name for d in _by_effect(opdefs.Effect.COLLECTIVE)} == {
         "replicated_all_reduce",
+        "replicated_all_reduce_TP",
         "replicated_all_gather",
         "replicated_reduce_scatter",
         "replicated_take_own",

@@ -6,7 +6,23 @@ autodiff with gradient accumulation, remote-buffer load/store graphs and replica
 sharding helpers. Submodules keep popxl-addons' paths (``.module``, ``.graph``, ``.rts``, ...).
 """
 
-from . import dot_tree, graph, graph_cache, layers, named_tensors, ops, optimizers, rts, transforms  # noqa: F401
+import subprocess
+
+from . import (  # noqa: F401
+    array_munging,
+    dot_tree,
+    graph,
+    graph_cache,
+    layers,
+    named_replica_grouping,
+    named_tensors,
+    ops,
+    optimizers,
+    route_tensor,
+    rts,
+    task_session,
+    transforms,
+)
 from .dot_tree import DotTree
 from .graph import BoundGraph, GraphWithNamedArgs
 from .graph_cache import GraphCache, argument_hash, function, get_function_hash
@@ -22,9 +38,22 @@ from .remote import (
     named_variable_buffers,
     store_remote_graph,
 )
+from .route_tensor import is_subgraph
+from .rts import (
+    all_gather_replica_sharded_graph,
+    gather_replica_sharded_tensor,
+    reduce_replica_sharded_graph,
+    reduce_replica_sharded_tensor,
+    replica_sharded_spec,
+)
 from .streams import InputStreams, OutputStreams
-from .transforms import autodiff, autodiff_with_accumulation
-from .utils import OrderedDict, WeightsDict, timer
+from .transforms import (
+    autodiff,
+    autodiff_with_accumulation,
+    set_available_memory_proportion_by_ipu,
+    set_graph_available_memory_proportion_by_ipu,
+)
+from .utils import OrderedDict, WeightsDict, null_context, suffix_graph_name, timer
 from .variable_factory import (
     NamedVariableFactories,
     VariableFactory,
@@ -32,7 +61,26 @@ from .variable_factory import (
     add_variable_input,
 )
 
+
+def _git_commit() -> str | None:
+    # As upstream: the short commit of the git repository around the working directory (the
+    # application's checkout), or None outside one.
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+GIT_COMMIT = _git_commit()
+
 __all__ = [
+    "GIT_COMMIT", "is_subgraph", "null_context", "suffix_graph_name",
+    "set_available_memory_proportion_by_ipu", "set_graph_available_memory_proportion_by_ipu",
+    "replica_sharded_spec", "reduce_replica_sharded_graph", "all_gather_replica_sharded_graph",
+    "reduce_replica_sharded_tensor", "gather_replica_sharded_tensor",
+    "array_munging", "named_replica_grouping", "route_tensor", "task_session",
     "Module", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function", "get_function_hash",
     "argument_hash", "DotTree", "NamedTensors", "NamedTensorData", "NamedVariableFactories",
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 
 from ..runtime.session import check_host_data
 
-__all__ = ["OrderedDict", "WeightsDict", "timer"]
+__all__ = ["OrderedDict", "WeightsDict", "null_context", "suffix_graph_name", "timer"]
 
 
 class OrderedDict(collections.OrderedDict):
@@ -42,3 +43,15 @@ def timer(title: str = "", print_fn=print) -> Iterator[None]:
         yield
     finally:
         print_fn(f"{title} took {time.perf_counter() - start:.3f}s")
+
+
+@contextlib.contextmanager
+def null_context() -> Iterator[None]:
+    """A context manager that does nothing (for ``with io_tiles() if x else null_context():``)."""
+    yield
+
+
+def suffix_graph_name(name: str, suffix: str) -> str:
+    """``name`` without its ``_subgraph(N)`` counters, then ``_<suffix>``."""
+    base = re.sub(r"_subgraph\(\d+\)", "", name)
+    return f"{base}_{suffix}"

@@ -4,7 +4,7 @@ fake and autograd rules of its stacked C++ kernel, its per-replica reference sem
 traffic formula, the facts the fast compiler needs, its explicit-batching and torch.distributed
 rules, and its public wrapper — registered by name in one ``OpDef`` (``registry.py``).
 
-Stanzas: ``all_reduce``, ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
+Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
 stores), ``host`` (host streams), ``fused`` (ops the fast compiler makes by fusion) and
 ``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
@@ -19,6 +19,7 @@ C++ extension.
 from . import (
     all_gather,
     all_reduce,
+    all_reduce_tp,
     backends,
     compute,
     fused,
@@ -38,6 +39,7 @@ __all__ = [
     "Traffic",
     "all_gather",
     "all_reduce",
+    "all_reduce_tp",
     "backends",
     "compute",
     "fused",

@@ -115,8 +115,7 @@ def _(x, op, group_size, stride):
     return x.new_empty(x.shape)
 
 
-@per_replica.register_vmap
-def _(info, in_dims, x, op, group_size, stride):
+def vmap_rule(info, in_dims, x, op, group_size, stride):
     # A full-group result is the same on every replica: return it unbatched (stored once),
     # which lets the executor keep replica-invariant values unbatched (see runtime/lower.py).
     backend = collectives()
@@ -133,6 +132,7 @@ def _(info, in_dims, x, op, group_size, stride):
     ), 0
 
 
+per_replica.register_vmap(vmap_rule)  # named: the TP all-reduce (all_reduce_tp.py) reuses it
 per_replica.register_autograd(_backward)
 
 

@@ -1,0 +1,5 @@
+"""``addons.ops.linear_layout``."""
+
+from .linear_layout import linear_layout
+
+__all__ = ["linear_layout"]

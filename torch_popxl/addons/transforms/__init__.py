@@ -1,5 +1,18 @@
-"""Graph transforms of popxl-addons: autodiff with and without gradient accumulation."""
+"""Graph transforms of popxl-addons: autodiff with and without gradient accumulation,
+recomputation, batch serialisation and ``repeat_graph``."""
 
+from . import batch_serialisation, recomputation, repeat_graph  # noqa: F401
 from .autodiff import autodiff, autodiff_with_accumulation
+from .batch_serialisation import (
+    BatchSerialResult,
+    RemoteHandle,
+    batch_serial_buffer,
+    batch_serialise,
+    batch_serialise_fwd_and_grad,
+)
+from .recomputation import recompute_graph
 
-__all__ = ["autodiff", "autodiff_with_accumulation"]
+__all__ = [
+    "autodiff", "autodiff_with_accumulation", "recompute_graph", "batch_serialise",
+    "batch_serialise_fwd_and_grad", "batch_serial_buffer", "BatchSerialResult", "RemoteHandle",
+]  # fmt: skip

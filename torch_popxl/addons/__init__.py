@@ -23,7 +23,14 @@ from .remote import (
     store_remote_graph,
 )
 from .streams import InputStreams, OutputStreams
-from .transforms import autodiff, autodiff_with_accumulation
+from .transforms import (
+    autodiff,
+    autodiff_with_accumulation,
+    batch_serial_buffer,
+    batch_serialise,
+    batch_serialise_fwd_and_grad,
+    recompute_graph,
+)
 from .utils import OrderedDict, WeightsDict, timer
 from .variable_factory import (
     NamedVariableFactories,
@@ -38,6 +45,7 @@ __all__ = [
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",
     "add_replica_sharded_variable_input", "print_named_tensors",
     "autodiff", "autodiff_with_accumulation",
+    "recompute_graph", "batch_serialise", "batch_serialise_fwd_and_grad", "batch_serial_buffer",
     "cross_entropy", "cross_entropy_with_grad", "host_load", "host_store",
     "InputStreams", "OutputStreams",
     "load_remote_graph", "store_remote_graph", "named_buffers", "named_variable_buffers",

@@ -26,3 +26,4 @@ def test_readme_python_blocks_run_and_print_documented_values():
     )  # compile: bf16 state as torch
     assert "sharded variables (RTS, 1/4 on each replica)          12 B" in text
     assert "[[2. 2. 2.]\n [2. 2. 2.]]" in text and "['bias', 'weight']" in text
+    assert "True 320 84" in text  # batch serialisation: same numbers, lower peak

@@ -498,3 +498,33 @@ def test_batch_serialise_argument_errors_name_the_problem():
             batch_serialise_fwd_and_grad(graph, graph, graph.args, 2, {}, {}, {})
         n_graphs = len(ir.graphs)
     assert len(ir.graphs) == n_graphs  # failed calls created no graphs
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_io_overlapped_builds_upstreams_prologue_loop_epilogue_schedule(steps, executor):
+    """load 0; load 1 + compute 0; repeat steps-2 times (store i-2, load i, compute i-1);
+    store + compute the last; store the last. Same numbers as one step at a time."""
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        in_h2d = popxl.h2d_stream((CB, 2), popxl.float32, name="x_stream")
+        out_d2h = popxl.d2h_stream((CB, 2), popxl.float32, name="y_stream")
+        args, graph = Scale().create_graph(in_h2d.spec)
+        x_in, y_out = graph.graph.inputs[0], graph.graph.outputs[0]
+        buffer = batch_serial_buffer(y_out, steps=steps)
+        result = batch_serialise(graph, steps, {x_in: in_h2d}, {y_out: out_d2h},
+                                 {y_out: RemoteHandle(buffer)}, io_mode="io_overlapped")  # fmt: skip
+        result.graph.bind(args.init()).call(0)
+        back = popxl.d2h_stream((CB, 2), popxl.float32, name="from_buffer")
+        for i in range(steps):
+            ops.host_store(back, ops.remote_load(buffer, i))
+    loop_ops = result.graph.graph.ops
+    calls = [op for op in loop_ops if op.kind == "call" and op.attrs.graph is graph.graph]
+    repeats = [op for op in loop_ops if op.kind == "repeat"]
+    assert len(calls) == 2  # compute 0 in the prologue, the last step in the epilogue
+    assert [op.attrs.repeat_count for op in repeats] == ([steps - 2] if steps > 2 else [])
+    ir.num_host_transfers = steps
+    x = np.arange(steps * CB * 2, dtype=np.float32).reshape(steps, CB, 2)
+    outputs, _ = run(ir, {in_h2d: x}, executor)
+    np.testing.assert_array_equal(outputs[out_d2h], x * 2)
+    np.testing.assert_array_equal(outputs[back], x * 2)

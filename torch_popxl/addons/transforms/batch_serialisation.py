@@ -31,7 +31,7 @@ Note [batch serialisation]
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -214,16 +214,14 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
     tiles = io_tiles if io_mode != "compute" else nullcontext
     ir = g.ir
 
-    def like(t: Tensor, name: str | None = None) -> Tensor:
-        return graph_input(t.shape, t.dtype, name or t.name, g.is_input_by_ref(t), t.meta_shape)
+    def like(t: Tensor, by_ref: bool | None = None) -> Tensor:
+        ref = g.is_input_by_ref(t) if by_ref is None else by_ref
+        return graph_input(t.shape, t.dtype, t.name, ref, t.meta_shape)
 
-    micro = ir.create_empty_graph(f"{g.name}_batch_serial_step")
-    with micro, in_sequence(True):
-        index = graph_input((), _dtypes.int32, "batch_serial_index")
-        seed = graph_input((2,), _dtypes.uint32, "batch_serial_random_seed") if seed_input else None
-        through = [like(t) for t in through_ts]
+    def load(index: Tensor) -> list[Tensor]:
+        """Load (and gather, where sharded) the inputs of the step ``index``."""
+        loaded = []
         with tiles():
-            loaded = []
             for t in loaded_ts:
                 h = loads[t]
                 if isinstance(h, HostToDeviceStream):
@@ -233,14 +231,20 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
                 if h.shard_group is not None and h.shard_group.group_size > 1:
                     x = gather_replica_sharded_tensor(x, replica_group=h.shard_group)
                 loaded.append(x)
+        return loaded
+
+    def compute(loaded: list[Tensor], through: list[Tensor], seed: Tensor | None) -> list[Tensor]:
         args = dict(zip(loaded_ts, loaded, strict=True))
         args.update(zip(through_ts, through, strict=True))
         if seed_input is not None:
             args[seed_input] = seed
         info = graph.call_with_info(args=args)
+        return [info.graph_to_parent(t) for t in stored_ts]
+
+    def store(index: Tensor, values: list[Tensor]) -> None:
+        """Store (slicing where sharded) the results of the step ``index``."""
         with tiles():
-            for t in stored_ts:
-                x = info.graph_to_parent(t)
+            for t, x in zip(stored_ts, values, strict=True):
                 if t in streams:
                     host_store(streams[t], x)
                 if t in buffers:
@@ -248,27 +252,94 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
                     if h.shard_group is not None and h.shard_group.group_size > 1:
                         x = collectives.replica_sharded_slice(x, group=h.shard_group)
                     remote_store(h.buffer, _entry(index, h, steps, rows), x)
-            graph_output(index + 1)
 
     loop = ir.create_empty_graph(f"{g.name}_repeat_graph")
     with loop, in_sequence(True):
         row = graph_input((), _dtypes.int32, "batch_serial_loop_index")
         with tiles():
-            start = row * steps
-        outer_seed = (
-            graph_input((2,), _dtypes.uint32, "batch_serial_random_seed") if seed_input else None
-        )
+            index = row * steps
+        seed = graph_input((2,), _dtypes.uint32, "batch_serial_random_seed") if seed_input else None
         outer = [like(t) for t in through_ts]
-        inputs = dict(zip(through, outer, strict=True))
-        if seed is not None:
-            inputs[seed] = outer_seed
-        repeat(micro, steps, start, inputs_dict=inputs)
+        if io_mode == "io_overlapped" and steps >= 2:
+
+            def new_through() -> list[Tensor]:
+                return [like(t) for t in through_ts]
+
+            _overlapped(
+                ir, g.name, steps, index, seed, outer, new_through, like, load, compute, store
+            )
+        else:
+            micro = ir.create_empty_graph(f"{g.name}_batch_serial_step")
+            with micro, in_sequence(True):
+                i = graph_input((), _dtypes.int32, "batch_serial_index")
+                s = like(seed, False) if seed is not None else None
+                through = [like(t) for t in through_ts]
+                store(i, compute(load(i), through, s))
+                with tiles():
+                    graph_output(i + 1)
+            inputs = dict(zip(through, outer, strict=True))
+            if seed is not None:
+                inputs[s] = seed
+            repeat(micro, steps, index, inputs_dict=inputs)
 
     remap = dict(zip(through_ts, outer, strict=True))
     stored = {}
     for t in buffers:
         stored[t] = loads[t] if remote_in(t) else buffers[t]
     return BatchSerialResult(GraphWithNamedArgs(loop, graph.args.remap(remap)), stored, remap)
+
+
+def _overlapped(ir: Any, name: str, steps: int, index: Tensor, seed: Tensor | None,
+                outer: list[Tensor], new_through: Callable[[], list[Tensor]],
+                like: Callable[[Tensor, bool], Tensor], load: Callable[[Tensor], list[Tensor]],
+                compute: Callable[[list[Tensor], list[Tensor], Tensor | None], list[Tensor]],
+                store: Callable[[Tensor, list[Tensor]], None]) -> None:  # fmt: skip
+    """The loop of io_mode "io_overlapped" (popxl-addons' schedule): step i's loads and step
+    i-2's stores are issued next to step i-1's compute, so on an IPU the IO tiles move data
+    while the compute tiles work. Loaded inputs and results wait one step as loop-carried
+    values::
+
+        load 0
+        load 1, compute 0
+        repeat i = 2 .. steps-1:  store i-2, load i, compute i-1
+        store steps-2, compute steps-1
+        store steps-1
+    """
+    with io_tiles():
+        loaded = load(index)
+        index = index + 1
+        next_loaded = load(index)
+    results = compute(loaded, outer, seed)
+    with io_tiles():
+        index = index + 1
+    if steps > 2:
+        micro = ir.create_empty_graph(f"{name}_batch_serial_step")
+        with micro, in_sequence(True):
+            i = graph_input((), _dtypes.int32, "batch_serial_index")
+            waiting = [like(x, False) for x in next_loaded]
+            done = [like(x, False) for x in results]
+            s = like(seed, False) if seed is not None else None
+            through = new_through()
+            with io_tiles():
+                store(i - 2, done)
+                fresh = load(i)
+            computed = compute(waiting, through, s)
+            with io_tiles():
+                graph_output(i + 1)
+            for x in (*fresh, *computed):
+                graph_output(x)
+        inputs = dict(zip(through, outer, strict=True))
+        if seed is not None:
+            inputs[s] = seed
+        index, *carried = repeat(micro, steps - 2, index, *next_loaded, *results,
+                                 inputs_dict=inputs)  # fmt: skip
+        next_loaded, results = carried[: len(next_loaded)], carried[len(next_loaded) :]
+    with io_tiles():
+        store_index = index - 2
+    store(store_index, results)
+    results = compute(next_loaded, outer, seed)
+    with io_tiles():
+        store(store_index + 1, results)
 
 
 def batch_serialise_fwd_and_grad(forward_graph: GraphWithNamedArgs, gradient_graph: GraphWithNamedArgs,

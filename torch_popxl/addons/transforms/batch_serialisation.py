@@ -22,9 +22,11 @@ Note [batch serialisation]
     ``ReplicaGrouping``) and loaded by the gradient loop at the same step; activations that are
     variables (``named_inputs_for_grad_graph``) become named inputs of the gradient loop.
 
-    ``io_mode`` says where loads and stores run on an IPU ("compute" tiles, "io" tiles, or IO
-    tiles overlapped with compute). The simulator has no tiles: every mode builds the same loop
-    (the IO modes tag the transfers with the IO tile set) and gives the same numbers. A random
+    ``io_mode`` says where loads and stores run on an IPU: "compute" tiles, "io" tiles, or IO
+    tiles overlapped with compute ("io_overlapped", with at least 2 steps: the prologue / loop /
+    epilogue schedule of ``_overlapped``, where each step's inputs are loaded one step ahead and
+    its results stored one step later). The simulator has no tiles (the IO modes tag the
+    transfers with the IO tile set); every mode gives the same numbers. A random
     seed input (``seed_input``) is passed unchanged to every step: the simulator's random ops
     draw from the session's generator, not from seed tensors.
 """

@@ -496,8 +496,11 @@ def test_batch_serialise_argument_errors_name_the_problem():
             batch_serialise(graph.graph, 2, {}, {}, {})
         with pytest.raises(ValueError, match="not a gradient graph"):
             batch_serialise_fwd_and_grad(graph, graph, graph.args, 2, {}, {}, {})
+        dgraph = addons.autodiff(graph)
         n_graphs = len(ir.graphs)
-    assert len(ir.graphs) == n_graphs  # failed calls created no graphs
+        with pytest.raises(ValueError, match="needs a load handle"):
+            batch_serialise_fwd_and_grad(graph, dgraph, graph.args, 2, {x_in: in_h2d}, {}, {})
+        assert len(ir.graphs) == n_graphs  # the failed call created no graph
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

@@ -391,6 +391,13 @@ def batch_serialise_fwd_and_grad(forward_graph: GraphWithNamedArgs, gradient_gra
     activations = [
         (i, ec) for i, ec in expected if ec.connection_type is ExpectedConnectionType.Fwd
     ]
+    # Checked before any graph is created, so a failed call leaves the Ir as it was.
+    for i, ec in expected:
+        if ec.connection_type is ExpectedConnectionType.FwdGrad and grad_inputs[i] not in loads:
+            raise ValueError(
+                f"The gradient input {grad_inputs[i].id!r} (index {i}, the gradient of "
+                f"{ec.fwd_tensor.id!r}) needs a load handle: add it to load_handles."
+            )
     fwd_buffers = dict(buffers)
     for _, ec in activations:
         t = ec.fwd_tensor
@@ -420,13 +427,7 @@ def batch_serialise_fwd_and_grad(forward_graph: GraphWithNamedArgs, gradient_gra
             raise AssertionError(f"activation {t.id!r} has no buffer")
     for i, ec in expected:
         if ec.connection_type is ExpectedConnectionType.FwdGrad:
-            gt = grad_inputs[i]
-            if gt not in loads:
-                raise ValueError(
-                    f"The gradient input {gt.id!r} (index {i}, the gradient of "
-                    f"{ec.fwd_tensor.id!r}) needs a load handle: add it to load_handles."
-                )
-            grad_loads[gt] = loads[gt]
+            grad_loads[grad_inputs[i]] = loads[grad_inputs[i]]
     named.update(gradient_graph.args.to_dict())
     grad_named = GraphWithNamedArgs(gradient_graph.graph, NamedTensors.from_dict(named), info)
     bwd_streams = {t: s for t, s in streams.items() if t in gradient_graph.graph}

@@ -531,3 +531,25 @@ def test_io_overlapped_builds_upstreams_prologue_loop_epilogue_schedule(steps, e
     outputs, _ = run(ir, {in_h2d: x}, executor)
     np.testing.assert_array_equal(outputs[out_d2h], x * 2)
     np.testing.assert_array_equal(outputs[back], x * 2)
+
+
+@pytest.mark.parametrize("io_mode", ["compute", "io_overlapped"])
+def test_batch_serialise_seed_input_reaches_every_step(io_mode):
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        in_h2d = popxl.h2d_stream((CB, 2), popxl.float32, name="x_stream")
+        out_d2h = popxl.d2h_stream((CB, 2), popxl.float32, name="y_stream")
+
+        def fn(x: popxl.Tensor, seed: popxl.Tensor) -> popxl.Tensor:
+            return x + ops.reduce_sum(ops.cast(seed, popxl.float32))
+
+        seed_spec = popxl.TensorSpec((2,), popxl.uint32)
+        graph = addons.GraphWithNamedArgs(ir.create_graph(fn, in_h2d.spec, seed_spec))
+        x_in, seed_in = graph.graph.inputs
+        result = batch_serialise(graph, BF, {x_in: in_h2d}, {graph.graph.outputs[0]: out_d2h},
+                                 {}, seed_input=seed_in, io_mode=io_mode)  # fmt: skip
+        assert [t.dtype for t in result.graph.graph.inputs] == [popxl.int32, popxl.uint32]
+        result.graph.call(0, popxl.constant(np.array([3, 4], np.uint32)))
+    ir.num_host_transfers = BF
+    outputs, _ = run(ir, {in_h2d: _inputs()})
+    np.testing.assert_array_equal(outputs[out_d2h], _inputs() + 7)

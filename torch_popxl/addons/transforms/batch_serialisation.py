@@ -238,7 +238,7 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
     def compute(loaded: list[Tensor], through: list[Tensor], seed: Tensor | None) -> list[Tensor]:
         args = dict(zip(loaded_ts, loaded, strict=True))
         args.update(zip(through_ts, through, strict=True))
-        if seed_input is not None:
+        if seed_input is not None and seed is not None:
             args[seed_input] = seed
         info = graph.call_with_info(args=args)
         return [info.graph_to_parent(t) for t in stored_ts]
@@ -260,7 +260,11 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
         row = graph_input((), _dtypes.int32, "batch_serial_loop_index")
         with tiles():
             index = row * steps
-        seed = graph_input((2,), _dtypes.uint32, "batch_serial_random_seed") if seed_input else None
+        seed = (
+            graph_input((2,), _dtypes.uint32, "batch_serial_random_seed")
+            if seed_input is not None
+            else None
+        )
         outer = [like(t) for t in through_ts]
         if io_mode == "io_overlapped" and steps >= 2:
 
@@ -280,7 +284,7 @@ def _serialise(graph: GraphWithNamedArgs, steps: int, loads: dict, streams: dict
                 with tiles():
                     graph_output(i + 1)
             inputs = dict(zip(through, outer, strict=True))
-            if seed is not None:
+            if seed is not None and s is not None:
                 inputs[s] = seed
             repeat(micro, steps, index, inputs_dict=inputs)
 
@@ -331,7 +335,7 @@ def _overlapped(ir: Any, name: str, steps: int, index: Tensor, seed: Tensor | No
             for x in (*fresh, *computed):
                 graph_output(x)
         inputs = dict(zip(through, outer, strict=True))
-        if seed is not None:
+        if seed is not None and s is not None:
             inputs[s] = seed
         index, *carried = repeat(micro, steps - 2, index, *next_loaded, *results,
                                  inputs_dict=inputs)  # fmt: skip

@@ -24,6 +24,7 @@ from .remote import (
 )
 from .streams import InputStreams, OutputStreams
 from .transforms import (
+    RemoteHandle,
     autodiff,
     autodiff_with_accumulation,
     batch_serial_buffer,
@@ -46,6 +47,7 @@ __all__ = [
     "add_replica_sharded_variable_input", "print_named_tensors",
     "autodiff", "autodiff_with_accumulation",
     "recompute_graph", "batch_serialise", "batch_serialise_fwd_and_grad", "batch_serial_buffer",
+    "RemoteHandle",
     "cross_entropy", "cross_entropy_with_grad", "host_load", "host_store",
     "InputStreams", "OutputStreams",
     "load_remote_graph", "store_remote_graph", "named_buffers", "named_variable_buffers",

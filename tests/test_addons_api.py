@@ -105,12 +105,8 @@ CONTRACT = [
 NOT_YET = {
     ("", "route_tensor_into_graph"), ("route_tensor", "route_tensor_into_graph"),
     ("", "fp8_amax_scale"), ("ops", "fp8_amax_scale"),
-    ("", "batch_serialise"), ("", "batch_serialise_fwd_and_grad"), ("", "batch_serial_buffer"),
-    ("", "RemoteHandle"), ("", "pipelined_execution"), ("", "recompute_graph"),
-    ("transforms", "batch_serialise"), ("transforms", "batch_serialise_fwd_and_grad"),
-    ("transforms", "batch_serial_buffer"), ("transforms", "pipelined_execution"),
-    ("transforms", "recompute_graph"),
-("ops.static_sparse_ops", None),
+    ("", "pipelined_execution"), ("transforms", "pipelined_execution"),
+    ("ops.static_sparse_ops", None),
     ("seed_variable", None),
 }  # fmt: skip
 

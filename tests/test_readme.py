@@ -27,3 +27,4 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "sharded variables (RTS, 1/4 on each replica)          12 B" in text
     assert "[[2. 2. 2.]\n [2. 2. 2.]]" in text and "['bias', 'weight']" in text
     assert "[[4. 4. 4.]] [[3. 3. 3. 3.]]" in text  # the tensor-parallel addons block
+    assert "True 320 84" in text  # batch serialisation: same numbers, lower peak

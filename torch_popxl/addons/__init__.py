@@ -48,8 +48,13 @@ from .rts import (
 )
 from .streams import InputStreams, OutputStreams
 from .transforms import (
+    RemoteHandle,
     autodiff,
     autodiff_with_accumulation,
+    batch_serial_buffer,
+    batch_serialise,
+    batch_serialise_fwd_and_grad,
+    recompute_graph,
     set_available_memory_proportion_by_ipu,
     set_graph_available_memory_proportion_by_ipu,
 )
@@ -86,6 +91,8 @@ __all__ = [
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",
     "add_replica_sharded_variable_input", "print_named_tensors",
     "autodiff", "autodiff_with_accumulation",
+    "recompute_graph", "batch_serialise", "batch_serialise_fwd_and_grad", "batch_serial_buffer",
+    "RemoteHandle",
     "cross_entropy", "cross_entropy_with_grad", "host_load", "host_store",
     "InputStreams", "OutputStreams",
     "load_remote_graph", "store_remote_graph", "named_buffers", "named_variable_buffers",

@@ -210,6 +210,13 @@ def _unwire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(dtype) if x.dtype != dtype else x
 
 
+def _native_reduce_scatter(pg) -> bool:
+    """Whether the process group's backend implements ``reduce_scatter_tensor`` (gloo does
+    from torch 2.x, nccl always; checked against gloo in tests/test_distributed.py)."""
+    backend = str(dist.get_backend(pg))
+    return "gloo" in backend or "nccl" in backend
+
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -227,6 +234,8 @@ class TorchDistributedCollectives:
         # grouping -> (process group, member instances) of this rank's component; None when
         # no group crosses an instance.
         self._links: dict[tuple[int, int], tuple[Any, tuple[int, ...]] | None] = {}
+        # What this process handed to torch.distributed (Note [wire bytes]).
+        self.wire = {"bytes": 0, "calls": 0}
         for grouping in groupings:
             self._links[grouping] = self._link(*grouping)
 
@@ -275,11 +284,20 @@ class TorchDistributedCollectives:
 
     # -- moving rows
 
+    def _sent(self, nbytes: int, members: int, kind: str) -> None:
+        """Count this process's wire bytes of one collective over ``members`` processes
+        (Note [wire bytes])."""
+        if members > 1:
+            factor = 2 if kind == "all_reduce" else 1
+            self.wire["bytes"] += factor * (members - 1) * nbytes // members
+            self.wire["calls"] += 1
+
     def _gather(self, x: torch.Tensor, pg, members: tuple[int, ...]) -> torch.Tensor:
         """``[R_local, ...]`` -> ``[R, ...]``: the rows of ``members``, zeros elsewhere."""
         wire = _wire(x)
         buf = wire.new_empty((len(members) * self.local, *x.shape[1:]))
         _comm("all-gather", lambda: _all_gather_single(buf, wire, group=pg))
+        self._sent(buf.numel() * buf.element_size(), len(members), "all_gather")
         rows = _unwire(buf, x.dtype)
         if len(members) == self.layout.num_instances:
             return rows
@@ -304,7 +322,35 @@ class TorchDistributedCollectives:
             reduction
         ]
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
+        self._sent(t.numel() * t.element_size(), self.layout.num_instances, "all_reduce")
         return t
+
+    def component(self, group_size: int, stride: int) -> tuple[int, ...]:
+        link = self._link_for(group_size, stride)
+        return (self.layout.instance_index,) if link is None else link[1]
+
+    def reduce_scatter_component(
+        self, t: torch.Tensor, group_size: int, stride: int, reduction: str
+    ) -> torch.Tensor:
+        link = self._link_for(group_size, stride)
+        assert link is not None, "no group of this grouping crosses an instance"
+        pg, members = link
+        op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
+            reduction
+        ]
+        t = t.contiguous()
+        out = t.new_empty((self.local, *t.shape[1:]))
+        if _native_reduce_scatter(pg):
+            _comm("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, t, op=op, group=pg))
+            self._sent(t.numel() * t.element_size(), len(members), "reduce_scatter")
+            return out
+        # A backend without reduce_scatter_tensor (mpi, ucc, third-party): all-reduce the
+        # whole tensor and keep this instance's rows; it moves twice the bytes, counted so.
+        _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=pg))
+        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        j = members.index(self.layout.instance_index)
+        out = t[j * self.local : (j + 1) * self.local]
+        return out
 
     def gather_component(self, x: torch.Tensor, group_size: int, stride: int) -> torch.Tensor:
         link = self._link_for(group_size, stride)

@@ -196,6 +196,13 @@ class InstanceTransport(Collectives, Protocol):
         """The instances linked to this one by the grouping, ascending (this one included)."""
         ...
 
+    def all_reduce_component(
+        self, t: Tensor, group_size: int, stride: int, reduction: str
+    ) -> Tensor:
+        """Combine ``t`` with ``'sum'``, ``'min'`` or ``'max'`` over the instances of
+        ``component(group_size, stride)``."""
+        ...
+
     def reduce_scatter_component(
         self, t: Tensor, group_size: int, stride: int, reduction: str
     ) -> Tensor:

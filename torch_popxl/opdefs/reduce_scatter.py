@@ -23,13 +23,14 @@ from ..ir.tensor import Tensor as Handle
 from . import reference as ref
 from ._api import check_tensor, grouping_of, reduce_op
 from ._common import (
-    NARROW_FLOATS,
     check_grouping,
     check_op,
     chunk,
+    neutral,
     no_explicit_rule,
     no_gradient,
     ops,
+    partial_form,
     require_single_replica,
     stacked,
 )
@@ -170,34 +171,6 @@ per_replica.register_autograd(_backward, setup_context=_save)
 # ---- many processes --------------------------------------------------------------------------
 
 
-def _wide(x: Tensor, op: str) -> tuple[Tensor, str]:
-    """``x`` in the dtype its partial reduction travels in, and the wire reduction."""
-    dtype = x.dtype
-    if op in ("and", "or"):
-        return (x != 0).to(torch.uint8), "min" if op == "and" else "max"
-    if op in ("min", "max"):
-        return (x.to(torch.uint8) if dtype == torch.bool else x), op
-    if dtype in NARROW_FLOATS:
-        wide = torch.float32
-    elif op in ("mean", "mul") and not (dtype.is_floating_point or dtype.is_complex):
-        wide = torch.int64  # exact sum, then truncating division, as the kernel does
-    else:
-        wide = dtype
-    v = x.to(wide)
-    return (v * v if op == "square_add" else v), "sum"
-
-
-def _identity(dtype: torch.dtype, reduction: str):
-    """The neutral element of ``reduction``: what an instance sends for a group it holds no
-    member of."""
-    if reduction == "sum":
-        return 0
-    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-    if dtype.is_floating_point:
-        return math.inf if reduction == "min" else -math.inf
-    return info.max if reduction == "min" else info.min
-
-
 def _native(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
     """Reduce-scatter across instances with one ``reduce_scatter_tensor`` over the instances
     the grouping links (Note [cross-instance collectives]).
@@ -211,7 +184,7 @@ def _native(backend: InstanceTransport, x: Tensor, op: str, group_size: int, str
     G, S, local = group_size, stride, backend.local
     size = chunk(x.shape[1], G)
     members = backend.component(G, S)
-    v, reduction = _wide(x, op)
+    v, reduction = partial_form(x, op)
     v = torch.nn.functional.pad(v, (0, G * size - x.shape[1])).reshape(local, G, size)
     targets = torch.tensor([p * local + q for p in members for q in range(local)])
     mine = backend.offset + torch.arange(local)
@@ -222,8 +195,8 @@ def _native(backend: InstanceTransport, x: Tensor, op: str, group_size: int, str
     member = (targets % (S * G)) // S
     mask = (group(targets)[:, None] == group(mine)[None, :]).to(x.device)  # [T, local]
     rows = v[:, member.to(x.device)].transpose(0, 1)  # [T, local, size]
-    neutral = torch.full((), _identity(v.dtype, reduction), dtype=v.dtype, device=x.device)
-    rows = torch.where(mask[:, :, None], rows, neutral)
+    fill = torch.full((), neutral(v.dtype, reduction), dtype=v.dtype, device=x.device)
+    rows = torch.where(mask[:, :, None], rows, fill)
     if reduction == "sum":
         part = rows.sum(1, dtype=v.dtype)
     else:

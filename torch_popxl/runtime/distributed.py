@@ -99,6 +99,7 @@ __all__ = [
     "mean_over_instances",
     "num_instances",
     "timeout_s",
+    "wire_counters",
 ]
 
 
@@ -122,6 +123,25 @@ def mean_over_instances(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     _comm("all-reduce of a host value", lambda: dist.all_reduce(t, group=world))
     return float(t.item()) / dist.get_world_size()
+
+
+# Note [wire bytes]
+# ~~~~~~~~~~~~~~~~~
+# What this process sent through torch.distributed, counted at the call with the ring
+# algorithm's per-process figure for the tensor handed over on P processes: reduce-scatter
+# and all-gather (P-1)/P of the full tensor, all-reduce twice that. gloo and nccl run these
+# collectives as rings (or as trees/halving-doubling that send no more), so this is the
+# payload each process puts on the wire, headers aside. The traffic counters instead count
+# the ring among *replicas* (Note [traffic accounting]); the two agree when every instance
+# holds one replica, and the wire figure is lower when an instance holds several (their
+# links are free: they share memory).
+_WIRE = {"bytes": 0, "calls": 0}
+
+
+def wire_counters() -> dict[str, int]:
+    """Bytes this process has sent through torch.distributed collectives and their number
+    (Note [wire bytes]); process-wide and only growing."""
+    return dict(_WIRE)
 
 
 # ---- process groups -----------------------------------------------------------------------
@@ -210,6 +230,9 @@ def _unwire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(dtype) if x.dtype != dtype else x
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
 def _native_reduce_scatter(pg) -> bool:
     """Whether the process group's backend implements ``reduce_scatter_tensor`` (gloo does
     from torch 2.x, nccl always; checked against gloo in tests/test_distributed.py)."""
@@ -234,8 +257,6 @@ class TorchDistributedCollectives:
         # grouping -> (process group, member instances) of this rank's component; None when
         # no group crosses an instance.
         self._links: dict[tuple[int, int], tuple[Any, tuple[int, ...]] | None] = {}
-        # What this process handed to torch.distributed (Note [wire bytes]).
-        self.wire = {"bytes": 0, "calls": 0}
         for grouping in groupings:
             self._links[grouping] = self._link(*grouping)
 
@@ -289,8 +310,8 @@ class TorchDistributedCollectives:
         (Note [wire bytes])."""
         if members > 1:
             factor = 2 if kind == "all_reduce" else 1
-            self.wire["bytes"] += factor * (members - 1) * nbytes // members
-            self.wire["calls"] += 1
+            _WIRE["bytes"] += factor * (members - 1) * nbytes // members
+            _WIRE["calls"] += 1
 
     def _gather(self, x: torch.Tensor, pg, members: tuple[int, ...]) -> torch.Tensor:
         """``[R_local, ...]`` -> ``[R, ...]``: the rows of ``members``, zeros elsewhere."""
@@ -318,9 +339,7 @@ class TorchDistributedCollectives:
         add_collective_traffic(share - counted, calls)
 
     def all_reduce_partial(self, t: torch.Tensor, reduction: str) -> torch.Tensor:
-        op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
-            reduction
-        ]
+        op = _REDUCE_OPS[reduction]
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
         self._sent(t.numel() * t.element_size(), self.layout.num_instances, "all_reduce")
         return t
@@ -329,15 +348,24 @@ class TorchDistributedCollectives:
         link = self._link_for(group_size, stride)
         return (self.layout.instance_index,) if link is None else link[1]
 
+    def all_reduce_component(
+        self, t: torch.Tensor, group_size: int, stride: int, reduction: str
+    ) -> torch.Tensor:
+        link = self._link_for(group_size, stride)
+        assert link is not None, "no group of this grouping crosses an instance"
+        pg, members = link
+        t = t.contiguous()
+        _comm("all-reduce", lambda: dist.all_reduce(t, op=_REDUCE_OPS[reduction], group=pg))
+        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        return t
+
     def reduce_scatter_component(
         self, t: torch.Tensor, group_size: int, stride: int, reduction: str
     ) -> torch.Tensor:
         link = self._link_for(group_size, stride)
         assert link is not None, "no group of this grouping crosses an instance"
         pg, members = link
-        op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
-            reduction
-        ]
+        op = _REDUCE_OPS[reduction]
         t = t.contiguous()
         out = t.new_empty((self.local, *t.shape[1:]))
         if _native_reduce_scatter(pg):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .graph import Graph
-from .instances import instance_layout, layout_for
+from .instances import layout_for
 from .module import Module
 from .replica_grouping import ReplicaGrouping
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
@@ -58,9 +58,6 @@ class Ir:
         else:
             self._replication_factor = 1
             self.replication_factor = replication
-
-    def _init_distributed(self, replication_factor: int | None = None) -> None:
-        self._set_layout(instance_layout(replication_factor))
 
     def _set_layout(self, layout) -> None:
         self._num_instances = layout.num_instances

@@ -1,17 +1,31 @@
 """Many processes, one PopXL program: replication over ``torch.distributed`` (DESIGN.md §4).
 
-Launch the same script on every process with ``torchrun`` and build the Ir with
-``popxl.Ir(replication="popdist")`` (``popxl.compile`` does this by itself under ``torchrun``).
-Each process is then one PopXL *instance* (popxl.md §10):
+Launch the same script on every process with ``torchrun`` (one host or several:
+``--nnodes``). Each process is then one PopXL *instance* (popxl.md §10), whichever way the Ir
+spells its replication (Note [one program, any launch]):
 
-* the global replica count R is ``$TORCH_POPXL_REPLICATION_FACTOR``, or the world size W when
-  unset, and must be a multiple of W;
+* the global replica count R is the ``Ir(replication=R)`` integer (or a later
+  ``ir.replication_factor = R``), or for ``Ir(replication="popdist")``
+  ``$TORCH_POPXL_REPLICATION_FACTOR``, else the world size W; it must be a multiple of W;
 * instance k holds the contiguous block of global replicas ``[k * R/W, (k+1) * R/W)`` and
   runs them together under ``vmap``, exactly as the simulator runs all R;
 * groupings, collectives, sharding and variable host data are global; ``session.run`` arrays
   hold the local replicas only (``ir.instance_replication_factor = R / W`` rows);
 * host reads (``weights_to_host``, ``get_tensor_data``) assemble the full global value on every
   instance, so they are collective: every instance must make them, in the same order.
+
+Note [one program, any launch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ir/instances.py`` (``layout_for``) decides the layout when the replication is set:
+
+* ``Ir(replication=R)`` without torchrun: one instance of R replicas. Under torchrun with W
+  processes: W instances of R/W, the layout ``"popdist"`` with R gives. R = 1 stays one
+  independent instance per process (nothing to split); any other R that W does not divide is
+  a ValueError.
+* ``Ir(replication="popdist")`` under torchrun: R from ``$TORCH_POPXL_REPLICATION_FACTOR`` or
+  W. Without torchrun: one instance holding R from ``$TORCH_POPXL_REPLICATION_FACTOR`` or 1,
+  as popdist reports one instance (index 0) when the script is not launched by poprun. In
+  popdist mode the ``replication_factor`` setter sets the instance-local count, as upstream.
 
 Environment:
 
@@ -31,12 +45,21 @@ when a Session is built (``new_group`` is collective) and cached by rank set.
 
 * No group crosses an instance (``G == 1`` or ``R/W`` a multiple of ``G*S``): the stacked
   kernel runs on the local rows, no communication.
-* One group of all replicas (the data-parallel case): all-reduce and matmul+all-reduce send
-  one partial reduction of the local replicas through ``dist.all_reduce``; all-gather is one
-  ``all_gather_single``; reduce-scatter is that all-reduce followed by taking the own chunk.
-* Anything else: the component's rows are all-gathered into a global ``[R, ...]`` tensor
-  (zeros outside the component), the stacked kernel runs over the global replica dim and the
-  local rows are kept. Correct for every grouping; it moves ``R/W * |component|`` rows.
+* All-reduce: each instance reduces its own replicas first, one partial per group that has a
+  member on the linked instances (the neutral element where it holds none), and one
+  ``dist.all_reduce`` over those instances combines them (the full group: one partial over
+  the world group; matmul+all-reduce likewise). Each replica keeps its group's row.
+* Reduce-scatter: one ``dist.reduce_scatter_tensor`` over the linked instances of a
+  ``[members * R/W, chunk]`` tensor whose row ``(p, l)`` is this instance's partial of the
+  chunk that replica ``l`` of instance ``p`` owns; each instance receives its replicas'
+  chunks. Half the bytes of the all-reduce + slice it replaces. A backend without
+  ``reduce_scatter_tensor`` (gloo and nccl have it) gets that all-reduce + slice instead.
+* All-gather: ``dist.all_gather_into_tensor`` of the local rows over the linked instances
+  (the world group for the full group: the result). For a smaller group the gathered rows
+  are laid into a global ``[R, ...]`` tensor (zeros for instances not linked) and the stacked
+  kernel picks each replica's members; that is local work, the wire carries only the rows.
+* The reference executor's path (``reference``) gathers every instance's rows and runs the
+  per-replica semantics: it checks the fast path, it does not need to be lean.
 * ``take_own`` and the ``'local'`` reduce-scatter move nothing: they pick the member index of
   each local replica from its *global* index.
 
@@ -45,7 +68,9 @@ simulator in the last bits; integer and min/max results are identical.
 
 Traffic counters (``backends.traffic_counters``) count per instance: one call per collective,
 and this instance's replicas' share of the ring-model bytes (csrc/traffic.cpp), so the bytes
-summed over the instances equal the single-process figures.
+summed over the instances equal the single-process figures. ``wire_counters()`` counts what
+this process handed to torch.distributed (Note [wire bytes]); with one replica per instance
+the two agree collective by collective (tests/test_distributed.py checks it on 4 processes).
 
 This module is transport only (process groups, layout, moving rows, counting shares): what
 each collective does across instances is its op stanza's ``distributed`` rule
@@ -104,12 +129,8 @@ __all__ = [
 
 
 def make_ir(replication_factor: int):
-    """``Ir(replication=R)`` in one process; under torchrun a popdist Ir with R global replicas."""
-    if num_instances() == 1:
-        return Ir(replication=replication_factor)
-    ir = Ir()
-    ir._init_distributed(replication_factor)
-    return ir
+    """``Ir(replication=R)``: under torchrun, R global replicas split over the processes."""
+    return Ir(replication=replication_factor)
 
 
 def mean_over_instances(value: float) -> float:

@@ -259,6 +259,48 @@ def scenario_layout(replication, executor):
     return {"run/replica": _canonical(ir, out, (1,)), "host/R": np.array(ir.replication_factor)}
 
 
+def scenario_wire(replication, executor):
+    """One collective per program (12 float32 per replica, so 48 bytes a row): what this
+    process sent through torch.distributed in the run (``wire``, Note [wire bytes]) next to
+    the traffic counters' share of the run (``share``, what the report counts)."""
+    result = {}
+    programs = {
+        "rs_full": lambda x, ir: ops.collectives.replicated_reduce_scatter(x),
+        "rs_pair": lambda x, ir: ops.collectives.replicated_reduce_scatter(
+            x, group=ir.replica_grouping(1, 2)
+        ),
+        "rs_strided": lambda x, ir: ops.collectives.replicated_reduce_scatter(
+            x, group=ir.replica_grouping(2, 2)
+        ),
+        "ar_full": lambda x, ir: ops.collectives.replicated_all_reduce(x),
+        "ar_pair": lambda x, ir: ops.collectives.replicated_all_reduce(
+            x, group=ir.replica_grouping(1, 2)
+        ),
+        "ar_strided": lambda x, ir: ops.collectives.replicated_all_reduce(
+            x, group=ir.replica_grouping(2, 2)
+        ),
+        "ag_full": lambda x, ir: ops.collectives.replicated_all_gather(x),
+        "ag_pair": lambda x, ir: ops.collectives.replicated_all_gather(
+            x, group=ir.replica_grouping(1, 2)
+        ),
+    }
+    for name, build in programs.items():
+        ir = popxl.Ir(replication=replication)
+        with ir.main_graph:
+            x = popxl.variable(
+                np.arange(R * 12, dtype=np.float32).reshape(R, 12),
+                replica_grouping=ir.replica_grouping(1, 1),
+            )
+            s = _store(build(x, ir))
+        with _session(ir, executor) as session:
+            before = distributed.wire_counters()["bytes"]
+            out = session.run()[s]
+            result[f"wire/{name}"] = np.array(distributed.wire_counters()["bytes"] - before)
+            result[f"share/{name}"] = np.array(session._last_run_counters["collective_bytes"])
+            result[f"run/{name}"] = _canonical(ir, out, s.shape)
+    return result
+
+
 SCENARIOS = {
     "collectives": (scenario_collectives, EXECUTORS),
     "variables": (scenario_variables, EXECUTORS),
@@ -266,7 +308,12 @@ SCENARIOS = {
     "rts": (scenario_rts, EXECUTORS),
     "training": (scenario_training, ("fast",)),
     "layout": (scenario_layout, ("fast",)),
+    "wire": (scenario_wire, ("fast",)),
 }
+
+
+# Scenarios also run with the integer spelling under torchrun (fast executor).
+INT_SPELLING = ("collectives", "variables", "rts", "layout")
 
 
 # ---- the worker (runs under torchrun) ------------------------------------------------------
@@ -279,11 +326,25 @@ def _worker_all(out: Path) -> None:
         for executor in executors:
             for k, v in fn("popdist", executor).items():
                 results[f"{name}/{executor}/{k}"] = np.asarray(v)
+    # The same programs spelled Ir(replication=4): each process is one instance as well.
+    for name in INT_SPELLING:
+        fn, executors = SCENARIOS[name]
+        for k, v in fn(R, executors[0]).items():
+            results[f"{name}@int/{executors[0]}/{k}"] = np.asarray(v)
     try:
         distributed.instance_layout(R + 1)
         results["error/bad_factor"] = np.array("")
     except ValueError as error:
         results["error/bad_factor"] = np.array(str(error))
+    try:
+        popxl.Ir(replication=2 * R + 1)
+        results["error/int_bad_factor"] = np.array("")
+    except ValueError as error:
+        results["error/int_bad_factor"] = np.array(str(error))
+    ir = popxl.Ir()  # one replica: nothing to split, every process runs it alone
+    results["layout/one"] = np.array([ir._num_instances, ir.instance_replication_factor])
+    ir.replication_factor = R  # the upstream spelling of replication: set after construction
+    results["layout/set"] = np.array([ir._num_instances, ir.instance_replication_factor])
     np.savez(out / f"rank{rank}.npz", **results)
     torch.distributed.destroy_process_group()  # clean teardown before the interpreter exits
 
@@ -314,10 +375,32 @@ def _worker_failure(out: Path, mode: str) -> None:
     sys.exit(3)
 
 
+HOST_SCENARIOS = ("collectives", "variables", "training")
+
+
+def _worker_hosts(out: Path) -> None:
+    """One process per "host" (network namespace): the host scenarios, plus the bytes this
+    host's network interface sent while they ran."""
+    rank = int(os.environ["RANK"])
+    stats = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics/tx_bytes"
+    tx, wire = int(stats.read_text()), distributed.wire_counters()["bytes"]
+    results = {}
+    for name in HOST_SCENARIOS:
+        fn, executors = SCENARIOS[name]
+        for k, v in fn("popdist", executors[0]).items():
+            results[f"{name}/{executors[0]}/{k}"] = np.asarray(v)
+    results["net/tx_bytes"] = np.array(int(stats.read_text()) - tx)
+    results["net/wire_bytes"] = np.array(distributed.wire_counters()["bytes"] - wire)
+    np.savez(out / f"rank{rank}.npz", **results)
+    torch.distributed.destroy_process_group()
+
+
 def _worker(argv: list[str]) -> None:
     what, out = argv[0], Path(argv[1])
     if what == "all":
         _worker_all(out)
+    elif what == "hosts":
+        _worker_hosts(out)
     else:
         _worker_failure(out, what)
 
@@ -376,6 +459,73 @@ def launches(tmp_path_factory):
     return {key: (root / str(key), procs[key].returncode, wall[key]) for key in jobs}
 
 
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Two "hosts" on this machine: network namespaces joined by a veth pair (10.231.0.1 and
+    .2), each running ``torchrun --nnodes=2 --nproc_per_node=1`` with the rendezvous on host
+    0's address. Skips (with the reason) where namespaces cannot be made (not root, no
+    CAP_NET_ADMIN, no ``ip``)."""
+    tag = f"tpx{os.getpid() % 100000}"
+    names = [f"{tag}h{k}" for k in range(2)]
+    links = [f"{tag}v{k}" for k in range(2)]
+    addrs = ["10.231.0.1", "10.231.0.2"]
+    try:
+        for ns in names:
+            _run("ip", "netns", "add", ns)
+    except (OSError, subprocess.SubprocessError) as error:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        detail = getattr(error, "stderr", None) or error
+        pytest.skip(f"cannot create network namespaces here (needs root/CAP_NET_ADMIN): {detail}")
+    root = tmp_path_factory.mktemp("hosts")
+    procs = []
+    try:
+        _run("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for ns, link, addr in zip(names, links, addrs, strict=True):
+            _run("ip", "link", "set", link, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+            _run("ip", "-n", ns, "link", "set", link, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        port = _free_port()
+        env = {**os.environ, "TORCH_POPXL_REPLICATION_FACTOR": str(R), "OMP_NUM_THREADS": "1",
+               "TORCH_POPXL_DIST_TIMEOUT_S": "120"}  # fmt: skip
+        for k, (ns, link) in enumerate(zip(names, links, strict=True)):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes=2", "--nproc_per_node=1", f"--node_rank={k}",
+                   f"--master_addr={addrs[0]}", f"--master_port={port}", __file__, "hosts",
+                   str(root)]  # fmt: skip
+            with open(root / f"log{k}.txt", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**env, "GLOO_SOCKET_IFNAME": link},
+                    )  # fmt: skip
+                )
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=LAUNCH_BUDGET_S))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for ns in names:  # deleting a namespace deletes its end of the veth pair, and the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    logs = "\n".join((root / f"log{k}.txt").read_text()[-3000:] for k in range(2))
+    assert codes == [0, 0], f"torchrun on two hosts failed ({codes}):\n{logs}"
+    return [dict(np.load(root / f"rank{k}.npz")) for k in range(2)]
+
+
 @pytest.fixture(scope="module")
 def simulator():
     """The oracle: every scenario in this process with Ir(replication=4)."""
@@ -394,12 +544,15 @@ def _rank_results(launches, world: int) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(path / f"rank{k}.npz")) for k in range(world)]
 
 
-def _compare(prefix: str, sim: dict, ranks: list[dict]) -> int:
+def _compare(prefix: str, sim: dict, ranks: list[dict], spelling: str = "") -> int:
+    """Compare the ranks' results under ``prefix`` (scenario/executor/) with the simulator's;
+    ``spelling`` ("@int") picks the worker's results of the integer spelling."""
     keys = sorted(k for k in sim if k.startswith(prefix))
     assert keys, f"no results for {prefix}"
+    name = prefix.split("/", 1)[0]
     for key in keys:
         kind = key.split("/")[2]
-        values = [r[key] for r in ranks]
+        values = [r[f"{name}{spelling}/{key.split('/', 1)[1]}"] for r in ranks]
         exact = np.issubdtype(sim[key].dtype, np.integer)
         rtol = 0 if exact else (1e-5 if prefix.startswith("training") else 1e-6)
         atol = 0 if exact else rtol
@@ -519,12 +672,98 @@ def test_a_lost_peer_ends_the_job_with_a_clear_error(launches, mode):
     assert rc not in (0, None), rc
 
 
-def test_popdist_without_torchrun_says_how_to_launch(monkeypatch):
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", INT_SPELLING)
+def test_integer_replication_under_torchrun_splits_over_the_processes(
+    launches, simulator, world, scenario
+):
+    """Issue 18: a program written with Ir(replication=4) and launched with torchrun on W
+    processes runs as W instances of 4/W replicas (like Ir(replication="popdist")), with the
+    simulator's numbers; feeding each instance its own rows."""
+    ranks = _rank_results(launches, world)
+    executor = SCENARIOS[scenario][1][0]
+    assert _compare(f"{scenario}/{executor}/", simulator, ranks, spelling="@int") >= 1
+    for k, r in enumerate(ranks):
+        local = R // world
+        np.testing.assert_array_equal(
+            r["layout@int/fast/run/replica"].ravel(), np.arange(k * local, (k + 1) * local)
+        )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_integer_replication_layout_rules_under_torchrun(launches, world):
+    """R=1 stays one independent instance per process; setting ir.replication_factor after
+    construction splits it; an R the processes do not divide is a ValueError naming both."""
+    rank0 = _rank_results(launches, world)[0]
+    np.testing.assert_array_equal(rank0["layout/one"], [1, 1])
+    np.testing.assert_array_equal(rank0["layout/set"], [world, R // world])
+    message = str(rank0["error/int_bad_factor"])
+    assert f"Ir(replication={2 * R + 1})" in message and f"{world} processes" in message, message
+
+
+def test_collectives_send_the_bytes_the_report_counts_with_one_replica_per_process(
+    launches, simulator
+):
+    """4 processes x 1 replica: the process ring is the replica ring, so what each process
+    handed to torch.distributed (wire_counters) equals its share of the traffic counters for
+    reduce-scatter (native reduce_scatter_tensor), all-reduce and all-gather, full and
+    grouped; and the results are the simulator's."""
+    ranks = _rank_results(launches, 4)
+    for name in ("rs_full", "rs_pair", "rs_strided", "ar_full", "ar_pair", "ar_strided",
+                 "ag_full", "ag_pair"):  # fmt: skip
+        for rank, r in enumerate(ranks):
+            assert int(r[f"wire/fast/wire/{name}"]) == int(r[f"wire/fast/share/{name}"]) > 0, (
+                name,
+                rank,
+            )
+        got = np.concatenate([r[f"wire/fast/run/{name}"] for r in ranks], axis=1)
+        np.testing.assert_allclose(got, simulator[f"wire/fast/run/{name}"], rtol=1e-6)
+    # Hand-computed: 12 floats over 4 members = chunks of 3; each process sends 3 of 4 chunks.
+    assert int(ranks[0]["wire/fast/wire/rs_full"]) == 3 * 3 * 4
+
+
+def test_reduce_scatter_sends_half_the_bytes_of_an_all_reduce_on_two_processes(launches):
+    """2 processes x 2 replicas: each process reduces its replicas first, then one
+    reduce_scatter_tensor of 4 chunks of 3 floats (48 bytes, half of it sent: 24) against
+    the all-reduce of one 48-byte partial (48 sent). Before issue 18 the reduce-scatter was
+    that all-reduce plus a slice."""
+    for r in _rank_results(launches, 2):
+        assert int(r["wire/fast/wire/rs_full"]) == 24
+        assert int(r["wire/fast/wire/ar_full"]) == 48
+
+
+def test_two_hosts_give_the_single_process_numbers(two_hosts, simulator):
+    """torchrun --nnodes=2 across two network namespaces (a veth pair, rendezvous on host 0's
+    address): 2 instances x 2 replicas reproduce the simulator's collectives, grouped
+    variables and data-parallel training; the bytes sent over each host's interface are at
+    least what the process handed to torch.distributed (the traffic really crossed)."""
+    for name in HOST_SCENARIOS:
+        executor = SCENARIOS[name][1][0]
+        assert _compare(f"{name}/{executor}/", simulator, two_hosts) >= 1
+    for r in two_hosts:
+        assert int(r["net/tx_bytes"]) >= int(r["net/wire_bytes"]) > 0
+
+
+def test_popdist_without_torchrun_is_one_instance(monkeypatch):
+    """Like popdist outside poprun: one instance holding every replica, R from
+    TORCH_POPXL_REPLICATION_FACTOR or 1; it computes what Ir(replication=R) does."""
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    with pytest.raises(ImportError, match="torchrun"):
+    monkeypatch.delenv("TORCH_POPXL_REPLICATION_FACTOR", raising=False)
+    ir = popxl.Ir(replication="popdist")
+    assert (ir.replication_factor, ir.instance_replication_factor) == (1, 1)
+    monkeypatch.setenv("TORCH_POPXL_REPLICATION_FACTOR", str(R))
+    ir = popxl.Ir(replication="popdist")
+    assert (ir.replication_factor, ir.instance_replication_factor) == (R, R)
+    got = scenario_collectives("popdist", "fast")
+    want = scenario_collectives(R, "fast")
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    monkeypatch.setenv("TORCH_POPXL_REPLICATION_FACTOR", "four")
+    with pytest.raises(ValueError, match="TORCH_POPXL_REPLICATION_FACTOR must be a positive int"):
         popxl.Ir(replication="popdist")
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "instance_batch",
     "instance_layout",
     "launched",
+    "layout_for",
     "local_replicas",
     "num_instances",
     "timeout_s",
@@ -155,6 +156,56 @@ def instance_layout(replication_factor: int | None = None) -> InstanceLayout:
             f"{ENV_REPLICATION_FACTOR} to a multiple of {world} (e.g. {2 * world})."
         )
     return InstanceLayout(world, rank, replication_factor // world)
+
+
+def _env_replication_factor() -> int | None:
+    raw = os.environ.get(ENV_REPLICATION_FACTOR)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{ENV_REPLICATION_FACTOR} must be a positive int (the global replication factor); "
+            f"got {raw!r}."
+        )
+    return value
+
+
+def layout_for(replication: int | str) -> InstanceLayout:
+    """The instance layout of ``Ir(replication=...)`` in this process.
+
+    Both spellings work with and without ``torchrun`` (Note [one program, any launch] in
+    runtime/distributed.py):
+
+    * ``"popdist"`` under torchrun: :func:`instance_layout` (R from
+      ``$TORCH_POPXL_REPLICATION_FACTOR`` or the world size). Without it, one instance holding
+      every replica, R from ``$TORCH_POPXL_REPLICATION_FACTOR`` or 1: popdist outside poprun
+      reports one instance (index 0) and the replica count it was given.
+    * an int R under torchrun with W processes: W instances of R / W replicas each, as
+      ``"popdist"`` with R would give. R = 1 stays one independent instance per process
+      (nothing to split); any other R that W does not divide is an error.
+    """
+    if replication == "popdist":
+        if launched():
+            return instance_layout()
+        return InstanceLayout(1, 0, _env_replication_factor() or 1)
+    R = int(replication)
+    if R == 1 or not launched():
+        return InstanceLayout(1, 0, R)
+    init_process_group()
+    world = dist.get_world_size()
+    if R % world:
+        raise ValueError(
+            f"Ir(replication={R}) under torchrun with {world} processes: every process is one "
+            f"PopXL instance and must hold the same number of replicas, but {R} replicas do not "
+            f"split over {world} processes. Use a replication factor that is a multiple of "
+            f"{world} (e.g. {world * max(1, R // world)}), or launch {R} processes or a divisor "
+            "of it."
+        )
+    return InstanceLayout(world, dist.get_rank(), R // world)
 
 
 def num_instances() -> int:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .graph import Graph
-from .instances import instance_layout
+from .instances import layout_for
 from .module import Module
 from .replica_grouping import ReplicaGrouping
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
@@ -30,11 +30,11 @@ _ir_ids = itertools.count()
 class Ir:
     """A PopXL program: a main graph, subgraphs, variables and streams.
 
-    ``replication`` is the number of data-parallel replicas (an int), or ``"popdist"`` to
-    take the layout from ``torch.distributed`` (``torchrun``): every process is one instance
-    holding ``replication_factor / world_size`` replicas. The global replica count is
-    ``$TORCH_POPXL_REPLICATION_FACTOR``, or the world size when unset (see
-    ``torch_popxl.runtime.distributed``).
+    ``replication`` is the global number of data-parallel replicas (an int), or ``"popdist"``
+    to take it from ``$TORCH_POPXL_REPLICATION_FACTOR`` (else the world size under
+    ``torchrun``, else 1). Under ``torchrun`` both spellings make every process one instance
+    holding ``replication_factor / world_size`` replicas; without it the one process holds
+    them all (see ``torch_popxl.runtime.distributed``).
     """
 
     def __init__(self, replication: int | str = 1):
@@ -52,14 +52,14 @@ class Ir:
         self._sessions = 0
         self._instance_index = 0
         self._num_instances = 1
-        if replication == "popdist":
-            self._init_distributed()
+        self._popdist = replication == "popdist"
+        if self._popdist:
+            self._set_layout(layout_for("popdist"))
         else:
             self._replication_factor = 1
             self.replication_factor = replication
 
-    def _init_distributed(self, replication_factor: int | None = None) -> None:
-        layout = instance_layout(replication_factor)
+    def _set_layout(self, layout) -> None:
         self._num_instances = layout.num_instances
         self._instance_index = layout.instance_index
         self._replication_factor = layout.instance_replication_factor
@@ -101,7 +101,12 @@ class Ir:
             )
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"replication_factor must be a positive int; got {value!r}.")
-        self._replication_factor = int(value)
+        if self._popdist:
+            # Upstream sets the instance-local count (replicatedGraphCount) in popdist mode.
+            self._replication_factor = int(value)
+        else:
+            # The global count: under torchrun it splits over the processes (instances.py).
+            self._set_layout(layout_for(int(value)))
 
     @property
     def instance_replication_factor(self) -> int:

@@ -25,8 +25,10 @@ from ._common import (
     check_grouping,
     check_op,
     check_stacked,
+    neutral,
     no_gradient,
     ops,
+    partial_form,
     require_single_replica,
     stacked,
 )
@@ -176,12 +178,39 @@ def distributed(backend: InstanceTransport, x: Tensor, op: str, group_size: int,
     if group_size == backend.R:
         backend.count(all_reduce_bytes(backend.R, backend.R, row), calls=1)
         return reduce_across_instances(backend, x, op), None
-    everyone = ops.all_reduce_stacked(
-        backend.gather_component(x, group_size, stride), op, group_size, stride
-    )
-    total = all_reduce_bytes(backend.R, group_size, row)
-    backend.count(total, counted=total)
-    return backend.local_rows(everyone), 0
+    backend.count(all_reduce_bytes(backend.R, group_size, row), calls=1)
+    return _grouped(backend, x, op, group_size, stride), 0
+
+
+def _grouped(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
+    """``[R_local, *s] -> [R_local, *s]``: groups that cross instances. One partial per group
+    with a member on the linked instances (the neutral element where this instance holds
+    none) goes through one all-reduce over those instances; each replica keeps its group's
+    row. With one replica per instance that is one row: the ring of the group itself."""
+    check_op(NAME, op, x.dtype)
+    G, S, local = group_size, stride, backend.local
+
+    def group(r):
+        return (r // (S * G)) * S + r % S
+
+    linked = backend.component(G, S)
+    groups = sorted({group(p * local + q) for p in linked for q in range(local)})
+    mine = [group(backend.offset + q) for q in range(local)]
+    v, reduction = partial_form(x, op)
+    mask = torch.tensor([[g == m for m in mine] for g in groups], device=x.device)  # [m, local]
+    rows = v.unsqueeze(0).expand(len(groups), *v.shape)  # [m, local, *s]
+    shape = (len(groups), local) + (1,) * (v.dim() - 1)
+    neutral_value = torch.full((), neutral(v.dtype, reduction), dtype=v.dtype, device=x.device)
+    rows = torch.where(mask.reshape(shape), rows, neutral_value)
+    if reduction == "sum":
+        part = rows.sum(1, dtype=v.dtype)
+    else:
+        part = rows.amin(1) if reduction == "min" else rows.amax(1)
+    total = backend.all_reduce_component(part.contiguous(), G, S, reduction)
+    out = total[torch.tensor([groups.index(m) for m in mine], device=x.device)]
+    if op in ("mean", "mul"):
+        out = out / G if out.dtype.is_floating_point else torch.div(out, G, rounding_mode="trunc")
+    return out.to(x.dtype)
 
 
 # ---- what the fast compiler asks (runtime/lower.py, runtime/explicit.py) ---------------------

@@ -192,6 +192,25 @@ class InstanceTransport(Collectives, Protocol):
         """``[R_local, ...]`` -> ``[R, ...]``: every instance's rows, in global order."""
         ...
 
+    def component(self, group_size: int, stride: int) -> tuple[int, ...]:
+        """The instances linked to this one by the grouping, ascending (this one included)."""
+        ...
+
+    def all_reduce_component(
+        self, t: Tensor, group_size: int, stride: int, reduction: str
+    ) -> Tensor:
+        """Combine ``t`` with ``'sum'``, ``'min'`` or ``'max'`` over the instances of
+        ``component(group_size, stride)``."""
+        ...
+
+    def reduce_scatter_component(
+        self, t: Tensor, group_size: int, stride: int, reduction: str
+    ) -> Tensor:
+        """``[members * R_local, ...]`` -> ``[R_local, ...]``: combine ``t`` with ``'sum'``,
+        ``'min'`` or ``'max'`` over the instances of ``component(group_size, stride)``; this
+        instance keeps the block of rows at its position among them."""
+        ...
+
     def local_rows(self, rows: Tensor) -> Tensor:
         """This instance's rows of a global ``[R, ...]`` tensor."""
         ...

@@ -26,13 +26,14 @@ from ._common import (
     check_grouping,
     check_op,
     chunk,
+    neutral,
     no_explicit_rule,
     no_gradient,
     ops,
+    partial_form,
     require_single_replica,
     stacked,
 )
-from .all_reduce import reduce_across_instances
 from .backends import InstanceTransport, add_collective_traffic, collectives
 from .registry import Effect, OpDef, Traffic, register
 
@@ -170,31 +171,59 @@ per_replica.register_autograd(_backward, setup_context=_save)
 # ---- many processes --------------------------------------------------------------------------
 
 
+def _native(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
+    """Reduce-scatter across instances with one ``reduce_scatter_tensor`` over the instances
+    the grouping links (Note [cross-instance collectives]).
+
+    Each linked instance owns ``local`` output rows (its replicas' chunks), so the wire tensor
+    is ``[members * local, size]``: row ``(p, l)`` is this instance's partial reduction, over
+    its own replicas in the group of replica ``(p, l)``, of that replica's chunk (the neutral
+    element when it holds no member of that group). Summing (or min/max-ing) the rows over
+    the instances gives every replica its chunk of the group's reduction.
+    """
+    G, S, local = group_size, stride, backend.local
+    size = chunk(x.shape[1], G)
+    members = backend.component(G, S)
+    v, reduction = partial_form(x, op)
+    v = torch.nn.functional.pad(v, (0, G * size - x.shape[1])).reshape(local, G, size)
+    targets = torch.tensor([p * local + q for p in members for q in range(local)])
+    mine = backend.offset + torch.arange(local)
+
+    def group(r):
+        return (r // (S * G)) * S + r % S
+
+    member = (targets % (S * G)) // S
+    mask = (group(targets)[:, None] == group(mine)[None, :]).to(x.device)  # [T, local]
+    rows = v[:, member.to(x.device)].transpose(0, 1)  # [T, local, size]
+    fill = torch.full((), neutral(v.dtype, reduction), dtype=v.dtype, device=x.device)
+    rows = torch.where(mask[:, :, None], rows, fill)
+    if reduction == "sum":
+        part = rows.sum(1, dtype=v.dtype)
+    else:
+        part = rows.amin(1) if reduction == "min" else rows.amax(1)
+    out = backend.reduce_scatter_component(part.contiguous(), G, S, reduction)  # [local, size]
+    if op in ("mean", "mul"):
+        out = out / G if out.dtype.is_floating_point else torch.div(out, G, rounding_mode="trunc")
+    return out.to(x.dtype)
+
+
 def distributed(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
     """The vmap result ``(value, out_dim)`` of ``x`` (``[R_local, n]``) when a group crosses
     instances."""
     size = chunk(x.shape[1], group_size)
     total = reduce_scatter_bytes(backend.R, group_size, x.shape[1], x.element_size(), op)
-    if op == "local" or group_size == backend.R:
-        # Member i keeps chunk i: of its own row ('local') or of the all-reduced row.
-        backend.count(total, calls=1)
-        rows = (
-            x
-            if op == "local"
-            else reduce_across_instances(backend, x, op).unsqueeze(0).expand(backend.local, -1)
-        )
-        padded = torch.nn.functional.pad(rows, (0, group_size * size - x.shape[1]))
-        chunks = padded.reshape(backend.local, group_size, size)
-        own = chunks[
-            torch.arange(backend.local, device=x.device),
-            backend.member_index(group_size, stride).to(x.device),
-        ]
-        return own.contiguous(), 0
-    everyone = ops.reduce_scatter_stacked(
-        backend.gather_component(x, group_size, stride), op, group_size, stride
-    )
-    backend.count(total, counted=total)
-    return backend.local_rows(everyone), 0
+    check_op(NAME, op, x.dtype, allow_local=True)
+    backend.count(total, calls=1)
+    if op != "local":
+        return _native(backend, x, op, group_size, stride), 0
+    # Member i keeps chunk i of its own row: nothing moves.
+    padded = torch.nn.functional.pad(x, (0, group_size * size - x.shape[1]))
+    chunks = padded.reshape(backend.local, group_size, size)
+    own = chunks[
+        torch.arange(backend.local, device=x.device),
+        backend.member_index(group_size, stride).to(x.device),
+    ]
+    return own.contiguous(), 0
 
 
 # ---- what the fast compiler asks -------------------------------------------------------------

@@ -1,17 +1,31 @@
 """Many processes, one PopXL program: replication over ``torch.distributed`` (DESIGN.md §4).
 
-Launch the same script on every process with ``torchrun`` and build the Ir with
-``popxl.Ir(replication="popdist")`` (``popxl.compile`` does this by itself under ``torchrun``).
-Each process is then one PopXL *instance* (popxl.md §10):
+Launch the same script on every process with ``torchrun`` (one host or several:
+``--nnodes``). Each process is then one PopXL *instance* (popxl.md §10), whichever way the Ir
+spells its replication (Note [one program, any launch]):
 
-* the global replica count R is ``$TORCH_POPXL_REPLICATION_FACTOR``, or the world size W when
-  unset, and must be a multiple of W;
+* the global replica count R is the ``Ir(replication=R)`` integer (or a later
+  ``ir.replication_factor = R``), or for ``Ir(replication="popdist")``
+  ``$TORCH_POPXL_REPLICATION_FACTOR``, else the world size W; it must be a multiple of W;
 * instance k holds the contiguous block of global replicas ``[k * R/W, (k+1) * R/W)`` and
   runs them together under ``vmap``, exactly as the simulator runs all R;
 * groupings, collectives, sharding and variable host data are global; ``session.run`` arrays
   hold the local replicas only (``ir.instance_replication_factor = R / W`` rows);
 * host reads (``weights_to_host``, ``get_tensor_data``) assemble the full global value on every
   instance, so they are collective: every instance must make them, in the same order.
+
+Note [one program, any launch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ir/instances.py`` (``layout_for``) decides the layout when the replication is set:
+
+* ``Ir(replication=R)`` without torchrun: one instance of R replicas. Under torchrun with W
+  processes: W instances of R/W, the layout ``"popdist"`` with R gives. R = 1 stays one
+  independent instance per process (nothing to split); any other R that W does not divide is
+  a ValueError.
+* ``Ir(replication="popdist")`` under torchrun: R from ``$TORCH_POPXL_REPLICATION_FACTOR`` or
+  W. Without torchrun: one instance holding R from ``$TORCH_POPXL_REPLICATION_FACTOR`` or 1,
+  as popdist reports one instance (index 0) when the script is not launched by poprun. In
+  popdist mode the ``replication_factor`` setter sets the instance-local count, as upstream.
 
 Environment:
 
@@ -31,12 +45,21 @@ when a Session is built (``new_group`` is collective) and cached by rank set.
 
 * No group crosses an instance (``G == 1`` or ``R/W`` a multiple of ``G*S``): the stacked
   kernel runs on the local rows, no communication.
-* One group of all replicas (the data-parallel case): all-reduce and matmul+all-reduce send
-  one partial reduction of the local replicas through ``dist.all_reduce``; all-gather is one
-  ``all_gather_single``; reduce-scatter is that all-reduce followed by taking the own chunk.
-* Anything else: the component's rows are all-gathered into a global ``[R, ...]`` tensor
-  (zeros outside the component), the stacked kernel runs over the global replica dim and the
-  local rows are kept. Correct for every grouping; it moves ``R/W * |component|`` rows.
+* All-reduce: each instance reduces its own replicas first, one partial per group that has a
+  member on the linked instances (the neutral element where it holds none), and one
+  ``dist.all_reduce`` over those instances combines them (the full group: one partial over
+  the world group; matmul+all-reduce likewise). Each replica keeps its group's row.
+* Reduce-scatter: one ``dist.reduce_scatter_tensor`` over the linked instances of a
+  ``[members * R/W, chunk]`` tensor whose row ``(p, l)`` is this instance's partial of the
+  chunk that replica ``l`` of instance ``p`` owns; each instance receives its replicas'
+  chunks. Half the bytes of the all-reduce + slice it replaces. A backend without
+  ``reduce_scatter_tensor`` (gloo and nccl have it) gets that all-reduce + slice instead.
+* All-gather: ``dist.all_gather_into_tensor`` of the local rows over the linked instances
+  (the world group for the full group: the result). For a smaller group the gathered rows
+  are laid into a global ``[R, ...]`` tensor (zeros for instances not linked) and the stacked
+  kernel picks each replica's members; that is local work, the wire carries only the rows.
+* The reference executor's path (``reference``) gathers every instance's rows and runs the
+  per-replica semantics: it checks the fast path, it does not need to be lean.
 * ``take_own`` and the ``'local'`` reduce-scatter move nothing: they pick the member index of
   each local replica from its *global* index.
 
@@ -45,7 +68,9 @@ simulator in the last bits; integer and min/max results are identical.
 
 Traffic counters (``backends.traffic_counters``) count per instance: one call per collective,
 and this instance's replicas' share of the ring-model bytes (csrc/traffic.cpp), so the bytes
-summed over the instances equal the single-process figures.
+summed over the instances equal the single-process figures. ``wire_counters()`` counts what
+this process handed to torch.distributed (Note [wire bytes]); with one replica per instance
+the two agree collective by collective (tests/test_distributed.py checks it on 4 processes).
 
 This module is transport only (process groups, layout, moving rows, counting shares): what
 each collective does across instances is its op stanza's ``distributed`` rule
@@ -99,16 +124,13 @@ __all__ = [
     "mean_over_instances",
     "num_instances",
     "timeout_s",
+    "wire_counters",
 ]
 
 
 def make_ir(replication_factor: int):
-    """``Ir(replication=R)`` in one process; under torchrun a popdist Ir with R global replicas."""
-    if num_instances() == 1:
-        return Ir(replication=replication_factor)
-    ir = Ir()
-    ir._init_distributed(replication_factor)
-    return ir
+    """``Ir(replication=R)``: under torchrun, R global replicas split over the processes."""
+    return Ir(replication=replication_factor)
 
 
 def mean_over_instances(value: float) -> float:
@@ -122,6 +144,25 @@ def mean_over_instances(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     _comm("all-reduce of a host value", lambda: dist.all_reduce(t, group=world))
     return float(t.item()) / dist.get_world_size()
+
+
+# Note [wire bytes]
+# ~~~~~~~~~~~~~~~~~
+# What this process sent through torch.distributed, counted at the call with the ring
+# algorithm's per-process figure for the tensor handed over on P processes: reduce-scatter
+# and all-gather (P-1)/P of the full tensor, all-reduce twice that. gloo and nccl run these
+# collectives as rings (or as trees/halving-doubling that send no more), so this is the
+# payload each process puts on the wire, headers aside. The traffic counters instead count
+# the ring among *replicas* (Note [traffic accounting]); the two agree when every instance
+# holds one replica, and the wire figure is lower when an instance holds several (their
+# links are free: they share memory).
+_WIRE = {"bytes": 0, "calls": 0}
+
+
+def wire_counters() -> dict[str, int]:
+    """Bytes this process has sent through torch.distributed collectives and their number
+    (Note [wire bytes]); process-wide and only growing."""
+    return dict(_WIRE)
 
 
 # ---- process groups -----------------------------------------------------------------------
@@ -210,6 +251,16 @@ def _unwire(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(dtype) if x.dtype != dtype else x
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def _native_reduce_scatter(pg) -> bool:
+    """Whether the process group's backend implements ``reduce_scatter_tensor`` (gloo does
+    from torch 2.x, nccl always; checked against gloo in tests/test_distributed.py)."""
+    backend = str(dist.get_backend(pg))
+    return "gloo" in backend or "nccl" in backend
+
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -275,11 +326,20 @@ class TorchDistributedCollectives:
 
     # -- moving rows
 
+    def _sent(self, nbytes: int, members: int, kind: str) -> None:
+        """Count this process's wire bytes of one collective over ``members`` processes
+        (Note [wire bytes])."""
+        if members > 1:
+            factor = 2 if kind == "all_reduce" else 1
+            _WIRE["bytes"] += factor * (members - 1) * nbytes // members
+            _WIRE["calls"] += 1
+
     def _gather(self, x: torch.Tensor, pg, members: tuple[int, ...]) -> torch.Tensor:
         """``[R_local, ...]`` -> ``[R, ...]``: the rows of ``members``, zeros elsewhere."""
         wire = _wire(x)
         buf = wire.new_empty((len(members) * self.local, *x.shape[1:]))
         _comm("all-gather", lambda: _all_gather_single(buf, wire, group=pg))
+        self._sent(buf.numel() * buf.element_size(), len(members), "all_gather")
         rows = _unwire(buf, x.dtype)
         if len(members) == self.layout.num_instances:
             return rows
@@ -300,11 +360,46 @@ class TorchDistributedCollectives:
         add_collective_traffic(share - counted, calls)
 
     def all_reduce_partial(self, t: torch.Tensor, reduction: str) -> torch.Tensor:
-        op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
-            reduction
-        ]
+        op = _REDUCE_OPS[reduction]
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
+        self._sent(t.numel() * t.element_size(), self.layout.num_instances, "all_reduce")
         return t
+
+    def component(self, group_size: int, stride: int) -> tuple[int, ...]:
+        link = self._link_for(group_size, stride)
+        return (self.layout.instance_index,) if link is None else link[1]
+
+    def all_reduce_component(
+        self, t: torch.Tensor, group_size: int, stride: int, reduction: str
+    ) -> torch.Tensor:
+        link = self._link_for(group_size, stride)
+        assert link is not None, "no group of this grouping crosses an instance"
+        pg, members = link
+        t = t.contiguous()
+        _comm("all-reduce", lambda: dist.all_reduce(t, op=_REDUCE_OPS[reduction], group=pg))
+        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        return t
+
+    def reduce_scatter_component(
+        self, t: torch.Tensor, group_size: int, stride: int, reduction: str
+    ) -> torch.Tensor:
+        link = self._link_for(group_size, stride)
+        assert link is not None, "no group of this grouping crosses an instance"
+        pg, members = link
+        op = _REDUCE_OPS[reduction]
+        t = t.contiguous()
+        out = t.new_empty((self.local, *t.shape[1:]))
+        if _native_reduce_scatter(pg):
+            _comm("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, t, op=op, group=pg))
+            self._sent(t.numel() * t.element_size(), len(members), "reduce_scatter")
+            return out
+        # A backend without reduce_scatter_tensor (mpi, ucc, third-party): all-reduce the
+        # whole tensor and keep this instance's rows; it moves twice the bytes, counted so.
+        _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=pg))
+        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        j = members.index(self.layout.instance_index)
+        out = t[j * self.local : (j + 1) * self.local]
+        return out
 
     def gather_component(self, x: torch.Tensor, group_size: int, stride: int) -> torch.Tensor:
         link = self._link_for(group_size, stride)

@@ -20,6 +20,7 @@ from ..ir.graph import Op, OpKind
 from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
 from . import collectives, var_updates
+from ._intsafe import int_safe
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .remote import remote_load, remote_load_, remote_store
 from .var_updates import (
@@ -88,11 +89,11 @@ def _binary(fn, lhs, rhs, op):
     if not isinstance(lhs, Tensor) and isinstance(rhs, Tensor):
         lhs = _coerce(rhs, lhs)
     lhs = _check_tensor(lhs, op)
-    return call_torch(fn, (lhs, _coerce(lhs, rhs)), {})
+    return call_torch(int_safe(fn), (lhs, _coerce(lhs, rhs)), {})
 
 
 def _unary(fn, t, op, **kwargs):
-    return call_torch(fn, (_check_tensor(t, op),), kwargs)
+    return call_torch(int_safe(fn), (_check_tensor(t, op),), kwargs)
 
 
 # ---- elementwise --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from ..capture import call_torch
 from ..errors import PopXLError
 from ..ir.context import gcg
 from ..ir.tensor import Tensor, constant
+from ._intsafe import int_safe, int_safe_inplace
 
 __all__ = [
     "accumulate_",
@@ -62,7 +63,9 @@ def _cast(x: Tensor, like: Tensor) -> Tensor:
 
 
 def _t(fn, *args, **kwargs):
-    return call_torch(fn, args, kwargs)
+    # uint16/32/64 accumulators (step counters) run through int64: see ops/_intsafe.py.
+    safe = int_safe_inplace(fn) if fn.__name__.endswith("_") else int_safe(fn)
+    return call_torch(safe, args, kwargs)
 
 
 def accumulate_(t: Tensor, X: Tensor, f: float | Tensor | None = None) -> Tensor:

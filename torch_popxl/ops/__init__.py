@@ -25,6 +25,7 @@ from ._intsafe import int_safe
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .more import (
     PadType,
+    _keep_int,
     add_,
     average_pool,
     batch_norm_inference,
@@ -506,11 +507,11 @@ def _reduce(fn, t: Tensor, axis, keepdims, **kwargs):
 
 def _same_int_dtype(t: Tensor) -> dict:
     # PopXL reductions keep the input dtype; torch promotes integer sums and products to int64.
-    return {"dtype": t.dtype.as_torch()} if t.dtype.is_int else {}
+    return _keep_int(t)
 
 
 def reduce_sum(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
-    return _reduce(torch.sum, t, axis, keepdims, **_same_int_dtype(t))
+    return _reduce(int_safe(torch.sum), t, axis, keepdims, **_same_int_dtype(t))
 
 
 def reduce_mean(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
@@ -528,7 +529,9 @@ def reduce_min(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
 def reduce_prod(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
     out = t
     for ax in sorted(_axes(t, axis), reverse=True):
-        out = call_torch(torch.prod, (out, ax), {"keepdim": keepdims, **_same_int_dtype(t)})
+        out = call_torch(
+            int_safe(torch.prod), (out, ax), {"keepdim": keepdims, **_same_int_dtype(t)}
+        )
     return out
 
 

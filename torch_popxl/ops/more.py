@@ -20,7 +20,7 @@ from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..ir.graph import Graph
 from ..ir.tensor import Tensor, constant
-from ._intsafe import int_safe, int_safe_inplace
+from ._intsafe import NARROW_UNSIGNED, int_safe, int_safe_inplace
 
 __all__ = [
     "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_",
@@ -189,7 +189,11 @@ def _reduce(fn, t: Tensor, axis, keepdims: bool, op: str, **kwargs) -> Tensor:
 
 def _keep_int(t: Tensor) -> dict:
     # PopXL reductions keep the input dtype; torch promotes integer sums to int64.
-    return {"dtype": t.dtype.as_torch()} if t.dtype.is_int else {}
+    # uint16/32/64 sum in int64 and are cast back by int_safe (ops/_intsafe.py).
+    if not t.dtype.is_int:
+        return {}
+    dt = t.dtype.as_torch()
+    return {"dtype": torch.int64 if dt in NARROW_UNSIGNED else dt}
 
 
 def mean(t: Tensor, axis: int | Iterable[int] | None = None, keepdims: bool = False) -> Tensor:

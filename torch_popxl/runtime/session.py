@@ -63,7 +63,16 @@ class Session:
         self._host: dict[str, np.ndarray] = {}
         self._host_all: dict[str, np.ndarray] = {}
         for v, data in ir._variables.values():
-            self._host[v.id] = np.array(data, copy=True)
+            # Note [memmap variables] (ir/tensor.py): a memmap stays the host storage.
+            self._host[v.id] = data if isinstance(data, np.memmap) else np.array(data, copy=True)
+        self._read_only_memmaps = sorted(
+            v.id
+            for v, data in ir._variables.values()
+            if isinstance(data, np.memmap) and not data.flags.writeable
+        )
+        if self._read_only_memmaps:
+            # PopXL turns weights_to_host on exit off: it would write into read-only files.
+            self.weights_to_host_on_exit = False
         self._last_run_counters: dict[str, int] | None = None  # traffic of the last run
         ir._sessions += 1
         # The Ir is frozen from here on: its stream sets are fixed, so compute them once.
@@ -191,6 +200,12 @@ class Session:
     def weights_to_host(self) -> None:
         """Read every variable back into its host copy (after running WeightsToHost)."""
         self._require_attached("weights_to_host")
+        if self._read_only_memmaps:
+            raise RuntimeError(
+                f"weights_to_host cannot run: the variables {self._read_only_memmaps} are backed "
+                "by read-only np.memmap arrays, which it would write. Open the memmaps with "
+                "mode='r+' (or 'w+'), or read values with a d2h stream."
+            )
         self._run_fragment("weights_to_host", [], 1)
         invariant: frozenset[str] = getattr(self._executor, "uniform", frozenset())
         for v in self._executor.on_chip:
@@ -206,8 +221,17 @@ class Session:
         firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
         rows = value.detach().cpu()
         host = _dtypes.torch_to_numpy(rows[firsts], v.dtype)
-        self._host[v.id] = host if rg.num_groups > 1 else host[0, ...]  # an ndarray, even 0-d
+        self._set_host(v, host if rg.num_groups > 1 else host[0, ...])  # an ndarray, even 0-d
         self._host_all[v.id] = _dtypes.torch_to_numpy(rows, v.dtype)
+
+    def _set_host(self, v: Variable, host: np.ndarray) -> None:
+        """Replace ``v``'s host value; a memmap is written in place and flushed."""
+        current = self._host.get(v.id)
+        if isinstance(current, np.memmap):
+            current[...] = host
+            current.flush()
+        else:
+            self._host[v.id] = host
 
     # ---- reading and writing tensors ------------------------------------------------------
 
@@ -277,8 +301,16 @@ class Session:
                     f"Writing the all_replicas variable {v.id!r} (group size > 1) is not supported by "
                     "PopXL; create it with retrieval_mode='one_per_group' to write it."
                 )
+            if v.id in self._read_only_memmaps:
+                raise ValueError(
+                    f"Variable {v.id!r} is backed by a read-only np.memmap and cannot be "
+                    "written. Open the memmap with mode='r+' to write it."
+                )
             staged[v.id] = np.array(data, copy=True)
-        self._host.update(staged)
+        # Every check passed: now write (all or nothing).
+        by_id = {v.id: v for v in tensors}
+        for vid, data in staged.items():
+            self._set_host(by_id[vid], data)
         for vid in staged:
             self._host_all.pop(vid, None)
         if self._attached:

@@ -116,7 +116,8 @@ def test_non_constant_grouping_warns_and_copies(tmp_path):
     ir = popxl.Ir(replication=4)
     with ir.main_graph:
         with pytest.warns(UserWarning, match="non-constant replica grouping"):
-            v = popxl.variable(mm, name="w", replica_grouping=ir.replica_grouping(group_size=2))
+            rg = ir.replica_grouping_from_assignments([0, 1, 1, 0])
+            v = popxl.variable(mm, name="w", replica_grouping=rg)
         _train_step(ir, v)
     with popxl.Session(ir) as session:
         session.run()
@@ -124,9 +125,13 @@ def test_non_constant_grouping_warns_and_copies(tmp_path):
     np.testing.assert_array_equal(session.get_tensor_data(v), 1)
 
 
-def test_constant_grouping_memmap_does_not_warn(tmp_path):
-    mm, _ = _memmap(tmp_path, np.zeros(3, np.float32))
-    ir = popxl.Ir(replication=2)
+def test_grouped_constant_grouping_keeps_the_memmap_of_all_groups(tmp_path):
+    mm, _ = _memmap(tmp_path, np.array([[0, 0, 0], [10, 10, 10]], np.float32))
+    ir = popxl.Ir(replication=4)
     with ir.main_graph, warnings.catch_warnings():
         warnings.simplefilter("error")
-        popxl.variable(mm)
+        v = popxl.variable(mm, name="w", replica_grouping=ir.replica_grouping(group_size=2))
+        _train_step(ir, v)
+    with popxl.Session(ir) as session:
+        session.run()
+    np.testing.assert_array_equal(mm, [[1, 1, 1], [11, 11, 11]])

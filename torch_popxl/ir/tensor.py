@@ -378,8 +378,9 @@ def _host_array(data, dtype, downcast, log2_scale, nan_on_overflow) -> np.ndarra
 # file is updated in place. Because the storage is the caller's file, nothing may convert it:
 # it must be C-contiguous, already of the variable's dtype, and need no 64 -> 32 bit downcast
 # (ValueError otherwise). A read-only memmap makes weights_to_host an error for the session.
-# A variable with several replica groups is stored per group on host, so PopXL warns and
-# copies (Ir._add_variable).
+# A variable with a non-constant replica grouping (one made from assignments) warns and is
+# copied (Ir._add_variable); a grouped constant grouping keeps the memmap, of shape
+# (num_groups, *shape).
 _NEEDS_DOWNCAST = frozenset({np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.float64)})
 
 

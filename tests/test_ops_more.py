@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
+from torch_popxl.errors import PopXLError
 
 EXECUTORS = ["fast", "reference"]
 rng = np.random.default_rng(0)
@@ -430,3 +431,18 @@ def test_remote_code_load_checks_its_arguments():
             ops.remote_code_load(g, "somewhere")
         with pytest.raises(TypeError, match="must be a popxl Graph"):
             ops.remote_code_load("g", "executable")
+
+
+def test_autodiff_accepts_concat_and_rejects_modifying_in_place_ops():
+    # spec/popxl.md §8: concat_ is in place but not modifying; gelu_ and add_ modify.
+    ir = popxl.Ir()
+    spec = popxl.TensorSpec((3,), popxl.float32)
+    g = ir.create_graph(lambda x: ops.concat_([x, x * 2.0]), spec)
+    info = popxl.transforms.autodiff(g)
+    assert len(info.expected_outputs) == 1
+    modifying = {"gelu_": lambda x: ops.gelu_(x * 1.0), "add_": lambda x: ops.add_(x * 1.0, 1.0)}
+    for name, fn in modifying.items():
+        bad = ir.create_graph(fn, spec)
+        with pytest.raises(PopXLError, match=r"^The graph .* contains a modifying op"):
+            popxl.transforms.autodiff(bad)
+        assert name  # both cases ran

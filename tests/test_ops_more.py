@@ -441,8 +441,7 @@ def test_autodiff_accepts_concat_and_rejects_modifying_in_place_ops():
     info = popxl.transforms.autodiff(g)
     assert len(info.expected_outputs) == 1
     modifying = {"gelu_": lambda x: ops.gelu_(x * 1.0), "add_": lambda x: ops.add_(x * 1.0, 1.0)}
-    for name, fn in modifying.items():
+    for fn in modifying.values():
         bad = ir.create_graph(fn, spec)
         with pytest.raises(PopXLError, match=r"^The graph .* contains a modifying op"):
             popxl.transforms.autodiff(bad)
-        assert name  # both cases ran

@@ -87,9 +87,9 @@ def _all_reduce_checked(ts, ipus, op: str, name: str) -> list[Tensor]:
 
 def _copies(ts, ipus, value_of) -> list[Tensor]:
     outs = []
-    for i, _t in enumerate(ts):
+    for i, t in enumerate(ts):
         out = call_torch(torch.clone, (value_of(i),), {})
-        out._ipu = ipus[i] if ipus is not None else _t._ipu
+        out._ipu = ipus[i] if ipus is not None else t._ipu
         outs.append(out)
     return outs
 

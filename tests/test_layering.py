@@ -34,10 +34,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.remote_buffer",
             "torch_popxl.replica_grouping",
             "torch_popxl.module",
+            "torch_popxl.tensorlocation",
+            "torch_popxl.random_seed",
+            "torch_popxl.utils",
         ),
     ),
     ("transforms", ("torch_popxl.transforms",)),
-    ("runtime", ("torch_popxl.runtime",)),
+    ("runtime", ("torch_popxl.runtime", "torch_popxl.session")),
     ("top", ("torch_popxl.compile", "torch_popxl.addons", "torch_popxl.__main__")),
 ]
 

@@ -81,7 +81,7 @@ def test_inputs_and_outputs_have_a_replica_dimension(executor):
     with _session(ir, executor) as session:
         assert session._full_input_shape((2,)) == (3, 4, 2)
         out = session.run({xs: data})[ys]
-        with pytest.raises(ValueError, match="replica count 4"):
+        with pytest.raises(ValueError, match="It should be of size replication_factor = 4"):
             session.run({xs: data[:, :2]})
     np.testing.assert_array_equal(out, data * 2)
 

@@ -159,18 +159,40 @@ def test_int64_input_is_downcast_into_an_int32_stream(executor):
 def test_wrong_input_shape_names_stream_and_both_shapes():
     ir, xs, _ = streamed((2, 3))
     with popxl.Session(ir) as session:
-        with pytest.raises(ValueError, match=r"'x'.*\(3, 2\).*\(2, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"(?s)^Shape mismatch for input stream x:.*\(2, 3\).*\(3, 2\)"
+        ):
             session.run({xs: np.zeros((3, 2), np.float32)})
 
 
 @pytest.mark.parametrize(
     "nht,replicas,given,expected",
-    [(4, 1, (3, 2), r"\(4, 2\)"), (1, 2, (3, 2), r"\(2, 2\)"), (2, 2, (2, 3, 2), r"\(2, 2, 2\)")],
+    # upstream's message beginnings (Session._verify_io_shape)
+    [
+        (
+            4,
+            1,
+            (3, 2),
+            r"^Dimension 0 \(3\) for the array provided for input stream x is not large",
+        ),
+        (
+            1,
+            2,
+            (3, 2),
+            r"^Dimension 0 \(3\) for the array provided for input stream x is the wrong",
+        ),
+        (
+            2,
+            2,
+            (2, 3, 2),
+            r"^Dimension 1 \(3\) for the array provided for input stream x is the wrong",
+        ),
+    ],
 )
 def test_too_few_entries_or_wrong_replica_count_raise_value_error(nht, replicas, given, expected):
     ir, xs, _ = streamed((2,), nht, replicas)
     with popxl.Session(ir, "ipu_hw") as session:
-        with pytest.raises(ValueError, match=rf"'x'.*{expected}"):
+        with pytest.raises(ValueError, match=expected):
             session.run({xs: np.zeros(given, np.float32)})
 
 
@@ -178,9 +200,13 @@ def test_unknown_stream_key_raises_value_error_naming_it():
     ir, xs, _ = streamed((2,))
     _, other_x, _ = streamed((2,))  # same name, another Ir
     with popxl.Session(ir) as session:
-        with pytest.raises(ValueError, match=r"Unexpected input.*'oops'"):
+        with pytest.raises(
+            ValueError, match=r"(?s)^Unexpected/Missing input\.\n  Unexpected: .*oops"
+        ):
             session.run({xs: np.zeros(2), "oops": np.zeros(2)})
-        with pytest.raises(ValueError, match=r"Unexpected input.*'x \(a stream of another Ir\)'"):
+        with pytest.raises(
+            ValueError, match=r"(?s)^Unexpected/Missing input.*x \(a stream of another Ir\)"
+        ):
             session.run({xs: np.zeros(2), other_x: np.zeros(2)})
 
 
@@ -194,16 +220,18 @@ def test_stream_without_host_load_is_neither_expected_nor_required(executor):
     with popxl.Session(ir, executor=executor) as session:
         assert session.expected_inputs() == {xs} == ir.get_all_h2d_streams()
         np.testing.assert_array_equal(session.run({xs: [1.0, 2.0]})[ys], [2.0, 3.0])
-        with pytest.raises(ValueError, match=r"Unexpected input.*'unused'"):
+        with pytest.raises(
+            ValueError, match=r"(?s)^Unexpected/Missing input.*Unexpected: \{'unused'\}"
+        ):
             session.run({xs: [1.0, 2.0], unused: [0.0, 0.0]})
 
 
 def test_missing_input_stream_raises_value_error_naming_it():
     ir, _, _ = streamed((2,))
     with popxl.Session(ir) as session:
-        with pytest.raises(ValueError, match=r"Missing input.*'x'"):
+        with pytest.raises(ValueError, match=r"(?s)^Unexpected/Missing input.*Missing: \{'x'\}"):
             session.run({})
-        with pytest.raises(ValueError, match=r"Missing input.*'x'"):
+        with pytest.raises(ValueError, match=r"(?s)^Unexpected/Missing input.*Missing: \{'x'\}"):
             session.run()
 
 
@@ -221,9 +249,11 @@ def test_run_with_outputs_fills_the_callers_arrays_and_checks_them(executor):
         out = np.zeros((2, 2), np.float32)
         assert session.run_with_outputs({xs: x}, {ys: out}) is None
         np.testing.assert_array_equal(out, x * 2)
-        with pytest.raises(ValueError, match=r"output stream 'y'.*\(2, 3\).*\(2, 2\)"):
+        with pytest.raises(
+            ValueError, match=r"(?s)^Shape mismatch for output stream y:.*\(2, 2\).*\(2, 3\)"
+        ):
             session.run_with_outputs({xs: x}, {ys: np.zeros((2, 3), np.float32)})
-        with pytest.raises(ValueError, match=r"Missing output.*'y'"):
+        with pytest.raises(ValueError, match=r"(?s)^Unexpected/Missing output.*Missing: \{'y'\}"):
             session.run_with_outputs({xs: x}, {})
 
 
@@ -405,9 +435,15 @@ def test_write_with_the_wrong_shape_names_the_variable_and_both_shapes():
     with ir.main_graph:
         w = popxl.variable(np.zeros((2, 3), np.float32), name="weight")
     session = popxl.Session(ir)
-    with pytest.raises(ValueError, match=r"'weight'.*\(3, 2\).*\(2, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The shape of the input array \(3, 2\) must match the shape of the tensor weight : \(2, 3\)",
+    ):
         session.write_variable_data(w, np.zeros((3, 2), np.float32))
-    with pytest.raises(ValueError, match=r"'weight'.*\(\).*\(2, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The shape of the input array \(\) must match the shape of the tensor weight : \(2, 3\)",
+    ):
         session.write_variable_data(w, 1.0)
 
 
@@ -424,7 +460,10 @@ def test_write_arrays_are_not_cast_and_a_wrong_dtype_names_both(data, given):
     with ir.main_graph:
         w = popxl.variable(np.zeros((2, 3), np.float32), name="weight")
     session = popxl.Session(ir)
-    with pytest.raises(TypeError, match=rf"'weight'.*{given}.*float32"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^The dtype of the input array {given} must match the equivalent type of the tensor weight : float32",
+    ):
         session.write_variables_data({w: data})
     np.testing.assert_array_equal(session.get_tensor_data(w), np.zeros((2, 3), np.float32))
 
@@ -435,9 +474,11 @@ def test_write_to_a_non_variable_or_another_irs_variable_raises():
     with other.main_graph:
         foreign = popxl.variable(1.0, name="foreign")
     session = popxl.Session(ir)
-    with pytest.raises(TypeError, match=r"Constant\[b .*not a Variable"):
+    with pytest.raises(
+        TypeError, match=r"^Tensor b is not of type Variable\. write_variable_data is not supported"
+    ):
         session.write_variable_data(b, 2)
-    with pytest.raises(TypeError, match="not a Variable"):
+    with pytest.raises(TypeError, match="is not of type Variable"):
         session.write_variable_data(inter, 2)
     with pytest.raises(ValueError, match="'foreign'"):
         session.write_variable_data(foreign, 2.0)
@@ -448,7 +489,10 @@ def test_get_tensors_data_rejects_tensors_that_are_not_variables_or_constants():
     ir2, a, _, _, inter = _get_write_program()
     session = popxl.Session(ir2)
     for bad in (inter, xs, ys, "a"):
-        with pytest.raises(TypeError, match="Variables and Constants"):
+        with pytest.raises(
+            TypeError,
+            match=r"is not of type Constant or Variable\. get_tensor_data is not supported",
+        ):
             session.get_tensors_data([a, bad])
     assert session.get_tensor_data(a) == 3
 

@@ -5,11 +5,12 @@ variables and host streams, run by a ``Session``, with replication, replica grou
 replicated tensor sharding and remote buffers.
 """
 
-from . import dtypes, ops, tensor_methods, transforms
+from . import dtypes, ops, tensor_methods, transforms, utils
 from .compile import InferenceProgram, Trainer, compile
 from .context import (
     gcg,
     get_current_context,
+    get_current_graph,
     get_main_graph,
     gir,
     gmg,
@@ -45,6 +46,7 @@ from .errors import PopXLError
 from .graph import Graph
 from .ir import Ir
 from .module import Module
+from .random_seed import create_seeds
 from .remote import (
     remote_replica_sharded_variable,
     remote_variable,
@@ -66,6 +68,13 @@ from .tensor import (
     graph_output,
     variable,
 )
+from .tensorlocation import (
+    ExecutionContext,
+    ReplicatedTensorSharding,
+    TensorLocation,
+    TensorStorage,
+    TileSet,
+)
 
 tensor_methods.install()
 
@@ -79,7 +88,8 @@ __all__ = [
     "remote_buffer", "remote_variable", "remote_replica_sharded_variable",
     "replica_sharded_buffer", "replica_sharded_variable",
     "gcg", "gmg", "gir", "get_current_context", "get_main_graph", "in_sequence", "io_tiles",
-    "ipu", "name_scope",
+    "ipu", "name_scope", "get_current_graph", "create_seeds", "TensorStorage", "TensorLocation",
+    "ReplicatedTensorSharding", "TileSet", "ExecutionContext", "utils",
     "ops", "transforms", "dtypes", "dtype", "compile", "Trainer", "InferenceProgram",
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float8_143", "float8_152", "bfloat16", "float16", "float32", "float64", "complex64", "complex128",

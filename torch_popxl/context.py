@@ -1,6 +1,7 @@
 """``popxl.context``, upstream's module path for graph contexts (gcg, gir, name_scope, ...); defined in ``ir/context.py``."""
 
 from .ir.context import (
+    _execution_context,
     gcg,
     get_current_context,
     get_current_graph,
@@ -14,6 +15,7 @@ from .ir.context import (
 )
 
 __all__ = [
+    "_execution_context",
     "gcg",
     "get_current_context",
     "get_current_graph",

@@ -19,6 +19,7 @@ import torch
 from . import capture, ops
 from . import dtypes as _dtypes
 from .ir.tensor import Tensor, _data_dependent, constant
+from .ops._intsafe import int_safe, int_safe_inplace
 
 __all__ = ["install"]
 
@@ -101,7 +102,7 @@ class _TensorMethods:
     def _binary(self, fn, other, reverse=False) -> Tensor:
         other = self._coerce(other)
         a, b = (other, self) if reverse else (self, other)
-        return capture.call_torch(fn, (a, b), {})
+        return capture.call_torch(int_safe(fn), (a, b), {})
 
     def __add__(self, o) -> Tensor:
         return self._binary(torch.add, o)
@@ -110,7 +111,7 @@ class _TensorMethods:
         return self._binary(torch.add, o, True)
 
     def __iadd__(self, o) -> Tensor:
-        return capture.call_torch(torch.Tensor.add_, (self, self._coerce(o)), {})
+        return capture.call_torch(int_safe_inplace(torch.Tensor.add_), (self, self._coerce(o)), {})
 
     def __sub__(self, o) -> Tensor:
         return self._binary(torch.sub, o)

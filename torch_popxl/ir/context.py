@@ -25,6 +25,7 @@ __all__ = [
     "ipu",
     "io_tiles",
     "get_current_context",
+    "_execution_context",
 ]
 
 _graph_stack: list[Graph] = []
@@ -140,3 +141,32 @@ def io_tiles() -> Iterator[None]:
 def get_current_context():
     """The (graph, name scope, ipu, tile set) the next op is created in."""
     return (gcg(), current_name_scope(), current_ipu(), current_tile_set())
+
+
+# Upstream's ExecutionContext members (popxl.ExecutionContext or their names) -> the program
+# fragment an op is recorded into.
+_FRAGMENTS = {
+    "Normal": "normal",
+    "WeightsFromHostFragment": "weights_from_host",
+    "WeightsToHostFragment": "weights_to_host",
+}
+
+
+@contextlib.contextmanager
+def _execution_context(execution_context) -> Iterator[Any]:
+    """Record the ops created inside into the program fragment ``execution_context`` names:
+    ``WeightsFromHostFragment`` ops run after every ``weights_from_host``, ``WeightsToHostFragment``
+    ops before every ``weights_to_host``, ``Normal`` ops on every ``run``."""
+    name = getattr(execution_context, "name", execution_context)
+    if name not in _FRAGMENTS:
+        raise ValueError(
+            f"Execution context {execution_context!r} is not supported by the simulator; use one "
+            f"of {sorted(_FRAGMENTS)} (popxl.ExecutionContext members)."
+        )
+    graph = gcg()
+    previous = graph._op_context
+    graph._op_context = _FRAGMENTS[name]
+    try:
+        yield execution_context
+    finally:
+        graph._op_context = previous

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSet
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,38 @@ _ATTRS: dict[OpKind, type] = {
 }
 
 _CONTEXTS = ("weights_from_host", "normal", "weights_to_host")
+
+
+class _ByRefInputs(MutableSet):
+    """A set view of a graph's by-reference inputs, stored as ids in ``graph._by_ref``."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+
+    def __contains__(self, t) -> bool:
+        return isinstance(t, Tensor) and t._graph is self._graph and t.id in self._graph._by_ref
+
+    def __iter__(self):
+        return iter([t for t in self._graph._inputs if t.id in self._graph._by_ref])
+
+    def __len__(self) -> int:
+        return len(self._graph._by_ref)
+
+    def add(self, t: Tensor) -> None:
+        if not isinstance(t, Tensor) or t not in self._graph._inputs:
+            name = t.id if isinstance(t, Tensor) else repr(t)
+            raise ValueError(
+                f"{name} is not an input of graph {self._graph.id!r}; only graph inputs can be "
+                "passed by reference."
+            )
+        self._graph._by_ref.add(t.id)
+
+    def discard(self, t: Tensor) -> None:
+        if isinstance(t, Tensor) and t._graph is self._graph:
+            self._graph._by_ref.discard(t.id)
+
+    def __repr__(self) -> str:
+        return f"{{{', '.join(t.id for t in self)}}}"
 
 
 class Graph:
@@ -234,6 +266,12 @@ class Graph:
 
     def is_input_by_ref(self, t: Tensor) -> bool:
         return t.id in self._by_ref
+
+    @property
+    def _by_ref_inputs(self) -> _ByRefInputs:
+        """The by-reference inputs as a live set of tensors (upstream's attribute): adding a
+        graph input marks it by-reference for the call sites created afterwards."""
+        return _ByRefInputs(self)
 
     def register_op_created_hook(self, fn: Callable[[Op], None]) -> int:
         handle = next(self._hook_ids)

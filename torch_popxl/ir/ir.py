@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import typing
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -211,6 +212,16 @@ class Ir:
         return {s for s in self._d2h_streams if s._used}
 
     def _add_variable(self, v: Variable, host: np.ndarray) -> None:
+        if isinstance(host, np.memmap) and not v.replica_grouping.is_const:
+            # Note [memmap variables] in ir/tensor.py: a non-constant grouping is stored as
+            # its constant refinement on device, so PopXL copies the memmap and says so.
+            warnings.warn(
+                f"Variable {v.id!r} has a non-constant replica grouping "
+                f"({v.replica_grouping!r}), so its np.memmap data is copied: weights_to_host "
+                "will not write to the memmap.",
+                stacklevel=3,
+            )
+            host = np.array(host, copy=True)
         self._variables[v.id] = (v, host)
 
     @property

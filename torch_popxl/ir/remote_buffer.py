@@ -20,16 +20,29 @@ class RemoteBuffer:
         ir = gcg().ir
         ir._check_mutable()
         self._ir = ir
-        self._tensor_shape = tuple(int(s) for s in tensor_shape)
-        self._tensor_dtype = _dtypes.dtype.as_dtype(tensor_dtype)
         self._entries = 1
-        self.entries = entries
+        self.set_remote_buffer_info(tensor_dtype, tensor_shape, entries)
         self._meta_shape: tuple[int, ...] = ()
         # The shard count of a buffer made by popxl.replica_sharded_buffer; None otherwise.
         self._rts_shard_over: int | None = None
         ids = [b._id for b in ir._remote_buffers]
         self._id = max(ids, default=0) + 1
         ir._remote_buffers.append(self)
+
+    @property
+    def _current_ir(self):
+        """The Ir the buffer belongs to (upstream's attribute name)."""
+        return self._ir
+
+    def set_remote_buffer_info(self, tensor_dtype, tensor_shape, entries: int) -> None:
+        """Reset the buffer's tensor dtype, shape and number of entries (all or nothing)."""
+        self._ir._check_mutable()
+        dt = _dtypes.dtype.as_dtype(tensor_dtype)
+        shape = tuple(int(s) for s in tensor_shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Remote buffer tensor_shape must be non-negative; got {shape}.")
+        _check_entries(entries)
+        self._tensor_dtype, self._tensor_shape, self._entries = dt, shape, int(entries)
 
     @property
     def remote_buffer_id(self) -> int:
@@ -49,9 +62,7 @@ class RemoteBuffer:
 
     @entries.setter
     def entries(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Entries must be a non-zero, positive integer; got {value!r}.")
-        self._entries = int(value)
+        self.set_remote_buffer_info(self._tensor_dtype, self._tensor_shape, value)
 
     @property
     def meta_shape(self) -> tuple[int, ...]:
@@ -77,6 +88,14 @@ class RemoteBuffer:
 
     def __hash__(self) -> int:
         return hash((id(self._ir), self._id))
+
+
+def _check_entries(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Entries must be a non-zero, positive integer. Got {value!r} (the number of "
+            "tensors the buffer holds)."
+        )
 
 
 def remote_buffer(tensor_shape, tensor_dtype, entries: int = 1) -> RemoteBuffer:

@@ -220,6 +220,11 @@ class ReplicaGrouping:
         return self._stride
 
     @property
+    def num_replicas(self) -> int:
+        """The (global) replication factor the grouping divides."""
+        return self._num_replicas
+
+    @property
     def group_size(self) -> int:
         """The number of replicas in each group."""
         return self._group_size

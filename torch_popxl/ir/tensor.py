@@ -363,9 +363,48 @@ class Constant(Tensor):
 
 
 def _host_array(data, dtype, downcast, log2_scale, nan_on_overflow) -> np.ndarray:
+    """Host data as a new array; an ``np.memmap`` is checked and returned as it is (Note
+    [memmap variables])."""
+    if isinstance(data, np.memmap):
+        return _memmap_data(data, dtype, downcast)
     return _dtypes.to_numpy(
         data, dtype=dtype, downcast=downcast, log2_scale=log2_scale, nan_on_overflow=nan_on_overflow
     )
+
+
+# Note [memmap variables]
+# A variable made from an np.memmap keeps the memmap as its host storage (PopXL does not copy
+# it): Session.weights_to_host writes the device values into it and flushes, so a checkpoint
+# file is updated in place. Because the storage is the caller's file, nothing may convert it:
+# it must be C-contiguous, already of the variable's dtype, and need no 64 -> 32 bit downcast
+# (ValueError otherwise). A read-only memmap makes weights_to_host an error for the session.
+# A variable with a non-constant replica grouping (one made from assignments) warns and is
+# copied (Ir._add_variable); a grouped constant grouping keeps the memmap, of shape
+# (num_groups, *shape).
+_NEEDS_DOWNCAST = frozenset({np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.float64)})
+
+
+def _memmap_data(data: np.memmap, dtype, downcast: bool) -> np.memmap:
+    if not data.flags.c_contiguous:
+        raise ValueError(
+            "A np.memmap given as variable data must be C-contiguous: the variable keeps it as "
+            "its host storage and cannot reorder it. Create the memmap with order='C'."
+        )
+    if dtype is not None and np.dtype(dtype.as_numpy()) != data.dtype:
+        raise ValueError(
+            f"The np.memmap has dtype {data.dtype} but dtype={dtype} was given. A memmap is "
+            f"kept as the variable's host storage and cannot be converted; open it with dtype "
+            f"{np.dtype(dtype.as_numpy())} or leave dtype=None."
+        )
+    if dtype is None and downcast and data.dtype in _NEEDS_DOWNCAST:
+        raise ValueError(
+            f"The np.memmap has dtype {data.dtype}, which would be downcast to 32 bits, but a "
+            f"memmap is kept as the variable's host storage and cannot be converted. Pass "
+            f"downcast=False (or dtype={data.dtype}) or open the memmap with a 32-bit dtype."
+        )
+    if _dtypes._lookup(data.dtype) is None:
+        raise ValueError(f"A np.memmap of dtype {data.dtype} cannot hold popxl variable data.")
+    return data
 
 
 def _torch_from_numpy(arr: np.ndarray, dt: _dtypes.dtype) -> torch.Tensor:

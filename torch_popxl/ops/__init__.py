@@ -6,6 +6,7 @@ the capture layer records the aten ops, so shapes and dtypes come from torch its
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Iterable, Sequence
 
@@ -20,7 +21,54 @@ from ..ir.graph import Op, OpKind
 from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
 from . import collectives, var_updates
+from ._intsafe import int_safe
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
+from .more import (
+    PadType,
+    _keep_int,
+    add_,
+    average_pool,
+    batch_norm_inference,
+    ceil,
+    concat_,
+    conv,
+    create_random_seed,
+    cumsum,
+    detach_,
+    dynamic_slice,
+    dynamic_update,
+    dynamic_update_,
+    exp_,
+    floor,
+    gelu_,
+    geluerf,
+    group_norm,
+    histogram,
+    identity,
+    increment_mod_,
+    interpolate,
+    io_tile_copy,
+    isfinite,
+    isinf,
+    isnan,
+    l1,
+    l2,
+    logsum,
+    logsumexp,
+    max_pool,
+    mean,
+    median,
+    prod,
+    random_normal,
+    random_uniform,
+    relu_,
+    remote_code_load,
+    scatter,
+    sign,
+    split_random_seed,
+    sum,
+    sumsquare,
+)
 from .remote import remote_load, remote_load_, remote_store
 from .var_updates import (
     accumulate_,
@@ -32,8 +80,10 @@ from .var_updates import (
     accumulator_zero_,
     adam_updater,
     adam_var_update,
+    adamax_updater,
     copy_var_update_,
     lamb_square,
+    lamb_updater,
     scaled_add,
     scaled_add_,
     sparse_accumulate_,
@@ -63,7 +113,9 @@ __all__ = [
     "accumulate_moving_average_square_", "accumulator_scale_", "accumulator_zero_",
     "copy_var_update_", "sparse_accumulate_", "adam_updater", "adam_var_update",
     "lamb_square", "scaled_add", "scaled_add_",
-    "collectives", "var_updates",
+    "collectives", "var_updates", "lamb_updater", "adamax_updater",
+    # upstream's other op names (ops/more.py), slice_ and tied_gather
+    "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_", "identity", "io_tile_copy", "ceil", "floor", "sign", "isfinite", "isinf", "isnan", "geluerf", "cumsum", "histogram", "mean", "sum", "sumsquare", "prod", "median", "l1", "l2", "logsum", "logsumexp", "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "PadType", "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter", "random_uniform", "random_normal", "split_random_seed", "create_random_seed", "remote_code_load", "interpolate", "slice_", "tied_gather",
 ]  # fmt: skip
 
 
@@ -88,11 +140,11 @@ def _binary(fn, lhs, rhs, op):
     if not isinstance(lhs, Tensor) and isinstance(rhs, Tensor):
         lhs = _coerce(rhs, lhs)
     lhs = _check_tensor(lhs, op)
-    return call_torch(fn, (lhs, _coerce(lhs, rhs)), {})
+    return call_torch(int_safe(fn), (lhs, _coerce(lhs, rhs)), {})
 
 
 def _unary(fn, t, op, **kwargs):
-    return call_torch(fn, (_check_tensor(t, op),), kwargs)
+    return call_torch(int_safe(fn), (_check_tensor(t, op),), kwargs)
 
 
 # ---- elementwise --------------------------------------------------------------------------
@@ -268,7 +320,7 @@ def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise
 
 def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
     shape = tuple(int(s) for s in shape)
-    if sum(1 for s in shape if s == -1) > 1:
+    if builtins.sum(1 for s in shape if s == -1) > 1:
         raise ValueError(f"reshape: at most one -1 is allowed in the shape; got {shape}.")
     known = math.prod(s for s in shape if s != -1)
     if -1 not in shape and known != t.nelms or (-1 in shape and (known == 0 or t.nelms % known)):
@@ -320,6 +372,17 @@ def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
 builtins_slice = __builtins__["slice"] if isinstance(__builtins__, dict) else __builtins__.slice
 
 
+def slice_(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
+    """``slice`` whose output is a view of ``t`` (upstream's in-place slice)."""
+    return slice(t, start, stop, step, axis)
+
+
+def tied_gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion=None,
+                zero_OOR: bool = False) -> Tensor:  # noqa: N803  # fmt: skip
+    """``gather`` whose gradient upstream shares the weight's tile layout; same values."""
+    return gather(t, indices, axis, available_memory_proportion, zero_OOR)
+
+
 def subsample(t: Tensor, strides: Sequence[int]) -> Tensor:
     return _getitem(t, tuple(builtins_slice(None, None, s) for s in strides))
 
@@ -337,7 +400,7 @@ def split(t: Tensor, splits: int | list[int], axis: int = 0) -> list[Tensor]:
         sizes = [size // splits] * splits
     else:
         sizes = list(splits)
-        if sum(sizes) != size:
+        if builtins.sum(sizes) != size:
             raise ValueError(f"split: sizes {sizes} do not add up to axis {axis} size {size}.")
     return list(call_torch(torch.split, (t, sizes), {"dim": axis}))
 
@@ -444,11 +507,11 @@ def _reduce(fn, t: Tensor, axis, keepdims, **kwargs):
 
 def _same_int_dtype(t: Tensor) -> dict:
     # PopXL reductions keep the input dtype; torch promotes integer sums and products to int64.
-    return {"dtype": t.dtype.as_torch()} if t.dtype.is_int else {}
+    return _keep_int(t)
 
 
 def reduce_sum(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
-    return _reduce(torch.sum, t, axis, keepdims, **_same_int_dtype(t))
+    return _reduce(int_safe(torch.sum), t, axis, keepdims, **_same_int_dtype(t))
 
 
 def reduce_mean(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
@@ -466,7 +529,9 @@ def reduce_min(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
 def reduce_prod(t: Tensor, axis=None, keepdims: bool = False) -> Tensor:
     out = t
     for ax in sorted(_axes(t, axis), reverse=True):
-        out = call_torch(torch.prod, (out, ax), {"keepdim": keepdims, **_same_int_dtype(t)})
+        out = call_torch(
+            int_safe(torch.prod), (out, ax), {"keepdim": keepdims, **_same_int_dtype(t)}
+        )
     return out
 
 
@@ -601,7 +666,7 @@ def _positive_steps(t: Tensor, key):
     items = key if isinstance(key, tuple) else (key,)
     if not any(isinstance(k, builtins_slice) and k.step is not None and k.step < 0 for k in items):
         return t, key
-    used = sum(1 for k in items if k is not None and k is not Ellipsis)
+    used = builtins.sum(1 for k in items if k is not None and k is not Ellipsis)
     out, flips, ax = [], [], 0
     for k in items:
         if k is Ellipsis:

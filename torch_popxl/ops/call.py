@@ -105,58 +105,81 @@ def _flatten(xs) -> list[Any]:
     return out
 
 
+def _coerce(gt: Tensor, x: Any, where: str) -> Tensor:
+    """Host data ``x`` as a constant of graph input ``gt``'s dtype (upstream's coercion)."""
+    try:
+        return constant(np.asarray(x), gt.dtype)
+    except Exception as e:
+        raise TypeError(
+            f"{where} could not be coerced into a tensor for the called graph: Type {type(x)}. "
+            f"Value: {x}"
+        ) from e
+
+
 def _connect(
     graph: Graph, inputs: Iterable[Any], inputs_dict: Mapping | None, check_inputs: bool
 ) -> list[Tensor]:
+    """The parent tensors for ``graph``'s inputs, in input order.
+
+    Checks run in upstream's order (popxl ops/call.py ``_prep_and_validate_inputs``) and raise
+    its message beginnings: too many positional inputs; a positional parent tensor from another
+    graph; an ``inputs_dict`` key that is not an input of ``graph``, or whose parent tensor is
+    in another graph, or that is also given positionally; host data that cannot be coerced to
+    the input's dtype (TypeError); and, with ``check_inputs``, inputs left unconnected.
+    """
     parent = gcg()
     if graph.ir is not parent.ir:
         raise ValueError(f"Graph {graph.id!r} belongs to another Ir than the current graph.")
     positional = _flatten(inputs)
+    inputs_dict = dict(inputs_dict or {})
     n = len(graph._inputs)
     if len(positional) > n:
         raise ValueError(
-            f"Too many inputs for {graph.id!r}: {len(positional)} positional inputs given, the "
-            f"graph has {n} inputs."
+            "Too many inputs have been provided to the called graph. The number of positional "
+            f"inputs exceeds the number of inputs of the graph. {len(positional)} > {n}. For "
+            f"graph: {graph.id}"
         )
-    connected: list[Any] = [None] * n
-    for i, x in enumerate(positional):
-        connected[i] = x
-    for gt, x in (inputs_dict or {}).items():
+    for x in positional:
+        if isinstance(x, Tensor) and x._graph is not parent:
+            raise ValueError(
+                f'Parent input tensor "{x.id}" is not in parent graph "{parent.id}". Tensors '
+                "of other graphs reach a subgraph as its graph inputs."
+            )
+    for gt, x in inputs_dict.items():
         if not isinstance(gt, Tensor) or gt not in graph._inputs:
             name = gt.id if isinstance(gt, Tensor) else repr(gt)
             raise ValueError(
-                f"inputs_dict key {name} is not an input of the called graph {graph.id!r}."
+                f'The graph input tensor "{name}" is not in the called graph ({graph.id}). '
+                "inputs_dict maps the called graph's inputs to parent tensors."
             )
-        i = graph._inputs.index(gt)
-        if connected[i] is not None:
+        if isinstance(x, Tensor) and x._graph is not parent:
             raise ValueError(
-                f"Graph input {gt.id!r} of {graph.id!r} is connected twice (positionally and in "
-                "inputs_dict)."
+                f'The parent input tensor "{x.id}" is not in the parent graph ({parent.id}).'
             )
-        connected[i] = x
-    missing = [graph._inputs[i].id for i, x in enumerate(connected) if x is None]
+        if graph._inputs.index(gt) < len(positional):
+            raise ValueError(
+                "Graph input tensor is specified twice for the called graph, in `inputs_dict` "
+                f"and positionally in `inputs`: {gt.id}"
+            )
+    connected: list[Tensor | None] = [None] * n
+    for i, x in enumerate(positional):
+        gt = graph._inputs[i]
+        connected[i] = x if isinstance(x, Tensor) else _coerce(gt, x, f'Input at position "{i}"')
+    for gt, x in inputs_dict.items():
+        i = graph._inputs.index(gt)
+        connected[i] = x if isinstance(x, Tensor) else _coerce(gt, x, f'Input "{gt.id}"')
+    missing = [(i, graph._inputs[i].id) for i, x in enumerate(connected) if x is None]
     if missing and check_inputs:
-        have = [f"{graph._inputs[i].id} <- {x.id if isinstance(x, Tensor) else x!r}"
-                for i, x in enumerate(connected) if x is not None]  # fmt: skip
+        have = [(i, graph._inputs[i].id, x.id) for i, x in enumerate(connected) if x is not None]
         raise ValueError(
-            f"Not all inputs of {graph.id!r} are connected.\n  missing: {missing}\n"
-            f"  connected: {have}"
+            f"Not enough inputs have been provided for the called graph ({graph.id}).\n\n"
+            f"Missing inputs (index, graph tensor):\n{missing}\n\nConnected inputs (index, "
+            f"graph tensor, parent graph tensor):\n{have}"
         )
     out: list[Tensor] = []
     for gt, x in zip(graph._inputs, connected, strict=True):
         if x is None:
             continue
-        if not isinstance(x, Tensor):
-            try:
-                x = constant(np.asarray(x), gt.dtype)
-            except Exception as e:
-                raise TypeError(
-                    f"Cannot convert {x!r} to an input of dtype {gt.dtype.name} for {gt.id!r}."
-                ) from e
-        if x._graph is not parent:
-            raise ValueError(
-                f"Input {x.id!r} for {graph.id!r} is not in the current graph {parent.id!r}."
-            )
         if (x.shape, x.dtype, x.meta_shape) != (gt.shape, gt.dtype, gt.meta_shape):
             raise PopXLError(
                 f"CallOp input {x.id!r} {x.dtype.name}{list(x.shape)} meta{list(x.meta_shape)} does "
@@ -199,13 +222,19 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
     """Call ``graph`` ``repeat_count`` times; output i feeds input i of the next iteration."""
     if not isinstance(graph, Graph):
         raise TypeError(f"repeat expects a popxl Graph; got {type(graph).__name__}.")
-    if not isinstance(repeat_count, int) or repeat_count < 0:
-        raise ValueError(f"repeat_count must be a non-negative int; got {repeat_count!r}.")
+    if isinstance(repeat_count, bool) or not isinstance(repeat_count, int | np.integer):
+        raise TypeError(f"repeat_count must be an int; got {type(repeat_count).__name__}.")
+    repeat_count = int(repeat_count)
+    if repeat_count < 0:
+        raise ValueError(
+            f"Repeat count must be >= 0. Repeat count: {repeat_count}. Graph: {graph.id}"
+        )
     n_out, n_in = len(graph._outputs), len(graph._inputs)
     if n_out > n_in:
         raise ValueError(
-            f"repeat: graph {graph.id!r} has {n_out} outputs but only {n_in} inputs; every output "
-            "i feeds input i of the next iteration."
+            f"To repeat the subgraph ({graph.id}) the number of inputs must be greater than or "
+            f"equal to the number of outputs. {n_in} < {n_out} (output i feeds input i of the "
+            "next iteration)."
         )
     for i, (gi, go) in enumerate(zip(graph._inputs[:n_out], graph._outputs, strict=True)):
         if (gi.shape, gi.dtype) != (go.shape, go.dtype):

@@ -14,6 +14,7 @@ from ..capture import call_torch
 from ..errors import PopXLError
 from ..ir.context import gcg
 from ..ir.tensor import Tensor, constant
+from ._intsafe import int_safe, int_safe_inplace
 
 __all__ = [
     "accumulate_",
@@ -28,6 +29,8 @@ __all__ = [
     "scaled_add",
     "scaled_add_",
     "adam_updater",
+    "lamb_updater",
+    "adamax_updater",
     "adam_var_update",
     "lamb_square",
 ]
@@ -62,7 +65,9 @@ def _cast(x: Tensor, like: Tensor) -> Tensor:
 
 
 def _t(fn, *args, **kwargs):
-    return call_torch(fn, args, kwargs)
+    # uint16/32/64 accumulators (step counters) run through int64: see ops/_intsafe.py.
+    safe = int_safe_inplace(fn) if fn.__name__.endswith("_") else int_safe(fn)
+    return call_torch(safe, args, kwargs)
 
 
 def accumulate_(t: Tensor, X: Tensor, f: float | Tensor | None = None) -> Tensor:
@@ -194,47 +199,88 @@ def _check_scales(a, b) -> None:
         raise PopXLError("scaled_add: a float scale0 must be 1.0 when scale1 is a tensor.")
 
 
-def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tensor | None = None,
-                 time_step: Tensor | None = None, weight_decay: float | Tensor | None = None,
-                 beta1: float | Tensor | None = None, beta2: float | Tensor | None = None,
-                 epsilon: float | Tensor = 1e-07) -> Tensor:  # fmt: skip
-    """The Adam/AdamNoBias update term ``mc / (sqrt(vc) + eps) (+ wd * w)``; see spec §9.
-
-    With ``time_step`` it is incremented in place first and the new value is used.
-    """
-    m, v = acc_first_order, acc_second_order
+def _updater(mode: str, m: Tensor, v: Tensor, weight, time_step, weight_decay, beta1, beta2,
+             epsilon) -> Tensor:  # fmt: skip
+    """The update term shared by Adam, LAMB (``mode`` "adam") and AdaMax (``mode`` "adamax")."""
     _in_graph(m, v, weight, time_step, weight_decay, beta1, beta2, epsilon)
     decay = isinstance(weight_decay, Tensor) or (
         weight_decay is not None and float(weight_decay) != 0.0
     )
+    # Upstream's messages, checked in this order before anything is recorded.
     if decay and weight is None:
-        raise ValueError("adam_updater: weight decay needs `weight` to be given.")
+        raise ValueError("Weight decay requires weight to be not None.")
+    if mode == "adamax" and time_step is None:
+        raise ValueError("AdaMax requires time_step not None.")
+    if mode == "adam" and time_step is not None and (beta1 is None or beta2 is None):
+        raise ValueError("Bias correction requires both beta1 and beta2 not None.")
     out_like = weight if (decay and weight is not None) else m
     # The update is computed in the second moment's precision (float32 in mixed-precision
     # Adam, where m is float16): v is tiny (~(1-b2) g^2) and underflows in float16, which
     # would turn m / (sqrt(v) + eps) into m / eps. Only the result is cast (spec addons §8).
     calc = v
+
+    def scalar(x):
+        return _cast(x, calc) if isinstance(x, Tensor) else _as_tensor(x, calc.dtype)
+
+    def corrected(acc, beta, t):
+        return _t(torch.div, _cast(acc, calc), _t(torch.rsub, _t(torch.pow, scalar(beta), t), 1.0))
+
     if time_step is not None:
-        if beta1 is None or beta2 is None:
-            raise ValueError(
-                "adam_updater: bias correction (time_step given) needs beta1 and beta2."
-            )
         _t(torch.Tensor.add_, time_step, 1)
         t = _cast(time_step, calc)
-        b1 = _as_tensor(beta1, calc.dtype) if not isinstance(beta1, Tensor) else _cast(beta1, calc)
-        b2 = _as_tensor(beta2, calc.dtype) if not isinstance(beta2, Tensor) else _cast(beta2, calc)
-        mc = _t(torch.div, _cast(m, calc), _t(torch.rsub, _t(torch.pow, b1, t), 1.0))
-        vc = _t(torch.div, v, _t(torch.rsub, _t(torch.pow, b2, t), 1.0))
+        mc = corrected(m, beta1, t)
+        # AdaMax's v is an infinity norm and is not bias-corrected.
+        vc = v if mode == "adamax" else corrected(v, beta2, t)
     else:
         mc, vc = _cast(m, calc), v
     eps = _cast(epsilon, calc) if isinstance(epsilon, Tensor) else float(epsilon)
-    x = _t(torch.div, mc, _t(torch.add, _t(torch.sqrt, vc), eps))
+    denom = vc if mode == "adamax" else _t(torch.sqrt, vc)
+    x = _t(torch.div, mc, _t(torch.add, denom, eps))
     if decay:
         # `decay` implies both (checked above); the type checker cannot follow the bool.
         assert weight is not None and weight_decay is not None
         wd = _cast(weight_decay, calc) if isinstance(weight_decay, Tensor) else float(weight_decay)
         x = _t(torch.add, x, _t(torch.mul, _cast(weight, calc), wd))
     return _cast(x, out_like)
+
+
+def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tensor | None = None,
+                 time_step: Tensor | None = None, weight_decay: float | Tensor | None = None,
+                 beta1: float | Tensor | None = None, beta2: float | Tensor | None = None,
+                 epsilon: float | Tensor = 1e-07) -> Tensor:  # fmt: skip
+    """The Adam/AdamNoBias update term ``mc / (sqrt(vc) + eps) (+ wd * w)``; see spec §9.
+
+    With ``time_step`` (bias correction: ``mc = m / (1 - b1**t)``, ``vc = v / (1 - b2**t)``)
+    it is incremented in place first and the new value is used.
+
+    Raises:
+        ValueError: weight decay without ``weight``; ``time_step`` without beta1 and beta2.
+    """
+    return _updater("adam", acc_first_order, acc_second_order, weight, time_step,
+                    weight_decay, beta1, beta2, epsilon)  # fmt: skip
+
+
+def lamb_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tensor | None = None,
+                 time_step: Tensor | None = None, weight_decay: float | Tensor | None = None,
+                 beta1: float | Tensor | None = None, beta2: float | Tensor | None = None,
+                 epsilon: float | Tensor = 1e-07) -> Tensor:  # fmt: skip
+    """The LAMB update term: Adam's term (LAMB scales it by the trust ratio afterwards, in
+    ``adam_var_update`` with ``r1``/``r2``). Same arguments and errors as ``adam_updater``."""
+    return _updater("adam", acc_first_order, acc_second_order, weight, time_step,
+                    weight_decay, beta1, beta2, epsilon)  # fmt: skip
+
+
+def adamax_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Tensor | None = None,
+                   time_step: Tensor | None = None, weight_decay: float | Tensor | None = None,
+                   beta1: float | Tensor = 0.9, epsilon: float | Tensor = 1e-07) -> Tensor:  # fmt: skip
+    """The AdaMax update term ``m / (1 - b1**t) / (v + eps) (+ wd * w)``; ``v`` is the
+    infinity-norm accumulator. ``time_step`` is required and incremented in place first.
+
+    Raises:
+        ValueError: weight decay without ``weight``; ``time_step`` None.
+    """
+    return _updater("adamax", acc_first_order, acc_second_order, weight, time_step,
+                    weight_decay, beta1, None, epsilon)  # fmt: skip
 
 
 def adam_var_update(t: Tensor, x: Tensor, r1: Tensor | None = None, r2: Tensor | None = None,

@@ -131,6 +131,6 @@ def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
         full.append(flat.reshape(v.shape))
     groups = torch.stack(full)  # [num_user_groups, *shape]
     host = _dtypes.torch_to_numpy(groups, v.dtype)
-    session._host[v.id] = host if rg.num_groups > 1 else host[0]
+    session._set_host(v, host if rg.num_groups > 1 else host[0])
     # all_replicas: the reconstructed group value is copied to every member (§4.5).
     session._host_all[v.id] = host[assignment]

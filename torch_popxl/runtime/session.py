@@ -63,7 +63,16 @@ class Session:
         self._host: dict[str, np.ndarray] = {}
         self._host_all: dict[str, np.ndarray] = {}
         for v, data in ir._variables.values():
-            self._host[v.id] = np.array(data, copy=True)
+            # Note [memmap variables] (ir/tensor.py): a memmap stays the host storage.
+            self._host[v.id] = data if isinstance(data, np.memmap) else np.array(data, copy=True)
+        self._read_only_memmaps = sorted(
+            v.id
+            for v, data in ir._variables.values()
+            if isinstance(data, np.memmap) and not data.flags.writeable
+        )
+        if self._read_only_memmaps:
+            # PopXL turns weights_to_host on exit off: it would write into read-only files.
+            self.weights_to_host_on_exit = False
         self._last_run_counters: dict[str, int] | None = None  # traffic of the last run
         ir._sessions += 1
         # The Ir is frozen from here on: its stream sets are fixed, so compute them once.
@@ -191,6 +200,12 @@ class Session:
     def weights_to_host(self) -> None:
         """Read every variable back into its host copy (after running WeightsToHost)."""
         self._require_attached("weights_to_host")
+        if self._read_only_memmaps:
+            raise RuntimeError(
+                f"weights_to_host cannot run: the variables {self._read_only_memmaps} are backed "
+                "by read-only np.memmap arrays, which it would write. Open the memmaps with "
+                "mode='r+' (or 'w+'), or read values with a d2h stream."
+            )
         self._run_fragment("weights_to_host", [], 1)
         invariant: frozenset[str] = getattr(self._executor, "uniform", frozenset())
         for v in self._executor.on_chip:
@@ -206,8 +221,17 @@ class Session:
         firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
         rows = value.detach().cpu()
         host = _dtypes.torch_to_numpy(rows[firsts], v.dtype)
-        self._host[v.id] = host if rg.num_groups > 1 else host[0, ...]  # an ndarray, even 0-d
+        self._set_host(v, host if rg.num_groups > 1 else host[0, ...])  # an ndarray, even 0-d
         self._host_all[v.id] = _dtypes.torch_to_numpy(rows, v.dtype)
+
+    def _set_host(self, v: Variable, host: np.ndarray) -> None:
+        """Replace ``v``'s host value; a memmap is written in place and flushed."""
+        current = self._host.get(v.id)
+        if isinstance(current, np.memmap):
+            current[...] = host
+            current.flush()
+        else:
+            self._host[v.id] = host
 
     # ---- reading and writing tensors ------------------------------------------------------
 
@@ -218,9 +242,11 @@ class Session:
         tensors = list(tensors)
         for t in tensors:
             if not isinstance(t, Variable | Constant):
+                # Upstream's message beginning (programs match it), then the way out.
                 raise TypeError(
-                    f"get_tensors_data only reads Variables and Constants; {t!r} is neither. Use a "
-                    "d2h stream (ops.host_store) to read intermediate tensors."
+                    f"{t} is not of type Constant or Variable. get_tensor_data is not supported "
+                    "for this type. Read intermediate tensors through a d2h stream "
+                    "(ops.host_store)."
                 )
             if t.ir is not self._ir:
                 raise ValueError(
@@ -253,7 +279,12 @@ class Session:
         staged: dict[str, np.ndarray] = {}
         for v, data in tensors.items():
             if not isinstance(v, Variable):
-                raise TypeError(f"write_variables_data: {v!r} is not a Variable.")
+                name = getattr(v, "id", repr(v))
+                raise TypeError(
+                    f"Tensor {name} is not of type Variable. write_variable_data is not "
+                    f"supported for this type. Got a {type(v).__name__}; only variables can be "
+                    "written (constants are fixed when the Ir is built)."
+                )
             if v.ir is not self._ir:
                 raise ValueError(
                     f"Variable {v.id!r} belongs to {v.ir!r}, not this session's {self._ir!r}."
@@ -270,8 +301,16 @@ class Session:
                     f"Writing the all_replicas variable {v.id!r} (group size > 1) is not supported by "
                     "PopXL; create it with retrieval_mode='one_per_group' to write it."
                 )
+            if v.id in self._read_only_memmaps:
+                raise ValueError(
+                    f"Variable {v.id!r} is backed by a read-only np.memmap and cannot be "
+                    "written. Open the memmap with mode='r+' to write it."
+                )
             staged[v.id] = np.array(data, copy=True)
-        self._host.update(staged)
+        # Every check passed: now write (all or nothing).
+        by_id = {v.id: v for v in tensors}
+        for vid, data in staged.items():
+            self._set_host(by_id[vid], data)
         for vid in staged:
             self._host_all.pop(vid, None)
         if self._attached:
@@ -339,11 +378,9 @@ class Session:
     def _run(self, inputs, outputs, downcast_inputs: bool, verify_outputs: bool) -> None:
         inputs = dict(inputs or {})
         outputs = dict(outputs or {})
-        self._verify_streams(inputs, self._inputs_expected, "input")
+        self._validate_run_io_streams(inputs, self._inputs_expected, shapes=False)
         if verify_outputs:  # arrays made by create_host_outputs are right by construction
-            self._verify_streams(outputs, self._outputs_expected, "output")
-            for s, arr in outputs.items():
-                self._verify_shape(s, np.asarray(arr), "output")
+            self._validate_run_outputs(outputs)
         nht = self._ir.num_host_transfers
         h2d = self._ir._h2d_streams  # in index order (appended as created)
         # Note [inputs are never written]: a private copy only of the streams whose loaded
@@ -365,34 +402,56 @@ class Session:
                 continue
             self._fill_output(s, arr, values)
 
-    def _verify_streams(self, given: Mapping, expected: AbstractSet, kind: str) -> None:
+    def _validate_run_inputs(self, inputs: Mapping) -> None:
+        """Check ``inputs`` (h2d stream -> array) as ``run`` does: exactly the expected streams,
+        each array of the full shape. Raises ValueError with upstream's messages."""
+        self._validate_run_io_streams(inputs, self._inputs_expected)
+
+    def _validate_run_outputs(self, outputs: Mapping) -> None:
+        """Check ``outputs`` (d2h stream -> array) as ``run_with_outputs`` does."""
+        self._validate_run_io_streams(outputs, self._outputs_expected)
+
+    def _validate_run_io_streams(self, given: Mapping, expected: AbstractSet,
+                                 shapes: bool = True) -> None:  # fmt: skip
         given_set = set(given)
-        unexpected = [_describe_key(s, self._ir) for s in given_set - expected]
-        missing = [s.tensor_id for s in expected - given_set]
-        if unexpected:
-            raise ValueError(f"Unexpected {kind} streams: {sorted(unexpected)}. Expected exactly "
-                             f"{sorted(s.tensor_id for s in expected)}.")  # fmt: skip
-        if missing:
+        if given_set != set(expected):
+            kind = "input"
+            if any(isinstance(s, DeviceToHostStream) for s in (*given_set, *expected)):
+                kind = "output"
+            unexpected = {_describe_key(s, self._ir) for s in given_set - set(expected)}
+            missing = {s.tensor_id for s in set(expected) - given_set}
             raise ValueError(
-                f"Missing {kind} streams: {sorted(missing)}. Provide an array for each."
+                f"Unexpected/Missing {kind}.\n  Unexpected: {unexpected or '{}'}\n  "
+                f"Missing: {missing or '{}'}\n(Expected exactly the streams "
+                f"{sorted(s.tensor_id for s in expected)}: one array for each stream the "
+                "program loads or stores.)"
             )
+        if shapes:
+            for s, arr in given.items():
+                kind = "input" if isinstance(s, HostToDeviceStream) else "output"
+                self._verify_shape(s, np.asarray(arr), kind)
 
     def _verify_shape(self, s, arr: np.ndarray, kind: str) -> None:
+        # Upstream's checks and message beginnings (Session._verify_io_shape).
         nht, irf = self._ir.num_host_transfers, self._ir.instance_replication_factor
         expected = self._full_input_shape(s.shape)
         idx = 0
         if nht > 1:
             if arr.ndim < 1 or arr.shape[0] < nht:
+                got = arr.shape[0] if arr.ndim else "a scalar"
                 raise ValueError(
-                    f"Shape mismatch for {kind} stream {s.tensor_id!r}: dim 0 must be at least "
-                    f"num_host_transfers={nht}; got shape {arr.shape}, expected {expected}."
+                    f"Dimension 0 ({got}) for the array provided for {kind} stream "
+                    f"{s.tensor_id} is not large enough.\nIt should be at least of size "
+                    f"num_host_transfers = {nht} (full shape {expected}; got {arr.shape})."
                 )
             idx += 1
         if irf > 1:
             if arr.ndim <= idx or arr.shape[idx] != irf:
+                got = arr.shape[idx] if arr.ndim > idx else "missing"
                 raise ValueError(
-                    f"Shape mismatch for {kind} stream {s.tensor_id!r}: dim {idx} must be the replica "
-                    f"count {irf}; got shape {arr.shape}, expected {expected}."
+                    f"Dimension {idx} ({got}) for the array provided for {kind} stream "
+                    f"{s.tensor_id} is the wrong size.\nIt should be of size replication_factor "
+                    f"= {irf} (full shape {expected}; got {arr.shape})."
                 )
             idx += 1
         if arr.squeeze().shape[idx:] == () and math.prod(s.shape) == 1:
@@ -401,8 +460,9 @@ class Session:
             return
         if tuple(arr.shape[idx:]) != tuple(s.shape):
             raise ValueError(
-                f"Shape mismatch for {kind} stream {s.tensor_id!r}: got shape {arr.shape}, expected "
-                f"{expected} (num_host_transfers={nht}, replicas={irf}, stream shape {s.shape})."
+                f"Shape mismatch for {kind} stream {s.tensor_id}:\nStream shape = {s.shape}, "
+                f"therefore expected full global batch shape {expected}. Got array shape = "
+                f"{arr.shape} (num_host_transfers={nht}, replicas={irf})."
             )
 
     def _unused_input(self, s: HostToDeviceStream) -> torch.Tensor:
@@ -488,13 +548,15 @@ def check_host_data(v: Variable, data, who: str) -> np.ndarray:
     data = np.asarray(data)
     if data.dtype != v.dtype.as_numpy():
         raise TypeError(
-            f"{who}: data for {v.id!r} has dtype {data.dtype}, the variable has dtype "
-            f"{v.dtype.as_numpy()}. Convert it first (no implicit cast)."
+            f"The dtype of the input array {data.dtype} must match the equivalent type of the "
+            f"tensor {v.id} : {v.dtype} ({who}; convert the data first, there is no implicit "
+            "cast)."
         )
     if tuple(data.shape) != tuple(v.shape_on_host):
         raise ValueError(
-            f"{who}: data for {v.id!r} has shape {tuple(data.shape)}, expected "
-            f"shape_on_host {tuple(v.shape_on_host)}."
+            f"The shape of the input array {tuple(data.shape)} must match the shape of the "
+            f"tensor {v.id} : {tuple(v.shape_on_host)} ({who}; the shape on host, with the "
+            "replica-group dimension when the variable has several groups)."
         )
     return data
 

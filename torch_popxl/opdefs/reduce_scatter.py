@@ -26,7 +26,6 @@ from ._common import (
     check_grouping,
     check_op,
     chunk,
-    no_explicit_rule,
     no_gradient,
     ops,
     require_single_replica,
@@ -205,13 +204,31 @@ def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
     return num_replicas > 1
 
 
-def _finish_sum(op_name: str, num_replicas: int, value: Tensor, batch) -> Tensor:
+def _explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching] (runtime/explicit.py): one ``reduce_scatter_stacked`` call on
+    the stacked rows ``[R, n]`` (an unbatched value is the same on every replica)."""
+    in_dim = 0 if batched[0] else None
+
+    def run(x, op_name, group_size, stride):
+        rows = stacked(x, in_dim, num_replicas)
+        flat = rows.reshape(num_replicas, math.prod(rows.shape[1:]))
+        return ops.reduce_scatter_stacked(flat, op_name, group_size, stride)
+
+    return run
+
+
+def _finish_sum(
+    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
+) -> Tensor:
     value = value.clone() if op_name == "add" else value / num_replicas
     # The bytes of the real reduce-scatter; the call is counted by the 'local' one below.
     nbytes = reduce_scatter_bytes(
         num_replicas, num_replicas, value.numel(), value.element_size(), "add"
     )
     add_collective_traffic(nbytes, 0)
+    if stacked_layout:  # explicit batching: batch() gives the stacked [R, ...] rows
+        rows = batch(value).reshape(num_replicas, value.numel())
+        return ops.reduce_scatter_stacked(rows, "local", num_replicas, 1)
     return ops.replicated_reduce_scatter(batch(value), "local", num_replicas, 1)
 
 
@@ -257,7 +274,7 @@ opdef = register(
             "traffic": _traffic,
             "reference": reference,
             "distributed": distributed,
-            "explicit": no_explicit_rule,
+            "explicit": _explicit,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

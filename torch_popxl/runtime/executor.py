@@ -87,7 +87,7 @@ class _RunContext:
         """Finish a full-group reduction of a replica-sum accumulator whose ``value`` is
         already the sum over replicas, with the collective's ``sum_read`` rule (which counts
         the bytes the real collective moves)."""
-        return finish(value, self.batch)
+        return finish(value, self.batch, stacked_layout=self.explicit_R is not None)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""

@@ -22,7 +22,7 @@ import torch
 from .. import opdefs
 from ..ir.graph import Op, Slot
 
-__all__ = ["batchable", "emit_torch", "is_random"]
+__all__ = ["batchable", "emit_torch", "is_random", "opdef_rule", "vmap_reason"]
 
 aten = torch.ops.aten
 _DEBUG = False
@@ -35,10 +35,23 @@ _ELEMENTWISE = {
     aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor, aten.mul_.Scalar,
     aten.div_.Scalar, aten.clone.default, aten._to_copy.default, aten.pow.Tensor_Scalar,
     aten.rsub.Scalar, aten.reciprocal.default, aten.zero_.default, aten.eq.Scalar, aten.ne.Scalar,
+    # the optimizers' update chains (Adam, AdamW, SGD with momentum, LAMB's norms)
+    aten.lerp.Tensor, aten.lerp.Scalar, aten.lerp_.Tensor, aten.lerp_.Scalar, aten.addcmul.default,
+    aten.addcdiv.default, aten.addcmul_.default, aten.addcdiv_.default, aten.copy_.default,
+    aten.sub.Scalar, aten.div.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.sqrt_.default,
+    aten.maximum.default, aten.minimum.default, aten.abs.default, aten.sign.default,
+    aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.rsqrt.default, aten.clamp.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.fill_.Scalar, aten.silu.default,
+    aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.gt.Tensor,
+    aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
-         aten.gather.default, aten.scatter_add.default}  # fmt: skip
+         aten.gather.default, aten.scatter_add.default, aten.squeeze.dim, aten.slice.Tensor,
+         aten.select.int}  # fmt: skip
+_SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
+# nll_loss forward/backward: the position of the ``reduction`` argument
+_NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FLAT_KINDS = {
@@ -50,6 +63,8 @@ _FLAT_KINDS = {
     "mm_replica_sum",
     "loop",
 }
+# runtime ops whose stanza brings the stacked form (its ``explicit`` rule)
+_REMOTE_KINDS = {"remote_load", "remote_load_", "remote_store"}
 
 
 def is_random(target) -> bool:
@@ -61,13 +76,17 @@ def is_random(target) -> bool:
 
 def _ok_torch(f, a, R: int) -> bool:
     target = f.op.attrs.target
-    if f in a.sum_adds or f in a.sum_reads:
-        return False
+    if f in a.sum_reads:
+        return True  # rt.sum_read finishes it on either layout
+    if f in a.sum_adds:  # acc += (sum over replicas of x): x.sum(0) on stacked values
+        return target in _ELEMENTWISE
     if is_random(target):
         # Each replica draws its own values (vmap's randomness="different"); the stacked form
         # has no rule for that, so a fragment with a random op runs under vmap.
         return False
     batched = [a.b(n) for n in f.ins]
+    if getattr(target, "namespace", "") == "torch_popxl":
+        return opdef_rule(f.op, batched, R) is not None
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
@@ -76,16 +95,23 @@ def _ok_torch(f, a, R: int) -> bool:
         return len(ranks_b) == 1 and all(r <= min(ranks_b) for r in ranks_u)
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True
+    if target is aten.addmm.default:
+        return True
+    if target in _NLL:
+        # per replica: a [N, C] input, [N] targets, no class weights, mean or sum reduction
+        x_index = 0 if target is aten.nll_loss_forward.default else 1
+        return (f.op.inputs[x_index].rank == 2 and batched[x_index]
+                and args_weight_none(f.op, target) and f.op.attrs.args[_NLL[target]] in (1, 2))  # fmt: skip
     if target is aten.t.default:
         return f.op.inputs[0].rank == 2
     if target is aten.permute.default:
         return True
-    if target in _DIM1 or target is aten._softmax_backward_data.default:
+    if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
-    return _opdef_rule(f.op, batched, R) is not None
+    return opdef_rule(f.op, batched, R) is not None
 
 
-def _opdef_rule(op: Op, batched: list[bool], R: int):
+def opdef_rule(op: Op, batched: list[bool], R: int):
     """The stacked form of a ``torch_popxl`` op from its definition, or None."""
     opdef = opdefs.lookup(op)
     return None if opdef is None else opdef.rule("explicit")(op, batched, R)
@@ -93,17 +119,75 @@ def _opdef_rule(op: Op, batched: list[bool], R: int):
 
 def batchable(flat, analysis, R: int) -> bool:
     """Whether every op of ``flat`` has an explicit-batching rule (Note [explicit batching])."""
+    return vmap_reason(flat, analysis, R) is None
+
+
+def vmap_reason(flat, analysis, R: int) -> str | None:
+    """The first op of ``flat`` without an explicit-batching rule, in words, or None when the
+    whole fragment has one (the benchmarks report it: a fragment with a reason runs under vmap)."""
     for f in flat:
+        reason = None
         if f.kind == "torch":
             if not _ok_torch(f, analysis, R):
-                if _DEBUG:
-                    print("explicit batching: no rule for", f.op.attrs.target)
-                return False
+                reason = f"no explicit rule for {f.op.attrs.target}"
+        elif f.kind in _REMOTE_KINDS:
+            if opdef_rule(f.op, [analysis.b(n) for n in f.ins], R) is None:
+                reason = f"no explicit rule for {f.op.kind}"
         elif f.kind not in _FLAT_KINDS:
-            return False
-        if f.kind == "loop" and not batchable(f.body, analysis, R):
-            return False
-    return True
+            reason = f"no explicit rule for the {f.kind!r} flat op"
+        elif f.kind == "loop":
+            reason = vmap_reason(f.body, analysis, R)
+        if reason is not None:
+            if _DEBUG:
+                print("explicit batching:", reason)
+            return reason
+    return None
+
+
+def _addmm_stacked(bias, bias_b: bool, x, w, beta=1, alpha=1):
+    """``aten.addmm`` on stacked operands (``x``/``w`` are ``[R, M, K]``/``[R, K, N]`` when
+    batched). The common case, batched activations times a replica-invariant weight plus an
+    invariant bias, is one ``addmm`` over all replicas' rows."""
+    if x.dim() == 3 and w.dim() == 2 and not bias_b:
+        R, M, K = x.shape
+        return torch.addmm(bias, x.reshape(R * M, K), w, beta=beta, alpha=alpha).view(R, M, -1)
+    if bias_b and bias.dim() == 2:  # a per-replica row vector broadcasts over the rows
+        bias = bias.unsqueeze(1)
+    prod = torch.matmul(x, w)
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias if beta == 1 else bias * beta)
+
+
+def args_weight_none(op, target) -> bool:
+    """Whether an nll_loss op has no class weights (the stacked form handles none)."""
+    weight_pos = 2 if target is aten.nll_loss_forward.default else 3
+    return op.attrs.args[weight_pos] is None
+
+
+def _nll_forward_stacked(x, target, weight, reduction: int, ignore_index: int):
+    """``aten.nll_loss_forward`` per replica on stacked ``x`` ``[R, N, C]`` and ``target``
+    ``[R, N]``: every replica's per-sample losses in one call, then each replica's own
+    reduction (``total_weight`` is each replica's count of counted samples)."""
+    R, N, C = x.shape
+    target = target.expand(R, N)  # the same targets on every replica, if unbatched
+    losses = aten.nll_loss_forward(x.reshape(R * N, C), target.reshape(R * N), None, 0,
+                                   ignore_index)[0].view(R, N)  # fmt: skip
+    total_weight = (target != ignore_index).sum(-1).to(x.dtype)
+    out = losses.sum(-1)
+    return (out / total_weight if reduction == 1 else out), total_weight
+
+
+def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index: int,
+                          total_weight):  # fmt: skip
+    """``aten.nll_loss_backward`` per replica on stacked values: the per-replica scale
+    (``grad / total_weight`` for a mean) becomes a per-sample gradient of one unreduced call."""
+    R, N, C = x.shape
+    target = target.expand(R, N)
+    scale = grad / total_weight if reduction == 1 else grad.expand(R)
+    per_sample = scale.reshape(R, 1).expand(R, N).reshape(R * N)
+    return aten.nll_loss_backward(per_sample, x.reshape(R * N, C), target.reshape(R * N), None, 0,
+                                  ignore_index, x.new_ones(())).view(R, N, C)  # fmt: skip
 
 
 def _shift(d: int) -> int:
@@ -123,16 +207,35 @@ def emit_torch(em, f, ind: str) -> None:
 
     out = f.outs[0] if f.outs else None
     R = em.p.R
-    stacked_form = _opdef_rule(f.op, batched, R) if any(batched) else None
+    is_popxl = getattr(target, "namespace", "") == "torch_popxl"
+    stacked_form = opdef_rule(f.op, batched, R) if is_popxl and f not in a.sum_reads else None
     if stacked_form is not None:  # the op's own rule (batchable() checked it has one)
         call_args = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(stacked_form)}({', '.join(call_args)})")
         return
-    if not any(batched) or target in _ELEMENTWISE:
+    if not any(batched) or target in _ELEMENTWISE or f in a.sum_reads:
         em._torch_plain(f, ind)
         return
+    if target in _NLL:
+        rendered = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        if target is aten.nll_loss_forward.default:
+            em.lines.append(
+                f"{ind}_r = {em.p.literal(_nll_forward_stacked)}({', '.join(rendered)})"
+            )
+            for o, path in zip(f.outs, f.op.attrs.out_paths, strict=True):
+                em.lines.append(f"{ind}{o} = _r{''.join(f'[{i}]' for i in path)}")
+        else:
+            em.lines.append(
+                f"{ind}{out} = {em.p.literal(_nll_backward_stacked)}({', '.join(rendered)})"
+            )
+        return
     x = lit(args[0])
-    if target is aten.mm.default:
+    if target is aten.addmm.default:
+        bias_b = isinstance(args[0], Slot) and a.b(f.ins[args[0].index])
+        rest = [lit(v) for v in args[1:]] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        call = ", ".join([x, repr(bias_b), *rest])
+        em.lines.append(f"{ind}{out} = {em.p.literal(_addmm_stacked)}({call})")
+    elif target is aten.mm.default:
         fn = "torch.bmm" if all(batched) else "torch.matmul"
         em.lines.append(f"{ind}{out} = {fn}({x}, {lit(args[1])})")
     elif target is aten.t.default:
@@ -153,7 +256,7 @@ def emit_torch(em, f, ind: str) -> None:
         extra = "".join(f", {k}={lit(v)}" for k, v in kwargs.items())
         fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean"}.get(target, "torch.sum")
         em.lines.append(f"{ind}{out} = {fn}({x}, {tuple(dims)!r}, keepdim={keep!r}{extra})")
-    elif target in _DIM1 or target is aten._softmax_backward_data.default:
+    elif target in _DIM1 or target in _SOFTMAX_BACKWARD:
         # every tensor argument must be stacked; the dim moves past the replica dim
         rendered = []
         for v in args:
@@ -161,7 +264,7 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(v, Slot) and not a.b(f.ins[v.index]):
                 s = f"{s}.expand({R}, *{s}.shape)"
             rendered.append(s)
-        dim_pos = 2 if target is aten._softmax_backward_data.default else 1
+        dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")

@@ -610,8 +610,10 @@ class _Emitter:
             x = f.ins[self.a.sum_adds[f]]
             if f.presummed:
                 summed = x
-            else:
-                summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
+            elif not self.a.b(x):
+                summed = f"({x} * {self.p.R})"
+            else:  # on stacked values the sum over replicas is a sum over the first dim
+                summed = f"{x}.sum(0)" if self.explicit else f"REPLICA_SUM({x})"
             args = [summed if a == x else a for a in args]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
                 and f.source.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
@@ -677,17 +679,34 @@ class _Emitter:
             name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
         self.lines.append(f"{ind}rt.host_store({f.source.attrs.stream._index}, {name}, {snapshot})")
 
+    def _remote_explicit(self, f: FlatOp, ind: str) -> bool:
+        """Note [explicit batching]: a remote op through its stanza's ``explicit`` rule,
+        called as ``fn(stacked_buffer, *ins)``."""
+        if not self.explicit:
+            return False
+        fn = _explicit.opdef_rule(f.source, [self.a.b(n) for n in f.ins], self.p.R)
+        bid = f.source.attrs.buffer.remote_buffer_id
+        call = f"{self.p.literal(fn)}(rt.buffers[{bid}]{''.join(', ' + n for n in f.ins)})"
+        self.lines.append(f"{ind}{f.outs[0]} = {call}" if f.outs else f"{ind}{call}")
+        return True
+
     def _remote_load(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
 
     def _remote_load_(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(
             f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
         )
 
     def _remote_store(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
 
@@ -721,6 +740,7 @@ class Fragment(Protocol):
     out_batched: list[bool]  # per output: does it differ between replicas?
     plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
+    vmap_reason: str | None  # why it runs under vmap (the first op without a rule), if it does
     written_streams: frozenset[int]  # host streams whose loaded values it updates in place
 
     def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
@@ -745,7 +765,10 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
                    program.var_names, program.R, assume)  # fmt: skip
     if program.R > 1:
         flat = _fold_matmuls(flat, plan, program, program.R)
-    explicit = program.explicit_ok and program.R > 1 and _explicit.batchable(flat, plan, program.R)
+    reason = None
+    if program.explicit_ok and program.R > 1:
+        reason = _explicit.vmap_reason(flat, plan, program.R)
+    explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
@@ -757,6 +780,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn = scope_["fn"]
     fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
+    fn.vmap_reason = reason
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
     return fn

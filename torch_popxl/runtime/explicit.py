@@ -22,7 +22,15 @@ import torch
 from .. import opdefs
 from ..ir.graph import Op, Slot
 
-__all__ = ["batchable", "emit_torch", "is_random", "opdef_rule", "vmap_reason"]
+__all__ = [
+    "batchable",
+    "emit_torch",
+    "fold_obstacle",
+    "foldable",
+    "is_random",
+    "opdef_rule",
+    "vmap_reason",
+]
 
 aten = torch.ops.aten
 _DEBUG = False
@@ -190,6 +198,89 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
                                   ignore_index, x.new_ones(())).view(R, N, C)  # fmt: skip
 
 
+# Note [fold the accumulation loop]
+#     Explicitly batched ops treat the leading dim as independent rows: nothing an aten rule
+#     above computes mixes replicas. So a gradient-accumulation loop whose iterations only
+#     differ in the micro-batch they load, and whose only effect besides host IO is adding to
+#     replica-sum accumulators, can run all ``n`` iterations as one pass over ``[n * R, ...]``
+#     rows (iteration-major): the micro-batches of every iteration and replica become one
+#     matmul, per-row statistics (a loss's mean, anything per micro-batch) stay per iteration
+#     and replica, and ``acc += sum_r x_r`` summed over iterations is ``acc += sum_{i,r} x_ir``.
+#     Folding is refused when anything could observe the iterations one at a time: loop-carried
+#     results, in-place writes other than those accumulations, collectives, remote memory,
+#     random ops (no explicit rule), values forced per replica, or a replica sum used for
+#     anything but an accumulation. A per-replica value from outside the loop (a weight whose
+#     state is per replica) is repeated for every iteration first. The sums are taken in a
+#     different order than the loop's, so results agree with the reference executor to
+#     rounding, as the replica sums already do.
+_FOLD_KINDS = {"torch", "host_load", "host_store", "alias", "clone", "mm_replica_sum"}
+_FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
+
+
+def _writes(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
+
+
+def foldable(loop, plan) -> bool:
+    """Whether an explicitly batched ``loop`` flat op can run as one pass (Note [fold the
+    accumulation loop])."""
+    return fold_obstacle(loop, plan) is None
+
+
+def outside_rows(loop, plan) -> list[str]:
+    """The per-replica values a folded ``loop`` reads from outside it: they have R rows and are
+    repeated for every iteration before the folded pass."""
+    defined = {n for f in loop.body for n in f.outs}
+    found: dict[str, None] = {}
+    for f in loop.body:
+        found.update((n, None) for n in f.ins if plan.b(n) and n not in defined)
+    return list(found)
+
+
+def fold_obstacle(loop, plan) -> str | None:
+    """Why ``loop`` cannot be folded (Note [fold the accumulation loop]), or None."""
+    if loop.results:
+        return "it carries values from one iteration to the next"
+    if loop.count < 2:
+        return "it runs once"
+    body = loop.body
+    sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
+    for f in body:
+        what = f"the {f.kind} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
+        if f.kind not in _FOLD_KINDS:
+            return f"{what} (not foldable)"
+        if any(n in plan.force_batched for n in f.outs):
+            return f"{what} makes a value per replica"
+        if f.kind == "mm_replica_sum":
+            sums.add(f.outs[0])
+            continue
+        target = f.op.attrs.target if f.kind == "torch" else None
+        summed_ins = [n for n in f.ins if n in sums]
+        if f.kind == "torch":
+            if getattr(target, "namespace", "") != "aten" or f in plan.sum_reads:
+                return f"{what} (not an aten op)"
+            if f in plan.sum_adds:
+                addend = f.ins[plan.sum_adds[f]]
+                if f.presummed and addend not in sums:
+                    return f"{what} adds a sum not taken in the loop"
+                if not f.presummed and not plan.b(addend):
+                    return f"{what} adds a replica-invariant value"
+                continue
+            if _writes(target):
+                return f"{what} writes in place"
+        if summed_ins:
+            if len(f.ins) != 1 or not (f.kind in ("alias", "clone") or target in _FOLD_VIEWS):
+                return f"{what} uses a replica sum"
+            sums.update(f.outs)
+            continue
+        if any(plan.b(n) for n in f.ins) and not all(plan.b(n) for n in f.outs):
+            return f"{what} reduces over the replicas"
+    return None
+
+
 def _shift(d: int) -> int:
     return d + 1 if d >= 0 else d
 
@@ -206,7 +297,7 @@ def emit_torch(em, f, ind: str) -> None:
         return em.literal(x, f)
 
     out = f.outs[0] if f.outs else None
-    R = em.p.R
+    R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     is_popxl = getattr(target, "namespace", "") == "torch_popxl"
     stacked_form = opdef_rule(f.op, batched, R) if is_popxl and f not in a.sum_reads else None
     if stacked_form is not None:  # the op's own rule (batchable() checked it has one)

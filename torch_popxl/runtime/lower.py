@@ -477,6 +477,73 @@ def _fold_block(
 # ---- phase 3: emit ------------------------------------------------------------------------
 
 
+# Note [update in place]
+#     An optimizer update is a chain of elementwise ops, each allocating a fresh tensor the
+#     size of the parameter, ending in ``state.copy_(new_state)``. On a CPU those allocations
+#     (page faults of freshly mapped memory) cost as much as the arithmetic. Two rewrites keep
+#     the arithmetic and drop the allocations: an elementwise op whose first operand is a
+#     temporary used by nothing else (same shape, dtype and batched-ness as the result)
+#     overwrites it; and ``t = op(x, ...)`` directly followed by ``x.copy_(t)``, ``t`` used by
+#     nothing else, becomes ``op_(x, ...)``. Both compute the same values in the same order.
+_INPLACE = {
+    _aten.add.Tensor: _aten.add_.Tensor, _aten.sub.Tensor: _aten.sub_.Tensor,
+    _aten.mul.Tensor: _aten.mul_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
+    _aten.add.Scalar: _aten.add_.Scalar, _aten.sub.Scalar: _aten.sub_.Scalar,
+    _aten.mul.Scalar: _aten.mul_.Scalar, _aten.div.Scalar: _aten.div_.Scalar,
+    _aten.sqrt.default: _aten.sqrt_.default, _aten.rsqrt.default: _aten.rsqrt_.default,
+    _aten.neg.default: _aten.neg_.default, _aten.exp.default: _aten.exp_.default,
+    _aten.reciprocal.default: _aten.reciprocal_.default,
+    _aten.pow.Tensor_Scalar: _aten.pow_.Scalar, _aten.lerp.Tensor: _aten.lerp_.Tensor,
+    _aten.lerp.Scalar: _aten.lerp_.Scalar, _aten.addcmul.default: _aten.addcmul_.default,
+    _aten.addcdiv.default: _aten.addcdiv_.default, _aten.clamp_min.default: _aten.clamp_min_.default,
+}  # fmt: skip
+
+
+def _uses(flat: list[FlatOp], counts: dict[str, int]) -> dict[str, int]:
+    for f in flat:
+        for n in f.ins:
+            counts[n] = counts.get(n, 0) + 1
+        for n in f.results:
+            counts[n] = counts.get(n, 0) + 1
+        _uses(f.body, counts)
+    return counts
+
+
+def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> dict[FlatOp, str]:
+    """Note [update in place]: ``{op: "inplace"}`` for ops to run in place on their first
+    operand and ``{copy_: "skip"}`` for the copies that become redundant. Top level only."""
+    uses = _uses(flat, {})
+    for n in out_names:
+        uses[n] = uses.get(n, 0) + 1
+    fresh: set[str] = set()  # temporaries this block allocated (no alias, not a variable)
+    found: dict[FlatOp, str] = {}
+    for i, f in enumerate(flat):
+        op = f.op
+        target = op.attrs.target if f.kind == "torch" and op is not None else None
+        if target not in _INPLACE or f in plan.sum_adds or f in plan.sum_reads:
+            continue
+        first = op.attrs.args[0] if op.attrs.args else None
+        if not isinstance(first, Slot) or len(f.outs) != 1:
+            continue
+        x, t = f.ins[first.index], f.outs[0]
+        x_t, out_t = op.inputs[first.index], op.outputs[0]
+        if (tuple(x_t.shape) != tuple(out_t.shape) or x_t.dtype != out_t.dtype
+                or plan.b(x) != plan.b(t) or t in plan.force_batched or x in plan.force_batched
+                or f.ins.count(x) != 1):  # fmt: skip
+            continue
+        nxt = flat[i + 1] if i + 1 < len(flat) else None
+        if x in fresh and uses.get(x, 0) == 1:
+            found[f] = "inplace"
+        elif (nxt is not None and nxt.kind == "torch" and nxt.op.attrs.target is _aten.copy_.default
+              and nxt.ins == [x, t] and uses.get(t, 0) == 1 and nxt not in plan.sum_adds):  # fmt: skip
+            found[f], found[nxt] = "inplace", "skip"
+        else:
+            fresh.add(t)
+            continue
+        fresh.add(t)
+    return found
+
+
 def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
     """``aten.view`` that tolerates vmap's physical layout.
 
@@ -561,6 +628,11 @@ class _Emitter:
         self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
         self.lines: list[str] = []
         self.defined: set[str] = set(params)
+        # Note [fold the accumulation loop] (runtime/explicit.py): inside a folded loop the
+        # leading dim holds ``fold`` iterations of R replicas.
+        self.fold = 1
+        self.rows = program.R
+        self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -588,6 +660,17 @@ class _Emitter:
                 self.defined.add(n)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
+        rewrite = self.inplace.get(f)
+        if rewrite == "skip":  # Note [update in place]: the op before already wrote it
+            if f.outs and f.outs[0] != f.ins[0]:
+                self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
+            return
+        if rewrite == "inplace":
+            fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
+            args = [self.literal(x, f) for x in f.source.attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
+            self.lines.append(f"{ind}{f.outs[0]} = {fn}({', '.join(args)})")
+            return
         if self.explicit:
             _explicit.emit_torch(self, f, ind)
         else:
@@ -669,15 +752,23 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
 
     def _host_load(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.source.attrs.stream._index})")
+        k = f.source.attrs.stream._index
+        if self.fold > 1:
+            self.lines.append(f"{ind}{f.outs[0]} = rt.host_load_folded({k}, {self.fold})")
+            return
+        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({k})")
 
     def _host_store(self, f: FlatOp, ind: str) -> None:
         # A stored value needs a snapshot only if something may update it in place later.
         name = f.ins[0]
         snapshot = self.a.root_of(name) in self.a.written
         if self.explicit and not self.a.b(name):  # one row per replica on the host side
-            name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
-        self.lines.append(f"{ind}rt.host_store({f.source.attrs.stream._index}, {name}, {snapshot})")
+            name, snapshot = f"{name}.expand({self.rows}, *{name}.shape)", True
+        k = f.source.attrs.stream._index
+        if self.fold > 1:  # one store per folded iteration
+            self.lines.append(f"{ind}rt.host_store_folded({k}, {name}, {snapshot}, {self.fold})")
+            return
+        self.lines.append(f"{ind}rt.host_store({k}, {name}, {snapshot})")
 
     def _remote_explicit(self, f: FlatOp, ind: str) -> bool:
         """Note [explicit batching]: a remote op through its stanza's ``explicit`` rule,
@@ -719,6 +810,19 @@ class _Emitter:
             self.lines.append(f"{ind}{carried} = {arg}")
             if carried in self.a.force_batched:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
+        if self.explicit and self.fold == 1 and _explicit.foldable(f, self.a):
+            # Note [fold the accumulation loop]: every iteration in one pass
+            self.lines.append(f"{ind}# {f.count} iterations folded into the leading dim")
+            outside = _explicit.outside_rows(f, self.a)
+            for n in outside:  # R rows -> count * R rows, iteration-major
+                self.lines.append(f"{ind}_o_{n} = {n}")
+                self.lines.append(f"{ind}{n} = {n}.repeat({f.count}, *[1] * ({n}.dim() - 1))")
+            self.fold, self.rows = f.count, f.count * self.p.R
+            self.block(f.body, ind)
+            self.fold, self.rows = 1, self.p.R
+            for n in outside:
+                self.lines.append(f"{ind}{n} = _o_{n}")
+            return
         self.lines.append(f"{ind}for _ in range({f.count}):")
         self.block(f.body, ind + "    ")
         results = f.results
@@ -770,6 +874,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
         reason = _explicit.vmap_reason(flat, plan, program.R)
     explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
+    em.inplace = _inplace_rewrites(flat, plan, out_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

@@ -516,8 +516,25 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
     for n in out_names:
         uses[n] = uses.get(n, 0) + 1
     fresh: set[str] = set()  # temporaries this block allocated (no alias, not a variable)
+    # a temporary computed from ``x`` by a chain of elementwise ops: x, the chain's first op
+    # and the chain's ops (which may run in place on x itself if the chain ends in a copy to
+    # x and nothing else reads x meanwhile)
+    origin: dict[str, tuple[str, int, list[FlatOp]]] = {}
     found: dict[FlatOp, str] = {}
     for i, f in enumerate(flat):
+        if (f.kind == "torch" and f.op.attrs.target is _aten.copy_.default and len(f.ins) == 2
+                and f.ins[1] in origin and uses.get(f.ins[1], 0) == 1 and f not in plan.sum_adds):  # fmt: skip
+            x, start, chain = origin[f.ins[1]]
+            # nothing else may see x change early: no op in between touches it, and the
+            # chain reads it only as the root's first operand
+            between = [g for g in flat[start:i] if g not in chain]
+            touched = [n for g in between for n in [*g.ins, *g.outs]]
+            touched += [n for g in chain[1:] for n in g.ins]
+            if x == f.ins[0] and not any(plan.root_of(n) == plan.root_of(x) for n in touched):
+                for g in chain:
+                    found[g] = "inplace"
+                found[f] = "skip"
+                continue
         op = f.op
         target = op.attrs.target if f.kind == "torch" and op is not None else None
         if target not in _INPLACE or f in plan.sum_adds or f in plan.sum_reads:
@@ -534,11 +551,15 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
         nxt = flat[i + 1] if i + 1 < len(flat) else None
         if x in fresh and uses.get(x, 0) == 1:
             found[f] = "inplace"
+            if x in origin:
+                root, start, chain = origin[x]
+                origin[t] = (root, start, [*chain, f])
         elif (nxt is not None and nxt.kind == "torch" and nxt.op.attrs.target is _aten.copy_.default
               and nxt.ins == [x, t] and uses.get(t, 0) == 1 and nxt not in plan.sum_adds):  # fmt: skip
             found[f], found[nxt] = "inplace", "skip"
         else:
             fresh.add(t)
+            origin[t] = (x, i, [f])
             continue
         fresh.add(t)
     return found
@@ -569,6 +590,9 @@ def _stacked_view(x: torch.Tensor, shape, R: int) -> torch.Tensor:
 def _mm_fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_r a[r] @ b[r]`` as one matmul with the replicas folded into the contraction."""
     R, M, K = a.shape
+    at = a.transpose(1, 2)
+    if at.is_contiguous():  # a weight gradient's x^T: fold without copying it
+        return at.reshape(R * K, M).t() @ b.reshape(R * K, b.shape[2])
     return a.permute(1, 0, 2).reshape(M, R * K) @ b.reshape(R * K, b.shape[2])
 
 

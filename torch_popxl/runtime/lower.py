@@ -15,7 +15,10 @@ Three phases, one direction:
 3. **Emit** (``_Emitter``, reading the plan). One Python function per fragment. When every
    op of the fragment has an explicit batching rule (``runtime/explicit.py``) it works on the
    stacked ``[R, ...]`` values directly; otherwise it runs under ``torch.func.vmap`` over the
-   replica dimension. Either way R replicas cost one pass of Python.
+   replica dimension (``fn.vmap_reason`` names the first op without a rule). Either way R
+   replicas cost one pass of Python. On stacked values a gradient-accumulation loop whose
+   iterations are independent runs as one pass (Note [fold the accumulation loop] in
+   ``explicit.py``), and elementwise update chains run in place (Note [update in place]).
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same

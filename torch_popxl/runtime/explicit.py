@@ -23,6 +23,7 @@ from .. import opdefs
 from ..ir.graph import Op, Slot
 
 __all__ = [
+    "ELEMENTWISE",
     "batchable",
     "emit_torch",
     "fold_obstacle",
@@ -35,7 +36,7 @@ __all__ = [
 aten = torch.ops.aten
 _DEBUG = False
 
-_ELEMENTWISE = {
+ELEMENTWISE = _ELEMENTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
     aten.mul.Scalar, aten.neg.default, aten.log.default, aten.exp.default, aten.sqrt.default,
     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.gelu.default,

@@ -568,6 +568,92 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
     return found
 
 
+# Note [scratch buffers]
+#     What is left of an update chain after Note [update in place] still allocates a few
+#     parameter-sized temporaries per step (``sqrt(v)``, ``m / denom``). In an explicitly
+#     batched fragment such a temporary, when it never leaves the fragment (read only by
+#     elementwise ops, never an output, stored, viewed or written in place), is written into a
+#     buffer its op owns and reuses on every run (``out=``): same values, no allocation.
+_OUT_FORMS = {
+    _aten.add.Tensor: "torch.add", _aten.sub.Tensor: "torch.sub", _aten.mul.Tensor: "torch.mul",
+    _aten.div.Tensor: "torch.div", _aten.sqrt.default: "torch.sqrt",
+    _aten.lerp.Tensor: "torch.lerp", _aten.addcmul.default: "torch.addcmul",
+    _aten.addcdiv.default: "torch.addcdiv",
+}  # fmt: skip
+
+
+def _reads_only(user: FlatOp, name: str) -> bool:
+    """Whether ``user`` only reads ``name`` elementwise and returns a new tensor."""
+    if user.kind != "torch":
+        return False
+    target = user.source.attrs.target
+    if target not in _explicit.ELEMENTWISE or target in (_aten.clone.default,):
+        return False
+    schema = target._schema
+    for i, arg in enumerate(user.source.attrs.args):
+        if isinstance(arg, Slot) and user.ins[arg.index] == name and i < len(schema.arguments):
+            info = schema.arguments[i].alias_info
+            if info is not None:  # the op writes or returns this argument
+                return False
+    return True
+
+
+def _scratch_ops(flat: list[FlatOp], plan: Plan, out_names: list[str],
+                 inplace: dict[FlatOp, str]) -> set[FlatOp]:  # fmt: skip
+    """Note [scratch buffers]: the top-level ops whose result goes to a reused buffer."""
+    users: dict[str, list[FlatOp]] = {}
+
+    def collect(ops):
+        for f in ops:
+            for n in [*f.ins, *f.results]:
+                users.setdefault(n, []).append(f)
+            collect(f.body)
+
+    collect(flat)
+    chosen = set()
+    for f in flat:
+        if f.kind != "torch" or f in inplace or f in plan.sum_adds or f in plan.sum_reads:
+            continue
+        if f.source.attrs.target not in _OUT_FORMS or len(f.outs) != 1:
+            continue
+        out = f.outs[0]
+        if _stays_inside(out, users, inplace, out_names, plan):
+            chosen.add(f)
+    return chosen
+
+
+def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) -> bool:
+    """Whether ``name`` is only read elementwise, directly or through ops that run in place
+    on it (Note [update in place]; their results are the same buffer)."""
+    if depth > 64 or name in out_names or name in plan.force_batched or not users.get(name):
+        return False
+    for u in users[name]:
+        first = u.source.attrs.args[0] if u.kind == "torch" and u.source.attrs.args else None
+        on_it = isinstance(first, Slot) and u.ins[first.index] == name
+        if inplace.get(u) == "inplace" and on_it:
+            if u.ins.count(name) != 1 or not _stays_inside(u.outs[0], users, inplace, out_names,
+                                                            plan, depth + 1):  # fmt: skip
+                return False
+        elif inplace.get(u) == "skip" or not _reads_only(u, name):
+            return False
+    return True
+
+
+class _Scratch:
+    """Buffers owned by the ops of one program, allocated on first use."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def __call__(
+        self, key: int, shape: tuple[int, ...], dtype: torch.dtype, device
+    ) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+
 def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
     """``aten.view`` that tolerates vmap's physical layout.
 
@@ -617,6 +703,7 @@ class Program:
             "MM_FOLD": _mm_fold,
             "STACKED_VIEW": _stacked_view,
             "torch": torch,
+            "SCRATCH": _Scratch(),
         }
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
@@ -660,6 +747,7 @@ class _Emitter:
         self.fold = 1
         self.rows = program.R
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
+        self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -691,6 +779,17 @@ class _Emitter:
         if rewrite == "skip":  # Note [update in place]: the op before already wrote it
             if f.outs and f.outs[0] != f.ins[0]:
                 self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
+            return
+        if f in self.scratch:  # Note [scratch buffers]
+            attrs = f.source.attrs
+            args = [self.literal(x, f) for x in attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in attrs.kwargs.items()]
+            t = f.source.outputs[0]
+            shape = (self.p.R, *t.shape) if self.a.b(f.outs[0]) else tuple(t.shape)
+            buf = f"SCRATCH({next(self.p._counter)}, {shape!r}, {self.p.literal(t.dtype.as_torch())}, DEVICE)"
+            self.lines.append(
+                f"{ind}{f.outs[0]} = {_OUT_FORMS[attrs.target]}({', '.join(args)}, out={buf})"
+            )
             return
         if rewrite == "inplace":
             fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
@@ -902,6 +1001,8 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
     em.inplace = _inplace_rewrites(flat, plan, out_names)
+    if explicit:
+        em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

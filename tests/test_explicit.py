@@ -258,3 +258,55 @@ def test_a_loop_folds_only_when_its_iterations_are_independent(R, variant):
         np.testing.assert_allclose(
             results["fast"][0], want.log_softmax(-1).numpy(), rtol=1e-5, atol=1e-6
         )
+
+
+def _build_update(R):
+    """Update chains with hazards for Note [update in place] and Note [scratch buffers]: a
+    value read between a chain's first op and its copy-back, a temporary that is stored, a
+    temporary read twice, and a plain chain that may run in place."""
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        v = popxl.variable(np.linspace(1, 2, 6, dtype=np.float32), name="v")
+        w = popxl.variable(np.linspace(2, 3, 6, dtype=np.float32), name="w")
+        xs = popxl.h2d_stream((6,), popxl.float32, "x")
+        g = ops.collectives.replicated_all_reduce(ops.host_load(xs), "mean")  # invariant
+        t = v * 0.5  # its chain is copied back into v, but v is read before the copy
+        early = v + 1.0
+        t = torch.addcmul(t, g, g)
+        v.copy_(t)
+        s = torch.sqrt(w)  # stored: must not live in a reused buffer
+        twice = s * s + s
+        d = torch.div(w, torch.sqrt(w) + 1e-3)  # a chain that stays inside: may be scratch
+        w.copy_(torch.lerp(w, d, 0.25))
+        outs = {}
+        for name, value in (("early", early), ("s", s), ("twice", twice), ("d", d)):
+            st = popxl.d2h_stream(value.shape, value.dtype, name)
+            ops.host_store(st, value)
+            outs[name] = st
+    return ir, xs, outs, (v, w)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_in_place_updates_and_scratch_buffers_keep_the_programs_values(R):
+    rng = np.random.default_rng(6)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, variables = _build_update(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        got = []
+        with session:
+            for _ in range(3):  # buffers reused across runs must not leak into old results
+                x = rng.normal(size=(R, 6)).astype(np.float32)
+                out = session.run({xs: x})
+                got.append({k: out[s] for k, s in outs.items()})
+                got[-1].update({t.name: session.get_tensor_data(t) for t in variables})
+        results[executor] = got
+        rng = np.random.default_rng(6)
+    for run_f, run_r in zip(results["fast"], results["reference"], strict=True):
+        for k, want in run_r.items():
+            np.testing.assert_allclose(run_f[k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+    # by hand, first run: ``early`` sees v before its update
+    v0 = np.linspace(1, 2, 6, dtype=np.float32)
+    np.testing.assert_allclose(
+        results["fast"][0]["early"], np.broadcast_to(v0 + 1, (R, 6)), rtol=1e-6
+    )

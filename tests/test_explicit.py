@@ -182,7 +182,8 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignore", [False, True])
-def test_stacked_nll_loss_matches_per_replica_nll_loss(reduction, ignore):
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_stacked_nll_loss_matches_per_replica_nll_loss(reduction, ignore, target_dtype):
     """The stacked nll_loss forward/backward rules equal aten's per replica, including
     ignored targets."""
     from torch_popxl.runtime import explicit
@@ -194,9 +195,10 @@ def test_stacked_nll_loss_matches_per_replica_nll_loss(reduction, ignore):
     if ignore:
         target[0, 1] = target[2, 4] = -100
     red = {"mean": 1, "sum": 2}[reduction]
-    out, total = explicit._nll_forward_stacked(x, target, None, red, -100)
+    given = target.to(target_dtype)
+    out, total = explicit._nll_forward_stacked(x, given, None, red, -100)
     grad = torch.randn(R)
-    got = explicit._nll_backward_stacked(grad, x, target, None, red, -100, total)
+    got = explicit._nll_backward_stacked(grad, x, given, None, red, -100, total)
     aten = torch.ops.aten
     for r in range(R):
         o, t = aten.nll_loss_forward(x[r], target[r], None, red, -100)

@@ -179,7 +179,9 @@ def _nll_forward_stacked(x, target, weight, reduction: int, ignore_index: int):
     ``[R, N]``: every replica's per-sample losses in one call, then each replica's own
     reduction (``total_weight`` is each replica's count of counted samples)."""
     R, N, C = x.shape
-    target = target.expand(R, N)  # the same targets on every replica, if unbatched
+    # the same targets on every replica, if unbatched; aten's unreduced kernel takes only
+    # int64 targets (the per-replica call accepts int32 too)
+    target = target.expand(R, N).long()
     losses = aten.nll_loss_forward(x.reshape(R * N, C), target.reshape(R * N), None, 0,
                                    ignore_index)[0].view(R, N)  # fmt: skip
     total_weight = (target != ignore_index).sum(-1).to(x.dtype)
@@ -192,7 +194,7 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
     """``aten.nll_loss_backward`` per replica on stacked values: the per-replica scale
     (``grad / total_weight`` for a mean) becomes a per-sample gradient of one unreduced call."""
     R, N, C = x.shape
-    target = target.expand(R, N)
+    target = target.expand(R, N).long()
     scale = grad / total_weight if reduction == 1 else grad.expand(R)
     per_sample = scale.reshape(R, 1).expand(R, N).reshape(R * N)
     return aten.nll_loss_backward(per_sample, x.reshape(R * N, C), target.reshape(R * N), None, 0,

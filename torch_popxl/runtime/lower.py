@@ -525,7 +525,7 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
     origin: dict[str, tuple[str, int, list[FlatOp]]] = {}
     found: dict[FlatOp, str] = {}
     for i, f in enumerate(flat):
-        if (f.kind == "torch" and f.op.attrs.target is _aten.copy_.default and len(f.ins) == 2
+        if (f.kind == "torch" and f.source.attrs.target is _aten.copy_.default and len(f.ins) == 2
                 and f.ins[1] in origin and uses.get(f.ins[1], 0) == 1 and f not in plan.sum_adds):  # fmt: skip
             x, start, chain = origin[f.ins[1]]
             # nothing else may see x change early: no op in between touches it, and the
@@ -538,8 +538,10 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
                     found[g] = "inplace"
                 found[f] = "skip"
                 continue
-        op = f.op
-        target = op.attrs.target if f.kind == "torch" and op is not None else None
+        if f.kind != "torch":
+            continue
+        op = f.source
+        target = op.attrs.target
         if target not in _INPLACE or f in plan.sum_adds or f in plan.sum_reads:
             continue
         first = op.attrs.args[0] if op.attrs.args else None
@@ -557,7 +559,7 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
             if x in origin:
                 root, start, chain = origin[x]
                 origin[t] = (root, start, [*chain, f])
-        elif (nxt is not None and nxt.kind == "torch" and nxt.op.attrs.target is _aten.copy_.default
+        elif (nxt is not None and nxt.kind == "torch" and nxt.source.attrs.target is _aten.copy_.default
               and nxt.ins == [x, t] and uses.get(t, 0) == 1 and nxt not in plan.sum_adds):  # fmt: skip
             found[f], found[nxt] = "inplace", "skip"
         else:

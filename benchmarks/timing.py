@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(
+def interleaved_samples(
     fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured round-robin."""
+) -> dict[str, list[float]]:
+    """Seconds of every call of each function, measured round-robin (one call of each in
+    turn), so a slow spell of the machine hits every function alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -20,4 +21,37 @@ def interleaved(
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3
+) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin."""
+    samples = interleaved_samples(fns, repeats, warmup)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def describe(samples: list[float]) -> str:
+    """``median (min-max) ms`` of a list of seconds."""
+    ms = [s * 1e3 for s in samples]
+    return f"{statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f})"
+
+
+def ratio(eager: list[float], simulator: list[float]) -> str:
+    """``eager / simulator`` of the medians, with the range of the per-round ratios (>= 1:
+    the simulator is faster)."""
+    per_round = [e / s for e, s in zip(eager, simulator, strict=True)]
+    med = statistics.median(eager) / statistics.median(simulator)
+    return f"{med:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+
+
+def vmap_fallbacks(trainer) -> list[str]:
+    """The fragments of a compiled program that run under ``torch.func.vmap`` (Note [explicit
+    batching]) and the first op of each without an explicit-batching rule; empty when none."""
+    executor = trainer.session._executor
+    found = []
+    for name, fn in getattr(executor, "fns", {}).items():
+        if not getattr(fn, "explicit", True) and executor.R > 1:
+            found.append(f"{name}: {getattr(fn, 'vmap_reason', None) or 'vmap'}")
+    return found

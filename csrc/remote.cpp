@@ -78,6 +78,17 @@ c10::List<std::optional<at::Tensor>> slot_index(
   return index;
 }
 
+// The common offset when every replica addresses the same slot (a variable's fixed slot),
+// else -1. Then one strided slice reads or writes all replicas' slots, without the
+// gather/scatter of advanced indexing.
+int64_t common_offset(const at::Tensor& offsets_cpu) {
+  const int64_t* values = offsets_cpu.data_ptr<int64_t>();
+  for (int64_t r = 1; r < offsets_cpu.numel(); ++r) {
+    if (values[r] != values[0]) return -1;
+  }
+  return offsets_cpu.numel() > 0 ? values[0] : -1;
+}
+
 int64_t slot_bytes(const at::Tensor& buffer) {
   int64_t numel = 1;
   for (int64_t d = 2; d < buffer.dim(); ++d) numel *= buffer.size(d);
@@ -92,7 +103,9 @@ at::Tensor remote_load_stacked(
   check_buffer(name, buffer, buffer_id);
   const at::Tensor offsets_cpu = checked_offsets(name, buffer, offsets, buffer_id);
 
-  at::Tensor out = at::index(buffer, slot_index(buffer, offsets_cpu));  // [R, *slot_shape]
+  const int64_t common = common_offset(offsets_cpu);
+  at::Tensor out = common >= 0 ? buffer.select(1, common)  // a view: copied below
+                               : at::index(buffer, slot_index(buffer, offsets_cpu));  // [R, *slot_shape]
   if (out.is_alias_of(buffer) || !out.is_contiguous()) {
     out = out.clone(at::MemoryFormat::Contiguous);
   }
@@ -126,7 +139,12 @@ void remote_store_stacked_(
   // A value that shares memory with the buffer (e.g. a view of another slot) would make the
   // indexed write read memory it is overwriting; copy it first.
   const at::Tensor source = value.is_alias_of(buffer) ? value.clone() : value;
-  buffer.index_put_(slot_index(buffer, offsets_cpu), source);
+  const int64_t common = common_offset(offsets_cpu);
+  if (common >= 0) {
+    buffer.select(1, common).copy_(source);
+  } else {
+    buffer.index_put_(slot_index(buffer, offsets_cpu), source);
+  }
   count_remote_store(remote_transfer_bytes(buffer.size(0), slot_bytes(buffer)));
 }
 

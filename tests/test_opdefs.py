@@ -200,6 +200,30 @@ def test_the_explicit_rule_of_a_full_group_all_reduce_matches_the_reference():
     torch.testing.assert_close(run(x, "add", 4, 1), want)
     # an unbatched input is the same value on every replica: R times it
     torch.testing.assert_close(ar.rule("explicit")(ar_op, [False], 4)(x[0], "add", 4, 1), 4 * x[0])
-    assert ar.rule("explicit")(ar_op, [True], 8) is None  # not the whole replica set
-    ag, ag_op = found["replicated_all_gather"]
-    assert ag.rule("explicit")(ag_op, [True], 4) is None
+
+
+@pytest.mark.parametrize("R,group_size", [(4, 4), (8, 4), (4, 2), (4, 1), (2, 2)])
+@pytest.mark.parametrize("x_batched", [True, False])
+def test_the_explicit_rules_of_the_collectives_match_the_reference(R, group_size, x_batched):
+    """Every collective's stacked form equals the reference per replica, grouped and full,
+    on batched and replica-invariant inputs, with the batched-ness ``output_batched`` says."""
+    references = {
+        "replicated_all_reduce": opdefs.all_reduce.reference,
+        "replicated_all_gather": opdefs.all_gather.reference,
+        "replicated_reduce_scatter": opdefs.reduce_scatter.reference,
+        "replicated_take_own": opdefs.take_own.reference,
+    }
+    torch.manual_seed(R * 10 + group_size)
+    for opdef, op in _program_ops(R, group_size):
+        shape = (group_size, 8 // group_size) if opdef.name == "replicated_take_own" else (8,)
+        rows = torch.randn(R, *shape) if x_batched else torch.randn(*shape).expand(R, *shape)
+        rest = op.attrs.args[1:]
+        want = references[opdef.name](list(rows), *rest)
+        run = opdef.rule("explicit")(op, [x_batched], R)
+        assert run is not None, opdef.name
+        got = run(rows if x_batched else rows[0], *rest)
+        if opdef.rule("output_batched")(op, R, x_batched):
+            torch.testing.assert_close(got, torch.stack(want), msg=opdef.name)
+        else:  # one value, the same on every replica
+            for w in want:
+                torch.testing.assert_close(got, w, msg=opdef.name)

@@ -22,7 +22,6 @@ from ._api import check_tensor, grouping_of
 from ._common import (
     check_grouping,
     check_stacked,
-    no_explicit_rule,
     ops,
     require_single_replica,
     save_grouping,
@@ -138,6 +137,21 @@ def distributed(backend: InstanceTransport, x: Tensor, group_size: int, stride: 
 # ---- what the fast compiler asks -------------------------------------------------------------
 
 
+def _explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching] (runtime/explicit.py): the op on stacked ``[R, ...]`` values,
+    as the vmap rule runs it (a full group gives one unbatched ``[G, *s]``)."""
+    in_dim = 0 if batched[0] else None
+
+    def run(x, group_size, stride):
+        if group_size == num_replicas > 1:
+            return ops.all_gather_full(stacked(x, in_dim, num_replicas))
+        if in_dim is None and group_size == 1:
+            return ops.all_gather_stacked(x.unsqueeze(0), 1, 1).squeeze(0)
+        return ops.all_gather_stacked(stacked(x, in_dim, num_replicas), group_size, stride)
+
+    return run
+
+
 def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
     group_size = op.attrs.argument("group_size")
     check_grouping(NAME, num_replicas, group_size, op.attrs.argument("stride"))
@@ -193,7 +207,7 @@ opdef = register(
             "traffic": _traffic,
             "reference": reference,
             "distributed": distributed,
-            "explicit": no_explicit_rule,
+            "explicit": _explicit,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

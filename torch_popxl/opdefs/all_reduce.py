@@ -236,7 +236,9 @@ def _passthrough(op: Op) -> bool:
     )
 
 
-def _finish_sum(op_name: str, num_replicas: int, value: Tensor, batch) -> Tensor:
+def _finish_sum(
+    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
+) -> Tensor:
     result = value.clone() if op_name == "add" else value / num_replicas
     add_collective_traffic(
         all_reduce_bytes(num_replicas, num_replicas, value.numel() * value.element_size()), 1
@@ -263,15 +265,18 @@ def _matmul_fusion(op: Op, num_replicas: int) -> str | None:
 
 
 def _explicit(op: Op, batched, num_replicas: int):
-    """Note [explicit batching]: a full-group all-reduce is one call of the stacked kernel."""
-    if op.attrs.argument("group_size") != num_replicas:
-        return None
+    """Note [explicit batching]: the op on stacked ``[R, ...]`` values, as the vmap rule runs
+    it: a full group is one ``all_reduce_full`` (an unbatched result), groups of one on an
+    unbatched value stay unbatched, any other grouping is one ``all_reduce_stacked``."""
     x_batched = batched[0]
 
     def run(x, op_name, group_size, stride):
-        if not x_batched:
-            x = x.expand(num_replicas, *x.shape)
-        return ops.all_reduce_full(x, op_name)
+        if group_size == num_replicas > 1:
+            return ops.all_reduce_full(stacked(x, 0 if x_batched else None, num_replicas), op_name)
+        if not x_batched and group_size == 1:
+            return ops.all_reduce_stacked(x.unsqueeze(0), op_name, 1, 1).squeeze(0)
+        rows = stacked(x, 0 if x_batched else None, num_replicas)
+        return ops.all_reduce_stacked(rows, op_name, group_size, stride)
 
     return run
 

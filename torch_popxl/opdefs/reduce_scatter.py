@@ -27,7 +27,6 @@ from ._common import (
     check_op,
     chunk,
     neutral,
-    no_explicit_rule,
     no_gradient,
     ops,
     partial_form,
@@ -234,12 +233,45 @@ def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
     return num_replicas > 1
 
 
-def _finish_sum(op_name: str, num_replicas: int, value: Tensor, batch) -> Tensor:
-    value = value.clone() if op_name == "add" else value / num_replicas
+def _chunks(x: Tensor, group_size: int) -> Tensor:
+    """The zero-padded chunks of one value as a new ``[G, ceil(n / G)]`` tensor: member i of a
+    full group keeps row i (popxl.md §5.2)."""
+    n = x.numel()
+    size = chunk(n, group_size)
+    return torch.nn.functional.pad(x.reshape(n), (0, group_size * size - n)).view(group_size, size)
+
+
+def _explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching] (runtime/explicit.py): one ``reduce_scatter_stacked`` call on
+    the stacked rows ``[R, n]`` (an unbatched value is the same on every replica)."""
+    in_dim = 0 if batched[0] else None
+
+    def run(x, op_name, group_size, stride):
+        if in_dim is None and op_name == "local" and group_size == num_replicas:
+            # Every replica slices the same value: its chunks, one copy (no [R, n] broadcast)
+            add_collective_traffic(0, 1)
+            return _chunks(x, num_replicas)
+        rows = stacked(x, in_dim, num_replicas)
+        flat = rows.reshape(num_replicas, math.prod(rows.shape[1:]))
+        return ops.reduce_scatter_stacked(flat, op_name, group_size, stride)
+
+    return run
+
+
+def _finish_sum(
+    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
+) -> Tensor:
+    if op_name == "mean":
+        value = value / num_replicas
+    elif not stacked_layout:  # (_chunks copies)
+        value = value.clone()
     # The bytes of the real reduce-scatter; the call is counted by the 'local' one below.
     nbytes = reduce_scatter_bytes(
         num_replicas, num_replicas, value.numel(), value.element_size(), "add"
     )
+    if stacked_layout:  # explicit batching: replica i's chunk is row i of the padded sum
+        add_collective_traffic(nbytes, 1)
+        return _chunks(value, num_replicas)
     add_collective_traffic(nbytes, 0)
     return ops.replicated_reduce_scatter(batch(value), "local", num_replicas, 1)
 
@@ -286,7 +318,7 @@ opdef = register(
             "traffic": _traffic,
             "reference": reference,
             "distributed": distributed,
-            "explicit": no_explicit_rule,
+            "explicit": _explicit,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

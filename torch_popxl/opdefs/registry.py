@@ -21,7 +21,9 @@ and, for collectives (``Effect.COLLECTIVE``):
 * ``passthrough(op) -> bool``: whether the op returns its input unchanged;
 * ``no_gradient(op) -> bool``: whether PopXL's autodiff yields no gradient through the op;
 * ``sum_read(op, num_replicas) -> fn | None``: how to finish the op on an accumulator that
-  already holds the sum over replicas (Note [replica-sum accumulators] in runtime/lower.py);
+  already holds the sum over replicas (Note [replica-sum accumulators] in runtime/lower.py),
+  as ``fn(sum, batch, stacked_layout=False)`` (``stacked_layout``: explicit batching's
+  ``[R, ...]`` values rather than vmap's);
 * ``matmul_fusion(op, num_replicas) -> str | None``: the ``mm_all_reduce`` reduction when the
   op applied to a matmul can be fused (Note [fold replicas into the matmul]).
 

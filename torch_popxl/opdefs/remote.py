@@ -24,7 +24,7 @@ from ..ir.graph import Op, OpKind
 from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import Tensor as Handle
 from ..ir.tensor import _fake_like, constant
-from ._common import no_explicit_rule, ops, stacked
+from ._common import ops, stacked
 from .registry import Effect, OpDef, Traffic, register
 
 __all__ = [
@@ -331,22 +331,81 @@ def remote_store(remote_buffer, offset: int | Handle, t: Handle) -> None:
 # ---- the definitions of the IR ops -----------------------------------------------------------
 
 
+def _offsets(offset: Tensor, batched: bool, num_replicas: int) -> Tensor:
+    return offset if batched else offset.expand(num_replicas)
+
+
+def _explicit_load(op: Op, batched, num_replicas: int):
+    """Note [explicit batching] (runtime/explicit.py): ``fn(stacked_buffer, offset)``, one
+    ``remote_load_stacked`` call for every replica."""
+    bid = op.attrs.buffer.remote_buffer_id
+    (offset_batched,) = batched
+
+    def run(buffer, offset):
+        return ops.remote_load_stacked(buffer, _offsets(offset, offset_batched, num_replicas), bid)
+
+    return run
+
+
+def _explicit_load_inplace(op: Op, batched, num_replicas: int):
+    """``fn(stacked_buffer, t, offset)``: loads into the (batched) stacked ``t``."""
+    bid = op.attrs.buffer.remote_buffer_id
+    t_batched, offset_batched = batched
+    if not t_batched:  # the analysis makes a loaded-into value batched; anything else is a bug
+        return None
+
+    def run(buffer, t, offset):
+        offsets = _offsets(offset, offset_batched, num_replicas)
+        return t.copy_(ops.remote_load_stacked(buffer, offsets, bid))
+
+    return run
+
+
+def _explicit_store(op: Op, batched, num_replicas: int):
+    """``fn(stacked_buffer, value, offset)``: one ``remote_store_stacked_`` call; an unbatched
+    value is the same on every replica."""
+    bid = op.attrs.buffer.remote_buffer_id
+    value_batched, offset_batched = batched
+
+    def run(buffer, value, offset):
+        values = stacked(value, 0 if value_batched else None, num_replicas)
+        offsets = _offsets(offset, offset_batched, num_replicas)
+        ops.remote_store_stacked_(buffer, offsets, values, bid)
+
+    return run
+
+
 def _define(kind: OpKind, effects: Effect, rules: dict) -> OpDef:
-    return register(OpDef(kind.value, effects, {"explicit": no_explicit_rule, **rules}), kind)
+    return register(OpDef(kind.value, effects, rules), kind)
 
 
 load_opdef = _define(
     OpKind.REMOTE_LOAD,
     Effect.REMOTE,
-    {"traffic": _traffic("remote_load"), "reference": reference_load, "wrapper": remote_load},
+    {
+        "traffic": _traffic("remote_load"),
+        "reference": reference_load,
+        "wrapper": remote_load,
+        "explicit": _explicit_load,
+    },
 )
 load_inplace_opdef = _define(
     OpKind.REMOTE_LOAD_INPLACE,
     Effect.REMOTE | Effect.INPLACE,
-    {"traffic": _traffic("remote_load"), "reference": reference_load, "wrapper": remote_load_},
+    {
+        "traffic": _traffic("remote_load"),
+        "reference": reference_load,
+        "wrapper": remote_load_,
+        "explicit": _explicit_load_inplace,
+    },
 )
 store_opdef = _define(
     OpKind.REMOTE_STORE,
     Effect.REMOTE,
-    {"traffic": _traffic("remote_store"), "reference": reference_store, "wrapper": remote_store},
+    {
+        "traffic": _traffic("remote_store"),
+        "reference": reference_store,
+        "wrapper": remote_store,
+        "explicit": _explicit_store,
+    },
 )

@@ -20,7 +20,6 @@ from ._api import check_tensor, grouping_of
 from ._common import (
     check_grouping,
     check_stacked,
-    no_explicit_rule,
     ops,
     require_single_replica,
     save_grouping,
@@ -122,6 +121,17 @@ def distributed(backend: InstanceTransport, x: Tensor, group_size: int, stride: 
 # ---- what the fast compiler asks -------------------------------------------------------------
 
 
+def _explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching] (runtime/explicit.py): one ``take_own_stacked`` call on the
+    stacked ``[R, ...]`` value (an unbatched one is the same on every replica)."""
+    in_dim = 0 if batched[0] else None
+
+    def run(x, group_size, stride):
+        return ops.take_own_stacked(stacked(x, in_dim, num_replicas), group_size, stride)
+
+    return run
+
+
 def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
     check_grouping(NAME, num_replicas, op.attrs.argument("group_size"), op.attrs.argument("stride"))
     return num_replicas > 1
@@ -159,7 +169,7 @@ opdef = register(
             "traffic": _traffic,
             "reference": reference,
             "distributed": distributed,
-            "explicit": no_explicit_rule,
+            "explicit": _explicit,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

@@ -77,6 +77,26 @@ class _RunContext:
         # passes snapshot=False when nothing can).
         self.outs.setdefault(k, []).append(value.clone() if snapshot else value)
 
+    def host_load_folded(self, k: int, count: int) -> torch.Tensor:
+        """``count`` consecutive loads as one ``[count * R, ...]`` value, iteration-major
+        (Note [fold the accumulation loop] in runtime/explicit.py); a view when they are
+        adjacent in the input."""
+        i = self.cursor[k]
+        self.cursor[k] = i + count
+        stream = self.ins[k]
+        first = i % self.nht
+        if first + count <= self.nht:
+            value = stream[first : first + count]
+        else:
+            value = torch.stack([stream[(i + j) % self.nht] for j in range(count)])
+        _count_host_bytes(value, 1)
+        return value.reshape(count * value.shape[1], *value.shape[2:])
+
+    def host_store_folded(self, k: int, value: torch.Tensor, snapshot: bool, count: int) -> None:
+        """The stores of ``count`` folded iterations: ``value`` is ``[count * R, ...]``."""
+        for row in value.view(count, value.shape[0] // count, *value.shape[1:]).unbind(0):
+            self.host_store(k, row, snapshot)
+
     def print(self, attrs: PrintOptions, value: torch.Tensor) -> None:
         self.prints.append((attrs, value))
 
@@ -87,7 +107,7 @@ class _RunContext:
         """Finish a full-group reduction of a replica-sum accumulator whose ``value`` is
         already the sum over replicas, with the collective's ``sum_read`` rule (which counts
         the bytes the real collective moves)."""
-        return finish(value, self.batch)
+        return finish(value, self.batch, stacked_layout=self.explicit_R is not None)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""

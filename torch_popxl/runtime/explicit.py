@@ -22,12 +22,21 @@ import torch
 from .. import opdefs
 from ..ir.graph import Op, Slot
 
-__all__ = ["batchable", "emit_torch", "is_random"]
+__all__ = [
+    "ELEMENTWISE",
+    "batchable",
+    "emit_torch",
+    "fold_obstacle",
+    "foldable",
+    "is_random",
+    "opdef_rule",
+    "vmap_reason",
+]
 
 aten = torch.ops.aten
 _DEBUG = False
 
-_ELEMENTWISE = {
+ELEMENTWISE = _ELEMENTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
     aten.mul.Scalar, aten.neg.default, aten.log.default, aten.exp.default, aten.sqrt.default,
     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.gelu.default,
@@ -35,10 +44,23 @@ _ELEMENTWISE = {
     aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor, aten.mul_.Scalar,
     aten.div_.Scalar, aten.clone.default, aten._to_copy.default, aten.pow.Tensor_Scalar,
     aten.rsub.Scalar, aten.reciprocal.default, aten.zero_.default, aten.eq.Scalar, aten.ne.Scalar,
+    # the optimizers' update chains (Adam, AdamW, SGD with momentum, LAMB's norms)
+    aten.lerp.Tensor, aten.lerp.Scalar, aten.lerp_.Tensor, aten.lerp_.Scalar, aten.addcmul.default,
+    aten.addcdiv.default, aten.addcmul_.default, aten.addcdiv_.default, aten.copy_.default,
+    aten.sub.Scalar, aten.div.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.sqrt_.default,
+    aten.maximum.default, aten.minimum.default, aten.abs.default, aten.sign.default,
+    aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.rsqrt.default, aten.clamp.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.fill_.Scalar, aten.silu.default,
+    aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.gt.Tensor,
+    aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
-         aten.gather.default, aten.scatter_add.default}  # fmt: skip
+         aten.gather.default, aten.scatter_add.default, aten.squeeze.dim, aten.slice.Tensor,
+         aten.select.int}  # fmt: skip
+_SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
+# nll_loss forward/backward: the position of the ``reduction`` argument
+_NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FLAT_KINDS = {
@@ -50,6 +72,8 @@ _FLAT_KINDS = {
     "mm_replica_sum",
     "loop",
 }
+# runtime ops whose stanza brings the stacked form (its ``explicit`` rule)
+_REMOTE_KINDS = {"remote_load", "remote_load_", "remote_store"}
 
 
 def is_random(target) -> bool:
@@ -61,13 +85,17 @@ def is_random(target) -> bool:
 
 def _ok_torch(f, a, R: int) -> bool:
     target = f.op.attrs.target
-    if f in a.sum_adds or f in a.sum_reads:
-        return False
+    if f in a.sum_reads:
+        return True  # rt.sum_read finishes it on either layout
+    if f in a.sum_adds:  # acc += (sum over replicas of x): x.sum(0) on stacked values
+        return target in _ELEMENTWISE
     if is_random(target):
         # Each replica draws its own values (vmap's randomness="different"); the stacked form
         # has no rule for that, so a fragment with a random op runs under vmap.
         return False
     batched = [a.b(n) for n in f.ins]
+    if getattr(target, "namespace", "") == "torch_popxl":
+        return opdef_rule(f.op, batched, R) is not None
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
@@ -76,16 +104,23 @@ def _ok_torch(f, a, R: int) -> bool:
         return len(ranks_b) == 1 and all(r <= min(ranks_b) for r in ranks_u)
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True
+    if target is aten.addmm.default:
+        return True
+    if target in _NLL:
+        # per replica: a [N, C] input, [N] targets, no class weights, mean or sum reduction
+        x_index = 0 if target is aten.nll_loss_forward.default else 1
+        return (f.op.inputs[x_index].rank == 2 and batched[x_index]
+                and args_weight_none(f.op, target) and f.op.attrs.args[_NLL[target]] in (1, 2))  # fmt: skip
     if target is aten.t.default:
         return f.op.inputs[0].rank == 2
     if target is aten.permute.default:
         return True
-    if target in _DIM1 or target is aten._softmax_backward_data.default:
+    if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
-    return _opdef_rule(f.op, batched, R) is not None
+    return opdef_rule(f.op, batched, R) is not None
 
 
-def _opdef_rule(op: Op, batched: list[bool], R: int):
+def opdef_rule(op: Op, batched: list[bool], R: int):
     """The stacked form of a ``torch_popxl`` op from its definition, or None."""
     opdef = opdefs.lookup(op)
     return None if opdef is None else opdef.rule("explicit")(op, batched, R)
@@ -93,17 +128,160 @@ def _opdef_rule(op: Op, batched: list[bool], R: int):
 
 def batchable(flat, analysis, R: int) -> bool:
     """Whether every op of ``flat`` has an explicit-batching rule (Note [explicit batching])."""
+    return vmap_reason(flat, analysis, R) is None
+
+
+def vmap_reason(flat, analysis, R: int) -> str | None:
+    """The first op of ``flat`` without an explicit-batching rule, in words, or None when the
+    whole fragment has one (the benchmarks report it: a fragment with a reason runs under vmap)."""
     for f in flat:
+        reason = None
         if f.kind == "torch":
             if not _ok_torch(f, analysis, R):
-                if _DEBUG:
-                    print("explicit batching: no rule for", f.op.attrs.target)
-                return False
+                reason = f"no explicit rule for {f.op.attrs.target}"
+        elif f.kind in _REMOTE_KINDS:
+            if opdef_rule(f.op, [analysis.b(n) for n in f.ins], R) is None:
+                reason = f"no explicit rule for {f.op.kind}"
         elif f.kind not in _FLAT_KINDS:
-            return False
-        if f.kind == "loop" and not batchable(f.body, analysis, R):
-            return False
-    return True
+            reason = f"no explicit rule for the {f.kind!r} flat op"
+        elif f.kind == "loop":
+            reason = vmap_reason(f.body, analysis, R)
+        if reason is not None:
+            if _DEBUG:
+                print("explicit batching:", reason)
+            return reason
+    return None
+
+
+def _addmm_stacked(bias, bias_b: bool, x, w, beta=1, alpha=1):
+    """``aten.addmm`` on stacked operands (``x``/``w`` are ``[R, M, K]``/``[R, K, N]`` when
+    batched). The common case, batched activations times a replica-invariant weight plus an
+    invariant bias, is one ``addmm`` over all replicas' rows."""
+    if x.dim() == 3 and w.dim() == 2 and not bias_b:
+        R, M, K = x.shape
+        return torch.addmm(bias, x.reshape(R * M, K), w, beta=beta, alpha=alpha).view(R, M, -1)
+    if bias_b and bias.dim() == 2:  # a per-replica row vector broadcasts over the rows
+        bias = bias.unsqueeze(1)
+    prod = torch.matmul(x, w)
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias if beta == 1 else bias * beta)
+
+
+def args_weight_none(op, target) -> bool:
+    """Whether an nll_loss op has no class weights (the stacked form handles none)."""
+    weight_pos = 2 if target is aten.nll_loss_forward.default else 3
+    return op.attrs.args[weight_pos] is None
+
+
+def _nll_forward_stacked(x, target, weight, reduction: int, ignore_index: int):
+    """``aten.nll_loss_forward`` per replica on stacked ``x`` ``[R, N, C]`` and ``target``
+    ``[R, N]``: every replica's per-sample losses in one call, then each replica's own
+    reduction (``total_weight`` is each replica's count of counted samples)."""
+    R, N, C = x.shape
+    # the same targets on every replica, if unbatched; aten's unreduced kernel takes only
+    # int64 targets (the per-replica call accepts int32 too)
+    target = target.expand(R, N).long()
+    losses = aten.nll_loss_forward(x.reshape(R * N, C), target.reshape(R * N), None, 0,
+                                   ignore_index)[0].view(R, N)  # fmt: skip
+    total_weight = (target != ignore_index).sum(-1).to(x.dtype)
+    out = losses.sum(-1)
+    return (out / total_weight if reduction == 1 else out), total_weight
+
+
+def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index: int,
+                          total_weight):  # fmt: skip
+    """``aten.nll_loss_backward`` per replica on stacked values: the per-replica scale
+    (``grad / total_weight`` for a mean) becomes a per-sample gradient of one unreduced call."""
+    R, N, C = x.shape
+    target = target.expand(R, N).long()
+    scale = grad / total_weight if reduction == 1 else grad.expand(R)
+    per_sample = scale.reshape(R, 1).expand(R, N).reshape(R * N)
+    return aten.nll_loss_backward(per_sample, x.reshape(R * N, C), target.reshape(R * N), None, 0,
+                                  ignore_index, x.new_ones(())).view(R, N, C)  # fmt: skip
+
+
+# Note [fold the accumulation loop]
+#     Explicitly batched ops treat the leading dim as independent rows: nothing an aten rule
+#     above computes mixes replicas. So a gradient-accumulation loop whose iterations only
+#     differ in the micro-batch they load, and whose only effect besides host IO is adding to
+#     replica-sum accumulators, can run all ``n`` iterations as one pass over ``[n * R, ...]``
+#     rows (iteration-major): the micro-batches of every iteration and replica become one
+#     matmul, per-row statistics (a loss's mean, anything per micro-batch) stay per iteration
+#     and replica, and ``acc += sum_r x_r`` summed over iterations is ``acc += sum_{i,r} x_ir``.
+#     Folding is refused when anything could observe the iterations one at a time: loop-carried
+#     results, in-place writes other than those accumulations, collectives, remote memory,
+#     random ops (no explicit rule), values forced per replica, or a replica sum used for
+#     anything but an accumulation. A per-replica value from outside the loop (a weight whose
+#     state is per replica) is repeated for every iteration first. The sums are taken in a
+#     different order than the loop's, so results agree with the reference executor to
+#     rounding, as the replica sums already do.
+_FOLD_KINDS = {"torch", "host_load", "host_store", "alias", "clone", "mm_replica_sum"}
+_FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
+
+
+def _writes(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
+
+
+def foldable(loop, plan) -> bool:
+    """Whether an explicitly batched ``loop`` flat op can run as one pass (Note [fold the
+    accumulation loop])."""
+    return fold_obstacle(loop, plan) is None
+
+
+def outside_rows(loop, plan) -> list[str]:
+    """The per-replica values a folded ``loop`` reads from outside it: they have R rows and are
+    repeated for every iteration before the folded pass."""
+    defined = {n for f in loop.body for n in f.outs}
+    found: dict[str, None] = {}
+    for f in loop.body:
+        found.update((n, None) for n in f.ins if plan.b(n) and n not in defined)
+    return list(found)
+
+
+def fold_obstacle(loop, plan) -> str | None:
+    """Why ``loop`` cannot be folded (Note [fold the accumulation loop]), or None."""
+    if loop.results:
+        return "it carries values from one iteration to the next"
+    if loop.count < 2:
+        return "it runs once"
+    body = loop.body
+    sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
+    for f in body:
+        what = f"the {f.kind} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
+        if f.kind not in _FOLD_KINDS:
+            return f"{what} (not foldable)"
+        if any(n in plan.force_batched for n in f.outs):
+            return f"{what} makes a value per replica"
+        if f.kind == "mm_replica_sum":
+            sums.add(f.outs[0])
+            continue
+        target = f.op.attrs.target if f.kind == "torch" else None
+        summed_ins = [n for n in f.ins if n in sums]
+        if f.kind == "torch":
+            if getattr(target, "namespace", "") != "aten" or f in plan.sum_reads:
+                return f"{what} (not an aten op)"
+            if f in plan.sum_adds:
+                addend = f.ins[plan.sum_adds[f]]
+                if f.presummed and addend not in sums:
+                    return f"{what} adds a sum not taken in the loop"
+                if not f.presummed and not plan.b(addend):
+                    return f"{what} adds a replica-invariant value"
+                continue
+            if _writes(target):
+                return f"{what} writes in place"
+        if summed_ins:
+            if len(f.ins) != 1 or not (f.kind in ("alias", "clone") or target in _FOLD_VIEWS):
+                return f"{what} uses a replica sum"
+            sums.update(f.outs)
+            continue
+        if any(plan.b(n) for n in f.ins) and not all(plan.b(n) for n in f.outs):
+            return f"{what} reduces over the replicas"
+    return None
 
 
 def _shift(d: int) -> int:
@@ -122,17 +300,36 @@ def emit_torch(em, f, ind: str) -> None:
         return em.literal(x, f)
 
     out = f.outs[0] if f.outs else None
-    R = em.p.R
-    stacked_form = _opdef_rule(f.op, batched, R) if any(batched) else None
+    R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
+    is_popxl = getattr(target, "namespace", "") == "torch_popxl"
+    stacked_form = opdef_rule(f.op, batched, R) if is_popxl and f not in a.sum_reads else None
     if stacked_form is not None:  # the op's own rule (batchable() checked it has one)
         call_args = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(stacked_form)}({', '.join(call_args)})")
         return
-    if not any(batched) or target in _ELEMENTWISE:
+    if not any(batched) or target in _ELEMENTWISE or f in a.sum_reads:
         em._torch_plain(f, ind)
         return
+    if target in _NLL:
+        rendered = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        if target is aten.nll_loss_forward.default:
+            em.lines.append(
+                f"{ind}_r = {em.p.literal(_nll_forward_stacked)}({', '.join(rendered)})"
+            )
+            for o, path in zip(f.outs, f.op.attrs.out_paths, strict=True):
+                em.lines.append(f"{ind}{o} = _r{''.join(f'[{i}]' for i in path)}")
+        else:
+            em.lines.append(
+                f"{ind}{out} = {em.p.literal(_nll_backward_stacked)}({', '.join(rendered)})"
+            )
+        return
     x = lit(args[0])
-    if target is aten.mm.default:
+    if target is aten.addmm.default:
+        bias_b = isinstance(args[0], Slot) and a.b(f.ins[args[0].index])
+        rest = [lit(v) for v in args[1:]] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        call = ", ".join([x, repr(bias_b), *rest])
+        em.lines.append(f"{ind}{out} = {em.p.literal(_addmm_stacked)}({call})")
+    elif target is aten.mm.default:
         fn = "torch.bmm" if all(batched) else "torch.matmul"
         em.lines.append(f"{ind}{out} = {fn}({x}, {lit(args[1])})")
     elif target is aten.t.default:
@@ -153,7 +350,7 @@ def emit_torch(em, f, ind: str) -> None:
         extra = "".join(f", {k}={lit(v)}" for k, v in kwargs.items())
         fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean"}.get(target, "torch.sum")
         em.lines.append(f"{ind}{out} = {fn}({x}, {tuple(dims)!r}, keepdim={keep!r}{extra})")
-    elif target in _DIM1 or target is aten._softmax_backward_data.default:
+    elif target in _DIM1 or target in _SOFTMAX_BACKWARD:
         # every tensor argument must be stacked; the dim moves past the replica dim
         rendered = []
         for v in args:
@@ -161,7 +358,7 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(v, Slot) and not a.b(f.ins[v.index]):
                 s = f"{s}.expand({R}, *{s}.shape)"
             rendered.append(s)
-        dim_pos = 2 if target is aten._softmax_backward_data.default else 1
+        dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")

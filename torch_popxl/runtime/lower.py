@@ -15,7 +15,10 @@ Three phases, one direction:
 3. **Emit** (``_Emitter``, reading the plan). One Python function per fragment. When every
    op of the fragment has an explicit batching rule (``runtime/explicit.py``) it works on the
    stacked ``[R, ...]`` values directly; otherwise it runs under ``torch.func.vmap`` over the
-   replica dimension. Either way R replicas cost one pass of Python.
+   replica dimension (``fn.vmap_reason`` names the first op without a rule). Either way R
+   replicas cost one pass of Python. On stacked values a gradient-accumulation loop whose
+   iterations are independent runs as one pass (Note [fold the accumulation loop] in
+   ``explicit.py``), and elementwise update chains run in place (Note [update in place]).
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same
@@ -477,6 +480,182 @@ def _fold_block(
 # ---- phase 3: emit ------------------------------------------------------------------------
 
 
+# Note [update in place]
+#     An optimizer update is a chain of elementwise ops, each allocating a fresh tensor the
+#     size of the parameter, ending in ``state.copy_(new_state)``. On a CPU those allocations
+#     (page faults of freshly mapped memory) cost as much as the arithmetic. Two rewrites keep
+#     the arithmetic and drop the allocations: an elementwise op whose first operand is a
+#     temporary used by nothing else (same shape, dtype and batched-ness as the result)
+#     overwrites it; and ``t = op(x, ...)`` directly followed by ``x.copy_(t)``, ``t`` used by
+#     nothing else, becomes ``op_(x, ...)``. Both compute the same values in the same order.
+_INPLACE = {
+    _aten.add.Tensor: _aten.add_.Tensor, _aten.sub.Tensor: _aten.sub_.Tensor,
+    _aten.mul.Tensor: _aten.mul_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
+    _aten.add.Scalar: _aten.add_.Scalar, _aten.sub.Scalar: _aten.sub_.Scalar,
+    _aten.mul.Scalar: _aten.mul_.Scalar, _aten.div.Scalar: _aten.div_.Scalar,
+    _aten.sqrt.default: _aten.sqrt_.default, _aten.rsqrt.default: _aten.rsqrt_.default,
+    _aten.neg.default: _aten.neg_.default, _aten.exp.default: _aten.exp_.default,
+    _aten.reciprocal.default: _aten.reciprocal_.default,
+    _aten.pow.Tensor_Scalar: _aten.pow_.Scalar, _aten.lerp.Tensor: _aten.lerp_.Tensor,
+    _aten.lerp.Scalar: _aten.lerp_.Scalar, _aten.addcmul.default: _aten.addcmul_.default,
+    _aten.addcdiv.default: _aten.addcdiv_.default, _aten.clamp_min.default: _aten.clamp_min_.default,
+}  # fmt: skip
+
+
+def _uses(flat: list[FlatOp], counts: dict[str, int]) -> dict[str, int]:
+    for f in flat:
+        for n in f.ins:
+            counts[n] = counts.get(n, 0) + 1
+        for n in f.results:
+            counts[n] = counts.get(n, 0) + 1
+        _uses(f.body, counts)
+    return counts
+
+
+def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> dict[FlatOp, str]:
+    """Note [update in place]: ``{op: "inplace"}`` for ops to run in place on their first
+    operand and ``{copy_: "skip"}`` for the copies that become redundant. Top level only."""
+    uses = _uses(flat, {})
+    for n in out_names:
+        uses[n] = uses.get(n, 0) + 1
+    fresh: set[str] = set()  # temporaries this block allocated (no alias, not a variable)
+    # a temporary computed from ``x`` by a chain of elementwise ops: x, the chain's first op
+    # and the chain's ops (which may run in place on x itself if the chain ends in a copy to
+    # x and nothing else reads x meanwhile)
+    origin: dict[str, tuple[str, int, list[FlatOp]]] = {}
+    found: dict[FlatOp, str] = {}
+    for i, f in enumerate(flat):
+        if (f.kind == "torch" and f.source.attrs.target is _aten.copy_.default and len(f.ins) == 2
+                and f.ins[1] in origin and uses.get(f.ins[1], 0) == 1 and f not in plan.sum_adds):  # fmt: skip
+            x, start, chain = origin[f.ins[1]]
+            # nothing else may see x change early: no op in between touches it, and the
+            # chain reads it only as the root's first operand
+            between = [g for g in flat[start:i] if g not in chain]
+            touched = [n for g in between for n in [*g.ins, *g.outs]]
+            touched += [n for g in chain[1:] for n in g.ins]
+            if x == f.ins[0] and not any(plan.root_of(n) == plan.root_of(x) for n in touched):
+                for g in chain:
+                    found[g] = "inplace"
+                found[f] = "skip"
+                continue
+        if f.kind != "torch":
+            continue
+        op = f.source
+        target = op.attrs.target
+        if target not in _INPLACE or f in plan.sum_adds or f in plan.sum_reads:
+            continue
+        first = op.attrs.args[0] if op.attrs.args else None
+        if not isinstance(first, Slot) or len(f.outs) != 1:
+            continue
+        x, t = f.ins[first.index], f.outs[0]
+        x_t, out_t = op.inputs[first.index], op.outputs[0]
+        if (tuple(x_t.shape) != tuple(out_t.shape) or x_t.dtype != out_t.dtype
+                or plan.b(x) != plan.b(t) or t in plan.force_batched or x in plan.force_batched
+                or f.ins.count(x) != 1):  # fmt: skip
+            continue
+        nxt = flat[i + 1] if i + 1 < len(flat) else None
+        if x in fresh and uses.get(x, 0) == 1:
+            found[f] = "inplace"
+            if x in origin:
+                root, start, chain = origin[x]
+                origin[t] = (root, start, [*chain, f])
+        elif (nxt is not None and nxt.kind == "torch" and nxt.source.attrs.target is _aten.copy_.default
+              and nxt.ins == [x, t] and uses.get(t, 0) == 1 and nxt not in plan.sum_adds):  # fmt: skip
+            found[f], found[nxt] = "inplace", "skip"
+        else:
+            fresh.add(t)
+            origin[t] = (x, i, [f])
+            continue
+        fresh.add(t)
+    return found
+
+
+# Note [scratch buffers]
+#     What is left of an update chain after Note [update in place] still allocates a few
+#     parameter-sized temporaries per step (``sqrt(v)``, ``m / denom``). In an explicitly
+#     batched fragment such a temporary, when it never leaves the fragment (read only by
+#     elementwise ops, never an output, stored, viewed or written in place), is written into a
+#     buffer its op owns and reuses on every run (``out=``): same values, no allocation.
+_OUT_FORMS = {
+    _aten.add.Tensor: "torch.add", _aten.sub.Tensor: "torch.sub", _aten.mul.Tensor: "torch.mul",
+    _aten.div.Tensor: "torch.div", _aten.sqrt.default: "torch.sqrt",
+    _aten.lerp.Tensor: "torch.lerp", _aten.addcmul.default: "torch.addcmul",
+    _aten.addcdiv.default: "torch.addcdiv",
+}  # fmt: skip
+
+
+def _reads_only(user: FlatOp, name: str) -> bool:
+    """Whether ``user`` only reads ``name`` elementwise and returns a new tensor."""
+    if user.kind != "torch":
+        return False
+    target = user.source.attrs.target
+    if target not in _explicit.ELEMENTWISE or target in (_aten.clone.default,):
+        return False
+    schema = target._schema
+    for i, arg in enumerate(user.source.attrs.args):
+        if isinstance(arg, Slot) and user.ins[arg.index] == name and i < len(schema.arguments):
+            info = schema.arguments[i].alias_info
+            if info is not None:  # the op writes or returns this argument
+                return False
+    return True
+
+
+def _scratch_ops(flat: list[FlatOp], plan: Plan, out_names: list[str],
+                 inplace: dict[FlatOp, str]) -> set[FlatOp]:  # fmt: skip
+    """Note [scratch buffers]: the top-level ops whose result goes to a reused buffer."""
+    users: dict[str, list[FlatOp]] = {}
+
+    def collect(ops):
+        for f in ops:
+            for n in [*f.ins, *f.results]:
+                users.setdefault(n, []).append(f)
+            collect(f.body)
+
+    collect(flat)
+    chosen = set()
+    for f in flat:
+        if f.kind != "torch" or f in inplace or f in plan.sum_adds or f in plan.sum_reads:
+            continue
+        if f.source.attrs.target not in _OUT_FORMS or len(f.outs) != 1:
+            continue
+        out = f.outs[0]
+        if _stays_inside(out, users, inplace, out_names, plan):
+            chosen.add(f)
+    return chosen
+
+
+def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) -> bool:
+    """Whether ``name`` is only read elementwise, directly or through ops that run in place
+    on it (Note [update in place]; their results are the same buffer)."""
+    if depth > 64 or name in out_names or name in plan.force_batched or not users.get(name):
+        return False
+    for u in users[name]:
+        first = u.source.attrs.args[0] if u.kind == "torch" and u.source.attrs.args else None
+        on_it = isinstance(first, Slot) and u.ins[first.index] == name
+        if inplace.get(u) == "inplace" and on_it:
+            if u.ins.count(name) != 1 or not _stays_inside(u.outs[0], users, inplace, out_names,
+                                                            plan, depth + 1):  # fmt: skip
+                return False
+        elif inplace.get(u) == "skip" or not _reads_only(u, name):
+            return False
+    return True
+
+
+class _Scratch:
+    """Buffers owned by the ops of one program, allocated on first use."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def __call__(
+        self, key: int, shape: tuple[int, ...], dtype: torch.dtype, device
+    ) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+
 def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
     """``aten.view`` that tolerates vmap's physical layout.
 
@@ -502,6 +681,9 @@ def _stacked_view(x: torch.Tensor, shape, R: int) -> torch.Tensor:
 def _mm_fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_r a[r] @ b[r]`` as one matmul with the replicas folded into the contraction."""
     R, M, K = a.shape
+    at = a.transpose(1, 2)
+    if at.is_contiguous():  # a weight gradient's x^T: fold without copying it
+        return at.reshape(R * K, M).t() @ b.reshape(R * K, b.shape[2])
     return a.permute(1, 0, 2).reshape(M, R * K) @ b.reshape(R * K, b.shape[2])
 
 
@@ -523,6 +705,7 @@ class Program:
             "MM_FOLD": _mm_fold,
             "STACKED_VIEW": _stacked_view,
             "torch": torch,
+            "SCRATCH": _Scratch(),
         }
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
@@ -561,6 +744,12 @@ class _Emitter:
         self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
         self.lines: list[str] = []
         self.defined: set[str] = set(params)
+        # Note [fold the accumulation loop] (runtime/explicit.py): inside a folded loop the
+        # leading dim holds ``fold`` iterations of R replicas.
+        self.fold = 1
+        self.rows = program.R
+        self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
+        self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -588,6 +777,28 @@ class _Emitter:
                 self.defined.add(n)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
+        rewrite = self.inplace.get(f)
+        if rewrite == "skip":  # Note [update in place]: the op before already wrote it
+            if f.outs and f.outs[0] != f.ins[0]:
+                self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
+            return
+        if f in self.scratch:  # Note [scratch buffers]
+            attrs = f.source.attrs
+            args = [self.literal(x, f) for x in attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in attrs.kwargs.items()]
+            t = f.source.outputs[0]
+            shape = (self.p.R, *t.shape) if self.a.b(f.outs[0]) else tuple(t.shape)
+            buf = f"SCRATCH({next(self.p._counter)}, {shape!r}, {self.p.literal(t.dtype.as_torch())}, DEVICE)"
+            self.lines.append(
+                f"{ind}{f.outs[0]} = {_OUT_FORMS[attrs.target]}({', '.join(args)}, out={buf})"
+            )
+            return
+        if rewrite == "inplace":
+            fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
+            args = [self.literal(x, f) for x in f.source.attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
+            self.lines.append(f"{ind}{f.outs[0]} = {fn}({', '.join(args)})")
+            return
         if self.explicit:
             _explicit.emit_torch(self, f, ind)
         else:
@@ -610,8 +821,10 @@ class _Emitter:
             x = f.ins[self.a.sum_adds[f]]
             if f.presummed:
                 summed = x
-            else:
-                summed = f"REPLICA_SUM({x})" if self.a.b(x) else f"({x} * {self.p.R})"
+            elif not self.a.b(x):
+                summed = f"({x} * {self.p.R})"
+            else:  # on stacked values the sum over replicas is a sum over the first dim
+                summed = f"{x}.sum(0)" if self.explicit else f"REPLICA_SUM({x})"
             args = [summed if a == x else a for a in args]
         if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
                 and f.source.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
@@ -667,27 +880,52 @@ class _Emitter:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
 
     def _host_load(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({f.source.attrs.stream._index})")
+        k = f.source.attrs.stream._index
+        if self.fold > 1:
+            self.lines.append(f"{ind}{f.outs[0]} = rt.host_load_folded({k}, {self.fold})")
+            return
+        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({k})")
 
     def _host_store(self, f: FlatOp, ind: str) -> None:
         # A stored value needs a snapshot only if something may update it in place later.
         name = f.ins[0]
         snapshot = self.a.root_of(name) in self.a.written
         if self.explicit and not self.a.b(name):  # one row per replica on the host side
-            name, snapshot = f"{name}.expand({self.p.R}, *{name}.shape)", True
-        self.lines.append(f"{ind}rt.host_store({f.source.attrs.stream._index}, {name}, {snapshot})")
+            name, snapshot = f"{name}.expand({self.rows}, *{name}.shape)", True
+        k = f.source.attrs.stream._index
+        if self.fold > 1:  # one store per folded iteration
+            self.lines.append(f"{ind}rt.host_store_folded({k}, {name}, {snapshot}, {self.fold})")
+            return
+        self.lines.append(f"{ind}rt.host_store({k}, {name}, {snapshot})")
+
+    def _remote_explicit(self, f: FlatOp, ind: str) -> bool:
+        """Note [explicit batching]: a remote op through its stanza's ``explicit`` rule,
+        called as ``fn(stacked_buffer, *ins)``."""
+        if not self.explicit:
+            return False
+        fn = _explicit.opdef_rule(f.source, [self.a.b(n) for n in f.ins], self.p.R)
+        bid = f.source.attrs.buffer.remote_buffer_id
+        call = f"{self.p.literal(fn)}(rt.buffers[{bid}]{''.join(', ' + n for n in f.ins)})"
+        self.lines.append(f"{ind}{f.outs[0]} = {call}" if f.outs else f"{ind}{call}")
+        return True
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
 
     def _remote_load_(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(
             f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
         )
 
     def _remote_store(self, f: FlatOp, ind: str) -> None:
+        if self._remote_explicit(f, ind):
+            return
         bid = f.source.attrs.buffer.remote_buffer_id
         self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
 
@@ -700,6 +938,19 @@ class _Emitter:
             self.lines.append(f"{ind}{carried} = {arg}")
             if carried in self.a.force_batched:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
+        if self.explicit and self.fold == 1 and _explicit.foldable(f, self.a):
+            # Note [fold the accumulation loop]: every iteration in one pass
+            self.lines.append(f"{ind}# {f.count} iterations folded into the leading dim")
+            outside = _explicit.outside_rows(f, self.a)
+            for n in outside:  # R rows -> count * R rows, iteration-major
+                self.lines.append(f"{ind}_o_{n} = {n}")
+                self.lines.append(f"{ind}{n} = {n}.repeat({f.count}, *[1] * ({n}.dim() - 1))")
+            self.fold, self.rows = f.count, f.count * self.p.R
+            self.block(f.body, ind)
+            self.fold, self.rows = 1, self.p.R
+            for n in outside:
+                self.lines.append(f"{ind}{n} = _o_{n}")
+            return
         self.lines.append(f"{ind}for _ in range({f.count}):")
         self.block(f.body, ind + "    ")
         results = f.results
@@ -721,6 +972,7 @@ class Fragment(Protocol):
     out_batched: list[bool]  # per output: does it differ between replicas?
     plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
+    vmap_reason: str | None  # why it runs under vmap (the first op without a rule), if it does
     written_streams: frozenset[int]  # host streams whose loaded values it updates in place
 
     def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
@@ -745,8 +997,14 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
                    program.var_names, program.R, assume)  # fmt: skip
     if program.R > 1:
         flat = _fold_matmuls(flat, plan, program, program.R)
-    explicit = program.explicit_ok and program.R > 1 and _explicit.batchable(flat, plan, program.R)
+    reason = None
+    if program.explicit_ok and program.R > 1:
+        reason = _explicit.vmap_reason(flat, plan, program.R)
+    explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
+    em.inplace = _inplace_rewrites(flat, plan, out_names)
+    if explicit:
+        em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")
@@ -757,6 +1015,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn = scope_["fn"]
     fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
+    fn.vmap_reason = reason
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
     return fn

@@ -259,6 +259,20 @@ def scenario_layout(replication, executor):
     return {"run/replica": _canonical(ir, out, (1,)), "host/R": np.array(ir.replication_factor)}
 
 
+def _compiled_alone():
+    """Two popxl.compile(replication_factor=1) Adam steps on fixed data: a one-replica program,
+    which every torchrun process runs alone (as ``Ir(replication=1)``)."""
+    model = _mlp()
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.Adam(model.parameters(), lr=0.01))  # fmt: skip
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    t = rng.integers(0, 4, 6).astype(np.int64)
+    losses = [trainer.step(distributed.instance_batch(x, 1), distributed.instance_batch(t, 1))
+              for _ in range(2)]  # fmt: skip
+    return np.array([*losses, *model[0].weight.detach().numpy().ravel()[:4]])
+
+
 def scenario_wire(replication, executor):
     """One collective per program (12 float32 per replica, so 48 bytes a row): what this
     process sent through torch.distributed in the run (``wire``, Note [wire bytes]) next to
@@ -343,6 +357,7 @@ def _worker_all(out: Path) -> None:
         results["error/int_bad_factor"] = np.array(str(error))
     ir = popxl.Ir()  # one replica: nothing to split, every process runs it alone
     results["layout/one"] = np.array([ir._num_instances, ir.instance_replication_factor])
+    results["layout/compiled_alone"] = _compiled_alone()
     ir.replication_factor = R  # the upstream spelling of replication: set after construction
     results["layout/set"] = np.array([ir._num_instances, ir.instance_replication_factor])
     np.savez(out / f"rank{rank}.npz", **results)
@@ -699,6 +714,15 @@ def test_integer_replication_layout_rules_under_torchrun(launches, world):
     np.testing.assert_array_equal(rank0["layout/set"], [world, R // world])
     message = str(rank0["error/int_bad_factor"])
     assert f"Ir(replication={2 * R + 1})" in message and f"{world} processes" in message, message
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_one_replica_compiled_trainer_runs_alone_in_every_process(launches, world):
+    """popxl.compile(replication_factor=1) under torchrun: each process trains its own copy,
+    with the numbers one process gets (losses not averaged across the processes)."""
+    expected = _compiled_alone()
+    for r in _rank_results(launches, world):
+        np.testing.assert_array_equal(r["layout/compiled_alone"], expected)
 
 
 def test_collectives_send_the_bytes_the_report_counts_with_one_replica_per_process(

@@ -986,7 +986,7 @@ class Trainer:
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         loss = numpy_to_torch(out[loss_stream], loss_stream.dtype).double().mean()
-        return _distributed.mean_over_instances(float(loss))
+        return _distributed.mean_over_instances(float(loss), self.replication_factor)
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""

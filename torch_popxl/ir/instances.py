@@ -217,14 +217,12 @@ def num_instances() -> int:
 
 
 def local_replicas(replication_factor: int) -> int:
-    """This instance's share of ``replication_factor`` global replicas."""
-    n = num_instances()
-    if replication_factor % n:
-        raise ValueError(
-            f"replication_factor={replication_factor} is not a multiple of the {n} processes "
-            f"launched; every instance must hold the same number of replicas. Use a multiple of {n}."
-        )
-    return replication_factor // n
+    """This instance's share of ``replication_factor`` global replicas.
+
+    The layout of ``Ir(replication=replication_factor)`` (:func:`layout_for`): under torchrun
+    with W processes R / W, except R = 1, which every process runs alone.
+    """
+    return layout_for(replication_factor).instance_replication_factor
 
 
 def instance_batch(batch, replication_factor: int, gradient_accumulation: int = 1):
@@ -235,8 +233,8 @@ def instance_batch(batch, replication_factor: int, gradient_accumulation: int = 
     own replicas makes a torchrun job compute exactly what one process does with the global
     batch. Without torchrun the batch is returned unchanged.
     """
-    n = num_instances()
-    if n == 1:
+    layout = layout_for(replication_factor)
+    if layout.num_instances == 1:
         return batch
     R, GA = replication_factor, gradient_accumulation
     if len(batch) % (R * GA):
@@ -244,8 +242,7 @@ def instance_batch(batch, replication_factor: int, gradient_accumulation: int = 
             f"instance_batch: a global batch of {len(batch)} samples does not split into "
             f"replication_factor * gradient_accumulation = {R} * {GA} equal micro-batches."
         )
-    local = local_replicas(R)
-    offset = dist.get_rank() * local
+    local, offset = layout.instance_replication_factor, layout.replica_offset
     micro = len(batch) // (R * GA)
     rows = batch.reshape(GA, R, micro, *batch.shape[1:])[:, offset : offset + local]
     return rows.reshape(GA * local * micro, *batch.shape[1:])

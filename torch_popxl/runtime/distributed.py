@@ -97,6 +97,7 @@ from ..ir.instances import (
     instance_batch,
     instance_layout,
     launched,
+    layout_for,
     local_replicas,
     num_instances,
     timeout_s,
@@ -133,9 +134,19 @@ def make_ir(replication_factor: int):
     return Ir(replication=replication_factor)
 
 
-def mean_over_instances(value: float) -> float:
-    """The mean of a per-instance number over all instances (the value itself in one process)."""
-    if num_instances() == 1:
+def mean_over_instances(value: float, replication_factor: int | None = None) -> float:
+    """The mean of a per-instance number over all instances (the value itself in one process).
+
+    With ``replication_factor``, over the instances of that program's layout
+    (:func:`layout_for`): a one-replica program runs alone in every process, so its value is
+    its own.
+    """
+    instances = (
+        num_instances()
+        if replication_factor is None
+        else layout_for(replication_factor).num_instances
+    )
+    if instances == 1:
         return value
     world = _process_group(tuple(range(dist.get_world_size())))
     backend = str(dist.get_backend(world))

@@ -7,6 +7,7 @@ There is one stack for the process (as in PopXL). ``with graph:`` pushes a graph
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,21 @@ _name_scopes: list[str] = []
 _ipu_stack: list[int] = []
 _tile_set_stack: list[str] = []
 _in_sequence_stack: list[Any] = []
+# Note [in_sequence constraints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Upstream (popxl/context.py, `_add_in_sequence_topocons`) adds a topological constraint to each
+# op created while an `in_sequence` mode is set, keyed by (graph, execution context):
+#  * an op created under True runs after every op of the previous unit of its key;
+#  * the ops created under False form one unit, after the unit before them, unordered inside;
+#  * leaving the outermost `in_sequence` forgets every key, so the next region starts afresh.
+# The mode is global, so a subgraph built inside `in_sequence(True)` (by `ir.create_graph`) is
+# sequenced too, under its own key: its ops neither join nor break the caller's sequence, and
+# the caller's `call` op is the caller's next unit.
+# The resulting order is recorded on each op as `Op.sequence = (chain, unit)`: op a runs before
+# op b when both have the same chain and a's unit is smaller. The simulator runs ops in creation
+# order anyway; the in-place ambiguity check (ir/inplace.py) reads these constraints.
+_sequence_state: dict[tuple[int, str], list[Any]] = {}  # key -> [chain, unit, in a False unit]
+_chains = itertools.count()
 
 
 def _push_graph(graph: Graph) -> None:
@@ -104,6 +120,24 @@ def in_sequence(mode: bool | str = True) -> Iterator[None]:
         yield
     finally:
         _in_sequence_stack.pop()
+        if not _in_sequence_stack:
+            _sequence_state.clear()
+
+
+def _next_sequence(graph: Graph, context: str) -> tuple[int, int] | None:
+    """The ``(chain, unit)`` of an op created now in ``graph`` (Note [in_sequence
+    constraints]); None outside ``in_sequence`` and under ``in_sequence('pass')``."""
+    if not _in_sequence_stack or not isinstance(_in_sequence_stack[-1], bool):
+        return None
+    ordered = _in_sequence_stack[-1]
+    key = (id(graph), context)
+    state = _sequence_state.get(key)
+    if state is None:
+        state = _sequence_state[key] = [next(_chains), 0, not ordered]
+    elif ordered or not state[2]:
+        state[1] += 1
+        state[2] = not ordered
+    return (state[0], state[1])
 
 
 @contextlib.contextmanager

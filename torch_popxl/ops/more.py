@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..ir.context import gcg
 from ..ir.graph import Graph
 from ..ir.tensor import Tensor, constant
 from ._intsafe import NARROW_UNSIGNED, int_safe, int_safe_inplace
@@ -585,19 +586,45 @@ def split_random_seed(seed: Tensor, n: int = 2) -> tuple[Tensor, ...]:
 # ---- code loading -------------------------------------------------------------------------
 
 
-def remote_code_load(graph: Graph, destination: str) -> None:
-    """Load ``graph``'s code from Streaming Memory before it is called.
+# Upstream's code locations (popxl/ops/remote_code_load.py, CODE_LOCATION); only
+# "executable" is implemented there, the buffers raise NotImplementedError.
+_CODE_LOCATIONS = ("executable", "compute_buffer", "io_buffer")
 
-    The simulator keeps all code resident, so this only checks its arguments.
+
+def remote_code_load(graph: Graph, destination: str) -> None:
+    """Load ``graph``'s code from Streaming Memory into ``destination`` ("executable") before
+    it is called.
+
+    The simulator keeps all code resident; the load is recorded, and the memory report shows
+    the graph's code as kept in streaming memory and loaded on demand (``Code location``).
     """
     if not isinstance(graph, Graph):
         raise TypeError(
             f"remote_code_load: graph must be a popxl Graph; got {type(graph).__name__}."
         )
-    if destination != "executable":
+    if destination not in _CODE_LOCATIONS:
         raise ValueError(
-            f"remote_code_load: destination must be 'executable'; got {destination!r}."
+            f"Not a valid location: {destination!r}. Must choose from: "
+            f"{', '.join(_CODE_LOCATIONS)} (remote_code_load destination)."
         )
+    parent = gcg()
+    if parent == graph:
+        raise ValueError(
+            f"The remote_code_load op cannot load the code for the graph it resides in "
+            f"({graph.id})."
+        )
+    if graph.ir is not parent.ir:
+        raise ValueError(
+            f"remote_code_load: {graph.id!r} belongs to {graph.ir!r}, not to {parent.ir!r} of the "
+            "current graph; load a graph of the same Ir."
+        )
+    if destination != "executable":
+        raise NotImplementedError(
+            f"destination == '{destination}' for remote_code_load op, graph {graph.id} not "
+            "supported (upstream implements only 'executable')."
+        )
+    parent.ir._check_mutable()
+    parent.ir._code_loads.append((parent, graph, destination))
 
 
 def interpolate(t: Tensor, scale_factor: Sequence[float] = (1.0, 1.0, 1.0, 1.0),

@@ -262,6 +262,34 @@ def test_in_sequence_pass_adds_no_order():
         _session(ir)
 
 
+def test_in_sequence_pass_forgets_the_enclosing_sequence():
+    # Upstream stores 'pass' as None, whose setter clears the previous ops: the op after the
+    # 'pass' block is not ordered after the ops before it.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        x = _var("x")
+        y = x * 2.0
+        with popxl.in_sequence("pass"):
+            pass
+        x += 1.0
+        _store(y)
+    with pytest.raises(InplaceAmbiguityError):
+        _session(ir)
+
+
+# Upstream (popxl/context.py): mode -> exception type and message beginning.
+IN_SEQUENCE_ERRORS = [
+    (None, TypeError, "`None` cannot be passed to `in_sequence`. Try `False` instead."),
+    ("sometimes", ValueError, "`in_sequence` mode not understood: 'sometimes'."),
+]
+
+
+@pytest.mark.parametrize(("mode", "exc", "message"), IN_SEQUENCE_ERRORS)
+def test_in_sequence_rejects_bad_modes_with_upstreams_messages(mode, exc, message):
+    with pytest.raises(exc, match="^" + re.escape(message)), popxl.in_sequence(mode):
+        pass
+
+
 def _read_then_update(t):
     y = t * 2.0
     t += 1.0

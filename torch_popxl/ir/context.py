@@ -40,7 +40,9 @@ _in_sequence_stack: list[Any] = []
 # op created while an `in_sequence` mode is set, keyed by (graph, execution context):
 #  * an op created under True runs after every op of the previous unit of its key;
 #  * the ops created under False form one unit, after the unit before them, unordered inside;
-#  * leaving the outermost `in_sequence` forgets every key, so the next region starts afresh.
+#  * leaving the outermost `in_sequence`, or entering `in_sequence('pass')` (which upstream
+#    stores as "no scope"), forgets every key, so the next ordered op starts afresh;
+#  * ops created under 'pass' get no constraint.
 # The mode is global, so a subgraph built inside `in_sequence(True)` (by `ir.create_graph`) is
 # sequenced too, under its own key: its ops neither join nor break the caller's sequence, and
 # the caller's `call` op is the caller's next unit.
@@ -106,21 +108,31 @@ def in_sequence_active() -> bool:
 
 @contextlib.contextmanager
 def in_sequence(mode: bool | str = True) -> Iterator[None]:
-    """Run the ops created inside in creation order.
+    """Run the ops created inside in creation order (``True``), as one unordered unit of an
+    enclosing sequence (``False``), or add no constraint (``'pass'``).
 
     The simulator always executes ops in creation order, which is exactly the
-    ``in_sequence(True)`` schedule; the mode is still validated and recorded.
+    ``in_sequence(True)`` schedule; the constraints are recorded for the in-place ambiguity
+    check (Note [in_sequence constraints]).
     """
-    if mode is None or not isinstance(mode, bool | str):
-        raise TypeError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
-    if isinstance(mode, str) and mode != "pass":
-        raise ValueError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
+    if mode is None:
+        raise TypeError(
+            "`None` cannot be passed to `in_sequence`. Try `False` instead. (The modes are True, "
+            "False and 'pass'.)"
+        )
+    if not isinstance(mode, bool) and mode != "pass":
+        raise ValueError(
+            f"`in_sequence` mode not understood: {mode!r}. Must be one of `True`, `False`, "
+            "`'pass'`."
+        )
     _in_sequence_stack.append(mode)
+    if mode == "pass":  # upstream stores 'pass' as "no scope", which forgets every key
+        _sequence_state.clear()
     try:
         yield
     finally:
         _in_sequence_stack.pop()
-        if not _in_sequence_stack:
+        if not _in_sequence_stack or _in_sequence_stack[-1] == "pass":
             _sequence_state.clear()
 
 

@@ -185,3 +185,29 @@ def test_gather_zero_oor_keeps_in_range_rows_even_next_to_inf(executor):
         executor,
     )["g"]
     np.testing.assert_array_equal(got, [[2.0, 3.0], [0.0, 0.0]])
+
+
+def test_roi_align_and_gather_zero_oor_run_per_replica(executor):
+    # Two replicas load different maps (data, 2 * data): each result is its own replica's.
+    tv_ops = pytest.importorskip("torchvision.ops")
+    rng = np.random.default_rng(5)
+    data = rng.uniform(0, 2, (2, 3, 8, 8)).astype(np.float32)
+    boxes = rng.uniform(0, 10, (4, 4)).astype(np.float32)
+    index = np.array([0, 1, 1, 0], np.int32)
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph, popxl.in_sequence():
+        feed = popxl.h2d_stream(data.shape, popxl.float32, "maps")
+        x = ops.host_load(feed)
+        y = ops.roi_align(x, popxl.constant(boxes), popxl.constant(index), (2, 2), 0.5, 2)
+        g = ops.gather(x, popxl.constant(np.array([1, 5], np.int32)), zero_OOR=True)
+        s_y, s_g = popxl.d2h_stream(y.shape, y.dtype, "y"), popxl.d2h_stream(g.shape, g.dtype, "g")
+        ops.host_store(s_y, y)
+        ops.host_store(s_g, g)
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
+        out = session.run({feed: np.stack([data, 2 * data])})
+    rois = torch.from_numpy(np.concatenate([index[:, None].astype(np.float32), boxes], axis=1))
+    want = tv_ops.roi_align(torch.from_numpy(data), rois, (2, 2), 0.5, 2, aligned=False).numpy()
+    for r, scale in enumerate((1.0, 2.0)):
+        np.testing.assert_allclose(out[s_y][r], scale * want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out[s_g][r][0], scale * data[1])
+        np.testing.assert_array_equal(out[s_g][r][1], np.zeros_like(data[0]))

@@ -108,7 +108,8 @@ def scenario_variables(replication, executor):
     """Grouped variables fed per instance: one_per_group and all_replicas reads, writes, nht=2."""
     ir = popxl.Ir(replication=replication)
     ir.num_host_transfers = 2
-    with ir.main_graph:
+    # in_sequence: the second accumulate_ of w must follow the first iteration's read of w.
+    with ir.main_graph, popxl.in_sequence():
         xs = popxl.h2d_stream((3,), popxl.float32, "x")
         w = popxl.variable(
             np.ones((2, 3), np.float32) * [[1], [10]], replica_grouping=ir.replica_grouping(2, 2)

@@ -427,7 +427,7 @@ def test_remote_code_load_checks_its_arguments():
     g = ir.create_graph(lambda x: x + 1, popxl.TensorSpec((2,), popxl.float32))
     with ir.main_graph:
         ops.remote_code_load(g, "executable")
-        with pytest.raises(ValueError, match="destination must be 'executable'"):
+        with pytest.raises(ValueError, match="Not a valid location: 'somewhere'"):
             ops.remote_code_load(g, "somewhere")
         with pytest.raises(TypeError, match="must be a popxl Graph"):
             ops.remote_code_load("g", "executable")

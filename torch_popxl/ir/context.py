@@ -7,6 +7,7 @@ There is one stack for the process (as in PopXL). ``with graph:`` pushes a graph
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,23 @@ _name_scopes: list[str] = []
 _ipu_stack: list[int] = []
 _tile_set_stack: list[str] = []
 _in_sequence_stack: list[Any] = []
+# Note [in_sequence constraints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Upstream (popxl/context.py, `_add_in_sequence_topocons`) adds a topological constraint to each
+# op created while an `in_sequence` mode is set, keyed by (graph, execution context):
+#  * an op created under True runs after every op of the previous unit of its key;
+#  * the ops created under False form one unit, after the unit before them, unordered inside;
+#  * leaving the outermost `in_sequence`, or entering `in_sequence('pass')` (which upstream
+#    stores as "no scope"), forgets every key, so the next ordered op starts afresh;
+#  * ops created under 'pass' get no constraint.
+# The mode is global, so a subgraph built inside `in_sequence(True)` (by `ir.create_graph`) is
+# sequenced too, under its own key: its ops neither join nor break the caller's sequence, and
+# the caller's `call` op is the caller's next unit.
+# The resulting order is recorded on each op as `Op.sequence = (chain, unit)`: op a runs before
+# op b when both have the same chain and a's unit is smaller. The simulator runs ops in creation
+# order anyway; the in-place ambiguity check (ir/inplace.py) reads these constraints.
+_sequence_state: dict[tuple[int, str], list[Any]] = {}  # key -> [chain, unit, in a False unit]
+_chains = itertools.count()
 
 
 def _push_graph(graph: Graph) -> None:
@@ -90,20 +108,48 @@ def in_sequence_active() -> bool:
 
 @contextlib.contextmanager
 def in_sequence(mode: bool | str = True) -> Iterator[None]:
-    """Run the ops created inside in creation order.
+    """Run the ops created inside in creation order (``True``), as one unordered unit of an
+    enclosing sequence (``False``), or add no constraint (``'pass'``).
 
     The simulator always executes ops in creation order, which is exactly the
-    ``in_sequence(True)`` schedule; the mode is still validated and recorded.
+    ``in_sequence(True)`` schedule; the constraints are recorded for the in-place ambiguity
+    check (Note [in_sequence constraints]).
     """
-    if mode is None or not isinstance(mode, bool | str):
-        raise TypeError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
-    if isinstance(mode, str) and mode != "pass":
-        raise ValueError(f"in_sequence(mode) expects True, False or 'pass'; got {mode!r}.")
+    if mode is None:
+        raise TypeError(
+            "`None` cannot be passed to `in_sequence`. Try `False` instead. (The modes are True, "
+            "False and 'pass'.)"
+        )
+    if not isinstance(mode, bool) and mode != "pass":
+        raise ValueError(
+            f"`in_sequence` mode not understood: {mode!r}. Must be one of `True`, `False`, "
+            "`'pass'`."
+        )
     _in_sequence_stack.append(mode)
+    if mode == "pass":  # upstream stores 'pass' as "no scope", which forgets every key
+        _sequence_state.clear()
     try:
         yield
     finally:
         _in_sequence_stack.pop()
+        if not _in_sequence_stack or _in_sequence_stack[-1] == "pass":
+            _sequence_state.clear()
+
+
+def _next_sequence(graph: Graph, context: str) -> tuple[int, int] | None:
+    """The ``(chain, unit)`` of an op created now in ``graph`` (Note [in_sequence
+    constraints]); None outside ``in_sequence`` and under ``in_sequence('pass')``."""
+    if not _in_sequence_stack or not isinstance(_in_sequence_stack[-1], bool):
+        return None
+    ordered = _in_sequence_stack[-1]
+    key = (id(graph), context)
+    state = _sequence_state.get(key)
+    if state is None:
+        state = _sequence_state[key] = [next(_chains), 0, not ordered]
+    elif ordered or not state[2]:
+        state[1] += 1
+        state[2] = not ordered
+    return (state[0], state[1])
 
 
 @contextlib.contextmanager

@@ -70,6 +70,9 @@ class Op:
     outputs: tuple[Tensor, ...]
     attrs: Any  # the record of ``_ATTRS[kind]``
     context: str = "normal"
+    # (chain, unit) of the in_sequence constraints it was created under (Note [in_sequence
+    # constraints] in ir/context.py); None when created outside in_sequence.
+    sequence: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
@@ -332,6 +335,8 @@ class Graph:
         self._ir._check_mutable()
         if self._op_context != "normal":
             op = replace(op, context=self._op_context)
+        if op.sequence is None:  # a moved or cloned op keeps the constraints it was built with
+            op = replace(op, sequence=_ctx._next_sequence(self, op.context))
         self._ops.append(op)
         self._version += 1
         for hook in list(self._hooks.values()):

@@ -48,6 +48,8 @@ class Ir:
         self._h2d_streams: list[HostToDeviceStream] = []
         self._d2h_streams: list[DeviceToHostStream] = []
         self._remote_buffers: list[RemoteBuffer] = []
+        # (graph holding the load, graph whose code is loaded, destination), in creation order.
+        self._code_loads: list[tuple[Graph, Graph, str]] = []
         self._param_variables: dict[int, Any] = {}
         self._num_host_transfers = 1
         self._sessions = 0

@@ -63,6 +63,7 @@ from .more import (
     random_uniform,
     relu_,
     remote_code_load,
+    roi_align,
     scatter,
     sign,
     split_random_seed,
@@ -115,7 +116,7 @@ __all__ = [
     "lamb_square", "scaled_add", "scaled_add_",
     "collectives", "var_updates", "lamb_updater", "adamax_updater",
     # upstream's other op names (ops/more.py), slice_ and tied_gather
-    "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_", "identity", "io_tile_copy", "ceil", "floor", "sign", "isfinite", "isinf", "isnan", "geluerf", "cumsum", "histogram", "mean", "sum", "sumsquare", "prod", "median", "l1", "l2", "logsum", "logsumexp", "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "PadType", "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter", "random_uniform", "random_normal", "split_random_seed", "create_random_seed", "remote_code_load", "interpolate", "slice_", "tied_gather",
+    "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_", "identity", "io_tile_copy", "ceil", "floor", "sign", "isfinite", "isinf", "isnan", "geluerf", "cumsum", "histogram", "mean", "sum", "sumsquare", "prod", "median", "l1", "l2", "logsum", "logsumexp", "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "PadType", "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter", "random_uniform", "random_normal", "split_random_seed", "create_random_seed", "remote_code_load", "interpolate", "roi_align", "slice_", "tied_gather",
 ]  # fmt: skip
 
 
@@ -428,14 +429,32 @@ def detach(t: Tensor) -> Tensor:
 
 def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion=None,
            zero_OOR: bool = False) -> Tensor:  # fmt: skip
-    """numpy ``take``: output shape ``t.shape[:axis] + indices.shape + t.shape[axis+1:]``."""
+    """numpy ``take``: output shape ``t.shape[:axis] + indices.shape + t.shape[axis+1:]``.
+
+    With ``zero_OOR=True`` an index outside ``[0, t.shape[axis])`` (negative ones included)
+    gives zeros, as upstream; without it upstream returns unspecified data, and the simulator
+    raises when the program runs.
+    """
     if not isinstance(indices, Tensor):
         indices = constant(np.asarray(indices), _dtypes.int32)
     flat = call_torch(torch.reshape, (indices, (-1,)), {})
     flat = call_torch(torch.Tensor.to, (flat, torch.int64), {})
-    out = call_torch(torch.index_select, (t, axis, flat), {})
+    if zero_OOR:
+        out = call_torch(_take_zero_out_of_range, (t, axis, flat), {})
+    else:
+        out = call_torch(torch.index_select, (t, axis, flat), {})
     shape = (*t.shape[:axis], *indices.shape, *t.shape[axis + 1 :])
     return call_torch(torch.reshape, (out, shape), {})
+
+
+def _take_zero_out_of_range(x: torch.Tensor, axis: int, idx: torch.Tensor) -> torch.Tensor:
+    size = x.shape[axis]
+    valid = (idx >= 0) & (idx < size)
+    rows = torch.index_select(x, axis, torch.where(valid, idx, torch.zeros_like(idx)))
+    # `where`, not a multiply by the mask, so inf/nan rows picked by the clamped index vanish.
+    shape = [1] * x.dim()
+    shape[axis] = idx.shape[0]
+    return torch.where(valid.reshape(shape), rows, torch.zeros((), dtype=x.dtype))
 
 
 def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor) -> Tensor:

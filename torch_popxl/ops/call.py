@@ -90,9 +90,7 @@ class CallSiteInfo:
         op = self._op
         modified = frozenset(op.attrs.modified) | {i}
         attrs = replace(op.attrs, modified=modified)
-        self._parent._replace_op(
-            self._index, Op(op.kind, op.name, op.inputs, op.outputs, attrs, op.context)
-        )
+        self._parent._replace_op(self._index, replace(op, attrs=attrs))
 
 
 def _flatten(xs) -> list[Any]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..ir.context import gcg
 from ..ir.graph import Graph
 from ..ir.tensor import Tensor, constant
 from ._intsafe import NARROW_UNSIGNED, int_safe, int_safe_inplace
@@ -30,7 +31,7 @@ __all__ = [
     "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "PadType",
     "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter",
     "random_uniform", "random_normal", "split_random_seed", "create_random_seed",
-    "remote_code_load", "interpolate",
+    "remote_code_load", "interpolate", "roi_align",
 ]  # fmt: skip
 
 PadType = Literal["not_set", "same_upper", "same_lower", "valid"]
@@ -585,19 +586,45 @@ def split_random_seed(seed: Tensor, n: int = 2) -> tuple[Tensor, ...]:
 # ---- code loading -------------------------------------------------------------------------
 
 
-def remote_code_load(graph: Graph, destination: str) -> None:
-    """Load ``graph``'s code from Streaming Memory before it is called.
+# Upstream's code locations (popxl/ops/remote_code_load.py, CODE_LOCATION); only
+# "executable" is implemented there, the buffers raise NotImplementedError.
+_CODE_LOCATIONS = ("executable", "compute_buffer", "io_buffer")
 
-    The simulator keeps all code resident, so this only checks its arguments.
+
+def remote_code_load(graph: Graph, destination: str) -> None:
+    """Load ``graph``'s code from Streaming Memory into ``destination`` ("executable") before
+    it is called.
+
+    The simulator keeps all code resident; the load is recorded, and the memory report shows
+    the graph's code as kept in streaming memory and loaded on demand (``Code location``).
     """
     if not isinstance(graph, Graph):
         raise TypeError(
             f"remote_code_load: graph must be a popxl Graph; got {type(graph).__name__}."
         )
-    if destination != "executable":
+    if destination not in _CODE_LOCATIONS:
         raise ValueError(
-            f"remote_code_load: destination must be 'executable'; got {destination!r}."
+            f"Not a valid location: {destination!r}. Must choose from: "
+            f"{', '.join(_CODE_LOCATIONS)} (remote_code_load destination)."
         )
+    parent = gcg()
+    if parent == graph:
+        raise ValueError(
+            f"The remote_code_load op cannot load the code for the graph it resides in "
+            f"({graph.id})."
+        )
+    if graph.ir is not parent.ir:
+        raise ValueError(
+            f"remote_code_load: {graph.id!r} belongs to {graph.ir!r}, not to {parent.ir!r} of the "
+            "current graph; load a graph of the same Ir."
+        )
+    if destination != "executable":
+        raise NotImplementedError(
+            f"destination == '{destination}' for remote_code_load op, graph {graph.id} not "
+            "supported (upstream implements only 'executable')."
+        )
+    parent.ir._check_mutable()
+    parent.ir._code_loads.append((parent, graph, destination))
 
 
 def interpolate(t: Tensor, scale_factor: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
@@ -643,3 +670,75 @@ def interpolate(t: Tensor, scale_factor: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
         return x
 
     return call_torch(run, (t,), {})
+
+
+# ---- region-of-interest pooling -----------------------------------------------------------
+
+
+def roi_align(t: Tensor, rois: Tensor, batch_index: Tensor, output_size: tuple[int, int],
+              spatial_scale: float, sampling_ratio: int) -> Tensor:  # fmt: skip
+    """Average-pool each region of interest of ``t`` into ``output_size`` bins (ONNX RoiAlign-10,
+    the semantics of ``torchvision.ops.roi_align(..., aligned=False)``).
+
+    ``t`` is ``[N, C, H, W]``; ``rois`` is ``[K, 4]`` boxes ``[x1, y1, x2, y2]`` in image
+    coordinates (scaled by ``spatial_scale`` onto ``t``); ``batch_index`` is ``[K]`` integers
+    naming each box's image. Each bin averages ``sampling_ratio`` x ``sampling_ratio``
+    bilinear samples. Returns ``[K, C, output_size[0], output_size[1]]``.
+    """
+    t, rois, batch_index = (_check(x, "roi_align") for x in (t, rois, batch_index))
+    if t.rank != 4:
+        raise ValueError(f"roi_align: t must be [N, C, H, W]; got shape {t.shape}.")
+    if rois.rank != 2 or rois.shape[1] != 4:
+        raise ValueError(f"roi_align: rois must be [num_rois, 4] boxes [x1, y1, x2, y2]; got "
+                         f"shape {rois.shape}.")  # fmt: skip
+    if batch_index.shape != (rois.shape[0],) or not batch_index.dtype.is_int:
+        raise ValueError(
+            f"roi_align: batch_index must be an integer tensor of shape ({rois.shape[0]},) (one "
+            f"image index per box); got {batch_index.dtype.name} {batch_index.shape}."
+        )
+    size = tuple(output_size)
+    if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        raise ValueError(f"roi_align: output_size must be two positive ints (height, width); "
+                         f"got {output_size!r}.")  # fmt: skip
+    if not isinstance(sampling_ratio, int) or sampling_ratio < 1:
+        # ONNX's adaptive grid (sampling_ratio 0) depends on each box's size: data-dependent.
+        raise ValueError(
+            f"roi_align: sampling_ratio must be a positive int (samples per bin side); got "
+            f"{sampling_ratio!r}. The adaptive grid of sampling_ratio=0 is not supported."
+        )
+    scale = float(spatial_scale)
+
+    def run(x, boxes, idx):
+        n_h, n_w = size
+        feats = x.index_select(0, idx.to(torch.int64))  # [K, C, H, W]
+        ay = _roi_interpolation(boxes[:, 1], boxes[:, 3], scale, n_h, sampling_ratio, x.shape[2])
+        ax = _roi_interpolation(boxes[:, 0], boxes[:, 2], scale, n_w, sampling_ratio, x.shape[3])
+        out = torch.einsum("kph,kchw,kqw->kcpq", ay.to(x.dtype), feats, ax.to(x.dtype))
+        return out
+
+    return call_torch(run, (t, rois, batch_index), {})
+
+
+def _roi_interpolation(start, end, scale: float, bins: int, grid: int, extent: int):
+    """``[K, bins, extent]`` weights: row ``(k, b)`` averages the 1-D bilinear samples of bin
+    ``b`` of box ``k`` along one axis (the 2-D sample weights are products of these)."""
+    lo = start.to(torch.float32) * scale
+    length = torch.clamp(end.to(torch.float32) * scale - lo, min=1.0)  # legacy: no -0.5 shift
+    step = length / bins
+    offsets = torch.arange(bins, dtype=torch.float32).reshape(1, bins, 1)
+    sub = (torch.arange(grid, dtype=torch.float32).reshape(1, 1, grid) + 0.5) / grid
+    pos = lo.reshape(-1, 1, 1) + (offsets + sub) * step.reshape(-1, 1, 1)  # [K, bins, grid]
+    # Samples more than one pixel outside the map contribute zero; others clamp to the edge.
+    inside = (pos >= -1.0) & (pos <= extent)
+    pos = torch.clamp(pos, min=0.0)
+    low = torch.clamp(torch.floor(pos), max=extent - 1)
+    at_edge = low >= extent - 1
+    pos = torch.where(at_edge, low, pos)
+    high = torch.where(at_edge, low, low + 1)
+    frac = pos - low
+    cells = torch.arange(extent, dtype=torch.float32)
+    weights = (1 - frac).unsqueeze(-1) * (cells == low.unsqueeze(-1)) + frac.unsqueeze(-1) * (
+        cells == high.unsqueeze(-1)
+    )
+    weights = weights * inside.unsqueeze(-1)
+    return weights.sum(2) / grid

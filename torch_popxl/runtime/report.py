@@ -163,6 +163,9 @@ class MemoryReport:
     backing_streaming_bytes: int = 0
     rts_saved_bytes: int = 0
     shard_counts: tuple[int, ...] = ()
+    # (graph id, where its code lives, remote_code_load sites) for the called and loaded
+    # subgraphs, once the program uses ops.remote_code_load; empty otherwise.
+    code_locations: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def on_chip_bytes(self) -> int:
@@ -279,6 +282,7 @@ class MemoryReport:
         flops = f"{self.flops / 1e6:,.1f} MFLOP" if self.flops >= 1e6 else f"{self.flops:,} FLOP"
         lines.append(f"  ({flops} of matmuls per replica)")
 
+        lines += self._code_location_lines()
         if counters:
             measured = self.measured_counters
             lines += ["", row("Counters (IR vs runtime)", "IR", "runtime", indent=0)]
@@ -290,6 +294,18 @@ class MemoryReport:
 
     def __str__(self) -> str:
         return self.format()
+
+    def _code_location_lines(self) -> list[str]:
+        """Where each subgraph's code lives (PopXL guide, "Code loading"): a graph that
+        ``remote_code_load`` names is kept in streaming memory and loaded before its calls;
+        every other called graph stays in executable memory for the whole program."""
+        if not self.code_locations:
+            return []
+        lines = ["", "Code location (ops.remote_code_load)"]
+        for graph_id, where, loads in self.code_locations:
+            detail = f"; loaded by {loads} remote_code_load op{'s' if loads != 1 else ''}"
+            lines.append(f"  {graph_id}".ljust(48) + where + (detail if loads else ""))
+        return lines
 
     def to_dict(self) -> dict:
         """Every figure as plain numbers (bytes, seconds), ready for ``json.dumps``."""
@@ -313,6 +329,7 @@ class MemoryReport:
                 "moved_off_chip": self.offchip_bytes,
             },
             "shard_counts": list(self.shard_counts),
+            "code_locations": {g: {"location": w, "loads": n} for g, w, n in self.code_locations},
             "traffic_per_run_bytes": dict(self.traffic),
             "ops_per_run": dict(self.op_counts),
             "matmul_flops_per_replica": self.flops,
@@ -431,8 +448,32 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         measured_counters=None if measured is None else MappingProxyType(dict(measured)),
         cost_model=cost_model or CostModel(),
         workload=work,
+        code_locations=_code_locations(ir),
         **placement,
     )
+
+
+# Where code lives, in the words of the report.
+CODE_IN_STREAMING_MEMORY = "streaming memory, loaded into executable memory"
+CODE_ALWAYS_LIVE = "executable memory (always live)"
+
+
+def _code_locations(ir) -> tuple[tuple[str, str, int], ...]:
+    """(graph id, location, load sites) of every called or loaded subgraph, in creation order;
+    empty for a program without ``remote_code_load`` (whose code is all resident)."""
+    if not ir._code_loads:
+        return ()
+    loads: dict[int, int] = {}
+    for _, graph, _ in ir._code_loads:
+        loads[id(graph)] = loads.get(id(graph), 0) + 1
+    called = {id(c) for g in ir.graphs for c in g.called_graphs}
+    rows = []
+    for g in ir.graphs:
+        if id(g) in loads:
+            rows.append((g.id, CODE_IN_STREAMING_MEMORY, loads[id(g)]))
+        elif id(g) in called:
+            rows.append((g.id, CODE_ALWAYS_LIVE, 0))
+    return tuple(rows)
 
 
 def _buffer_placement(ir, main: Graph) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dtypes
+from ..ir.inplace import check_inplace_ambiguity
 from ..ir.ir import Ir
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Constant, Tensor, Variable
@@ -43,6 +44,8 @@ class Session:
         if not isinstance(ir, Ir):
             raise TypeError(f"Session expects a popxl Ir; got {type(ir).__name__}.")
         ir.verify()
+        # Upstream builds every Ir with enableInplaceAmbiguityChecking (Note [in-place ambiguity]).
+        check_inplace_ambiguity(ir)
         if device_desc not in _DEVICES:
             raise ValueError(
                 f"Incorrect device type provided {device_desc!r}: expected one of {_DEVICES} (all "

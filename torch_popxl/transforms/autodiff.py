@@ -137,7 +137,9 @@ def _is_modifying(op: Op) -> bool:
         schema = getattr(op.attrs.target, "_schema", None)
         return bool(schema is not None and any(a.alias_info is not None and a.alias_info.is_write
                                                for a in schema.arguments))  # fmt: skip
-    return op.kind in (OpKind.REMOTE_LOAD_INPLACE, OpKind.REMOTE_STORE, OpKind.HOST_STORE)
+    # Stores have side effects but modify no tensor of the graph: upstream (PopART's
+    # checkForModifyingOps asks Op::modifies()) differentiates graphs holding them.
+    return op.kind == OpKind.REMOTE_LOAD_INPLACE
 
 
 def _check_differentiable(graph: Graph) -> None:
@@ -195,6 +197,12 @@ class _Replay(Interpreter[torch.Tensor]):
         return fake
 
     def op(self, op: Op, ins: list[torch.Tensor], env) -> list[torch.Tensor]:
+        if op.kind == OpKind.PRINT:
+            # print_tensor is an identity for gradients (upstream's grad op passes the gradient
+            # on). The grad graph does not print the gradient, as upstream's does.
+            outs = [torch.ops.aten.alias.default(ins[0])]
+            self._note_outputs(op, outs)
+            return outs
         if op.kind != OpKind.TORCH:
             return self._no_gradient_path(op)
         target = op.attrs.target
@@ -227,7 +235,7 @@ class _Replay(Interpreter[torch.Tensor]):
         return self._no_gradient_path(op)
 
     def _no_gradient_path(self, op: Op) -> list[torch.Tensor]:
-        # Host loads, remote loads, prints, repeats: values without a gradient path.
+        # Host loads, remote loads, repeats: values without a gradient path; stores: no values.
         outs = [_fake_like(t.shape, t.dtype) for t in op.outputs]
         for t, fake in zip(op.outputs, outs, strict=True):
             self._note(fake, t)

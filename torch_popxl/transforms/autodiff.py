@@ -31,6 +31,7 @@ from ..ir.tensor import (
 )
 from ..ir.walk import Interpreter
 from ..opdefs.registry import Effect
+from .custom_grads import call_with_given_grad, given_grad_graphs
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -159,8 +160,12 @@ class _Replay(Interpreter[torch.Tensor]):
     over fake tensors). Calls are entered; a repeat, like a host or remote load, yields fresh
     values without a gradient path."""
 
-    def __init__(self, graph: Graph, required: list[Tensor]):
+    def __init__(self, graph: Graph, required: list[Tensor], given: dict | None = None):
         self.graph = graph
+        # Calls whose gradient graph is given (Note [given gradient graphs], custom_grads.py).
+        self.given = given or {}
+        self.given_call_outputs: dict[int, list[torch.Tensor]] = {}
+        self.grad_handle = None  # fake -> grad-graph tensor, set while the backward records
         self.value: dict[str, torch.Tensor] = {}
         self.fwd_of: dict[int, Tensor] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused
@@ -215,6 +220,18 @@ class _Replay(Interpreter[torch.Tensor]):
         return outs
 
     def call(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        info = self.given.get(op.attrs.graph) if op.kind == OpKind.CALL else None
+        if info is not None:
+            if self._depth:
+                raise NotImplementedError(
+                    f"autodiff: {op.attrs.graph.id!r} has a given gradient graph but is called "
+                    "inside another called graph; only calls made by the graph being "
+                    "differentiated can use one. Differentiate the intermediate graph first and "
+                    "pass its gradient graph in called_graphs_grad_info."
+                )
+            outs = call_with_given_grad(self, op, info, ins)
+            self._note_outputs(op, outs)
+            return outs
         self._depth += 1
         try:
             outs = self.enter(op, self.by_value(op, ins))
@@ -296,7 +313,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                 f"input of {graph.id!r}."
             )
 
-    replay = _Replay(graph, required)
+    replay = _Replay(graph, required, given_grad_graphs(called_graphs_grad_info))
     ir = graph.ir
     grad_graph = ir.create_empty_graph(f"{graph.name}_grad")
     expected_in: list[ExpectedConnection] = []
@@ -325,6 +342,15 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
         grad_graph._rebind_fake(handle, fake)
         return handle
 
+    def grad_handle(fake: torch.Tensor) -> Tensor:
+        handle = grad_graph._tensor_for_fake(fake)
+        if handle is None:
+            handle = resolve(fake)
+        if handle is None:
+            raise AssertionError("a value the given gradient graph reads was not captured")
+        return handle
+
+    replay.grad_handle = grad_handle
     outs = [replay.value[t.id] for t in provided]
     pairs = [(o, s) for o, s in zip(outs, seeds, strict=True) if o.requires_grad]
     wrt = [(t, replay.value[t.id]) for t in required]

@@ -368,3 +368,36 @@ def test_a_given_gradient_two_calls_deep_is_reported():
         _, fwd = Outer().create_graph(x)
         with pytest.raises(NotImplementedError, match="called inside another called graph"):
             addons.autodiff(fwd)
+
+
+class StraightThrough(addons.Module):
+    def build(self, x):
+        return ops.cast(ops.cast(x + 0.5, popxl.int32), popxl.float32)
+
+    def build_grad(self, dy):
+        return dy
+
+
+class Quantised(addons.Module):
+    def build(self, x):
+        w = self.add_variable_input("w", lambda: np.full((3,), 2.0, np.float32), popxl.float32)
+        (q,) = self.call_module(StraightThrough())(x * w)
+        return q * q
+
+
+def test_straight_through_child_without_aux_gives_the_estimator_gradient():
+    # q = round(2x) = [0, 1, 2] for x = [0.2, 0.7, 1.1] (round half up); d(q*q)/dx through the
+    # straight-through child: 2 q * w = [0, 4, 8]; d/dw: 2 q * x = [0, 1.4, 4.4].
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.array([0.2, 0.7, 1.1], np.float32), name="x")
+        facts, fwd = Quantised().create_graph(x)
+        bwd = addons.autodiff(fwd)
+        call = fwd.bind(facts.init()).call_with_info(x)
+        grads = bwd.call(
+            popxl.constant(np.ones(3, np.float32)), args=bwd.grad_graph_info.inputs_dict(call)
+        )
+    q, dx, dw = _run(ir, [call.outputs[0], *grads])
+    np.testing.assert_array_equal(q, [0.0, 1.0, 4.0])
+    np.testing.assert_array_equal(dx, [0.0, 4.0, 8.0])
+    np.testing.assert_allclose(dw, [0.0, 1.4, 4.4], rtol=1e-6)

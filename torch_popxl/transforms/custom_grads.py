@@ -54,7 +54,15 @@ class _GivenGradCall(torch.autograd.Function):
     def forward(ctx, replay, op: Op, info, *ins):
         ctx.replay, ctx.op, ctx.info = replay, op, info
         ctx.ins = ins
-        return tuple(replay.enter(op, replay.by_value(op, list(ins))))
+        # Inside the callee: its values are not the caller's (no forward-tensor notes).
+        replay._depth += 1
+        try:
+            outs = replay.enter(op, replay.by_value(op, list(ins)))
+        finally:
+            replay._depth -= 1
+        # Fresh tensors: a callee output may be one of its inputs (or shared), and the values
+        # the caller sees must be its own call outputs.
+        return tuple(o.clone() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -29,7 +29,7 @@ CONTRACT = [
         "batch_serial_buffer", "RemoteHandle", "pipelined_execution", "recompute_graph", "InputStreams",
         "OutputStreams", "timer", "null_context", "suffix_graph_name", "GIT_COMMIT",
     ]),
-    ("module", "popxl_addons/module.py", ["Module"]),
+    ("module", "popxl_addons/module.py", ["Module", "create_grad_graph_info"]),
     ("graph", "popxl_addons/graph.py", ["GraphWithNamedArgs", "BoundGraph"]),
     ("graph_cache", "popxl_addons/graph_cache.py", ["GraphCache", "function"]),
     ("variable_factory", "popxl_addons/variable_factory.py", [

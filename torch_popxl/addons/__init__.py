@@ -27,7 +27,7 @@ from . import (  # noqa: F401
 from .dot_tree import DotTree
 from .graph import BoundGraph, GraphWithNamedArgs
 from .graph_cache import GraphCache, argument_hash, function, get_function_hash
-from .module import Module
+from .module import Module, create_grad_graph_info
 from .named_replica_grouping import NamedReplicaGrouping
 from .named_tensors import NamedTensorData, NamedTensors, print_named_tensors
 from .ops import cross_entropy, cross_entropy_with_grad, fp8_amax_scale, host_load, host_store
@@ -87,7 +87,8 @@ __all__ = [
     "replica_sharded_spec", "reduce_replica_sharded_graph", "all_gather_replica_sharded_graph",
     "reduce_replica_sharded_tensor", "gather_replica_sharded_tensor",
     "array_munging", "named_replica_grouping", "route_tensor", "task_session",
-    "Module", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function", "get_function_hash",
+    "Module", "create_grad_graph_info", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function",
+    "get_function_hash",
     "argument_hash", "DotTree", "NamedTensors", "NamedTensorData", "NamedVariableFactories",
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",
     "add_replica_sharded_variable_input", "print_named_tensors",

@@ -84,7 +84,8 @@ class GraphWithNamedArgs:
 
     def __init__(self, graph: Graph, args: NamedTensors | None = None,
                  grad_graph_info: GradGraphInfo | None = None, from_module: Any = None,
-                 aux: Mapping | None = None, called_graphs_grad_info: Mapping | None = None):  # fmt: skip
+                 aux: Aux | Mapping | None = None,
+                 called_graphs_grad_info: Mapping | None = None):  # fmt: skip
         if not isinstance(graph, Graph):
             raise TypeError(
                 f"GraphWithNamedArgs expects a popxl Graph; got {type(graph).__name__}."
@@ -94,6 +95,7 @@ class GraphWithNamedArgs:
         self._grad_graph_info = grad_graph_info
         self.from_module = from_module
         # The forward tensors ``build`` kept for ``build_grad`` (Note [aux stitching]).
+        self.aux: Aux
         if isinstance(aux, Aux):
             self.aux = aux
         else:

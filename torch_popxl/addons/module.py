@@ -421,7 +421,8 @@ class _CallModule:
             self.autodiff != "auto" or self.callee.implements_grad_graph
         ):
             # Before the call site: the gradient may add forward outputs (aux, saved tensors).
-            grad = graph.autodiff(method=self.autodiff, grads_provided=self.grads_provided,
+            # GraphWithNamedArgs.autodiff is installed by addons/transforms/autodiff.py.
+            grad = graph.autodiff(method=self.autodiff, grads_provided=self.grads_provided,  # type: ignore[attr-defined]
                                   grads_required=self.grads_required)  # fmt: skip
             self.caller.called_graphs_grad_info.add(graph, grad)
         # The graph's tensor inputs come first, in the order create_graph made them.

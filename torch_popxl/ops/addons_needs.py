@@ -201,6 +201,7 @@ def scatter_reduce(data: Tensor, indices: Tensor, reduction: Literal["sum", "min
         raise ValueError(f"The reduction must be one of {list(_REDUCE)}; got {reduction!r}.")
     axis = axis % data.rank
     if axis_size is None:
+        assert initial_values is not None  # checked above
         axis_size = initial_values.shape[axis]
     out_shape = (*data.shape[:axis], int(axis_size), *data.shape[axis + 1 :])
     if initial_values is not None and tuple(initial_values.shape) != out_shape:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +165,8 @@ class _Replay(Interpreter[torch.Tensor]):
         # Calls whose gradient graph is given (Note [given gradient graphs], custom_grads.py).
         self.given = given or {}
         self.given_call_outputs: dict[int, list[torch.Tensor]] = {}
-        self.grad_handle = None  # fake -> grad-graph tensor, set while the backward records
+        # fake -> grad-graph tensor, set while the backward records
+        self.grad_handle: Callable[[torch.Tensor], Tensor] | None = None
         self.value: dict[str, torch.Tensor] = {}
         self.fwd_of: dict[int, Tensor] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused

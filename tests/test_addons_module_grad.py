@@ -361,13 +361,27 @@ class Outer(addons.Module):
         return y
 
 
-def test_a_given_gradient_two_calls_deep_is_reported():
+def test_a_given_gradient_two_calls_deep_is_used():
+    # Outer calls Net (differentiated automatically), which calls Scale3 (its build_grad):
+    # the numbers of test_call_module_child_build_grad_is_used_when_the_parent_is_differentiated.
     ir = popxl.Ir()
     with ir.main_graph:
-        x = popxl.variable(np.ones(3, np.float32))
-        _, fwd = Outer().create_graph(x)
-        with pytest.raises(NotImplementedError, match="called inside another called graph"):
-            addons.autodiff(fwd)
+        x = popxl.variable(np.array([1.0, -2.0, 3.0], np.float32), name="x")
+        facts, fwd = Outer().create_graph(x)
+        assert (
+            fwd.args.keys_flat() == ["Net.w", "Net.scale.s"]
+            and len(fwd.called_graphs_grad_info) == 1
+        )
+        bwd = addons.autodiff(fwd)
+        call = fwd.bind(facts.init()).call_with_info(x)
+        grads = bwd.call(
+            popxl.constant(np.ones(3, np.float32)), args=bwd.grad_graph_info.inputs_dict(call)
+        )
+    out, dx, dw, ds = _run(ir, [call.outputs[0], *grads])
+    np.testing.assert_array_equal(out, [1.5, 0.5, 3.5])
+    np.testing.assert_array_equal(dx, [3.0, 0.0, 3.0])
+    np.testing.assert_array_equal(dw, [7.0, 1.0, 19.0])
+    assert ds == 2.0
 
 
 class StraightThrough(addons.Module):

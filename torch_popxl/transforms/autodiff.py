@@ -31,7 +31,7 @@ from ..ir.tensor import (
 )
 from ..ir.walk import Interpreter
 from ..opdefs.registry import Effect
-from .custom_grads import call_with_given_grad, given_grad_graphs
+from .custom_grads import call_with_given_grad, given_grad_graphs, with_intermediate_grads
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -222,14 +222,9 @@ class _Replay(Interpreter[torch.Tensor]):
 
     def call(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         info = self.given.get(op.attrs.graph) if op.kind == OpKind.CALL else None
-        if info is not None:
-            if self._depth:
-                raise NotImplementedError(
-                    f"autodiff: {op.attrs.graph.id!r} has a given gradient graph but is called "
-                    "inside another called graph; only calls made by the graph being "
-                    "differentiated can use one. Differentiate the intermediate graph first and "
-                    "pass its gradient graph in called_graphs_grad_info."
-                )
+        # Deeper calls with a given gradient are only met inside a given call's forward (whose
+        # gradient is its own graph: with_intermediate_grads), where values are all we need.
+        if info is not None and not self._depth:
             outs = call_with_given_grad(self, op, info, ins)
             self._note_outputs(op, outs)
             return outs
@@ -289,6 +284,9 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
              return_all_grad_graphs: bool = False, *, _allow_modifying: bool = False):  # fmt: skip
     """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8).
 
+    ``called_graphs_grad_info`` ({called graph: its ``GradGraphInfo``}) makes calls of those
+    graphs, at any depth, use the given gradient graphs (Note [given gradient graphs]).
+
     ``_allow_modifying`` (used by ``popxl.compile``) accepts in-place updates of inputs that
     carry no gradient, such as BatchNorm running statistics.
     """
@@ -314,7 +312,8 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                 f"input of {graph.id!r}."
             )
 
-    replay = _Replay(graph, required, given_grad_graphs(called_graphs_grad_info))
+    given = with_intermediate_grads(graph, given_grad_graphs(called_graphs_grad_info), autodiff)
+    replay = _Replay(graph, required, given)
     ir = graph.ir
     grad_graph = ir.create_empty_graph(f"{graph.name}_grad")
     expected_in: list[ExpectedConnection] = []

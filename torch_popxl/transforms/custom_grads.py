@@ -9,22 +9,26 @@ Note [given gradient graphs]
     call's inputs follow the ``GradGraphInfo``: ``FwdGrad`` inputs take the gradients of the
     callee's outputs, ``Fwd`` inputs the caller's values of callee inputs or outputs (which
     become grad-graph inputs through autodiff's usual resolution); its outputs are the
-    gradients of the callee inputs the info names. Only calls made directly by the graph
-    being differentiated are handled this way.
+    gradients of the callee inputs the info names.
+
+    A called graph that does not have a given gradient graph but calls one (directly or
+    deeper) is differentiated first, on its own and with the same map, and its gradient graph
+    is then used as a given one (``with_intermediate_grads``): so a given gradient graph is
+    used at any depth, as PopART's recursive autodiff does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from .. import ops
-from ..ir.graph import Graph, Op
+from ..ir.graph import Graph, Op, OpKind
 
-__all__ = ["given_grad_graphs", "call_with_given_grad"]
+__all__ = ["given_grad_graphs", "call_with_given_grad", "with_intermediate_grads"]
 
 
 def given_grad_graphs(called_graphs_grad_info: Mapping | None) -> dict[Graph, Any]:
@@ -107,3 +111,26 @@ def call_with_given_grad(replay, op: Op, info, ins: list[torch.Tensor]) -> list[
     outs = list(_GivenGradCall.apply(replay, op, info, *ins))
     replay.given_call_outputs[id(op)] = outs
     return outs
+
+
+def _reaches(graph: Graph, given: Mapping[Graph, Any], seen: set[int]) -> bool:
+    if graph in given:
+        return True
+    if id(graph) in seen:
+        return False
+    seen.add(id(graph))
+    return any(_reaches(c, given, seen) for c in graph.called_graphs)
+
+
+def with_intermediate_grads(graph: Graph, given: dict[Graph, Any],
+                            autodiff: Callable[..., Any]) -> dict[Graph, Any]:  # fmt: skip
+    """``given`` plus a gradient graph (made with ``autodiff(callee, None, None, map)``) for
+    every graph ``graph`` calls that reaches a given one without having one itself."""
+    if not given:
+        return given
+    out = dict(given)
+    for op in list(graph._ops):
+        callee = op.attrs.graph if op.kind == OpKind.CALL else None
+        if callee is not None and callee not in out and _reaches(callee, out, set()):
+            out[callee] = autodiff(callee, None, None, out)
+    return out

@@ -415,3 +415,18 @@ def test_straight_through_child_without_aux_gives_the_estimator_gradient():
     np.testing.assert_array_equal(q, [0.0, 1.0, 4.0])
     np.testing.assert_array_equal(dx, [0.0, 4.0, 8.0])
     np.testing.assert_allclose(dw, [0.0, 1.4, 4.4], rtol=1e-6)
+
+
+def test_return_all_grad_graphs_includes_the_intermediate_gradient_graphs():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32))
+        _, fwd = Outer().create_graph(x)
+        infos = popxl.transforms.autodiff(
+            fwd.graph,
+            called_graphs_grad_info=fwd.called_graphs_grad_info,
+            return_all_grad_graphs=True,
+        )
+    (net_graph,) = [g for g in fwd.graph.called_graphs]
+    assert set(infos) == {fwd.graph, net_graph}
+    assert infos[net_graph].forward_graph is net_graph

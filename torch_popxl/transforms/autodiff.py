@@ -312,7 +312,8 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                 f"input of {graph.id!r}."
             )
 
-    given = with_intermediate_grads(graph, given_grad_graphs(called_graphs_grad_info), autodiff)
+    given_in = given_grad_graphs(called_graphs_grad_info)
+    given = with_intermediate_grads(graph, given_in, autodiff)
     replay = _Replay(graph, required, given)
     ir = graph.ir
     grad_graph = ir.create_empty_graph(f"{graph.name}_grad")
@@ -395,6 +396,6 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
             _stitch_output(graph, ft)
 
     info = GradGraphInfo._create(grad_graph, graph, expected_in, expected_out)
-    if return_all_grad_graphs:
-        return {graph: info}
+    if return_all_grad_graphs:  # with the gradient graphs made for called graphs
+        return {**{g: i for g, i in given.items() if g not in given_in}, graph: info}
     return info

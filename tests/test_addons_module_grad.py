@@ -15,7 +15,7 @@ import torch_popxl.addons as addons
 from torch_popxl import ops
 
 
-def _run(ir, tensors):
+def _run(ir, tensors, executor="fast"):
     """Stream ``tensors`` out of one run; returns their values in order."""
     with ir.main_graph:
         streams = []
@@ -23,7 +23,7 @@ def _run(ir, tensors):
             s = popxl.d2h_stream(t.shape, t.dtype)
             ops.host_store(s, t)
             streams.append(s)
-    with popxl.Session(ir, "ipu_model") as session:
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
         out = session.run()
     return [out[s] for s in streams]
 
@@ -108,7 +108,8 @@ def test_build_grad_linear_matches_torch_forward_and_gradients():
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_call_module_child_build_grad_is_used_when_the_parent_is_differentiated():
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_call_module_child_build_grad_is_used_when_the_parent_is_differentiated(executor):
     # x = [1, -2, 3], w = 0.5, s = 2: h = x*w*s = [1, -2, 3], out = relu(h) + w.
     # d out = 1: dh = [1, 0, 1]; the child's gradient: d(xw) = 3*s*dh = [6, 0, 6],
     # ds = sum(dh * x*w) = 2; dx = d(xw) * w = [3, 0, 3]; dw = d(xw) * x + 1 = [7, 1, 19].
@@ -123,7 +124,7 @@ def test_call_module_child_build_grad_is_used_when_the_parent_is_differentiated(
         grads = bwd.call(
             popxl.constant(np.ones(3, np.float32)), args=bwd.grad_graph_info.inputs_dict(call)
         )
-    out, dx, dw, ds = _run(ir, [call.outputs[0], *grads])
+    out, dx, dw, ds = _run(ir, [call.outputs[0], *grads], executor)
     np.testing.assert_array_equal(out, [1.5, 0.5, 3.5])
     np.testing.assert_array_equal(dx, [3.0, 0.0, 3.0])
     np.testing.assert_array_equal(dw, [7.0, 1.0, 19.0])

@@ -29,7 +29,7 @@ CONTRACT = [
         "batch_serial_buffer", "RemoteHandle", "pipelined_execution", "recompute_graph", "InputStreams",
         "OutputStreams", "timer", "null_context", "suffix_graph_name", "GIT_COMMIT",
     ]),
-    ("module", "popxl_addons/module.py", ["Module"]),
+    ("module", "popxl_addons/module.py", ["Module", "create_grad_graph_info"]),
     ("graph", "popxl_addons/graph.py", ["GraphWithNamedArgs", "BoundGraph"]),
     ("graph_cache", "popxl_addons/graph_cache.py", ["GraphCache", "function"]),
     ("variable_factory", "popxl_addons/variable_factory.py", [
@@ -71,7 +71,8 @@ CONTRACT = [
     ("ops.cross_entropy_sharded_wr_loss",
      "popxl_addons/ops/cross_entropy_sharded_wr_loss/cross_entropy_sharded_wr_loss.py",
      ["cross_entropy_sharded_wr_loss"]),
-    ("ops.static_sparse_ops", "popxl_addons/ops/static_sparse_ops/__init__.py", []),
+    ("ops.static_sparse_ops", "popxl_addons/ops/static_sparse_ops/dense_sparse_matmul.py",
+     ["dense_const_sparse_matmul", "random_sparse"]),
     ("ops.linear_layout", "popxl_addons/ops/linear_layout/linear_layout.py", ["linear_layout"]),
     ("remote", "popxl_addons/remote.py", [
         "NamedRemoteBuffers", "load_remote", "store_remote", "load_remote_graph", "store_remote_graph",
@@ -103,11 +104,7 @@ CONTRACT = [
 # Not provided yet (issue 15 part 2 and the core names they need): (module path, name); a name
 # of None means the whole module.
 NOT_YET = {
-    ("", "route_tensor_into_graph"), ("route_tensor", "route_tensor_into_graph"),
-    ("", "fp8_amax_scale"), ("ops", "fp8_amax_scale"),
     ("", "pipelined_execution"), ("transforms", "pipelined_execution"),
-    ("ops.static_sparse_ops", None),
-    ("seed_variable", None),
 }  # fmt: skip
 
 

@@ -3,12 +3,15 @@ proportions."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 import torch_popxl as popxl
 import torch_popxl.addons as addons
 from torch_popxl.addons import named_replica_grouping as nrg
+from torch_popxl.addons import utils
 from torch_popxl.addons.layers import Linear
 
 
@@ -93,3 +96,32 @@ def test_linear_layout_is_a_copy_with_an_identity_gradient():
         y, g = (session.run()[o] for o in outs)
     np.testing.assert_array_equal(y, 2 * data)
     np.testing.assert_array_equal(g, np.full((2, 3), 2.0, np.float32))
+
+
+def test_dot_tree_len_counts_top_level_keys_and_len_flat_the_leaves():
+    tree = addons.DotTree.from_dict({"a.x": 1, "a.y": 2, "b": 3})
+    assert tree.len() == len(tree) == 2 and tree.len_flat() == 3
+
+
+def test_utils_timer_logs_minutes_and_overrides_and_duplicate_items(caplog):
+    with caplog.at_level(logging.INFO), utils.timer("Build"):
+        pass
+    assert "Starting Build" in caplog.text and "Build duration: 0.00 mins" in caplog.text
+
+    class Base:
+        def f(self):
+            pass
+
+    class Same(Base):
+        pass
+
+    class Own(Base):
+        def f(self):
+            pass
+
+    assert not utils.overrides(Same, Base, "f") and utils.overrides(Own, Base, "f")
+    assert utils.duplicate_items([1, 2, 1, 3, 2, 1]) == [1, 2]
+    ir = popxl.Ir()
+    with ir.main_graph:
+        a, b = popxl.variable(1.0), popxl.variable(1.0)  # equal values, distinct tensors
+        assert utils.duplicate_items([a, b, a]) == [a]

@@ -15,8 +15,12 @@ from torch_popxl.addons.optimizers.adam import AdamOptimizerStep
 from torch_popxl.addons.task_session import TaskSession
 
 
-def build_training_session(seed: int = 0) -> TaskSession:
-    """One Adam step of a linear layer on ``sum((x @ W + b) ** 2)`` per run."""
+def build_training_session(
+    seed: int = 0, memmap_dir=None, read_only_if_exists=False
+) -> TaskSession:
+    """One Adam step of a linear layer on ``sum((x @ W + b) ** 2)`` per run; with
+    ``memmap_dir`` the weights and optimizer state are np.memmap files there."""
+    mm = {"memmap_dir": memmap_dir, "read_only_if_exists": read_only_if_exists}
     np.random.seed(seed)
     ir = popxl.Ir()
     with ir.main_graph, popxl.in_sequence(True):
@@ -26,7 +30,7 @@ def build_training_session(seed: int = 0) -> TaskSession:
         facts, fwd = Linear(2).create_graph(x)
         names = ["weight", "bias"]
         bwd = addons.autodiff(fwd, grads_required=[fwd.args[n] for n in names])
-        weights = facts.init()
+        weights = facts.init(**mm)
         info = fwd.bind(weights).call_with_info(x)
         y = info.outputs[0]
         loss = popxl.ops.reduce_sum(y * y)
@@ -37,7 +41,7 @@ def build_training_session(seed: int = 0) -> TaskSession:
         for name, grad in zip(names, grads, strict=True):
             w = weights[name]
             opt_facts, opt_graph = opt.create_graph(w, grad.spec, lr=0.1)
-            state = opt_facts.init(prefix=f"optim.{name}")
+            state = opt_facts.init(prefix=f"optim.{name}", **mm)
             opt_graph.bind(state).call(w, grad)
             optim[name] = state
     model = addons.NamedTensors(fwd=weights, optim=addons.NamedTensors(**optim))
@@ -120,3 +124,70 @@ def test_load_from_session_copies_state_by_key_and_reads_upstream_pickled_checkp
         np.testing.assert_array_equal(
             dst.get_tensor_data(dst.model.fwd.weight), np.full((3, 2), 5, np.float32)
         )
+
+
+# ---- memmap-backed model state ---------------------------------------------------------------
+
+
+def _files(folder):
+    return {p.name: np.load(p) for p in sorted(folder.iterdir())}
+
+
+def test_memmap_backed_task_session_trains_into_its_files_and_checkpoints_exactly(tmp_path):
+    data = batches(5)
+    mm_dir = tmp_path / "weights"
+    ckpt = str(tmp_path / "ckpt.npz")
+    # Reference: the same training held in memory.
+    with build_training_session() as ref:
+        ref_losses = [float(ref.run({ref.inputs.x: x})[ref.outputs.loss]) for x in data]
+        ref_final = {k: ref.get_tensor_data(t) for k, t in ref.model.to_dict().items()}
+    with build_training_session(memmap_dir=str(mm_dir)) as a:
+        # One .npy file per variable, named by the variable's name.
+        assert sorted(_files(mm_dir)) == sorted(f"{t.name}.npy" for t in a.model.tensors)
+        assert "optim.weight.first_order.npy" in _files(mm_dir)
+        losses = [float(a.run({a.inputs.x: x})[a.outputs.loss]) for x in data[:3]]
+        a.save_checkpoint(ckpt)
+        losses += [float(a.run({a.inputs.x: x})[a.outputs.loss]) for x in data[3:]]
+        final = {k: a.get_tensor_data(t) for k, t in a.model.to_dict().items()}
+    assert losses == ref_losses  # memmaps change where weights live, not the numbers
+    for k, v in final.items():
+        np.testing.assert_array_equal(v, ref_final[k])
+    # After the session, the files hold the trained state (weights_to_host wrote through).
+    on_disk = {k: np.load(mm_dir / f"{t.name}.npy") for k, t in a.model.to_dict().items()}
+    for k, v in on_disk.items():
+        np.testing.assert_array_equal(v, final[k])
+        assert v.dtype == final[k].dtype
+    # A new session over the same folder reuses the files: it resumes from the trained state.
+    with build_training_session(seed=9, memmap_dir=str(mm_dir)) as b:
+        for k, t in b.model.to_dict().items():
+            np.testing.assert_array_equal(b.get_tensor_data(t), final[k])
+        # Restoring the checkpoint replays the last two steps exactly, into the files.
+        b.load_checkpoint(ckpt, report_missing="error")
+        again = [float(b.run({b.inputs.x: x})[b.outputs.loss]) for x in data[3:]]
+    assert again == losses[3:]
+    for k, t in b.model.to_dict().items():
+        np.testing.assert_array_equal(np.load(mm_dir / f"{t.name}.npy"), final[k])
+
+
+def test_memmap_checkpoint_load_is_all_or_nothing_and_read_only_files_refuse_it(tmp_path):
+    mm_dir = tmp_path / "weights"
+    with build_training_session(memmap_dir=str(mm_dir)) as s:
+        s.run({s.inputs.x: batches(1)[0]})
+    before = {p: v.copy() for p, v in _files(mm_dir).items()}
+    bad = str(tmp_path / "bad.npz")
+    np.savez(
+        bad, **{"fwd.weight": np.zeros((3, 2), np.float32), "fwd.bias": np.zeros(5, np.float32)}
+    )
+    with build_training_session(memmap_dir=str(mm_dir)) as s:
+        with pytest.raises(ValueError):
+            s.load_checkpoint(bad, report_missing="none")  # the bias does not fit
+    for p, v in _files(mm_dir).items():  # no file was touched, not even the weight's
+        np.testing.assert_array_equal(v, before[p])
+    good = str(tmp_path / "good.npz")
+    np.savez(good, **{"fwd.weight": np.zeros((3, 2), np.float32)})
+    s = build_training_session(memmap_dir=str(mm_dir), read_only_if_exists=True)
+    assert s.weights_to_host_on_exit is False  # read-only files cannot be written back
+    with pytest.raises(ValueError, match="read-only np.memmap"):
+        s.load_checkpoint(good, report_missing="none")
+    for p, v in _files(mm_dir).items():
+        np.testing.assert_array_equal(v, before[p])

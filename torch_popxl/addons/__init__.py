@@ -20,16 +20,17 @@ from . import (  # noqa: F401
     optimizers,
     route_tensor,
     rts,
+    seed_variable,
     task_session,
     transforms,
 )
 from .dot_tree import DotTree
 from .graph import BoundGraph, GraphWithNamedArgs
 from .graph_cache import GraphCache, argument_hash, function, get_function_hash
-from .module import Module
+from .module import Module, create_grad_graph_info
 from .named_replica_grouping import NamedReplicaGrouping
 from .named_tensors import NamedTensorData, NamedTensors, print_named_tensors
-from .ops import cross_entropy, cross_entropy_with_grad, host_load, host_store
+from .ops import cross_entropy, cross_entropy_with_grad, fp8_amax_scale, host_load, host_store
 from .remote import (
     NamedRemoteBuffers,
     create_remote_buffer,
@@ -38,7 +39,7 @@ from .remote import (
     named_variable_buffers,
     store_remote_graph,
 )
-from .route_tensor import is_subgraph
+from .route_tensor import is_subgraph, route_tensor_into_graph
 from .rts import (
     all_gather_replica_sharded_graph,
     gather_replica_sharded_tensor,
@@ -81,19 +82,20 @@ def _git_commit() -> str | None:
 GIT_COMMIT = _git_commit()
 
 __all__ = [
-    "GIT_COMMIT", "is_subgraph", "null_context", "suffix_graph_name",
+    "GIT_COMMIT", "is_subgraph", "route_tensor_into_graph", "null_context", "suffix_graph_name",
     "set_available_memory_proportion_by_ipu", "set_graph_available_memory_proportion_by_ipu",
     "replica_sharded_spec", "reduce_replica_sharded_graph", "all_gather_replica_sharded_graph",
     "reduce_replica_sharded_tensor", "gather_replica_sharded_tensor",
     "array_munging", "named_replica_grouping", "route_tensor", "task_session",
-    "Module", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function", "get_function_hash",
+    "Module", "create_grad_graph_info", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function",
+    "get_function_hash",
     "argument_hash", "DotTree", "NamedTensors", "NamedTensorData", "NamedVariableFactories",
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",
     "add_replica_sharded_variable_input", "print_named_tensors",
     "autodiff", "autodiff_with_accumulation",
     "recompute_graph", "batch_serialise", "batch_serialise_fwd_and_grad", "batch_serial_buffer",
     "RemoteHandle",
-    "cross_entropy", "cross_entropy_with_grad", "host_load", "host_store",
+    "cross_entropy", "cross_entropy_with_grad", "fp8_amax_scale", "host_load", "host_store",
     "InputStreams", "OutputStreams",
     "load_remote_graph", "store_remote_graph", "named_buffers", "named_variable_buffers",
     "create_remote_buffer",

@@ -257,6 +257,10 @@ class DotTree(Generic[L]):
     def __len__(self) -> int:
         return len(self._map)
 
+    def len(self) -> int:
+        """The number of top-level keys (upstream's method; ``len_flat`` counts the leaves)."""
+        return len(self._map)
+
     def __bool__(self) -> bool:  # a tree is an object, even when empty
         return True
 

@@ -16,6 +16,7 @@ from ..ir.attrs import CallSite
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
 from ..ops.call import CallSiteInfo, _flatten
+from .grad_state import Aux
 from .named_tensors import NamedTensors
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ class GraphWithNamedArgs:
 
     def __init__(self, graph: Graph, args: NamedTensors | None = None,
                  grad_graph_info: GradGraphInfo | None = None, from_module: Any = None,
-                 aux: Mapping | None = None, called_graphs_grad_info: Mapping | None = None):  # fmt: skip
+                 aux: Aux | Mapping | None = None,
+                 called_graphs_grad_info: Mapping | None = None):  # fmt: skip
         if not isinstance(graph, Graph):
             raise TypeError(
                 f"GraphWithNamedArgs expects a popxl Graph; got {type(graph).__name__}."
@@ -92,7 +94,14 @@ class GraphWithNamedArgs:
         self.args = args if args is not None else NamedTensors()
         self._grad_graph_info = grad_graph_info
         self.from_module = from_module
-        self.aux = dict(aux or {})
+        # The forward tensors ``build`` kept for ``build_grad`` (Note [aux stitching]).
+        self.aux: Aux
+        if isinstance(aux, Aux):
+            self.aux = aux
+        else:
+            self.aux = Aux()
+            for k, v in dict(aux or {}).items():
+                self.aux[k] = v
         self.called_graphs_grad_info = dict(called_graphs_grad_info or {})
         self.autodiff_applied = False
 

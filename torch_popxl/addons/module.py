@@ -8,22 +8,46 @@ Child modules assigned as attributes share their factory / input trees with the 
 (Note [shared sub-trees] in dot_tree.py), and their ``build`` runs inside
 ``popxl.name_scope(<attribute name>)``: calling ``self.fc1(x)`` inside the parent's build
 *inlines* the child, giving inputs like ``fc1/weight`` keyed ``fc1.weight``.
+
+A module may define its own gradient: ``build_grad(self, *output_grads)`` builds the gradient
+graph from the gradients of ``build``'s outputs, reads forward tensors kept in ``self.aux``,
+sets ``self.var_grad[name]`` for each variable and returns the gradients of the non-variable
+inputs (Note [aux stitching] in grad_state.py). ``create_grad_graph`` (or
+``GraphWithNamedArgs.autodiff``) builds it; ``call_module`` outlines a child inside a parent's
+build and registers the child's gradient graph so that differentiating the parent uses it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+import inspect
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ..ir.context import gcg, name_scope
+from ..ir.graph import Graph
 from ..ir.module import Module as _PopXLModule
 from ..ir.replica_grouping import ReplicaGrouping
-from ..ir.tensor import Tensor
+from ..ir.tensor import Tensor, graph_output
+from ..transforms.autodiff import (
+    ExpectedConnection,
+    ExpectedConnectionType,
+    GradGraphInfo,
+    _stitch_output,
+)
+from .grad_state import (
+    Aux,
+    CalledGraphsGradInfo,
+    VarGrads,
+    build_context,
+    build_grad_context,
+    current_build,
+)
 from .graph import BoundGraph, GraphWithNamedArgs
-from .graph_cache import GraphCache
+from .graph_cache import GraphCache, _tensors_in
 from .named_tensors import NamedTensors
-from .utils import OrderedDict  # noqa: F401  (popxl-addons re-exports it from here)
+from .utils import OrderedDict  # popxl-addons re-exports it from here
 from .variable_factory import (
     NamedVariableFactories,
     VariableFactory,
@@ -41,6 +65,7 @@ __all__ = [
     "GraphWithNamedArgs",
     "BoundGraph",
     "GraphCache",
+    "create_grad_graph_info",
 ]
 
 _GRAD_INLINING = ("error", "warning", "none")
@@ -84,7 +109,9 @@ class Module(_PopXLModule):
     _args_cache: dict[Any, Any]
     _name_scope: str | None
     grad_inlining_error: str
-    aux: dict[Any, Any]
+    aux: Aux
+    var_grad: VarGrads
+    called_graphs_grad_info: CalledGraphsGradInfo
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -101,9 +128,11 @@ class Module(_PopXLModule):
             graph_cache: GraphCache | None = cache
         else:
             graph_cache = GraphCache() if cache else None
-        if graph_cache is not None and type(self).__dict__.get("build_grad") is not None:
+        if graph_cache is not None and self.implements_grad_graph:
             raise ValueError(
-                f"{type(self).__name__}: cache=True cannot be combined with a custom build_grad."
+                f"{type(self).__name__}: graph caching (cache=True) cannot be used with a module "
+                "that implements build_grad: each forward graph needs its own gradient graph. "
+                "Create it with cache=False."
             )
         d = self.__dict__
         d["_variable_factories"] = NamedVariableFactories()
@@ -112,7 +141,41 @@ class Module(_PopXLModule):
         d["_args_cache"] = {}
         d["_name_scope"] = None
         d["grad_inlining_error"] = grad_inlining_error
-        d["aux"] = {}
+        d["aux"] = Aux()
+        d["var_grad"] = VarGrads()
+        d["called_graphs_grad_info"] = CalledGraphsGradInfo()
+
+    # ---- custom gradients -----------------------------------------------------------------
+
+    @property
+    def implements_grad_graph(self) -> bool:
+        """Whether this module's class overrides ``build_grad``."""
+        return type(self).build_grad is not Module.build_grad
+
+    def build_grad(self, *args: Any) -> Any:
+        """Override to define the gradient graph: takes the gradients of ``build``'s outputs (in
+        order), returns the gradients of its non-variable inputs (in order) and sets
+        ``self.var_grad[name]`` per variable; forward tensors come from ``self.aux``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement build_grad, which create_grad_graph needs. "
+            "Override build_grad, or differentiate the graph with addons.autodiff."
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Inlining a module into another's build bypasses its build_grad: autodiff of the
+        # parent would differentiate the inlined ops instead (upstream's guard rail).
+        if self.implements_grad_graph and current_build() is not self:
+            msg = (
+                f"{type(self).__name__} is called directly (inlined) but implements build_grad, "
+                "which autodiff then cannot use. Outline it instead: "
+                "`self.call_module(module)(*args)`, or create its graph and call that. To allow "
+                "inlining set grad_inlining_error='none' (or 'warning')."
+            )
+            if self.grad_inlining_error == "error":
+                raise RuntimeError(msg)
+            if self.grad_inlining_error == "warning":
+                warnings.warn(msg, stacklevel=2)
+        return super().__call__(*args, **kwargs)
 
     # ---- nesting --------------------------------------------------------------------------
 
@@ -132,6 +195,7 @@ class Module(_PopXLModule):
             value.set_name_scope(name)
             self._variable_factories.insert(name, value._variable_factories)
             self._named_inputs.insert(name, value._named_inputs)
+            self.called_graphs_grad_info.add_submap(value.called_graphs_grad_info)
         super().__setattr__(name, value)
 
     def get(self, key: Any) -> Any:
@@ -218,28 +282,223 @@ class Module(_PopXLModule):
     ) -> tuple[NamedVariableFactories, GraphWithNamedArgs]:
         """Build ``build(*args, **kwargs)`` as a subgraph; tensors/specs become graph inputs.
 
-        Returns ``(factories, graph)`` and resets the module's state.
+        Returns ``(factories, graph)`` and resets the module's state. With ``cache=True`` an
+        equal argument signature returns the same graph (and copies of the same factories).
         """
         self._check_init()
         ir = gcg().ir
         try:
             if self._graph_cache is None:
-                graph = ir.create_graph(self, *args, **kwargs)
+                self.__dict__["aux"] = Aux()
+                with build_context(self):
+                    graph = ir.create_graph(self, *args, **kwargs)
                 facts, named = self._variable_factories.copy(), self._named_inputs.copy()
             else:
-                graph = self._graph_cache.create_graph(self, *args, **kwargs)
+                with build_context(self):
+                    graph = self._graph_cache.create_graph(self, *args, **kwargs)
                 if graph not in self._args_cache:
                     self._args_cache[graph] = (
                         self._variable_factories.copy(),
                         self._named_inputs.copy(),
                     )
                 facts, named = self._args_cache[graph]
-            aux = dict(self.aux)
+            aux = self.aux.copy()
+            called = self.called_graphs_grad_info.consolidate()
         finally:
             self._reset()
-        return facts.copy(), GraphWithNamedArgs(graph, named.copy(), from_module=self, aux=aux)
+        return facts.copy(), GraphWithNamedArgs(
+            graph, named.copy(), from_module=self, aux=aux, called_graphs_grad_info=called
+        )
 
     def _reset(self) -> None:
+        # clear() empties the shared sub-trees / sub-maps of child modules as well.
         self._variable_factories._clear()
         self._named_inputs._clear()
-        self.aux.clear()
+        self.called_graphs_grad_info.clear()
+        self.__dict__["aux"] = Aux()
+        self.__dict__["var_grad"] = VarGrads()
+
+    def create_grad_graph(self, fwd_graph: GraphWithNamedArgs,
+                          grads_provided: Iterable[Tensor] | None = None,
+                          grads_required: Iterable[Tensor] | None = None) -> GraphWithNamedArgs:  # fmt: skip
+        """The gradient graph ``build_grad`` defines for ``fwd_graph`` (made by this module).
+
+        ``grads_provided`` (default: every forward output, in order) are the outputs whose
+        gradients ``build_grad`` takes, one positional argument each. ``grads_required``
+        (default: every forward input) are the inputs whose gradients the graph outputs:
+        ``build_grad``'s return values for the non-variable ones (in order), then
+        ``var_grad[name]`` for the variables. The forward tensors read through ``self.aux``
+        become outputs of ``fwd_graph`` (existing call sites gain them), so do not call this
+        twice for one forward graph. Returns the grad graph with its ``grad_graph_info``.
+
+        Raises:
+            TypeError: ``build_grad`` takes ``*args`` / keyword-only parameters, or a
+                ``grads_provided`` / ``grads_required`` entry is not a forward output / input.
+            ValueError: duplicate entries; a required variable gradient is missing from
+                ``var_grad``; ``build_grad`` returns the wrong number or shapes of gradients.
+        """
+        if not self.implements_grad_graph:
+            raise NotImplementedError(
+                f"{type(self).__name__}.create_grad_graph needs build_grad to be overridden; use "
+                "addons.autodiff for an automatic gradient."
+            )
+        if not isinstance(fwd_graph, GraphWithNamedArgs):
+            raise TypeError(
+                "create_grad_graph expects the GraphWithNamedArgs returned by create_graph; got "
+                f"{type(fwd_graph).__name__}."
+            )
+        graph = fwd_graph.graph
+        provided, required = _check_grad_args(self, graph, grads_provided, grads_required)
+        var_names = {t: k for k, t in fwd_graph.args.to_dict().items()}
+        required_vars = OrderedDict((var_names[t], t) for t in required if t in var_names)
+        required_plain = [t for t in required if t not in var_names]
+
+        ir = graph.ir
+        d = self.__dict__
+        d["var_grad"] = VarGrads(fwd_graph.args.to_dict())
+        d["aux"] = fwd_graph.aux.copy()
+        try:
+            with build_grad_context(self):
+                grad_graph = ir.create_graph(self.build_grad, *provided)
+            _check_grad_outputs(self, grad_graph, required_plain, required_vars)
+            with grad_graph:
+                for name in required_vars:
+                    graph_output(self.var_grad._dict[name])
+            aux = self.aux
+        finally:
+            self._reset()
+
+        # Note [aux stitching]: forward tensors the gradient reads become forward outputs.
+        for fwd_t in aux._grad_to_fwd.values():
+            if fwd_t not in graph._inputs and fwd_t not in graph._outputs:
+                _stitch_output(graph, fwd_t)
+        return GraphWithNamedArgs.from_grad_graph(
+            create_grad_graph_info(
+                graph,
+                grad_graph,
+                provided,
+                aux._grad_to_fwd,
+                [*required_plain, *required_vars.values()],
+            )  # fmt: skip
+        )
+
+    def call_module(self, module: Module, name: str | None = None,
+                    autodiff: str = "auto") -> _CallModule:  # fmt: skip
+        """Outline ``module`` inside this module's ``build``: ``self.call_module(child)(x)``
+        builds the child's graph, adds its variables under ``name`` (default: the child's class
+        name), calls it and returns its outputs.
+
+        ``autodiff``: "auto" creates the child's gradient graph now if it implements
+        ``build_grad`` (so differentiating this module's graph uses it); "build_grad" or
+        "autodiff" force that method; "none" creates none (autodiff of the parent then
+        differentiates through the call).
+        """
+        if autodiff not in ("auto", "build_grad", "autodiff", "none"):
+            raise ValueError(
+                f"call_module: autodiff must be 'auto', 'build_grad', 'autodiff' or 'none'; got "
+                f"{autodiff!r}."
+            )
+        if not isinstance(module, Module):
+            raise TypeError(f"call_module expects an addons.Module; got {type(module).__name__}.")
+        return _CallModule(self, module, name or type(module).__name__, autodiff)
+
+
+class _CallModule:
+    """The callable ``Module.call_module`` returns (kept for reuse: ``graph``, ``var_factories``)."""
+
+    def __init__(self, caller: Module, callee: Module, name: str, autodiff: str,
+                 grads_provided: Iterable[Tensor] | None = None,
+                 grads_required: Iterable[Tensor] | None = None):  # fmt: skip
+        self.caller, self.callee, self.name, self.autodiff = caller, callee, name, autodiff
+        self.grads_provided, self.grads_required = grads_provided, grads_required
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        facts, graph = self.callee.create_graph(*args, **kwargs)
+        graph_vars = self.caller.add_variable_inputs(self.name, facts)
+        self.caller.called_graphs_grad_info.add_submap(graph.called_graphs_grad_info)
+        n_outputs = len(graph.graph.outputs)
+        if self.autodiff != "none" and (
+            self.autodiff != "auto" or self.callee.implements_grad_graph
+        ):
+            # Before the call site: the gradient may add forward outputs (aux, saved tensors).
+            # GraphWithNamedArgs.autodiff is installed by addons/transforms/autodiff.py.
+            grad = graph.autodiff(method=self.autodiff, grads_provided=self.grads_provided,  # type: ignore[attr-defined]
+                                  grads_required=self.grads_required)  # fmt: skip
+            self.caller.called_graphs_grad_info.add(graph, grad)
+        # The graph's tensor inputs come first, in the order create_graph made them.
+        bound = inspect.signature(self.callee.build).bind(*args, **kwargs)
+        outs = graph.bind(graph_vars).call(*_tensors_in(bound.arguments.values()))
+        self.var_factories, self.graph, self.n_outputs_pre_autodiff = facts, graph, n_outputs
+        return outs[:n_outputs]
+
+
+def _check_grad_args(module: Module, graph: Graph, grads_provided, grads_required):
+    params = inspect.signature(module.build_grad).parameters.values()
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            raise TypeError(
+                f"{type(module).__name__}.build_grad must take a fixed number of positional "
+                f"parameters (one gradient per provided output); {p.name!r} is {p.kind.description}."
+            )
+
+    def check(given, pool, what, where):
+        if given is None:
+            return list(pool)
+        given = list(given)
+        for t in given:
+            if not isinstance(t, Tensor) or t not in pool:
+                raise TypeError(
+                    f"create_grad_graph: {what} entry {getattr(t, 'id', t)!r} is not {where} of "
+                    f"{graph.id!r}."
+                )
+        dups = sorted({t.id for t in given if given.count(t) > 1})
+        if dups:
+            raise ValueError(f"create_grad_graph: {what} lists {dups} more than once.")
+        return given
+
+    provided = check(grads_provided, graph.outputs, "grads_provided", "an output")
+    required = check(grads_required, graph.inputs, "grads_required", "an input")
+    return provided, required
+
+
+def _check_grad_outputs(module: Module, grad_graph: Graph, required_plain, required_vars) -> None:
+    name = type(module).__name__
+    missing = [k for k in required_vars if k not in module.var_grad]
+    if missing:
+        raise ValueError(
+            f"{name}.build_grad did not set the gradients of the variables {missing} in "
+            "self.var_grad. Set them, or pass grads_required without those variables."
+        )
+    outs = grad_graph.outputs
+    if len(outs) != len(required_plain):
+        raise ValueError(
+            f"{name}.build_grad returned {len(outs)} gradients, but {len(required_plain)} are "
+            f"required, one per non-variable forward input in grads_required "
+            f"({[t.id for t in required_plain]}). Return them in that order (variable gradients "
+            "go in self.var_grad), or pass grads_required."
+        )
+    for i, (g, t) in enumerate(zip(outs, required_plain, strict=True)):
+        if tuple(g.shape) != tuple(t.shape) or tuple(g.meta_shape) != tuple(t.meta_shape):
+            raise ValueError(
+                f"{name}.build_grad output {i} has shape {tuple(g.shape)} (meta-shape "
+                f"{tuple(g.meta_shape)}), but the input it is the gradient of, {t.id!r}, has shape "
+                f"{tuple(t.shape)} (meta-shape {tuple(t.meta_shape)})."
+            )
+
+
+def create_grad_graph_info(fwd_graph: Graph, grad_graph: Graph, grads_provided: Iterable[Tensor],
+                           aux_inputs: Mapping[Tensor, Tensor],
+                           grads_required: Iterable[Tensor]) -> GradGraphInfo:  # fmt: skip
+    """The ``GradGraphInfo`` of a hand-built gradient graph: its inputs are the gradients of
+    ``grads_provided`` (forward outputs) then the ``aux_inputs`` ({grad input: forward
+    tensor}); its outputs the gradients of ``grads_required`` (forward inputs), in order."""
+    expected_in = [ExpectedConnection(t, ExpectedConnectionType.FwdGrad) for t in grads_provided]
+    expected_in += [ExpectedConnection(t, ExpectedConnectionType.Fwd) for t in aux_inputs.values()]
+    expected_out = [ExpectedConnection(t, ExpectedConnectionType.FwdGrad) for t in grads_required]
+    if len(expected_in) != len(grad_graph.inputs) or len(expected_out) != len(grad_graph.outputs):
+        raise ValueError(
+            f"create_grad_graph_info: {grad_graph.id!r} has {len(grad_graph.inputs)} inputs and "
+            f"{len(grad_graph.outputs)} outputs, but {len(expected_in)} inputs and "
+            f"{len(expected_out)} outputs are described."
+        )
+    return GradGraphInfo._create(grad_graph, fwd_graph, expected_in, expected_out)

@@ -42,7 +42,7 @@ class TaskSession(Session):
                  model: NamedTensors, *args, **kwargs):  # fmt: skip
         if not isinstance(model, NamedTensors):
             raise TypeError(f"TaskSession: model must be NamedTensors, got {type(model).__name__}")
-        with timer("PopXL compilation", print_fn=logging.info):
+        with timer("PopXL compilation"):
             super().__init__(*args, **kwargs)
         self.inputs = (
             inputs if isinstance(inputs, InputStreams) else InputStreams.from_streams(inputs)

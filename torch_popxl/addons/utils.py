@@ -1,16 +1,20 @@
-"""Small helpers shared by the addons: a readable ``OrderedDict``, ``WeightsDict``, ``timer``."""
+"""Small helpers shared by the addons: a readable ``OrderedDict``, ``WeightsDict``, ``timer``,
+``overrides`` and ``duplicate_items``."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from ..runtime.session import check_host_data
 
-__all__ = ["OrderedDict", "WeightsDict", "null_context", "suffix_graph_name", "timer"]
+__all__ = ["OrderedDict", "WeightsDict", "null_context", "suffix_graph_name", "timer", "overrides",
+           "duplicate_items"]  # fmt: skip
 
 
 class OrderedDict(collections.OrderedDict):
@@ -36,13 +40,19 @@ class WeightsDict(dict):
 
 
 @contextlib.contextmanager
-def timer(title: str = "", print_fn=print) -> Iterator[None]:
-    """Print how long the block took."""
+def timer(title: str | None = None, log_to_wandb: bool = True,
+          print_fn: Callable[[str], Any] | None = None) -> Iterator[None]:  # fmt: skip
+    """Log ``Starting <title>`` and then ``<title> duration: N.NN mins`` (with ``logging.info``
+    as upstream, or ``print_fn``). ``log_to_wandb`` is accepted for upstream's signature;
+    nothing is sent to Weights & Biases here."""
+    log = print_fn or logging.info
     start = time.perf_counter()
+    log(f"Starting {title or ''}")
     try:
         yield
     finally:
-        print_fn(f"{title} took {time.perf_counter() - start:.3f}s")
+        minutes = (time.perf_counter() - start) / 60
+        log(f"{f'{title} duration' if title else 'Duration'}: {minutes:.2f} mins")
 
 
 @contextlib.contextmanager
@@ -55,3 +65,20 @@ def suffix_graph_name(name: str, suffix: str) -> str:
     """``name`` without its ``_subgraph(N)`` counters, then ``_<suffix>``."""
     base = re.sub(r"_subgraph\(\d+\)", "", name)
     return f"{base}_{suffix}"
+
+
+def overrides(cls: type, base: type, method: str) -> bool:
+    """Whether ``cls`` (a subclass of ``base``) defines its own ``method``."""
+    return getattr(cls, method) is not getattr(base, method)
+
+
+def duplicate_items(items: Iterable[Any]) -> list[Any]:
+    """The items that occur more than once, each listed once, in order of first repeat
+    (compared by hash and equality, so popxl tensors compare by identity)."""
+    counts: collections.Counter = collections.Counter()
+    dups: list[Any] = []
+    for x in items:
+        counts[x] += 1
+        if counts[x] == 2:
+            dups.append(x)
+    return dups

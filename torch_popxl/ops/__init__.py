@@ -20,8 +20,9 @@ from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
-from . import collectives, var_updates
+from . import addons_needs, collectives, var_updates
 from ._intsafe import int_safe
+from .addons_needs import *  # noqa: F403  (issue 15: names popxl-addons programs use)
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
 from .more import (
     PadType,
@@ -733,3 +734,6 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
         )
     )
     return out
+
+
+__all__ += addons_needs.__all__  # noqa: F405  (issue 15: re-exported above)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,7 @@ from ..ir.tensor import (
 )
 from ..ir.walk import Interpreter
 from ..opdefs.registry import Effect
+from .custom_grads import call_with_given_grad, given_grad_graphs, with_intermediate_grads
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
@@ -161,8 +162,13 @@ class _Replay(Interpreter[torch.Tensor]):
     over fake tensors). Calls are entered; a repeat, like a host or remote load, yields fresh
     values without a gradient path."""
 
-    def __init__(self, graph: Graph, required: list[Tensor]):
+    def __init__(self, graph: Graph, required: list[Tensor], given: dict | None = None):
         self.graph = graph
+        # Calls whose gradient graph is given (Note [given gradient graphs], custom_grads.py).
+        self.given = given or {}
+        self.given_call_outputs: dict[int, list[torch.Tensor]] = {}
+        # fake -> grad-graph tensor, set while the backward records
+        self.grad_handle: Callable[[torch.Tensor], Tensor] | None = None
         self.value: dict[str, torch.Tensor] = {}
         self.fwd_of: dict[int, Tensor] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused
@@ -223,6 +229,13 @@ class _Replay(Interpreter[torch.Tensor]):
         return outs
 
     def call(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        info = self.given.get(op.attrs.graph) if op.kind == OpKind.CALL else None
+        # Deeper calls with a given gradient are only met inside a given call's forward (whose
+        # gradient is its own graph: with_intermediate_grads), where values are all we need.
+        if info is not None and not self._depth:
+            outs = call_with_given_grad(self, op, info, ins)
+            self._note_outputs(op, outs)
+            return outs
         self._depth += 1
         try:
             outs = self.enter(op, self.by_value(op, ins))
@@ -279,6 +292,9 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
              return_all_grad_graphs: bool = False, *, _allow_modifying: bool = False):  # fmt: skip
     """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8).
 
+    ``called_graphs_grad_info`` ({called graph: its ``GradGraphInfo``}) makes calls of those
+    graphs, at any depth, use the given gradient graphs (Note [given gradient graphs]).
+
     ``_allow_modifying`` (used by ``popxl.compile``) accepts in-place updates of inputs that
     carry no gradient, such as BatchNorm running statistics.
     """
@@ -304,7 +320,9 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                 f"input of {graph.id!r}."
             )
 
-    replay = _Replay(graph, required)
+    given_in = given_grad_graphs(called_graphs_grad_info)
+    given = with_intermediate_grads(graph, given_in, autodiff)
+    replay = _Replay(graph, required, given)
     ir = graph.ir
     grad_graph = ir.create_empty_graph(f"{graph.name}_grad")
     expected_in: list[ExpectedConnection] = []
@@ -333,6 +351,15 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
         grad_graph._rebind_fake(handle, fake)
         return handle
 
+    def grad_handle(fake: torch.Tensor) -> Tensor:
+        handle = grad_graph._tensor_for_fake(fake)
+        if handle is None:
+            handle = resolve(fake)
+        if handle is None:
+            raise AssertionError("a value the given gradient graph reads was not captured")
+        return handle
+
+    replay.grad_handle = grad_handle
     outs = [replay.value[t.id] for t in provided]
     pairs = [(o, s) for o, s in zip(outs, seeds, strict=True) if o.requires_grad]
     wrt = [(t, replay.value[t.id]) for t in required]
@@ -377,6 +404,6 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
             _stitch_output(graph, ft)
 
     info = GradGraphInfo._create(grad_graph, graph, expected_in, expected_out)
-    if return_all_grad_graphs:
-        return {graph: info}
+    if return_all_grad_graphs:  # with the gradient graphs made for called graphs
+        return {**{g: i for g, i in given.items() if g not in given_in}, graph: info}
     return info

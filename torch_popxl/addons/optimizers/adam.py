@@ -1,8 +1,14 @@
 """``AdamOptimizerStep``: one Adam/AdamW update of one variable (spec addons §9).
 
-State (all by-ref graph inputs): ``first_order`` (fp16 by default), ``second_order`` (fp32)
-and, with bias correction, ``step``. Sharded variables get sharded state of the same layout.
-Weight decay is decoupled (AdamW): ``w -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)``.
+State (all by-ref graph inputs): ``first_order`` (float16 by default, as upstream),
+``second_order`` (float32) and, with bias correction, ``step`` (float32, incremented before
+use). Sharded variables get sharded state of the same layout. Per call, with ``g`` the
+gradient divided by ``loss_scaling`` and, with ``global_norm``, multiplied by
+``global_norm_max / max(global_norm, global_norm_max)``:
+
+    m = beta1 * m + (1 - beta1) * g            v = beta2 * v + (1 - beta2) * g**2
+    t += 1;  m_hat = m / (1 - beta1**t);  v_hat = v / (1 - beta2**t)   (bias correction)
+    w -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * w)        (decoupled, AdamW)
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ class AdamOptimizerStep(Module):
               first_order_dtype: _dtypes.dtype = _dtypes.float16, bias_correction: bool = True,
               loss_scaling: float | Tensor = 1, global_norm: Tensor | None = None,
               global_norm_max: float | Tensor | None = None) -> None:  # fmt: skip
+        if global_norm is not None and global_norm_max is None:
+            raise ValueError(
+                "AdamOptimizerStep: global_norm is given without global_norm_max; pass the norm "
+                "to clip to as global_norm_max (upstream requires both)."
+            )
         grad = self._scaled_grad(grad, loss_scaling, global_norm, global_norm_max)
         first_order = self._state("first_order", var, first_order_dtype, replica_grouping)
         second_order = self._state("second_order", var, _dtypes.float32, replica_grouping)
@@ -56,7 +67,7 @@ class AdamOptimizerStep(Module):
                 else 1.0 / ops.cast(loss_scaling, _dtypes.float32)
             )
         if global_norm is not None:
-            gmax = global_norm_max if global_norm_max is not None else 1.0
+            gmax = global_norm_max
             gmax_t = gmax if isinstance(gmax, Tensor) else constant(float(gmax), _dtypes.float32)
             scale = scale * (gmax_t / ops.maximum(ops.cast(global_norm, _dtypes.float32), gmax_t))
         if isinstance(scale, Tensor) or scale != 1.0:

@@ -26,6 +26,7 @@ from ...ir.context import in_sequence
 from ...ir.graph import Graph
 from ...ir.tensor import Tensor, constant
 from ...transforms.autodiff import autodiff as _popxl_autodiff
+from ..grad_state import normalise_grad_info
 from ..graph import GraphWithNamedArgs
 from ..named_replica_grouping import NamedReplicaGrouping
 from ..named_tensors import NamedTensors
@@ -45,8 +46,9 @@ def _as_graph(graph: GraphWithNamedArgs | Graph) -> tuple[Graph, GraphWithNamedA
 
 
 def _merged_grad_info(named: GraphWithNamedArgs | None, given: Mapping | None) -> dict:
-    merged = dict(named.called_graphs_grad_info) if named is not None else {}
-    merged.update(given or {})
+    merged = normalise_grad_info(given or {})
+    if named is not None:  # the graph's own map (made by call_module) wins, as upstream
+        merged.update(normalise_grad_info(named.called_graphs_grad_info))
     return merged
 
 
@@ -151,18 +153,34 @@ def _graph_autodiff(self: GraphWithNamedArgs, grads_provided: Iterable[Tensor] |
              grads_required: Iterable[Tensor] | None = None,
              called_graphs_grad_info: Mapping | None = None, method: str = "auto",
              force: bool = False) -> GraphWithNamedArgs:  # fmt: skip
-    """``addons.autodiff`` of this graph (``method`` "build_grad" is not supported)."""
+    """The gradient graph of this graph.
+
+    ``method``: "build_grad" uses the ``build_grad`` of the module that created the graph
+    (``Module.create_grad_graph``); "autodiff" differentiates the ops (``addons.autodiff``,
+    using ``called_graphs_grad_info`` and the graph's own for the graphs it calls); "auto"
+    picks "build_grad" when the module implements it. Both add forward outputs, so a second
+    differentiation of one graph needs ``force=True``.
+    """
     if method not in ("auto", "autodiff", "build_grad"):
         raise ValueError(f"method must be 'auto', 'autodiff' or 'build_grad'; got {method!r}.")
-    if method == "build_grad":
-        raise NotImplementedError(
-            "Custom build_grad gradients are not supported by torch_popxl.addons."
-        )
     if self.autodiff_applied and not force:
         raise ValueError(
             f"{self.graph.id!r} has already been differentiated; autodiff appends forward "
             "outputs, so a second pass needs force=True."
         )
+    module = self.from_module
+    if method in ("auto", "build_grad"):
+        if module is not None and module.implements_grad_graph:
+            grad = module.create_grad_graph(self, grads_provided, grads_required)
+            self.autodiff_applied = True
+            return grad
+        if method == "build_grad":
+            raise ValueError(
+                f"method='build_grad' needs a graph created by a module that implements "
+                f"build_grad; {self.graph.id!r} was created by "
+                f"{type(module).__name__ if module is not None else 'no module'}. Use "
+                "method='autodiff'."
+            )
     return autodiff(self, grads_provided, grads_required, called_graphs_grad_info)
 
 

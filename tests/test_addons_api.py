@@ -105,7 +105,6 @@ CONTRACT = [
 NOT_YET = {
     ("", "route_tensor_into_graph"), ("route_tensor", "route_tensor_into_graph"),
     ("", "fp8_amax_scale"), ("ops", "fp8_amax_scale"),
-    ("", "pipelined_execution"), ("transforms", "pipelined_execution"),
     ("ops.static_sparse_ops", None),
     ("seed_variable", None),
 }  # fmt: skip

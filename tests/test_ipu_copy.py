@@ -174,3 +174,19 @@ def test_a_program_without_ipu_placement_has_no_per_ipu_section():
     report = s.memory_report()
     assert report.ipu_memory == () and "per IPU" not in str(report)
     assert "IPU links" not in str(report)  # no copies: the group is left out
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_copying_a_value_every_replica_shares_needs_no_per_replica_work(executor):
+    # A variable is the same on every replica (not batched in the fast executor): its copy
+    # must stay an ordinary op there, not be taken for a collective.
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph, popxl.in_sequence():
+        with popxl.ipu(0):
+            w = popxl.variable(np.arange(4, dtype=np.float32), name="w")
+            moved = w.copy_to_ipu(1)
+        with popxl.ipu(1):
+            out = _store(moved * 2.0)
+    with popxl.Session(ir, "ipu_model", executor=executor) as s:
+        result = s.run()[out]
+    np.testing.assert_array_equal(result, np.tile(np.arange(4, dtype=np.float32) * 2, (2, 1)))

@@ -211,3 +211,30 @@ def test_ops_outside_a_stage_and_too_few_steps_are_refused():
 def test_the_addons_namespaces_export_pipelined_execution():
     assert addons.pipelined_execution is addons.transforms.pipelined_execution
     assert addons.transforms.pipelining.pipelined_execution is addons.pipelined_execution
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_stashed_tensor_comes_back_for_its_own_micro_batch(executor):
+    # Stage 0 loads x, stage 2 (two cycles later, same IPU) reads it back through a 3-slot
+    # stash: each micro batch gets its own x, not the one stage 0 is loading now.
+    steps = 7
+    ir = popxl.Ir()
+    with ir.main_graph:
+        in_stream = popxl.h2d_stream((2,), popxl.float32, "x")
+        out_stream = popxl.d2h_stream((2,), popxl.float32, "y")
+        with addons.pipelined_execution(steps) as p:
+            with p.stage(0), popxl.ipu(0):
+                x = ops.host_load(in_stream)
+                y = (x * 10).copy_to_ipu(1)
+            with p.stage(1), popxl.ipu(1):
+                y = (y + 1).copy_to_ipu(0)
+            with p.stage(2), popxl.ipu(0):
+                x_again = p.stash_and_restore_tensor(x)
+                ops.host_store(out_stream, y - x_again)
+            with p.stage(2), pytest.raises(ValueError, match="pass from_stage"):
+                p.stash_and_restore_tensor(popxl.variable(np.ones(2, np.float32)))
+    ir.num_host_transfers = steps
+    data = np.arange(2 * steps, dtype=np.float32).reshape(steps, 2)
+    with popxl.Session(ir, "ipu_hw", executor=executor) as session:
+        out = session.run({in_stream: data})[out_stream]
+    np.testing.assert_allclose(out, data * 9 + 1)

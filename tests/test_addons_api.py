@@ -101,11 +101,9 @@ CONTRACT = [
     ]),
 ]  # fmt: skip
 
-# Not provided yet (issue 15 part 2 and the core names they need): (module path, name); a name
+# Not provided yet: (module path, name), checked as strict xfails; a name
 # of None means the whole module.
-NOT_YET = {
-    ("", "pipelined_execution"), ("transforms", "pipelined_execution"),
-}  # fmt: skip
+NOT_YET: set[tuple[str, str | None]] = set()
 
 
 def _cases():

@@ -58,7 +58,7 @@ def test_init_ipu_copy_lamb_square_and_sparse_accumulate(executor):
     def build():
         z = ops.init((2, 3), popxl.float32, "z")
         x = popxl.variable(np.arange(6, dtype=np.float32).reshape(2, 3))
-        moved = ops.ipu_copy(x, 1)
+        moved = ops.ipu_copy(x, 1, source=0)  # x was made outside popxl.ipu: name its IPU
         sq = ops.lamb_square(x)
         t = popxl.variable(np.zeros((4, 3), np.float32), name="t")
         idx = popxl.constant(np.array([2, 0], np.int32))

@@ -29,3 +29,4 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "[[4. 4. 4.]] [[3. 3. 3. 3.]]" in text  # the tensor-parallel addons block
     assert "True 320 84" in text  # batch serialisation: same numbers, lower peak
     assert "[0. 1. 4.] [0. 4. 8.]" in text  # addons: build_grad through call_module
+    assert "[ 2.  4.  6.  8. 10. 12. 14. 16.] 4 32" in text  # pipelining: values and copies

@@ -63,6 +63,7 @@ EXPECTED_BYTES = {
     "remote_store": 4 * 128,
     "host_to_device": 128,
     "device_to_host": 128,
+    "ipu_copy": 0,  # one IPU per replica: no copies between IPUs
 }
 EXPECTED_COUNTS = {
     "all_reduce": 2 + 4,
@@ -73,6 +74,7 @@ EXPECTED_COUNTS = {
     "remote_store": 4,
     "host_to_device": 1,
     "device_to_host": 1,
+    "ipu_copy": 0,
 }
 
 

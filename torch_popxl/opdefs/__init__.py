@@ -6,7 +6,7 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
-stores), ``host`` (host streams), ``fused`` (ops the fast compiler makes by fusion) and
+stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion) and
 ``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
 layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
@@ -24,6 +24,7 @@ from . import (
     compute,
     fused,
     host,
+    ipu_copy,
     reduce_scatter,
     reference,
     registry,
@@ -44,6 +45,7 @@ __all__ = [
     "compute",
     "fused",
     "host",
+    "ipu_copy",
     "lookup",
     "reduce_scatter",
     "reference",

@@ -39,6 +39,7 @@ replicas that run the op; with n = bytes of one replica's input and G = group si
 * all_gather      R * (G - 1) * n
 * reduce_scatter  R * (G - 1) * ceil(elements / G) * itemsize (the zero-padded chunk)
 * local slices    0 (``take_own``, the ``'local'`` reduce-scatter: PopXL's grad of all_gather)
+* ipu_copy        R * n (each replica copies its value to another IPU over the IPU-Links)
 
 A group of size 1 moves nothing but still counts as one call. Each formula is written once, in
 its op's stanza (``all_reduce_bytes`` in all_reduce.py, ...): the report, the cost model, the
@@ -78,6 +79,7 @@ TRAFFIC_KINDS = (
     "remote_store",
     "host_to_device",
     "device_to_host",
+    "ipu_copy",
 )
 
 

@@ -20,6 +20,7 @@ from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
+from ..opdefs.ipu_copy import ipu_copy
 from . import addons_needs, collectives, var_updates
 from ._intsafe import int_safe
 from .addons_needs import *  # noqa: F403  (issue 15: names popxl-addons programs use)
@@ -490,13 +491,6 @@ def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Ten
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1); got {p}.")
     return call_torch(torch.nn.functional.dropout, (t,), {"p": p, "training": True})
-
-
-def ipu_copy(t: Tensor, destination: int, source: int | None = None) -> Tensor:
-    """Copy to another IPU: an identity on the simulator's single device."""
-    out = call_torch(torch.clone, (t,), {})
-    out._ipu = destination
-    return out
 
 
 def init(shape, dtype, name: str | None = None, init_type: str = "zero", meta_shape=None) -> Tensor:

@@ -20,6 +20,8 @@ Per replica (replicas run in lockstep, so one replica's time is the step time):
                   step). Local slices are free.
 * remote transfer remote_latency_s + bytes / streaming_memory_bytes_per_s.
 * host transfer   host_latency_s + bytes / host_bytes_per_s.
+* ipu_copy        ipu_copy_latency_s + bytes / ipu_link_bytes_per_s (a copy between two IPUs of
+                  one replica, ``popxl.ipu`` placement and pipelining: the IPU-Links).
 
 Phases add, except that transfers issued from IO tiles (``popxl.io_tiles()``) run beside the
 compute tiles: ``io_tile_overlap`` (0..1) of the shorter of the two is hidden.
@@ -61,8 +63,9 @@ __all__ = [
 _COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
 _REMOTE_KINDS = ("remote_load", "remote_store")
 _HOST_KINDS = ("host_to_device", "device_to_host")
+_IPU_LINK_KINDS = ("ipu_copy",)
 WORK_KINDS = (*TRAFFIC_KINDS, "matmul", "compute")
-PHASES = ("compute", "replica_links", "streaming_memory", "host_io", "io_tile_overlap")
+PHASES = ("compute", "replica_links", "streaming_memory", "host_io", "ipu_links", "io_tile_overlap")
 
 
 # ---- the workload ---------------------------------------------------------------------------
@@ -193,6 +196,9 @@ class CostModel:
     host_latency_s: float = 15.0e-6
     # overlap of IO-tile transfers with compute
     io_tile_overlap: float = 1.0
+    # copies between the IPUs of one replica (ipu_copy: popxl.ipu placement, pipelining)
+    ipu_link_bytes_per_s: float = 64e9
+    ipu_copy_latency_s: float = 2.0e-6
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -234,6 +240,8 @@ class CostModel:
             each = self.remote_latency_s + item.nbytes / self.streaming_memory_bytes_per_s
         elif k in _HOST_KINDS:
             each = self.host_latency_s + item.nbytes / self.host_bytes_per_s
+        elif k in _IPU_LINK_KINDS:
+            each = self.ipu_copy_latency_s + item.nbytes / self.ipu_link_bytes_per_s
         else:
             raise ValueError(f"unknown work kind {k!r}; expected one of {WORK_KINDS}.")
         return item.count * each
@@ -244,6 +252,7 @@ class CostModel:
         phase_of.update(dict.fromkeys(_COLLECTIVE_KINDS[:3], "replica_links"))
         phase_of.update(dict.fromkeys(_REMOTE_KINDS, "streaming_memory"))
         phase_of.update(dict.fromkeys(_HOST_KINDS, "host_io"))
+        phase_of.update(dict.fromkeys(_IPU_LINK_KINDS, "ipu_links"))
         out = dict.fromkeys(PHASES, 0.0)
         io_transfers = 0.0
         for item in work.items:
@@ -281,6 +290,9 @@ class CostModel:
             elif k in _HOST_KINDS:
                 use["host_latency_s"] += n
                 use["host_bytes_per_s"] += n * item.nbytes
+            elif k in _IPU_LINK_KINDS:
+                # Not fitted (the table has no IPU copies): a fixed cost at the model's values.
+                use["fixed_s"] += self.item_seconds(item)
         return use
 
     def value(self, name: str) -> float:

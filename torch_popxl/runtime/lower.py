@@ -826,7 +826,7 @@ class _Emitter:
             else:  # on stacked values the sum over replicas is a sum over the first dim
                 summed = f"{x}.sum(0)" if self.explicit else f"REPLICA_SUM({x})"
             args = [summed if a == x else a for a in args]
-        if (not is_aten and getattr(target, "namespace", "") == "torch_popxl" and self.p.R > 1
+        if (not is_aten and _collective(f.source) is not None and self.p.R > 1
                 and f.source.attrs.argument("group_size") > 1 and not self.a.b(f.ins[0])):  # fmt: skip
             # A collective needs its input batched to reach its vmap rule (it is the same
             # value on every replica, so this is a broadcast, not a copy per replica of work).

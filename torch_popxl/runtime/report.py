@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CostModel",
+    "IpuMemory",
     "MemoryReport",
     "TRAFFIC_KINDS",
     "build_report",
     "format_bytes",
     "format_seconds",
+    "ipu_memory",
 ]
 
 
@@ -109,17 +111,20 @@ _TRAFFIC_LABELS = {
     "remote_store": "stores",
     "host_to_device": "host to device",
     "device_to_host": "device to host",
+    "ipu_copy": "ipu_copy (between the IPUs of a replica)",
 }
 _TRAFFIC_GROUPS = (
     ("replica links (collectives)", _COLLECTIVE_KINDS),
     ("streaming memory", ("remote_load", "remote_store")),
     ("host", ("host_to_device", "device_to_host")),
+    ("IPU links (popxl.ipu placement)", ("ipu_copy",)),
 )
 _PHASE_LABELS = {
     "compute": "compute (matmuls and other ops)",
     "replica_links": "replica links",
     "streaming_memory": "streaming memory",
     "host_io": "host transfers",
+    "ipu_links": "IPU links (ipu_copy)",
 }
 
 
@@ -166,6 +171,8 @@ class MemoryReport:
     # (graph id, where its code lives, remote_code_load sites) for the called and loaded
     # subgraphs, once the program uses ops.remote_code_load; empty otherwise.
     code_locations: tuple[tuple[str, str, int], ...] = ()
+    # Per IPU of one replica, for programs placed with ``popxl.ipu`` (empty otherwise).
+    ipu_memory: tuple[IpuMemory, ...] = ()
 
     @property
     def on_chip_bytes(self) -> int:
@@ -248,12 +255,15 @@ class MemoryReport:
         lines += mem("unsharded state", self.unsharded_streaming_bytes, always=False)
         lines += mem("home of the on-chip RTS shards", self.backing_streaming_bytes,
                      always=False)  # fmt: skip
+        lines += self._ipu_lines(row)
         lines += ["", "Against the same program unsharded and on chip:"]
         lines += textwrap.wrap(self.savings_summary(), 88, initial_indent="  ",
                                subsequent_indent="  ")  # fmt: skip
 
         lines += ["", row(f"Traffic per run (all {R} replicas)", "ops", "bytes", indent=0)]
         for group, kinds in _TRAFFIC_GROUPS:
+            if kinds == ("ipu_copy",) and not self.op_counts["ipu_copy"]:
+                continue  # a program on one IPU: no copies to show
             lines.append(row(group, "", format_bytes(sum(self.traffic[k] for k in kinds))))
             for kind in kinds:
                 lines.append(
@@ -273,8 +283,8 @@ class MemoryReport:
         lines += ["", row("Modeled device time per run", "time", "share", indent=0)]
         lines += _wrap_items("  (cost model: ", settings, "; docs/cost_model.md)", 88)
         for phase, seconds in self.time_breakdown_s.items():
-            if phase == "io_tile_overlap" and seconds == 0:
-                continue  # nothing ran on IO tiles
+            if phase in ("io_tile_overlap", "ipu_links") and seconds == 0:
+                continue  # nothing ran on IO tiles / no copies between IPUs
             label = _PHASE_LABELS.get(phase, phase.replace("_", " "))
             share = f"{seconds / total:.0%}" if total else "-"
             lines.append(row(label, format_seconds(seconds), share))
@@ -307,6 +317,19 @@ class MemoryReport:
             lines.append(f"  {graph_id}".ljust(48) + where + (detail if loads else ""))
         return lines
 
+    def _ipu_lines(self, row) -> list[str]:
+        """The per-IPU split of the on-chip memory (Note [memory per IPU])."""
+        if not self.ipu_memory:
+            return []
+        lines = ["", row("On chip per IPU (one replica)", "variables", "peak live", "total",
+                         indent=0)]  # fmt: skip
+        for m in self.ipu_memory:
+            lines.append(
+                row(f"IPU {m.ipu}", format_bytes(m.variable_bytes),
+                    format_bytes(m.peak_intermediate_bytes), format_bytes(m.on_chip_bytes))
+            )  # fmt: skip
+        return lines
+
     def to_dict(self) -> dict:
         """Every figure as plain numbers (bytes, seconds), ready for ``json.dumps``."""
         breakdown = self.time_breakdown_s
@@ -330,6 +353,14 @@ class MemoryReport:
             },
             "shard_counts": list(self.shard_counts),
             "code_locations": {g: {"location": w, "loads": n} for g, w, n in self.code_locations},
+            "memory_per_ipu_bytes": {
+                str(m.ipu): {
+                    "on_chip": m.on_chip_bytes,
+                    "variables": m.variable_bytes,
+                    "peak_intermediates": m.peak_intermediate_bytes,
+                }
+                for m in self.ipu_memory
+            },  # fmt: skip
             "traffic_per_run_bytes": dict(self.traffic),
             "ops_per_run": dict(self.op_counts),
             "matmul_flops_per_replica": self.flops,
@@ -449,6 +480,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         cost_model=cost_model or CostModel(),
         workload=work,
         code_locations=_code_locations(ir),
+        ipu_memory=ipu_memory(ir, [*on_chip, *defined], persistent),
         **placement,
     )
 
@@ -567,4 +599,124 @@ class _Liveness(Interpreter[None]):
         if key not in self._callee_peaks:
             walk = _Liveness(self.persistent, self._callee_peaks)
             self._callee_peaks[key] = walk.peak(graph, graph._ops)
+        return self._callee_peaks[key]
+
+
+# ---- memory per IPU ---------------------------------------------------------------------------
+#
+# Note [memory per IPU]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A program placed with ``popxl.ipu(n)`` splits each replica over several IPUs. A tensor lives on
+# the IPU it was created on (``Tensor._ipu``); one created outside any ``popxl.ipu`` context
+# lives where the op that uses it runs: inside a called graph, the IPU of the call site (the
+# first placed output or input of the call), and IPU 0 in the main graph. Variables (pipeline
+# stashes included) and RTS shards count on their IPU; constants are left out (PopXL places a
+# copy on each IPU that reads one). The peak of live intermediates is taken per IPU over the
+# same schedule as the whole-replica peak (Note [peak intermediates]): each IPU's own maximum,
+# reached at its own moment, so the per-IPU peaks may add up to more than the replica's.
+
+
+@dataclass(frozen=True)
+class IpuMemory:
+    """On-chip bytes of one IPU of a replica: variables (and RTS shards) placed on it and the
+    peak of its live intermediates (Note [memory per IPU])."""
+
+    ipu: int
+    variable_bytes: int
+    peak_intermediate_bytes: int
+
+    @property
+    def on_chip_bytes(self) -> int:
+        return self.variable_bytes + self.peak_intermediate_bytes
+
+
+def _uses_ipus(ir) -> bool:
+    return any(t._ipu is not None for g in ir.graphs for t in g._tensors.values())
+
+
+def ipu_memory(ir, on_chip: list[Tensor], persistent: set[str]) -> tuple[IpuMemory, ...]:
+    """Per-IPU on-chip memory of ``ir``'s program, one entry per IPU in use, or ``()`` when
+    no tensor was placed with ``popxl.ipu`` (Note [memory per IPU]). ``on_chip``: the
+    variables and RTS shards the device holds; ``persistent``: ids that are not intermediates."""
+    if not _uses_ipus(ir):
+        return ()
+    main = ir.main_graph
+    variables: dict[int, int] = {}
+    for v in {t.id: t for t in on_chip}.values():
+        ipu = 0 if v._ipu is None else v._ipu
+        variables[ipu] = variables.get(ipu, 0) + _dtypes.nbytes(v.shape, v.dtype)
+    peaks = _IpuLiveness(persistent).peaks(main, main._ops_in_context("normal"), 0)
+    ipus = sorted(set(variables) | set(peaks))
+    return tuple(IpuMemory(i, variables.get(i, 0), peaks.get(i, 0)) for i in ipus)
+
+
+class _IpuLiveness(Interpreter[None]):
+    """``_Liveness`` with one running total per IPU (Note [memory per IPU])."""
+
+    def __init__(self, persistent: set[str], callee_peaks: dict | None = None):
+        self.persistent = persistent
+        self._callee_peaks: dict[tuple[int, int], dict[int, int]] = (
+            {} if callee_peaks is None else callee_peaks
+        )
+
+    def peaks(self, graph: Graph, ops: list[Op], default_ipu: int) -> dict[int, int]:
+        self.graph, self.default_ipu = graph, default_ipu
+        self.last_use: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            for t in op.inputs:
+                self.last_use[t.id] = i
+        for t in graph._outputs:
+            self.last_use[t.id] = len(ops)
+        self.live: dict[str, tuple[int, int]] = {}  # id -> (ipu, bytes)
+        self.totals: dict[int, int] = {}
+        self.max: dict[int, int] = {}
+        self.index = 0
+        self.run(ops, {})
+        return self.max
+
+    def _ipu_of(self, t: Tensor) -> int:
+        return self.default_ipu if t._ipu is None else t._ipu
+
+    def _note(self, extra: dict[int, int] | None = None) -> None:
+        for ipu in set(self.totals) | set(extra or {}):
+            now = self.totals.get(ipu, 0) + (extra or {}).get(ipu, 0)
+            self.max[ipu] = max(self.max.get(ipu, 0), now)
+
+    def op(self, op: Op, ins: list[None], env) -> list[None]:
+        for t in op.outputs:
+            if t.id not in self.live and self._is_intermediate(t):
+                ipu, n = self._ipu_of(t), _dtypes.nbytes(t.shape, t.dtype)
+                self.live[t.id] = (ipu, n)
+                self.totals[ipu] = self.totals.get(ipu, 0) + n
+        self._note()
+        i = self.index
+        for tid in [tid for tid in self.live if self.last_use.get(tid, i) <= i]:
+            ipu, n = self.live.pop(tid)
+            self.totals[ipu] -= n
+        self.index += 1
+        return [None] * len(op.outputs)
+
+    def call(self, op: Op, ins: list[None]) -> list[None]:
+        site = next((t._ipu for t in (*op.outputs, *op.inputs) if t._ipu is not None), None)
+        self._note(self._callee(op.attrs.graph, self.default_ipu if site is None else site))
+        return self.op(op, ins, {})
+
+    repeat = call
+
+    def constant(self, t: Constant) -> None:
+        return None
+
+    def unbound(self, t: Tensor) -> None:
+        return None
+
+    def _is_intermediate(self, t: Tensor) -> bool:
+        if isinstance(t, Variable | Constant) or t.id in self.persistent:
+            return False
+        return all(t.id != x.id for x in self.graph._inputs)
+
+    def _callee(self, graph: Graph, ipu: int) -> dict[int, int]:
+        key = (id(graph), ipu)
+        if key not in self._callee_peaks:
+            walk = _IpuLiveness(self.persistent, self._callee_peaks)
+            self._callee_peaks[key] = walk.peaks(graph, graph._ops, ipu)
         return self._callee_peaks[key]

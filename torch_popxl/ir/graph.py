@@ -70,6 +70,9 @@ class Op:
     outputs: tuple[Tensor, ...]
     attrs: Any  # the record of ``_ATTRS[kind]``
     context: str = "normal"
+    # The ``name_scope`` the op was created in ("fc1/fwd/", "" outside any); the memory
+    # report groups a phased program's main-graph ops into phases by it.
+    scope: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
@@ -332,6 +335,8 @@ class Graph:
         self._ir._check_mutable()
         if self._op_context != "normal":
             op = replace(op, context=self._op_context)
+        if not op.scope and _ctx.current_name_scope():
+            op = replace(op, scope=_ctx.current_name_scope())
         self._ops.append(op)
         self._version += 1
         for hook in list(self._hooks.values()):
@@ -339,6 +344,8 @@ class Graph:
         return op
 
     def _replace_op(self, index: int, op: Op) -> None:
+        if not op.scope and self._ops[index].scope:
+            op = replace(op, scope=self._ops[index].scope)  # a rewrite keeps the op's scope
         self._ops[index] = op
         self._version += 1
 

@@ -13,7 +13,10 @@ Note [peak intermediates]
 The peak is taken over the main program's op order (the simulator's schedule): an op's
 outputs become live when it runs and die after their last reader. Variables, constants and
 RTS shards are counted separately, so they are not intermediates. A call adds the callee's
-own peak while it runs. Views are counted as copies, so the figure is an upper bound.
+own peak while it runs. The output of a captured view op (``detach``, ``t``, ``view``: an
+alias that writes nothing, ``cost_model._is_view``) adds no bytes; it keeps its base alive
+as long as it is read. Other aliasing (in-place ops returning a new handle) is counted as a
+copy, so the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..ir.walk import Interpreter
 from .cost_model import (
     _COLLECTIVE_KINDS,
     TRAFFIC_KINDS,
+    _is_view,
     CostModel,
     Workload,
     workload,
@@ -509,6 +513,17 @@ class _Liveness(Interpreter[None]):
                 self.last_use[t.id] = i
         for t in graph._outputs:
             self.last_use[t.id] = len(ops)
+        # A view aliases its base: it adds no bytes and its reads keep the base alive.
+        self.alias: dict[str, str] = {}
+        for op in ops:
+            if op.kind == OpKind.TORCH and op.inputs and op.outputs and _is_view(op.attrs.target):
+                base = op.inputs[0].id
+                base = self.alias.get(base, base)
+                for t in op.outputs:
+                    self.alias[t.id] = base
+        for view, base in self.alias.items():
+            if view in self.last_use:
+                self.last_use[base] = max(self.last_use.get(base, -1), self.last_use[view])
         self.live: dict[str, int] = {}
         self.index = self.total = self.max = 0
         self.run(ops, {})
@@ -516,7 +531,7 @@ class _Liveness(Interpreter[None]):
 
     def op(self, op: Op, ins: list[None], env) -> list[None]:
         for t in op.outputs:
-            if t.id not in self.live and self._is_intermediate(t):
+            if t.id not in self.live and t.id not in self.alias and self._is_intermediate(t):
                 self.live[t.id] = _dtypes.nbytes(t.shape, t.dtype)
                 self.total += self.live[t.id]
         self.max = max(self.max, self.total)

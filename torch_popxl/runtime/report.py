@@ -38,9 +38,9 @@ from ..ir.walk import Interpreter
 from .cost_model import (
     _COLLECTIVE_KINDS,
     TRAFFIC_KINDS,
-    _is_view,
     CostModel,
     Workload,
+    _is_view,
     workload,
     workload_of_ops,
 )

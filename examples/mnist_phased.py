@@ -85,15 +85,24 @@ class OutputLayerWithBwd(addons.Module):
 
     @popxl.in_sequence()
     def build(self, x: popxl.Tensor, labels: popxl.Tensor) -> tuple[popxl.Tensor, popxl.Tensor]:
-        w = self.add_variable_input("weight", partial(np.random.normal, 0, 0.02, (x.shape[-1], 10)), x.dtype)
+        w = self.add_variable_input(
+            "weight", partial(np.random.normal, 0, 0.02, (x.shape[-1], 10)), x.dtype
+        )
         b = self.add_variable_input("bias", partial(np.zeros, (10,)), x.dtype)
         logits = x @ w + b
         loss, dlogits = addons.ops.cross_entropy_with_grad(logits, labels)  # mean over the batch
         dx = dlogits @ w.T
-        counter = self.add_variable_input("mean_accum_counter", partial(np.zeros, ()), popxl.float32, by_ref=True)
+        counter = self.add_variable_input(
+            "mean_accum_counter", partial(np.zeros, ()), popxl.float32, by_ref=True
+        )
         for name, grad in (("weight", x.T @ dlogits), ("bias", ops.sum(dlogits, 0))):
-            accum = self.add_variable_input(f"accum.{name}", partial(np.zeros, grad.shape), grad.dtype,
-                                            by_ref=True, overwrite=True)  # merge into "accum"
+            accum = self.add_variable_input(
+                f"accum.{name}",
+                partial(np.zeros, grad.shape),
+                grad.dtype,
+                by_ref=True,
+                overwrite=True,
+            )  # merge into "accum"
             ops.var_updates.accumulate_mean_(accum, grad, counter)
         ops.var_updates.accumulate_(counter, popxl.constant(1.0, popxl.float32))
         return loss, dx
@@ -153,8 +162,12 @@ class Graphs:
         if with_bwd:  # the graph computes its own gradients into accumulators
             facts = self.facts.to_dict()
             is_var = {k: k in ("weight", "bias") for k in facts}
-            self.facts = NamedVariableFactories.from_dict({k: f for k, f in facts.items() if is_var[k]})
-            self.bwd_facts = NamedVariableFactories.from_dict({k: f for k, f in facts.items() if not is_var[k]})
+            self.facts = NamedVariableFactories.from_dict(
+                {k: f for k, f in facts.items() if is_var[k]}
+            )
+            self.bwd_facts = NamedVariableFactories.from_dict(
+                {k: f for k, f in facts.items() if not is_var[k]}
+            )
             self.bwd = self.fwd
         else:
             x = self.fwd.graph.inputs[0]
@@ -256,7 +269,9 @@ def train_program(opts: Options, executor: str = "fast"):
             return bs_fwd, bs_grad
 
         fc1_fwd, fc1_grad = serialise(fc1, {fc1.fwd.graph.inputs[0]: img_stream}, 0, -1, 1)
-        inner_fwd, inner_grad = serialise(inner, {inner.fwd.graph.inputs[0]: (x_buffer, 0)}, 1, 0, 2)
+        inner_fwd, inner_grad = serialise(
+            inner, {inner.fwd.graph.inputs[0]: (x_buffer, 0)}, 1, 0, 2
+        )
         out_x, out_labels = out.fwd.graph.inputs[:2]  # then the named args
         out_loss, out_dx = out.fwd.graph.outputs
         out_bs = batch_serialise(
@@ -359,9 +374,7 @@ def main(argv=None) -> float:
             losses = session.run({img_stream: images, label_stream: labels})[loss_stream]
             if not args.quiet and (step % 100 == 0 or step == steps - 1):
                 print(f"step {step + 1}/{steps}: loss {np.mean(losses):.4f}")
-        trained = session.get_tensors_data(
-            [t for v, _ in variables.values() for t in v.tensors]
-        )
+        trained = session.get_tensors_data([t for v, _ in variables.values() for t in v.tensors])
         report = session.memory_report()
     seconds = time.time() - start
     print(f"Trained {steps} steps in {seconds:.1f}s ({seconds / max(steps, 1) * 1e3:.0f} ms/step)")
@@ -376,7 +389,9 @@ def main(argv=None) -> float:
     with test_session:
         test_session.write_variables_data(weights)
         for i in range(0, n_test, opts.test_batch_size):
-            logits = test_session.run({test_stream: x_test[i : i + opts.test_batch_size]})[out_stream]
+            logits = test_session.run({test_stream: x_test[i : i + opts.test_batch_size]})[
+                out_stream
+            ]
             correct += int((np.argmax(logits, -1) == y_test[i : i + opts.test_batch_size]).sum())
     accuracy = 100.0 * correct / n_test
     print(f"Accuracy on test set: {accuracy:0.2f}%")

@@ -8,10 +8,14 @@ reference executors), and the memory report's per-phase figures against hand-com
 
 from __future__ import annotations
 
+import importlib
+import sys
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import torch_popxl as popxl
 import torch_popxl.addons as addons
@@ -258,3 +262,101 @@ def test_disable_fc_pass_records_the_setting_per_matmul_and_keeps_the_numbers():
     not_matmul = next(op for op in ir.main_graph.ops if op.kind == "host_load")
     with pytest.raises(ValueError, match="not a matmul"):
         fc_pass_enabled(ir, not_matmul)
+
+
+# ---- the phased MNIST example ---------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _example():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module("mnist_phased")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_mnist_phased_step_matches_torch_adam_on_the_global_batch():
+    """One step of the 7-phase program (DP 2, GA 2, RTS threshold 512) == torch Adam on the
+    mean loss of all its samples, and each micro batch's loss is streamed back."""
+    ex = _example()
+    opts = ex.Options(micro_batch_size=3, gradient_accumulation=2, data_parallel=2)
+    session, (img_stream, label_stream), variables, loss_stream = ex.train_program(opts)
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(2, 2, 3, 784)).astype(np.float32)  # (GA, DP, micro, 784)
+    labels = rng.integers(0, 10, size=(2, 2, 3)).astype(np.int32)
+    tensors = [t for v, _ in variables.values() for t in v.tensors]
+    with session:
+        before = session.get_tensors_data(tensors)
+        losses = session.run({img_stream: images, label_stream: labels})[loss_stream]
+        after = session.get_tensors_data(tensors)
+        report = session.memory_report()
+
+    params = {}
+    for name, (vs, _) in variables.items():
+        for key, t in vs.to_dict().items():
+            params[f"{name}.{key}"] = torch.tensor(before[t].reshape(t.shape), requires_grad=True)
+    x = torch.tensor(images.reshape(-1, 784))
+    for i in (1, 2, 3):
+        x = torch.nn.functional.gelu(
+            x @ params[f"fc{i}.weight"] + params[f"fc{i}.bias"], approximate="tanh"
+        )
+    logits = x @ params["fc4.weight"] + params["fc4.bias"]
+    target = torch.tensor(labels.reshape(-1), dtype=torch.long)
+    per_sample = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+    np.testing.assert_allclose(
+        losses, per_sample.reshape(2, 2, 3).mean(-1).detach().numpy(), rtol=1e-5
+    )
+    per_sample.mean().backward()
+    torch.optim.Adam(params.values(), lr=1e-3, eps=1e-5).step()
+    for name, (vs, _) in variables.items():
+        for key, t in vs.to_dict().items():
+            np.testing.assert_allclose(
+                after[t].reshape(t.shape), params[f"{name}.{key}"].detach().numpy(), atol=2e-5,
+                err_msg=f"{name}.{key}",
+            )  # fmt: skip
+
+    # The report: nothing on chip between phases, each phase loads its own layer.
+    assert report.variable_bytes == 0
+    phases = {p.name: p for p in report.phases}
+    assert list(phases) == ["fc1.fwd", "fc2.fwd", "fc3.fwd", "output", "fc3.bwd", "fc2.bwd",
+                            "fc1.bwd"]  # fmt: skip
+    assert all(p.live_in_bytes == 0 for p in report.phases)
+    # fc2 forward, over both replicas: the weight and bias shards (512x512 and 512 floats in
+    # all), and the GA input activations of each replica (3x512 floats).
+    assert phases["fc2.fwd"].remote_load_bytes == (512 * 512 + 512) * 4 + 2 * 2 * 3 * 512 * 4
+    # It stores its output and the pre-GELU activation its backward needs (its input is in
+    # x_buffer already: the backward loads it from there, batch_serialise_fwd_and_grad).
+    assert phases["fc2.fwd"].remote_store_bytes == 2 * (2 * 2 * 3 * 512 * 4)
+    assert phases["fc2.fwd"].num_remote_loads == 2 + 2  # weight and bias shards, 2 inputs
+    # A phase holds one layer's tensors: a forward phase less than the weights of all layers,
+    # a backward phase less than what the unphased program keeps on chip throughout (the
+    # weights, Adam's two moments and the gradient accumulators); larger layers need more.
+    all_weights = (784 * 512 + 2 * 512 * 512 + 512 * 10 + 3 * 512 + 10) * 4
+    peak = {name: p.peak_intermediate_bytes for name, p in phases.items()}
+    assert max(peak["fc1.fwd"], peak["fc2.fwd"], peak["fc3.fwd"]) < all_weights
+    assert max(peak.values()) < 4 * all_weights
+    assert peak["fc1.bwd"] > peak["fc2.bwd"] == peak["fc3.bwd"] > peak["output"]
+
+
+def _mnist_found() -> bool:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module("common").find_mnist() is not None
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.skipif(
+    not _mnist_found(),
+    reason="MNIST not found locally: set TORCH_POPXL_MNIST_DIR (tests do not download)",
+)
+def test_mnist_phased_example_learns_and_prints_the_phase_table(capsys):
+    ex = _example()
+    accuracy = ex.main(["--limit-steps", "12", "--micro-batch-size", "32", "--quiet"])
+    assert accuracy >= 75  # 12 of 234 steps; the full epoch reaches 95 % and more
+    out = capsys.readouterr().out
+    table = out[out.index("Phases by name_scope") :]
+    for name in ("fc1.fwd", "fc2.fwd", "fc3.fwd", "output", "fc3.bwd", "fc2.bwd", "fc1.bwd"):
+        assert f"\n  {name} " in table

@@ -360,3 +360,14 @@ def test_mnist_phased_example_learns_and_prints_the_phase_table(capsys):
     table = out[out.index("Phases by name_scope") :]
     for name in ("fc1.fwd", "fc2.fwd", "fc3.fwd", "output", "fc3.bwd", "fc2.bwd", "fc1.bwd"):
         assert f"\n  {name} " in table
+
+
+def test_readme_phased_block_prints_the_documented_phase_figures(capsys):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Phased execution") :]
+    block = section[section.index("```python\n") + 10 : section.index("```\n")]
+    exec(compile(block, "README.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "0 49152"  # three 64x64 float32 weights, all in streaming memory
+    w, act = 64 * 64 * 4, 8 * 64 * 4
+    assert lines[1:] == [f"layer{i} {w + 3 * act} {w} {w}" for i in range(3)]

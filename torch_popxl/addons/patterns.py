@@ -4,19 +4,26 @@ Upstream runs PopART's pre-alias patterns over every graph of the Ir: rewrites o
 composite ops into the primitive ops Poplar lowers (``SqrtGradOp`` into a division, ``OpToIdentity``
 and the like), chosen by a level. A captured program is already made of aten ops that torch
 runs as they are, so no rewrite is needed for it to run; the simulator checks the arguments,
-records the level (``ir.patterns_level``) and leaves every graph unchanged, which is what the
+records the level (``patterns_level(ir)``) and leaves every graph unchanged, which is what the
 patterns promise for results.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Literal
 
 from ..ir.ir import Ir
 
-__all__ = ["apply_pre_alias_patterns", "PATTERNS_LEVELS"]
+__all__ = ["apply_pre_alias_patterns", "patterns_level", "PATTERNS_LEVELS"]
 
 PATTERNS_LEVELS = ("no_patterns", "minimal", "default", "all")
+_LEVELS: weakref.WeakKeyDictionary[Ir, str] = weakref.WeakKeyDictionary()
+
+
+def patterns_level(ir: Ir) -> str | None:
+    """The level last applied to ``ir`` by ``apply_pre_alias_patterns`` (None: never)."""
+    return _LEVELS.get(ir)
 
 
 def apply_pre_alias_patterns(
@@ -35,4 +42,4 @@ def apply_pre_alias_patterns(
             f"{PATTERNS_LEVELS}."
         )
     ir._check_mutable()
-    ir.patterns_level = level
+    _LEVELS[ir] = level

@@ -9,11 +9,17 @@ changes neither results nor the memory report.
 
 from __future__ import annotations
 
+import weakref
+
 from ...ir.graph import Op
 from ...ir.ir import Ir
 from ...opdefs.compute import matmul_flops
 
 __all__ = ["disable_fc_pass", "enable_fc_pass", "fc_pass_enabled"]
+
+# Per Ir: id(matmul op) -> whether it uses the pass. Ops live as long as their graph, which the
+# Ir holds, so their ids stay valid while the entry does.
+_SETTINGS: weakref.WeakKeyDictionary[Ir, dict[int, bool]] = weakref.WeakKeyDictionary()
 
 
 def _matmuls(ir: Ir, fn: str) -> list[Op]:
@@ -23,11 +29,10 @@ def _matmuls(ir: Ir, fn: str) -> list[Op]:
 
 
 def _set(ir: Ir, enabled: bool, fn: str) -> None:
-    settings = getattr(ir, "_fc_pass_settings", {})
-    for op in _matmuls(ir, fn):
-        # Keyed by op identity: ops live as long as their graph, which the Ir holds.
+    matmuls = _matmuls(ir, fn)
+    settings = _SETTINGS.setdefault(ir, {})
+    for op in matmuls:
         settings[id(op)] = enabled
-    ir._fc_pass_settings = settings
 
 
 def disable_fc_pass(ir: Ir) -> None:
@@ -47,4 +52,4 @@ def fc_pass_enabled(ir: Ir, op: Op) -> bool:
         raise ValueError(
             f"fc_pass_enabled: op {op.name!r} is not a matmul; only matmuls have the pass."
         )
-    return getattr(ir, "_fc_pass_settings", {}).get(id(op), True)
+    return _SETTINGS.get(ir, {}).get(id(op), True)

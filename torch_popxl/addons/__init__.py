@@ -18,6 +18,7 @@ from . import (  # noqa: F401
     named_tensors,
     ops,
     optimizers,
+    patterns,
     route_tensor,
     rts,
     seed_variable,
@@ -102,5 +103,5 @@ __all__ = [
     "create_remote_buffer",
     "OrderedDict", "WeightsDict", "timer",
     "dot_tree", "graph", "graph_cache", "layers", "named_tensors", "ops", "optimizers", "rts",
-    "transforms",
+    "transforms", "patterns",
 ]  # fmt: skip

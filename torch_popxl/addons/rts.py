@@ -98,11 +98,16 @@ def reduce_replica_sharded_tensor(t: Tensor, op: str = "add", replica_group: Rep
       equals the replica group, else an all-reduce followed by a sharded slice;
     * otherwise an all-reduce (nothing when the replica group has one member).
 
-    ``op="mean"`` divides by the replica group size.
+    ``op="mean"`` divides by the replica group size. ``op="local"`` (PopXL's no-reduction
+    operator) keeps each replica's own data: its shard, or ``t`` itself when not sharded.
     """
     rg = replica_group if replica_group is not None else _all_replicas()
     sg = shard_group if shard_group is not None else rg
     n = _nelms(t)
+    if op == "local":
+        if sg.group_size > 1 and n % sg.group_size == 0:
+            return collectives.replica_sharded_slice(t, sg)
+        return t
     if sg.group_size > 1 and n % sg.group_size == 0:
         if _same_grouping(rg, sg):
             return collectives.replicated_reduce_scatter(

@@ -73,6 +73,9 @@ class Op:
     # (chain, unit) of the in_sequence constraints it was created under (Note [in_sequence
     # constraints] in ir/context.py); None when created outside in_sequence.
     sequence: tuple[int, int] | None = None
+    # The ``name_scope`` the op was created in ("fc1/fwd/", "" outside any); the memory
+    # report groups a phased program's main-graph ops into phases by it.
+    scope: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
@@ -337,6 +340,8 @@ class Graph:
             op = replace(op, context=self._op_context)
         if op.sequence is None:  # a moved or cloned op keeps the constraints it was built with
             op = replace(op, sequence=_ctx._next_sequence(self, op.context))
+        if not op.scope and _ctx.current_name_scope():
+            op = replace(op, scope=_ctx.current_name_scope())
         self._ops.append(op)
         self._version += 1
         for hook in list(self._hooks.values()):
@@ -344,6 +349,8 @@ class Graph:
         return op
 
     def _replace_op(self, index: int, op: Op) -> None:
+        if not op.scope and self._ops[index].scope:
+            op = replace(op, scope=self._ops[index].scope)  # a rewrite keeps the op's scope
         self._ops[index] = op
         self._version += 1
 

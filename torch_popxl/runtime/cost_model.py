@@ -58,6 +58,7 @@ __all__ = [
     "WorkItem",
     "fit",
     "workload",
+    "workload_of_ops",
 ]
 
 _COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "local_slice")
@@ -417,3 +418,17 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             x = x + alpha * (z - x)
             passive &= x > 1e-15
     return x / scale
+
+
+def workload_of_ops(ops: Iterable[Op], num_replicas: int) -> Workload:
+    """The per-replica work of running ``ops`` (ops of one graph, in order; calls and repeats
+    expanded) once: ``workload`` for a slice of a program, such as one phase of a phased
+    program (the memory report's per-phase traffic and modeled time)."""
+    walker = _Walker(num_replicas)
+    walker.walk(ops, 1)
+    return Workload(
+        tuple(
+            WorkItem(kind, n, nbytes, flops, group, io, steps)
+            for (kind, nbytes, flops, group, io, steps), n in walker.items.items()
+        )
+    )

@@ -13,7 +13,10 @@ Note [peak intermediates]
 The peak is taken over the main program's op order (the simulator's schedule): an op's
 outputs become live when it runs and die after their last reader. Variables, constants and
 RTS shards are counted separately, so they are not intermediates. A call adds the callee's
-own peak while it runs. Views are counted as copies, so the figure is an upper bound.
+own peak while it runs. The output of a captured view op (``detach``, ``t``, ``view``: an
+alias that writes nothing, ``cost_model._is_view``) adds no bytes; it keeps its base alive
+as long as it is read. Other aliasing (in-place ops returning a new handle) is counted as a
+copy, so the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from .. import dtypes as _dtypes
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Constant, Tensor, Variable
 from ..ir.walk import Interpreter
-from .cost_model import _COLLECTIVE_KINDS, TRAFFIC_KINDS, CostModel, Workload, workload
+from .cost_model import (
+    _COLLECTIVE_KINDS,
+    TRAFFIC_KINDS,
+    CostModel,
+    Workload,
+    _is_view,
+    workload,
+    workload_of_ops,
+)
 from .executor import ReferenceExecutor
 
 if TYPE_CHECKING:
@@ -42,6 +53,7 @@ __all__ = [
     "CostModel",
     "IpuMemory",
     "MemoryReport",
+    "PhaseMemory",
     "TRAFFIC_KINDS",
     "build_report",
     "format_bytes",
@@ -173,6 +185,9 @@ class MemoryReport:
     code_locations: tuple[tuple[str, str, int], ...] = ()
     # Per IPU of one replica, for programs placed with ``popxl.ipu`` (empty otherwise).
     ipu_memory: tuple[IpuMemory, ...] = ()
+    # Per-phase live memory and streaming traffic of a phased program (Note [phases]); empty
+    # when no main-program op was recorded inside a ``name_scope``.
+    phases: tuple[PhaseMemory, ...] = ()
 
     @property
     def on_chip_bytes(self) -> int:
@@ -183,6 +198,11 @@ class MemoryReport:
             + self.constant_bytes
             + self.peak_intermediate_bytes
         )
+
+    @property
+    def persistent_on_chip_bytes(self) -> int:
+        """What is on chip during every phase: variables, RTS shards and constants."""
+        return self.variable_bytes + self.rts_shard_bytes + self.constant_bytes
 
     @property
     def unsharded_streaming_bytes(self) -> int:
@@ -293,6 +313,9 @@ class MemoryReport:
         lines.append(f"  ({flops} of matmuls per replica)")
 
         lines += self._code_location_lines()
+        if self.phases:
+            lines += ["", *_format_phases(self.phases, self.persistent_on_chip_bytes, R)]
+
         if counters:
             measured = self.measured_counters
             lines += ["", row("Counters (IR vs runtime)", "IR", "runtime", indent=0)]
@@ -370,6 +393,7 @@ class MemoryReport:
                 "ir": dict(self.predicted_counters),
                 "runtime": None if self.measured_counters is None else dict(self.measured_counters),
             },
+            "phases": [dataclasses.asdict(p) for p in self.phases],
         }
 
     def plot(self, path: str | os.PathLike | None = None, title: str | None = None):
@@ -461,6 +485,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         "num_remote_stores": counts["remote_store"],
     }
     placement = _buffer_placement(ir, main)
+    phases = _phases(ir, main._ops_in_context("normal"), persistent, cost_model or CostModel())
     measured = getattr(session, "_last_run_counters", None)
     if isinstance(session._executor, ReferenceExecutor):
         measured = None
@@ -481,6 +506,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
         workload=work,
         code_locations=_code_locations(ir),
         ipu_memory=ipu_memory(ir, [*on_chip, *defined], persistent),
+        phases=phases,
         **placement,
     )
 
@@ -560,6 +586,17 @@ class _Liveness(Interpreter[None]):
                 self.last_use[t.id] = i
         for t in graph._outputs:
             self.last_use[t.id] = len(ops)
+        # A view aliases its base: it adds no bytes and its reads keep the base alive.
+        self.alias: dict[str, str] = {}
+        for op in ops:
+            if op.kind == OpKind.TORCH and op.inputs and op.outputs and _is_view(op.attrs.target):
+                base = op.inputs[0].id
+                base = self.alias.get(base, base)
+                for t in op.outputs:
+                    self.alias[t.id] = base
+        for view, base in self.alias.items():
+            if view in self.last_use:
+                self.last_use[base] = max(self.last_use.get(base, -1), self.last_use[view])
         self.live: dict[str, int] = {}
         self.index = self.total = self.max = 0
         self.run(ops, {})
@@ -567,7 +604,7 @@ class _Liveness(Interpreter[None]):
 
     def op(self, op: Op, ins: list[None], env) -> list[None]:
         for t in op.outputs:
-            if t.id not in self.live and self._is_intermediate(t):
+            if t.id not in self.live and t.id not in self.alias and self._is_intermediate(t):
                 self.live[t.id] = _dtypes.nbytes(t.shape, t.dtype)
                 self.total += self.live[t.id]
         self.max = max(self.max, self.total)
@@ -720,3 +757,130 @@ class _IpuLiveness(Interpreter[None]):
             walk = _IpuLiveness(self.persistent, self._callee_peaks)
             self._callee_peaks[key] = walk.peaks(graph, graph._ops, ipu)
         return self._callee_peaks[key]
+
+
+# ---- phases -------------------------------------------------------------------------------
+#
+# Note [phases]
+# ~~~~~~~~~~~~~
+# A phased program (popxl-addons' phased execution) runs as a sequence of phases, each
+# loading a layer's variables (and optimizer state) from streaming memory, computing and
+# storing them back, so that only one phase's tensors are on chip at a time. The report
+# takes a phase to be a run of consecutive main-program ops recorded in the same
+# ``popxl.name_scope`` (the op's ``scope``; nested scopes are distinct phases, ops outside any
+# scope form unnamed ones). Per phase it gives, per replica: the peak of live intermediates
+# while the phase runs (the same walk as Note [peak intermediates]: loaded variables are
+# intermediates, a call adds its callee's peak), the intermediates that were live when it
+# began (values carried over from earlier phases rather than through remote buffers), and,
+# over all replicas like the traffic table, the bytes it loads from and stores to streaming
+# memory; and the cost model's time for its ops. On chip during a phase is its peak plus
+# what is always there (variables, RTS shards, constants); the program's peak is the
+# largest phase's.
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One phase of a phased program (Note [phases]).
+
+    ``name`` is the ``name_scope`` (``""`` for ops outside any); ``num_ops`` counts the
+    main-program ops in it. Bytes: ``peak_intermediate_bytes`` and ``live_in_bytes`` per
+    replica; ``remote_load_bytes`` / ``remote_store_bytes`` / ``host_bytes`` summed over all
+    replicas per run (like ``MemoryReport.traffic``). ``modeled_time_s``: the cost model's
+    device time of the phase."""
+
+    name: str
+    num_ops: int
+    peak_intermediate_bytes: int
+    live_in_bytes: int
+    remote_load_bytes: int
+    remote_store_bytes: int
+    num_remote_loads: int
+    num_remote_stores: int
+    host_bytes: int
+    modeled_time_s: float
+
+
+class _PhaseLiveness(_Liveness):
+    """``_Liveness`` over the main program that also records, per op, the live intermediates
+    before it runs and the peak while it runs (its callee's peak included)."""
+
+    def peak(self, graph: Graph, ops: list[Op]) -> int:
+        self.before: list[int] = []
+        self.during: list[int] = []
+        return super().peak(graph, ops)
+
+    def _measure(self, op: Op, ins: list[None], callee: int) -> list[None]:
+        self.before.append(self.total)
+        saved, self.max = self.max, self.total + callee
+        out = _Liveness.op(self, op, ins, {})
+        self.during.append(self.max)
+        self.max = max(saved, self.max)
+        return out
+
+    def op(self, op: Op, ins: list[None], env) -> list[None]:
+        return self._measure(op, ins, 0)
+
+    def call(self, op: Op, ins: list[None]) -> list[None]:
+        return self._measure(op, ins, self._callee_peak(op.attrs.graph))
+
+    repeat = call
+
+
+def _phases(
+    ir, ops: list[Op], persistent: set[str], cost_model: CostModel
+) -> tuple[PhaseMemory, ...]:
+    if not any(op.scope for op in ops):
+        return ()
+    walk = _PhaseLiveness(persistent)
+    walk.peak(ir.main_graph, ops)
+    R = ir.instance_replication_factor
+    spans: list[tuple[str, int, int]] = []  # (scope, first op, end)
+    for i, op in enumerate(ops):
+        if spans and spans[-1][0] == op.scope:
+            spans[-1] = (op.scope, spans[-1][1], i + 1)
+        else:
+            spans.append((op.scope, i, i + 1))
+    phases = []
+    for scope, start, end in spans:
+        work = workload_of_ops(ops[start:end], R)
+        phases.append(
+            PhaseMemory(
+                name=scope.rstrip("/"),
+                num_ops=end - start,
+                peak_intermediate_bytes=max(walk.during[start:end]),
+                live_in_bytes=walk.before[start],
+                remote_load_bytes=round(work.nbytes("remote_load") * R),
+                remote_store_bytes=round(work.nbytes("remote_store") * R),
+                num_remote_loads=work.count("remote_load"),
+                num_remote_stores=work.count("remote_store"),
+                host_bytes=round(
+                    (work.nbytes("host_to_device") + work.nbytes("device_to_host")) * R
+                ),
+                modeled_time_s=cost_model.step_time_s(work),
+            )
+        )
+    return tuple(phases)
+
+
+def _format_phases(phases: tuple[PhaseMemory, ...], persistent: int, R: int) -> list[str]:
+    name_width = max(12, *(len(p.name or "(no name_scope)") for p in phases)) + 2
+    cells = ("on chip", "live in", "loads", "stores", "time")
+    lines = [
+        f"Phases by name_scope (memory per replica, loads / stores over all {R} replicas)",
+        "  " + "phase".ljust(name_width) + "".join(f"{c:>12}" for c in cells),
+    ]
+    for p in phases:
+        values = (
+            format_bytes(persistent + p.peak_intermediate_bytes),
+            format_bytes(p.live_in_bytes),
+            format_bytes(p.remote_load_bytes),
+            format_bytes(p.remote_store_bytes),
+            format_seconds(p.modeled_time_s),
+        )
+        label = (p.name or "(no name_scope)").ljust(name_width)
+        lines.append("  " + label + "".join(f"{v:>12}" for v in values))
+    lines.append(
+        f"  (on chip = {format_bytes(persistent)} always there (variables, shards, constants) "
+        "+ the phase's peak live intermediates)"
+    )
+    return lines

@@ -1,10 +1,13 @@
-"""``popxl.transforms``: graph transforms (autodiff) and exchange scheduling contexts."""
+"""``popxl.transforms``: graph transforms (autodiff, decompose_sum) and exchange scheduling
+contexts."""
 
 from .autodiff import ExpectedConnection, ExpectedConnectionType, GradGraphInfo, autodiff
+from .decompose_sum import decompose_sum
 from .merge_exchange import io_tile_exchange, merge_exchange
 
 __all__ = [
     "autodiff",
+    "decompose_sum",
     "GradGraphInfo",
     "ExpectedConnection",
     "ExpectedConnectionType",

@@ -641,6 +641,76 @@ def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) ->
     return True
 
 
+# Note [remote slot views]
+#     A variable's remote optimizer state is loaded, updated in place and stored back to the
+#     same slot. In an explicitly batched fragment, when every replica addresses the same fixed
+#     slot (a constant offset), that round trip needs no copy: the load becomes a view of the
+#     slots (``torch_popxl::remote_slot_view``, counted as the load), the updates write through
+#     it, and the store of that very view moves nothing (``remote_store_stacked_`` sees the
+#     value is the slots; it still counts the store). Safe when nothing can observe the buffer
+#     changing early: no other remote op on the buffer between the load and the store, the
+#     value (or any alias of it) is stored to the same slot, is not used after the store, is
+#     not a fragment output and never goes to the host or a print.
+def _constant_offset(f: FlatOp) -> int | None:
+    """The offset of a remote op when it is a constant integer (the same on every replica)."""
+    off = f.source.inputs[-1] if f.source.inputs else None
+    if not isinstance(off, Constant) or off._data.numel() != 1:
+        return None
+    if off._data.dtype.is_floating_point or off._data.dtype == torch.bool:
+        return None
+    return int(off._data.item())
+
+
+def _remote_buffer_id(f: FlatOp) -> int | None:
+    if f.kind in ("remote_load", "remote_load_", "remote_store"):
+        return f.source.attrs.buffer.remote_buffer_id
+    return None
+
+
+def _touches_buffer(flat: list[FlatOp], bid: int) -> bool:
+    return any(_remote_buffer_id(g) == bid or _touches_buffer(g.body, bid) for g in flat)
+
+
+def _names(f: FlatOp) -> list[str]:
+    found = [*f.ins, *f.outs, *f.results]
+    for g in f.body:
+        found += _names(g)
+    return found
+
+
+def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[FlatOp]:
+    """Note [remote slot views]: the top-level remote loads to run as views."""
+    chosen: set[FlatOp] = set()
+    outputs = {plan.root_of(n) for n in out_names}
+    for i, f in enumerate(flat):
+        if f.kind != "remote_load" or plan.b(f.ins[0]):
+            continue
+        slot, out = _constant_offset(f), f.outs[0]
+        bid = _remote_buffer_id(f)
+        if slot is None or out in plan.force_batched or out in outputs:
+            continue
+        for j in range(i + 1, len(flat)):
+            g = flat[j]
+            if _remote_buffer_id(g) == bid or _touches_buffer(g.body, bid):
+                break
+        else:
+            continue
+        g = flat[j]
+        if g.kind != "remote_store" or plan.root_of(g.ins[0]) != out or _constant_offset(g) != slot:
+            continue
+
+        def mine(names):
+            return any(plan.root_of(n) == out for n in names)
+
+        between = flat[i + 1 : j]
+        if any(h.kind in ("host_store", "print") and mine(_names(h)) for h in between):
+            continue
+        if any(mine(_names(h)) for h in flat[j + 1 :]):
+            continue
+        chosen.add(f)
+    return chosen
+
+
 class _Scratch:
     """Buffers owned by the ops of one program, allocated on first use."""
 
@@ -697,6 +767,7 @@ class Program:
             "DEVICE": device,
             "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
+            "REMOTE_VIEW": torch.ops.torch_popxl.remote_slot_view,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
             "VIEW": _batched_view,
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
@@ -750,6 +821,7 @@ class _Emitter:
         self.rows = program.R
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
+        self.views: set[FlatOp] = set()  # Note [remote slot views]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -910,6 +982,11 @@ class _Emitter:
         return True
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        if f in self.views:  # Note [remote slot views]
+            slot = _constant_offset(f)
+            self.lines.append(f"{ind}{f.outs[0]} = REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})")
+            return
         if self._remote_explicit(f, ind):
             return
         bid = f.source.attrs.buffer.remote_buffer_id
@@ -1005,6 +1082,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     em.inplace = _inplace_rewrites(flat, plan, out_names)
     if explicit:
         em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
+        em.views = _remote_views(flat, plan, out_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

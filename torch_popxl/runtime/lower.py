@@ -711,6 +711,128 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
     return chosen
 
 
+# Note [aliasing collectives]
+#     A full-group all-gather of stacked rows returns those very rows (``[R, *s]`` is the
+#     gathered ``[G, *s]``); a copy only keeps the result independent of its input. At the top
+#     level of an explicitly batched fragment the copy is dropped (the stanza's
+#     ``explicit_alias`` rule) when nothing can see the sharing: neither the input nor the
+#     result is written after the op, neither is a fragment output, and the result never goes
+#     to the host or a print. An RTS weight update (update the shard, gather, copy into the
+#     full weight) then moves the shard once instead of twice.
+def _written_names(f: FlatOp) -> list[str]:
+    """The value names ``f`` (or its loop body) writes in place."""
+    if f.kind == "torch":
+        return [f.ins[i] for i in schema_effects(f.source)[0]]
+    if f.kind == "remote_load_":
+        return [f.ins[0]]
+    return [n for g in f.body for n in _written_names(g)]
+
+
+def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str],
+                       R: int) -> dict[FlatOp, Callable[..., Any]]:  # fmt: skip
+    """Note [aliasing collectives]: the top-level collectives to run through their
+    ``explicit_alias`` rule, with the rule's function."""
+    chosen: dict[FlatOp, Callable[..., Any]] = {}
+    outputs = {plan.root_of(n) for n in out_names}
+    for i, f in enumerate(flat):
+        opdef = _collective(f.source) if f.kind == "torch" else None
+        if opdef is None or not opdef.has("explicit_alias") or len(f.outs) != 1:
+            continue
+        if f in plan.sum_reads or f in plan.sum_adds:
+            continue
+        fn = opdef.rule("explicit_alias")(f.source, [plan.b(n) for n in f.ins], R)
+        roots = {plan.root_of(f.ins[0]), plan.root_of(f.outs[0])}
+        if fn is None or roots & outputs or f.outs[0] in plan.force_batched:
+            continue
+        later = flat[i + 1 :]
+        if any(plan.root_of(n) in roots for g in later for n in _written_names(g)):
+            continue
+        if any(g.kind in ("host_store", "print") and
+               any(plan.root_of(n) in roots for n in _names(g)) for g in later):  # fmt: skip
+            continue
+        chosen[f] = fn
+    return chosen
+
+
+# Note [RTS updates in place]
+#     A replica-sharded update of a replica-invariant weight ``w`` reads
+#         s = reduce_scatter(w, 'local')  ... s updated in place ...
+#         g = all_gather(s); w.copy_(view/slice of g)
+#     When ``w`` divides into R chunks, ``s`` can be a view of ``w`` (the stanza's
+#     ``explicit_alias`` rule): the updates then write ``w`` directly, the gather is a view of
+#     the same memory (Note [aliasing collectives]) and the final copy finds nothing to move
+#     (``COPY_UNLESS_SAME``). The program cannot tell: nothing else reads or writes ``w``
+#     between the slice and the copy, the gathered value reaches the copy only through views
+#     used once, and ``s`` is not used after the copy. Traffic is counted as the ops say.
+_SLICE_VIEWS = frozenset(_VIEW_OPS | {_aten.slice.Tensor})
+
+
+def _rts_updates(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
+                 aliasing: Mapping[FlatOp, Any]) -> tuple[dict[FlatOp, Any], set[FlatOp]]:  # fmt: skip
+    """Note [RTS updates in place]: (slice ops to run as views with their function, the
+    copy-back ops that may find their source is their target)."""
+    shards: dict[FlatOp, Any] = {}
+    copies: set[FlatOp] = set()
+    uses = _uses(flat, {})
+    for n in out_names:
+        uses[n] = uses.get(n, 0) + 1
+    outputs = {plan.root_of(n) for n in out_names}
+    index = {f: i for i, f in enumerate(flat)}
+    for i, f in enumerate(flat):
+        opdef = _collective(f.source) if f.kind == "torch" else None
+        if opdef is None or not opdef.has("explicit_alias") or f in plan.sum_reads:
+            continue
+        fn = opdef.rule("explicit_alias")(f.source, [plan.b(n) for n in f.ins], R)
+        if fn is None or opdef.name != "replicated_reduce_scatter":
+            continue
+        w, shard = plan.root_of(f.ins[0]), f.outs[0]
+        if w in outputs or shard in outputs or shard in plan.force_batched:
+            continue
+        # the gather of the shard, then views used once, then the copy back into w
+        gather = next((g for g in flat[i + 1 :] if g in aliasing
+                       and plan.root_of(g.ins[0]) == shard), None)  # fmt: skip
+        if gather is None:
+            continue
+        chain, cur, k = [gather], gather.outs[0], index[gather] + 1
+        while k < len(flat) and uses.get(cur) == 1:
+            g = flat[k]
+            if g.kind != "torch" or cur not in g.ins:
+                break
+            if g.source.attrs.target in _SLICE_VIEWS and g.ins[0] == cur:
+                chain.append(g)
+                cur, k = g.outs[0], k + 1
+                continue
+            break
+        if k >= len(flat):
+            continue
+        back = flat[k]
+        if (back.kind != "torch" or back.source.attrs.target is not _aten.copy_.default
+                or back.ins != [f.ins[0], cur] or uses.get(cur) != 1):  # fmt: skip
+            continue
+        # nothing but the idiom touches w between the slice and the copy
+        middle = [g for g in flat[i + 1 : k] if g not in chain]
+        if any(plan.root_of(n) == w for g in middle for n in _names(g)):
+            continue
+        if any(g.kind in ("host_store", "print") and
+               any(plan.root_of(n) == shard for n in _names(g)) for g in middle):  # fmt: skip
+            continue
+        # and the shard (now w's memory) is not used after the copy
+        if any(plan.root_of(n) == shard for g in flat[k + 1 :] for n in _names(g)):
+            continue
+        shards[f] = fn
+        copies.add(back)
+    return shards, copies
+
+
+def _copy_unless_same(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(source)``, skipped when ``source`` is ``target``'s very memory and
+    layout (Note [RTS updates in place])."""
+    if (source.data_ptr() == target.data_ptr() and source.shape == target.shape
+            and source.stride() == target.stride() and source.dtype == target.dtype):  # fmt: skip
+        return target
+    return target.copy_(source)
+
+
 class _Scratch:
     """Buffers owned by the ops of one program, allocated on first use."""
 
@@ -768,6 +890,7 @@ class Program:
             "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
             "REMOTE_VIEW": torch.ops.torch_popxl.remote_slot_view,
+            "COPY_UNLESS_SAME": _copy_unless_same,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
             "VIEW": _batched_view,
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
@@ -822,6 +945,8 @@ class _Emitter:
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
         self.views: set[FlatOp] = set()  # Note [remote slot views]
+        self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
+        self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -864,6 +989,16 @@ class _Emitter:
             self.lines.append(
                 f"{ind}{f.outs[0]} = {_OUT_FORMS[attrs.target]}({', '.join(args)}, out={buf})"
             )
+            return
+        if f in self.copies:  # Note [RTS updates in place]
+            target, source = f.ins
+            self.lines.append(f"{ind}{f.outs[0]} = COPY_UNLESS_SAME({target}, {source})")
+            return
+        if f in self.aliasing:  # Note [aliasing collectives]
+            args = [self.literal(x, f) for x in f.source.attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
+            call = f"{self.p.literal(self.aliasing[f])}({', '.join(args)})"
+            self.lines.append(f"{ind}{f.outs[0]} = {call}")
             return
         if rewrite == "inplace":
             fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
@@ -1083,6 +1218,9 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     if explicit:
         em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
         em.views = _remote_views(flat, plan, out_names)
+        em.aliasing = _alias_collectives(flat, plan, out_names, program.R)
+        shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
+        em.aliasing.update(shards)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

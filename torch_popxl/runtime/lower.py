@@ -678,6 +678,10 @@ def _names(f: FlatOp) -> list[str]:
     return found
 
 
+def _rooted(plan: Plan, names: list[str], root: str) -> bool:
+    return any(plan.root_of(n) == root for n in names)
+
+
 def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[FlatOp]:
     """Note [remote slot views]: the top-level remote loads to run as views."""
     chosen: set[FlatOp] = set()
@@ -699,13 +703,11 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
         if g.kind != "remote_store" or plan.root_of(g.ins[0]) != out or _constant_offset(g) != slot:
             continue
 
-        def mine(names):
-            return any(plan.root_of(n) == out for n in names)
-
         between = flat[i + 1 : j]
-        if any(h.kind in ("host_store", "print") and mine(_names(h)) for h in between):
+        if any(h.kind in ("host_store", "print") and _rooted(plan, _names(h), out)
+               for h in between):  # fmt: skip
             continue
-        if any(mine(_names(h)) for h in flat[j + 1 :]):
+        if any(_rooted(plan, _names(h), out) for h in flat[j + 1 :]):
             continue
         chosen.add(f)
     return chosen

@@ -150,8 +150,9 @@ _OPTIMIZERS = {
 
 @pytest.mark.parametrize("R,opt", [(1, "adam"), (2, "adam"), (4, "adam"), (2, "adamw"),
                                    (4, "sgd_momentum")])  # fmt: skip
-@pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote")],
-                         ids=["on_chip", "remote_rts"])  # fmt: skip
+@pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote"),
+                                    dict(optimizer_state="remote")],
+                         ids=["on_chip", "remote_rts", "remote"])  # fmt: skip
 def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, layout):
     """The seed-style compile program (cross-entropy, accumulation loop, optimizer), on-chip
     and with sharded off-chip optimizer state, runs without vmap, with the accumulation loop
@@ -173,6 +174,13 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
             for name, fn in trainer.session._executor.fns.items():
                 assert fn.explicit, (name, fn.vmap_reason)
             assert "iterations folded" in trainer.session._executor.source()
+            if layout.get("optimizer_state") == "remote":
+                # Note [replica-invariant remote buffers]: unsharded off-chip state is read
+                # once (row 0) and the weights it updates stay replica-invariant
+                executor_ = trainer.session._executor
+                assert ")[0]" in executor_.source()
+                weights = {slot.var.id for slot in trainer._active.slots}
+                assert weights <= executor_.uniform, weights - executor_.uniform
         params[executor] = ([p.detach().clone() for p in model.parameters()], losses)
     for got, want in zip(params["fast"][0], params["reference"][0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

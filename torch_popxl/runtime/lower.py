@@ -183,6 +183,9 @@ class Assumptions:
     uniform_vars: frozenset[str] = frozenset()
     sum_vars: frozenset[str] = frozenset()
     force_batched: frozenset[str] = frozenset()
+    # Note [replica-invariant remote buffers]: remote buffer ids whose slots hold the same
+    # value on every replica.
+    uniform_buffers: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -367,11 +370,23 @@ class _Pass:
         self._set(f.outs[0], self.R > 1)
         return None
 
+    def _not_uniform(self, f: FlatOp) -> _Verdict:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        return replace(self.assume, uniform_buffers=self.assume.uniform_buffers - {bid})
+
     def _remote_load(self, f: FlatOp) -> _Verdict:
+        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
+            # Note [replica-invariant remote buffers]: only a fixed slot is read as row 0
+            if _constant_offset(f) is None:
+                return self._not_uniform(f)
+            self._set(f.outs[0], False)
+            return None
         self._set(f.outs[0], self.R > 1)
         return None
 
     def _remote_load_(self, f: FlatOp) -> _Verdict:
+        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
+            return self._not_uniform(f)
         return self._write(f.ins[0], self.R > 1)
 
     def _host_store(self, f: FlatOp) -> _Verdict:
@@ -380,7 +395,13 @@ class _Pass:
                 return self._disqualify(n)
         return None
 
-    _remote_store = _print = _host_store
+    _print = _host_store
+
+    def _remote_store(self, f: FlatOp) -> _Verdict:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        if bid in self.assume.uniform_buffers and any(self.b(n) for n in f.ins):
+            return self._not_uniform(f)  # a per-replica value or slot
+        return self._host_store(f)
 
     def _loop(self, f: FlatOp) -> _Verdict:
         for carried, arg in zip(f.outs, f.ins, strict=True):
@@ -641,6 +662,15 @@ def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) ->
     return True
 
 
+# Note [replica-invariant remote buffers]
+#     A remote buffer whose variables all hold one value for every replica (unsharded, one
+#     replica group) and which is only ever stored to with replica-invariant values at fixed
+#     slots keeps R equal rows. Its loads are then replica-invariant (``FastExecutor`` starts
+#     from every such buffer and the analysis drops one at the first per-replica store, slot
+#     or in-place load): an off-chip optimizer state read as row 0 makes its update, and the
+#     weight it updates, replica-invariant (Note [replica-invariant values]), so the update
+#     runs once and the weight is not copied per replica. A store still writes every row.
+#     Only explicitly batched fragments read row 0; under vmap the buffer is per replica.
 # Note [remote slot views]
 #     A variable's remote optimizer state is loaded, updated in place and stored back to the
 #     same slot. In an explicitly batched fragment, when every replica addresses the same fixed
@@ -1120,6 +1150,13 @@ class _Emitter:
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
         bid = f.source.attrs.buffer.remote_buffer_id
+        if self.explicit and bid in self.a.assumptions.uniform_buffers:
+            # Note [replica-invariant remote buffers]: row 0 of the slot (counted as the load
+            # of every replica); a view when the value goes back to the same slot
+            slot = _constant_offset(f)
+            view = f"REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})[0]"
+            self.lines.append(f"{ind}{f.outs[0]} = {view}{'' if f in self.views else '.clone()'}")
+            return
         if f in self.views:  # Note [remote slot views]
             slot = _constant_offset(f)
             self.lines.append(f"{ind}{f.outs[0]} = REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})")
@@ -1209,11 +1246,19 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     out_names = [scope[t.id] for t in outputs]
     plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
                    program.var_names, program.R, assume)  # fmt: skip
-    if program.R > 1:
-        flat = _fold_matmuls(flat, plan, program, program.R)
     reason = None
     if program.explicit_ok and program.R > 1:
         reason = _explicit.vmap_reason(flat, plan, program.R)
+    if plan.assumptions.uniform_buffers and (reason is not None or not program.explicit_ok
+                                             or program.R == 1):  # fmt: skip
+        # Note [replica-invariant remote buffers]: only explicit batching reads row 0
+        plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
+                       program.var_names, program.R,
+                       replace(plan.assumptions, uniform_buffers=frozenset()))  # fmt: skip
+        if program.explicit_ok and program.R > 1:
+            reason = _explicit.vmap_reason(flat, plan, program.R)
+    if program.R > 1:
+        flat = _fold_matmuls(flat, plan, program, program.R)
     explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
     em.inplace = _inplace_rewrites(flat, plan, out_names)

@@ -19,6 +19,10 @@ Three phases, one direction:
    replicas cost one pass of Python. On stacked values a gradient-accumulation loop whose
    iterations are independent runs as one pass (Note [fold the accumulation loop] in
    ``explicit.py``), and elementwise update chains run in place (Note [update in place]).
+   Off-chip state round trips and RTS weight updates move no bytes the program cannot
+   observe (Note [remote slot views], Note [aliasing collectives], Note [RTS updates in
+   place]); unsharded off-chip state stays replica-invariant (Note [replica-invariant remote
+   buffers]).
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same

@@ -400,3 +400,62 @@ def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, lay
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(params["fast"], params["eager"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _remote_round_trips(R):
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        rb = popxl.remote_buffer((3,), popxl.float32, entries=3)
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        x = ops.host_load(xs)
+        a = ops.remote_load(rb, 0)  # a round trip: runs as a view of the slots
+        a += x
+        ops.remote_store(rb, 0, a)
+        b = ops.remote_load(rb, 1)  # used after its store: a copy
+        b += x * 2.0
+        ops.remote_store(rb, 1, b)
+        c = ops.remote_load(rb, 2)  # a round trip, but the buffer is read in between: a copy
+        d = ops.remote_load(rb, 1)
+        c += d
+        ops.remote_store(rb, 2, c)
+        outs = {}
+        for name, t in (
+            ("b", b),
+            ("slot0", ops.remote_load(rb, 0)),
+            ("slot1", ops.remote_load(rb, 1)),
+        ):
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
+    """Note [remote slot views]: a load updated in place and stored back to its fixed slot
+    runs as a view of the slots; the values (over several runs) are the reference executor's,
+    the counted remote traffic is what every load and store moves,
+    and loads whose value is used after the store, or whose buffer is read before the store,
+    stay copies."""
+    rng = np.random.default_rng(3)
+    xs_data = [rng.normal(size=(R, 3)).astype(np.float32) for _ in range(3)]
+    results, traffic = {}, {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _remote_round_trips(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            code = session.generated_code()
+            assert code.count("REMOTE_VIEW(") == 1, code
+        with session:
+            runs = [session.run({xs: x}) for x in xs_data]
+            traffic[executor] = session._last_run_counters
+        results[executor] = [{k: run[s] for k, s in outs.items()} for run in runs]
+    for got, want in zip(results["fast"], results["reference"], strict=True):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+    # every load and store moves one 3-float slot per replica, view or not (by hand: 6 loads,
+    # 3 stores per run)
+    got = {k: traffic["fast"][k] for k in ("remote_load_bytes", "remote_store_bytes",
+                                            "num_remote_loads", "num_remote_stores")}  # fmt: skip
+    assert got == {"remote_load_bytes": 6 * R * 12, "remote_store_bytes": 3 * R * 12,
+                   "num_remote_loads": 6, "num_remote_stores": 3}  # fmt: skip

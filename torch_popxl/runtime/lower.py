@@ -725,7 +725,9 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
             continue
         slot, out = _constant_offset(f), f.outs[0]
         bid = _remote_buffer_id(f)
-        if slot is None or out in plan.force_batched or out in outputs:
+        # (a load from a buffer read per replica is per replica anyway: forcing it is moot)
+        forced = out in plan.force_batched and bid in plan.assumptions.uniform_buffers
+        if slot is None or forced or out in outputs:
             continue
         for j in range(i + 1, len(flat)):
             g = flat[j]
@@ -1005,9 +1007,19 @@ class _Emitter:
             for n in f.outs:
                 # Materialise a forced value once, where it is defined (not after in-place
                 # ops that return it again, which would break aliasing).
-                if n in self.a.force_batched and f.kind != "loop" and n not in self.defined:
+                if (n in self.a.force_batched and f.kind != "loop" and n not in self.defined
+                        and not self._loads_per_replica(f)):  # fmt: skip
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
                 self.defined.add(n)
+
+    def _loads_per_replica(self, f: FlatOp) -> bool:
+        """A remote load that already gives every replica its own row (a value forced per
+        replica by an analysis pass that read the buffer as replica-invariant needs no
+        broadcast then, Note [replica-invariant remote buffers])."""
+        if f.kind != "remote_load":
+            return False
+        bid = f.source.attrs.buffer.remote_buffer_id
+        return not (self.explicit and bid in self.a.assumptions.uniform_buffers)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
         rewrite = self.inplace.get(f)

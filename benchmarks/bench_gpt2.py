@@ -129,7 +129,8 @@ def main(repeats: int = 5) -> dict[str, float]:
 
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns["eager_schedule"] = eager_schedule
-    s = interleaved_samples(fns, repeats, warmup=1)
+    cpu: dict[str, list[float]] = {}
+    s = interleaved_samples(fns, repeats, warmup=1, cpu=cpu)
     steady = {name: statistics.median(s[name]) for name in trainers}
     kind = type(eager_model).__name__
     print(f"small GPT-2 ({kind}: {LAYERS} layers, width {WIDTH}, seq {SEQ}, vocab {VOCAB}; R={R}, "
@@ -140,6 +141,9 @@ def main(repeats: int = 5) -> dict[str, float]:
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager / simulator "
               f"{ratio(s['eager_schedule'], s[name])}; build {builds[name] - steady[name]:.2f} s; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    print("  CPU time per step: " + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
+          + f"; eager / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "
+          f"/ remote+RTS {ratio(cpu['eager_schedule'], cpu['remote+RTS'])}")  # fmt: skip
     return {k: statistics.median(v) for k, v in s.items()}
 
 

@@ -61,14 +61,19 @@ def main(repeats: int = 5) -> dict[str, float] | None:
             (torch.nn.functional.cross_entropy(eager_model(xc), yc) / (R * GA)).backward()
         opt.step()
 
+    cpu: dict[str, list[float]] = {}
     s = interleaved_samples({"simulator": lambda: trainer.step(x, y), "eager": eager_schedule},
-                            repeats, warmup=1)  # fmt: skip
+                            repeats, warmup=1, cpu=cpu)  # fmt: skip
     fallbacks = vmap_fallbacks(trainer)
     print(f"resnet18 (32x32, R={R}, GA={GA}, micro-batch {MICRO}, SGD momentum), median (min-max):")
     print(f"  eager same schedule      {describe(s['eager'])}")
     print(f"  popxl.compile on-chip    {describe(s['simulator'])}: eager / simulator "
           f"{ratio(s['eager'], s['simulator'])}; build {build - statistics.median(s['simulator']):.2f} s; "
           f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    print(
+        f"  CPU time per step: eager {describe(cpu['eager'])}, simulator "
+        f"{describe(cpu['simulator'])}; eager / simulator {ratio(cpu['eager'], cpu['simulator'])}"
+    )
     return {k: statistics.median(v) for k, v in s.items()}
 
 

@@ -724,7 +724,7 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
         if f.kind != "remote_load" or plan.b(f.ins[0]):
             continue
         slot, out = _constant_offset(f), f.outs[0]
-        bid = _remote_buffer_id(f)
+        bid = f.source.attrs.buffer.remote_buffer_id
         # (a load from a buffer read per replica is per replica anyway: forcing it is moot)
         forced = out in plan.force_batched and bid in plan.assumptions.uniform_buffers
         if slot is None or forced or out in outputs:

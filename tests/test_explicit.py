@@ -459,3 +459,27 @@ def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
                                             "num_remote_loads", "num_remote_stores")}  # fmt: skip
     assert got == {"remote_load_bytes": 6 * R * 12, "remote_store_bytes": 3 * R * 12,
                    "num_remote_loads": 6, "num_remote_stores": 3}  # fmt: skip
+
+
+def test_remote_slot_view_kernel_is_a_counted_view_and_checks_its_offset():
+    """``remote_slot_view``: every replica's slot as a view, counted as one remote load; a
+    store of that very view writes nothing but counts the store; a bad offset is a
+    ValueError naming the buffer and the valid range, before anything is counted."""
+    from torch_popxl.opdefs import backends
+
+    K = torch.ops.torch_popxl
+    buffer = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    with backends.traffic_scope() as counted:
+        view = K.remote_slot_view(buffer, 1, 7)
+        view += 100.0  # writes through to the buffer
+        K.remote_store_stacked_(buffer, torch.tensor([1, 1]), view, 7)
+    assert view.data_ptr() == buffer[:, 1].data_ptr()
+    torch.testing.assert_close(buffer[:, 1], torch.arange(24.0).reshape(2, 3, 4)[:, 1] + 100.0)
+    assert counted["num_remote_loads"] == 1 and counted["remote_load_bytes"] == 2 * 4 * 4
+    assert counted["num_remote_stores"] == 1 and counted["remote_store_bytes"] == 2 * 4 * 4
+    with (
+        backends.traffic_scope() as counted,
+        pytest.raises(ValueError, match=r"RemoteBuffer\[id=7\].*\[0, 3\)"),
+    ):
+        K.remote_slot_view(buffer, 3, 7)
+    assert counted["num_remote_loads"] == 0

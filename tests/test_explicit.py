@@ -483,3 +483,32 @@ def test_remote_slot_view_kernel_is_a_counted_view_and_checks_its_offset():
     ):
         K.remote_slot_view(buffer, 3, 7)
     assert counted["num_remote_loads"] == 0
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_a_gather_of_a_remote_slot_view_does_not_see_a_later_store(R):
+    """Note [aliasing collectives]: the gather of a value that is a view of a remote slot is
+    a copy, so storing something else into that slot afterwards leaves the gathered value as
+    the reference executor has it."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(R, 3)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir = popxl.Ir(replication=R)
+        with ir.main_graph, popxl.in_sequence():
+            rb = popxl.remote_buffer((3,), popxl.float32, entries=1)
+            xs = popxl.h2d_stream((3,), popxl.float32, "x")
+            xv = ops.host_load(xs)
+            s = ops.remote_load(rb, 0)
+            s += xv
+            g = ops.collectives.replicated_all_gather(s)
+            ops.remote_store(rb, 0, s)  # s goes back to its slot: a view
+            ops.remote_store(rb, 0, xv * 3.0)
+            h = g * 2.0  # reads the gathered value after the slot changed
+            st = popxl.d2h_stream(h.shape, h.dtype, "h")
+            ops.host_store(st, h)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        with session:
+            results[executor] = [session.run({xs: x})[st] for _ in range(2)]
+    for got, want in zip(results["fast"], results["reference"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

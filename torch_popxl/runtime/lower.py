@@ -766,12 +766,13 @@ def _written_names(f: FlatOp) -> list[str]:
     return [n for g in f.body for n in _written_names(g)]
 
 
-def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str],
-                       R: int) -> dict[FlatOp, Callable[..., Any]]:  # fmt: skip
+def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
+                       views: set[FlatOp]) -> dict[FlatOp, Callable[..., Any]]:  # fmt: skip
     """Note [aliasing collectives]: the top-level collectives to run through their
-    ``explicit_alias`` rule, with the rule's function."""
+    ``explicit_alias`` rule, with the rule's function. Never on a remote slot view (``views``):
+    a later store to its buffer would change the result behind the program's back."""
     chosen: dict[FlatOp, Callable[..., Any]] = {}
-    outputs = {plan.root_of(n) for n in out_names}
+    outputs = {plan.root_of(n) for n in out_names} | {f.outs[0] for f in views}
     for i, f in enumerate(flat):
         opdef = _collective(f.source) if f.kind == "torch" else None
         if opdef is None or not opdef.has("explicit_alias") or len(f.outs) != 1:
@@ -1281,7 +1282,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     if explicit:
         em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
         em.views = _remote_views(flat, plan, out_names)
-        em.aliasing = _alias_collectives(flat, plan, out_names, program.R)
+        em.aliasing = _alias_collectives(flat, plan, out_names, program.R, em.views)
         shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
         em.aliasing.update(shards)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")

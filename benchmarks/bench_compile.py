@@ -59,7 +59,8 @@ def main(repeats: int = 10) -> dict[str, float]:
 
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns |= {"eager_schedule": eager_schedule, "eager_batch_256": eager_big}
-    s = interleaved_samples(fns, repeats)
+    cpu: dict[str, list[float]] = {}
+    s = interleaved_samples(fns, repeats, cpu=cpu)
     print(f"seed MNIST step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), median (min-max):")
     print(f"  eager same schedule   {describe(s['eager_schedule'])}")
     print(f"  eager one batch of 256 {describe(s['eager_batch_256'])}")
@@ -69,6 +70,10 @@ def main(repeats: int = 10) -> dict[str, float]:
               f"{ratio(s['eager_schedule'], s[name])}, batch 256 / simulator "
               f"{ratio(s['eager_batch_256'], s[name])}; vmap fallback: "
               f"{'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    print("  CPU time per step (process CPU seconds, not waiting for a core): "
+          + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
+          + f"; eager schedule / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "
+          f"/ remote+RTS {ratio(cpu['eager_schedule'], cpu['remote+RTS'])}")  # fmt: skip
     return {k: statistics.median(v) for k, v in s.items()}
 
 

@@ -8,19 +8,28 @@ from collections.abc import Callable
 
 
 def interleaved_samples(
-    fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 30,
+    warmup: int = 3,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of every call of each function, measured round-robin (one call of each in
-    turn), so a slow spell of the machine hits every function alike."""
+    turn), so a slow spell of the machine hits every function alike. ``cpu``, when given, is
+    filled with the process CPU seconds of the same calls: on a machine shared by more jobs
+    than cores a call also waits for a core, which wall time counts and CPU time does not."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    if cpu is not None:
+        cpu.update({k: [] for k in fns})
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu[name].append(time.process_time() - c0)
     return samples
 
 

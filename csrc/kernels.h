@@ -27,6 +27,10 @@ at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::
 
 at::Tensor remote_load_stacked(
     const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id);
+// Every replica's slot ``offset`` as a view of the stacked buffer ([R, *slot_shape]), counted
+// as a remote load: for a fast-executor load whose value goes back to the same slot
+// (Note [remote slot views] in runtime/lower.py). A store of that very view moves nothing.
+at::Tensor remote_slot_view(const at::Tensor& buffer, int64_t offset, int64_t buffer_id);
 void remote_store_stacked_(
     const at::Tensor& buffer, const at::Tensor& offsets, const at::Tensor& value,
     int64_t buffer_id);

@@ -31,6 +31,7 @@ TORCH_LIBRARY(torch_popxl, m) {
   // Remote buffers (remote.cpp).
   m.set_python_module("torch_popxl.opdefs.remote");
   m.def("remote_load_stacked(Tensor buffer, Tensor offsets, int buffer_id) -> Tensor");
+  m.def("remote_slot_view(Tensor(a) buffer, int offset, int buffer_id) -> Tensor(a)");
   m.def(
       "remote_store_stacked_(Tensor(a!) buffer, Tensor offsets, Tensor value, int buffer_id)"
       " -> ()");
@@ -56,4 +57,5 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("mm_all_reduce_stacked", TORCH_FN(torch_popxl::mm_all_reduce_stacked));
   m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
+  m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));
 }

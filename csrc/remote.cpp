@@ -95,7 +95,28 @@ int64_t slot_bytes(const at::Tensor& buffer) {
   return numel * static_cast<int64_t>(buffer.element_size());
 }
 
+// Whether ``value`` is exactly the view ``buffer.select(1, offset)`` (same memory, same layout).
+bool is_slot_view(const at::Tensor& buffer, int64_t offset, const at::Tensor& value) {
+  if (!value.is_alias_of(buffer)) return false;
+  const at::Tensor slot = buffer.select(1, offset);
+  return value.data_ptr() == slot.data_ptr() && value.sizes() == slot.sizes() &&
+         value.strides() == slot.strides();
+}
+
 }  // namespace
+
+at::Tensor remote_slot_view(const at::Tensor& buffer, int64_t offset, int64_t buffer_id) {
+  const char* name = "remote_slot_view";
+  check_buffer(name, buffer, buffer_id);
+  TORCH_CHECK_VALUE(
+      offset >= 0 && offset < buffer.size(1), name, ": offset ", offset,
+      " is out of range for RemoteBuffer[id=", buffer_id, "] with ", buffer.size(1),
+      " entries; offsets must be in [0, ", buffer.size(1), ").");
+  // Counted as the load it stands for: the bytes a real remote load of every replica's slot
+  // would move.
+  count_remote_load(remote_transfer_bytes(buffer.size(0), slot_bytes(buffer)));
+  return buffer.select(1, offset);
+}
 
 at::Tensor remote_load_stacked(
     const at::Tensor& buffer, const at::Tensor& offsets, int64_t buffer_id) {
@@ -136,10 +157,16 @@ void remote_store_stacked_(
       value.device() == buffer.device(), name, ": value is on ", value.device(),
       " but RemoteBuffer[id=", buffer_id, "] is on ", buffer.device(), ".");
 
+  const int64_t common = common_offset(offsets_cpu);
+  if (common >= 0 && is_slot_view(buffer, common, value)) {
+    // The value IS the addressed slots (a view from remote_slot_view that the program updated
+    // in place): the store has nothing left to move here, but it is still the program's store.
+    count_remote_store(remote_transfer_bytes(buffer.size(0), slot_bytes(buffer)));
+    return;
+  }
   // A value that shares memory with the buffer (e.g. a view of another slot) would make the
   // indexed write read memory it is overwriting; copy it first.
   const at::Tensor source = value.is_alias_of(buffer) ? value.clone() : value;
-  const int64_t common = common_offset(offsets_cpu);
   if (common >= 0) {
     buffer.select(1, common).copy_(source);
   } else {

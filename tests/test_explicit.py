@@ -150,8 +150,9 @@ _OPTIMIZERS = {
 
 @pytest.mark.parametrize("R,opt", [(1, "adam"), (2, "adam"), (4, "adam"), (2, "adamw"),
                                    (4, "sgd_momentum")])  # fmt: skip
-@pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote")],
-                         ids=["on_chip", "remote_rts"])  # fmt: skip
+@pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote"),
+                                    dict(optimizer_state="remote")],
+                         ids=["on_chip", "remote_rts", "remote"])  # fmt: skip
 def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, layout):
     """The seed-style compile program (cross-entropy, accumulation loop, optimizer), on-chip
     and with sharded off-chip optimizer state, runs without vmap, with the accumulation loop
@@ -173,6 +174,13 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
             for name, fn in trainer.session._executor.fns.items():
                 assert fn.explicit, (name, fn.vmap_reason)
             assert "iterations folded" in trainer.session._executor.source()
+            if layout.get("optimizer_state") == "remote":
+                # Note [replica-invariant remote buffers]: unsharded off-chip state is read
+                # once (row 0) and the weights it updates stay replica-invariant
+                executor_ = trainer.session._executor
+                assert ")[0]" in executor_.source()
+                weights = {slot.var.id for slot in trainer._active.slots}
+                assert weights <= executor_.uniform, weights - executor_.uniform
         params[executor] = ([p.detach().clone() for p in model.parameters()], losses)
     for got, want in zip(params["fast"][0], params["reference"][0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -312,3 +320,195 @@ def test_in_place_updates_and_scratch_buffers_keep_the_programs_values(R):
     np.testing.assert_allclose(
         results["fast"][0]["early"], np.broadcast_to(v0 + 1, (R, 6)), rtol=1e-6
     )
+
+
+class _TinyGPT(torch.nn.Module):
+    """GPT-2's ops at toy size: embeddings, layer norms, causal attention (split, transpose,
+    expand, bmm), tanh GELU, an LM head tied to the token embedding."""
+
+    def __init__(self, vocab=11, width=8, heads=2, seq=5):
+        super().__init__()
+        self.heads = heads
+        self.wte = torch.nn.Embedding(vocab, width)
+        self.wpe = torch.nn.Embedding(seq, width)
+        self.ln_1 = torch.nn.LayerNorm(width)
+        # no attention bias: softmax makes the key bias's gradient exactly zero, and Adam
+        # would turn its rounding noise into updates of either sign
+        self.c_attn = torch.nn.Linear(width, 3 * width, bias=False)
+        self.c_proj = torch.nn.Linear(width, width)
+        self.ln_2 = torch.nn.LayerNorm(width)
+        self.c_fc = torch.nn.Linear(width, 2 * width)
+        self.mlp_proj = torch.nn.Linear(2 * width, width)
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, ids):
+        b, t = ids.shape
+        x = self.wte(ids) + self.wpe(torch.arange(t))
+        q, k, v = self.c_attn(self.ln_1(x)).split(x.shape[-1], dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~self.mask[:t, :t], -1e9)
+        a = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.c_proj(a)
+        h = torch.nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")
+        h1, h2 = h.split(x.shape[-1], dim=-1)
+        x = x + self.mlp_proj(torch.cat([h2, h1], dim=-1))
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def _lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote")],
+                         ids=["on_chip", "remote_rts"])  # fmt: skip
+def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, layout):
+    """A GPT-style program (embedding and its dense backward, layer norms with replica-invariant
+    or per-replica off-chip weights, split/transpose/expand/bmm/cat) runs without vmap with the
+    accumulation loop folded, and trains as the reference executor and eager torch do (R=3:
+    the weights do not divide into shards, the copy path of Note [RTS updates in place])."""
+    GA, micro, seq, vocab = 2, 2, 5, 11
+    rng = np.random.default_rng(7)
+    tokens = [rng.integers(0, vocab, (R * GA * micro, seq + 1)) for _ in range(2)]
+    params = {}
+    for executor in ("fast", "reference", "eager"):
+        torch.manual_seed(0)
+        model = _TinyGPT(vocab=vocab, seq=seq)
+        opt = torch.optim.AdamW(model.parameters(), 1e-2, weight_decay=0.1)
+        if executor == "eager":  # the same schedule: R * micro rows per micro-batch, mean loss
+            for t in tokens:
+                x, y = torch.from_numpy(t[:, :-1]), torch.from_numpy(t[:, 1:])
+                opt.zero_grad()
+                for xc, yc in zip(x.split(R * micro), y.split(R * micro), strict=True):
+                    (_lm_loss(model(xc), yc) / GA).backward()
+                opt.step()
+            params[executor] = [p.detach().clone() for p in model.parameters()]
+            continue
+        trainer = popxl.compile(model, _lm_loss, opt, replication_factor=R,
+                                gradient_accumulation=GA, executor=executor, **layout)  # fmt: skip
+        for t in tokens:
+            trainer.step(t[:, :-1], t[:, 1:])
+        if executor == "fast":
+            for name, fn in trainer.session._executor.fns.items():
+                assert fn.explicit, (name, fn.vmap_reason)
+            assert "iterations folded" in trainer.session._executor.source()
+        params[executor] = [p.detach().clone() for p in model.parameters()]
+    for got, want in zip(params["fast"], params["reference"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(params["fast"], params["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _remote_round_trips(R):
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        rb = popxl.remote_buffer((3,), popxl.float32, entries=3)
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        x = ops.host_load(xs)
+        a = ops.remote_load(rb, 0)  # a round trip: runs as a view of the slots
+        a += x
+        ops.remote_store(rb, 0, a)
+        b = ops.remote_load(rb, 1)  # used after its store: a copy
+        b += x * 2.0
+        ops.remote_store(rb, 1, b)
+        c = ops.remote_load(rb, 2)  # a round trip, but the buffer is read in between: a copy
+        d = ops.remote_load(rb, 1)
+        c += d
+        ops.remote_store(rb, 2, c)
+        outs = {}
+        for name, t in (
+            ("b", b),
+            ("slot0", ops.remote_load(rb, 0)),
+            ("slot1", ops.remote_load(rb, 1)),
+        ):
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
+    """Note [remote slot views]: a load updated in place and stored back to its fixed slot
+    runs as a view of the slots; the values (over several runs) are the reference executor's,
+    the counted remote traffic is what every load and store moves,
+    and loads whose value is used after the store, or whose buffer is read before the store,
+    stay copies."""
+    rng = np.random.default_rng(3)
+    xs_data = [rng.normal(size=(R, 3)).astype(np.float32) for _ in range(3)]
+    results, traffic = {}, {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _remote_round_trips(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            code = session.generated_code()
+            assert code.count("REMOTE_VIEW(") == 1, code
+        with session:
+            runs = [session.run({xs: x}) for x in xs_data]
+            traffic[executor] = session._last_run_counters
+        results[executor] = [{k: run[s] for k, s in outs.items()} for run in runs]
+    for got, want in zip(results["fast"], results["reference"], strict=True):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+    # every load and store moves one 3-float slot per replica, view or not (by hand: 6 loads,
+    # 3 stores per run)
+    got = {k: traffic["fast"][k] for k in ("remote_load_bytes", "remote_store_bytes",
+                                            "num_remote_loads", "num_remote_stores")}  # fmt: skip
+    assert got == {"remote_load_bytes": 6 * R * 12, "remote_store_bytes": 3 * R * 12,
+                   "num_remote_loads": 6, "num_remote_stores": 3}  # fmt: skip
+
+
+def test_remote_slot_view_kernel_is_a_counted_view_and_checks_its_offset():
+    """``remote_slot_view``: every replica's slot as a view, counted as one remote load; a
+    store of that very view writes nothing but counts the store; a bad offset is a
+    ValueError naming the buffer and the valid range, before anything is counted."""
+    from torch_popxl.opdefs import backends
+
+    K = torch.ops.torch_popxl
+    buffer = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    with backends.traffic_scope() as counted:
+        view = K.remote_slot_view(buffer, 1, 7)
+        view += 100.0  # writes through to the buffer
+        K.remote_store_stacked_(buffer, torch.tensor([1, 1]), view, 7)
+    assert view.data_ptr() == buffer[:, 1].data_ptr()
+    torch.testing.assert_close(buffer[:, 1], torch.arange(24.0).reshape(2, 3, 4)[:, 1] + 100.0)
+    assert counted["num_remote_loads"] == 1 and counted["remote_load_bytes"] == 2 * 4 * 4
+    assert counted["num_remote_stores"] == 1 and counted["remote_store_bytes"] == 2 * 4 * 4
+    with (
+        backends.traffic_scope() as counted,
+        pytest.raises(ValueError, match=r"RemoteBuffer\[id=7\].*\[0, 3\)"),
+    ):
+        K.remote_slot_view(buffer, 3, 7)
+    assert counted["num_remote_loads"] == 0
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_a_gather_of_a_remote_slot_view_does_not_see_a_later_store(R):
+    """Note [aliasing collectives]: the gather of a value that is a view of a remote slot is
+    a copy, so storing something else into that slot afterwards leaves the gathered value as
+    the reference executor has it."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(R, 3)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir = popxl.Ir(replication=R)
+        with ir.main_graph, popxl.in_sequence():
+            rb = popxl.remote_buffer((3,), popxl.float32, entries=1)
+            xs = popxl.h2d_stream((3,), popxl.float32, "x")
+            xv = ops.host_load(xs)
+            s = ops.remote_load(rb, 0)
+            s += xv
+            g = ops.collectives.replicated_all_gather(s)
+            ops.remote_store(rb, 0, s)  # s goes back to its slot: a view
+            ops.remote_store(rb, 0, xv * 3.0)
+            h = g * 2.0  # reads the gathered value after the slot changed
+            st = popxl.d2h_stream(h.shape, h.dtype, "h")
+            ops.host_store(st, h)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        with session:
+            results[executor] = [session.run({xs: x})[st] for _ in range(2)]
+    for got, want in zip(results["fast"], results["reference"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

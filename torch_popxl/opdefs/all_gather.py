@@ -27,7 +27,7 @@ from ._common import (
     save_grouping,
     stacked,
 )
-from .backends import InstanceTransport, collectives
+from .backends import InstanceTransport, add_collective_traffic, collectives
 from .registry import Effect, OpDef, Traffic, register
 
 __all__ = ["all_gather_bytes", "opdef", "reference", "replicated_all_gather"]
@@ -152,6 +152,22 @@ def _explicit(op: Op, batched, num_replicas: int):
     return run
 
 
+def _explicit_alias(op: Op, batched, num_replicas: int):
+    """The full-group gather of stacked rows, as a result that may share memory with its
+    input: ``[R, *s]`` stacked rows already are the gathered ``[G, *s]``. The compiler uses
+    it only where nothing can observe the sharing (Note [aliasing collectives] in
+    runtime/lower.py); None where the form does not apply."""
+    if not batched[0] or op.attrs.argument("group_size") != num_replicas or num_replicas < 2:
+        return None
+
+    def run(x, group_size, stride):
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        add_collective_traffic(all_gather_bytes(num_replicas, num_replicas, row_bytes), 1)
+        return x if x.is_contiguous() else x.contiguous()
+
+    return run
+
+
 def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
     group_size = op.attrs.argument("group_size")
     check_grouping(NAME, num_replicas, group_size, op.attrs.argument("stride"))
@@ -208,6 +224,7 @@ opdef = register(
             "reference": reference,
             "distributed": distributed,
             "explicit": _explicit,
+            "explicit_alias": _explicit_alias,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

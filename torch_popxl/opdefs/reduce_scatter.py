@@ -258,6 +258,27 @@ def _explicit(op: Op, batched, num_replicas: int):
     return run
 
 
+def _explicit_alias(op: Op, batched, num_replicas: int):
+    """The ``'local'`` full-group slice of a replica-invariant value as a view of it when the
+    chunks need no padding (replica i's chunk is row i of ``x.view(R, n / R)``), else the
+    copy of ``_explicit``. The compiler uses the view only where the shard may write through
+    to the value (Note [RTS updates in place] in runtime/lower.py)."""
+    if batched[0] or op.attrs.argument("op") != "local":
+        return None
+    if op.attrs.argument("group_size") != num_replicas or num_replicas < 2:
+        return None
+    copy = _explicit(op, batched, num_replicas)
+
+    def run(x, op_name, group_size, stride):
+        n = x.numel()
+        if n % num_replicas or not x.is_contiguous():
+            return copy(x, op_name, group_size, stride)
+        add_collective_traffic(0, 1)  # a local slice moves nothing (as the 'local' rule)
+        return x.view(num_replicas, n // num_replicas)
+
+    return run
+
+
 def _finish_sum(
     op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
 ) -> Tensor:
@@ -271,6 +292,9 @@ def _finish_sum(
     )
     if stacked_layout:  # explicit batching: replica i's chunk is row i of the padded sum
         add_collective_traffic(nbytes, 1)
+        if op_name == "mean" and value.numel() % num_replicas == 0 and value.is_contiguous():
+            # the quotient is a fresh tensor and needs no padding: its rows are the chunks
+            return value.view(num_replicas, value.numel() // num_replicas)
         return _chunks(value, num_replicas)
     add_collective_traffic(nbytes, 0)
     return ops.replicated_reduce_scatter(batch(value), "local", num_replicas, 1)
@@ -319,6 +343,7 @@ opdef = register(
             "reference": reference,
             "distributed": distributed,
             "explicit": _explicit,
+            "explicit_alias": _explicit_alias,
             "output_batched": _output_batched,
             "passthrough": lambda op: False,
             "no_gradient": lambda op: False,

@@ -11,6 +11,10 @@ the op and the rule, instead of a ``KeyError`` deep inside a walker. The rules, 
   without vmap (Note [explicit batching] in runtime/explicit.py): ``fn`` is called with the
   op's arguments, each tensor stacked or replica-invariant as ``batched`` says; None when the
   op has no such form for these inputs;
+* ``explicit_alias(op, batched, num_replicas) -> fn | None`` (optional): the same stacked
+  form, but its result may share memory with its input; the compiler calls it only where no
+  later write can be seen through the sharing (Note [aliasing collectives] and Note [RTS
+  updates in place] in runtime/lower.py);
 
 and, for collectives (``Effect.COLLECTIVE``):
 

@@ -180,6 +180,16 @@ def _store_stacked_fake(buffer, offsets, value, buffer_id):
     )
 
 
+@torch.library.register_fake("torch_popxl::remote_slot_view")
+def _slot_view_fake(buffer, offset, buffer_id):
+    if buffer.dim() < 2:
+        raise ValueError(
+            f"remote_slot_view: expected the stacked RemoteBuffer[id={buffer_id}] of shape "
+            f"[R, entries, *slot_shape], got shape {tuple(buffer.shape)}."
+        )
+    return buffer.select(1, offset)
+
+
 # ---- the per-replica ops ---------------------------------------------------------------------
 
 

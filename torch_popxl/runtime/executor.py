@@ -136,6 +136,18 @@ def _emit_prints(prints, num_replicas: int) -> None:
                 print(f"{attrs.title}{tag}: {value[r]}")
 
 
+def _uniform_buffers(ir) -> frozenset[int]:
+    """Remote buffers whose every variable holds one value on every replica (unsharded, one
+    replica group): their rows start equal (Note [replica-invariant remote buffers])."""
+    ids = {rb.remote_buffer_id for rb in ir._remote_buffers}
+    for v in ir._all_variables:
+        if v.info.remote is not None and (
+            v.info.shard is not None or v.replica_grouping.num_groups != 1
+        ):
+            ids.discard(v.info.remote[0].remote_buffer_id)
+    return frozenset(ids)
+
+
 class FastExecutor:
     """Straight-line generated code, every replica at once under ``torch.func.vmap``."""
 
@@ -157,7 +169,8 @@ class FastExecutor:
                 if self.global_R == self.R else set())  # fmt: skip
         # Note [explicit batching] (runtime/explicit.py): only within one process.
         explicit_ok = self.global_R == self.R > 1
-        assume = Assumptions(frozenset(uniform), frozenset(sums))
+        assume = Assumptions(frozenset(uniform), frozenset(sums),
+                             uniform_buffers=_uniform_buffers(ir) if explicit_ok else frozenset())  # fmt: skip
         while True:  # the fragments share variables: iterate until all agree
             self.program = Program(device, self.global_R)
             self.program.explicit_ok = explicit_ok

@@ -76,6 +76,38 @@ _FLAT_KINDS = {
 _REMOTE_KINDS = {"remote_load", "remote_load_", "remote_store"}
 
 
+# ops of transformer programs with a stacked form (Note [explicit batching]): the
+# ``_stacked_*`` helpers below; each entry says whether its inputs allow that form
+def _embedding_ok(f, batched) -> bool:
+    args = f.op.attrs.args
+    weight = args[0]
+    return isinstance(weight, Slot) and not batched[weight.index] and not f.op.attrs.kwargs
+
+
+def _embedding_backward_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # grad, indices, num_weights, padding_idx, scale_grad_by_freq
+    return (
+        len(args) == 5 and args[4] is False and isinstance(args[0], Slot) and batched[args[0].index]
+    )
+
+
+def _any_ok(f, batched) -> bool:
+    return not f.op.attrs.kwargs
+
+
+_TRANSFORMER = {
+    aten.embedding.default: _embedding_ok,
+    aten.embedding_dense_backward.default: _embedding_backward_ok,
+    aten.native_layer_norm.default: _any_ok,
+    aten.native_layer_norm_backward.default: _any_ok,
+    aten.split.Tensor: _any_ok,
+    aten.transpose.int: _any_ok,
+    aten.expand.default: _any_ok,
+    aten.bmm.default: _any_ok,
+    aten.cat.default: _any_ok,
+}
+
+
 def is_random(target) -> bool:
     """Whether ``target`` draws random numbers. torch tags every such aten overload
     ``nondeterministic_seeded``, including those without a ``Generator`` argument
@@ -117,6 +149,8 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
+    if target in _TRANSFORMER:
+        return _TRANSFORMER[target](f, batched)
     return opdef_rule(f.op, batched, R) is not None
 
 
@@ -362,5 +396,126 @@ def emit_torch(em, f, ind: str) -> None:
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target in _TRANSFORMER:
+        _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R)
     else:  # pragma: no cover - batchable() admits nothing else
         raise AssertionError(f"no explicit rule for {target}")
+
+
+def _emit_outputs(em, f, ind: str, call: str) -> None:
+    paths = f.op.attrs.out_paths
+    if len(paths) == 1 and paths[0] == ():
+        em.lines.append(f"{ind}{f.outs[0]} = {call}")
+        return
+    em.lines.append(f"{ind}_r = {call}")
+    for o, path in zip(f.outs, paths, strict=True):
+        em.lines.append(f"{ind}{o} = _r{''.join(f'[{i}]' for i in path)}")
+
+
+def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None:
+    """The stacked forms of ``_TRANSFORMER``'s ops (their conditions were checked)."""
+    rendered = [lit(v) for v in args]
+
+    def stacked_arg(v) -> str:  # a replica-invariant tensor argument, broadcast to the rows
+        s = lit(v)
+        if isinstance(v, Slot) and not batched[v.index]:
+            return f"{s}.expand({R}, *{s}.shape)"
+        return s
+
+    def flag(v) -> bool:
+        return isinstance(v, Slot) and batched[v.index]
+
+    if target is aten.embedding.default:
+        # the weight is replica-invariant; an embedding looks up any index shape
+        _emit_outputs(em, f, ind, f"{em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target is aten.native_layer_norm.default:
+        affine_b = flag(args[2]) or flag(args[3])
+        call = f"{em.p.literal(_layer_norm_stacked)}({', '.join(rendered)}, {affine_b!r})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.native_layer_norm_backward.default:
+        affine_b = flag(args[5]) or flag(args[6])
+        call = f"{em.p.literal(_layer_norm_backward_stacked)}({', '.join(rendered)}, {affine_b!r})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.embedding_dense_backward.default:
+        ids_b = isinstance(args[1], Slot) and batched[args[1].index]
+        call = f"{em.p.literal(_embedding_backward_stacked)}({', '.join(rendered)}, {ids_b!r})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.split.Tensor:
+        dim = args[2] if len(args) > 2 else 0
+        call = f"torch.split({rendered[0]}, {rendered[1]}, {_shift(dim)})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.transpose.int:
+        _emit_outputs(em, f, ind, f"{rendered[0]}.transpose({_shift(args[1])}, {_shift(args[2])})")
+    elif target is aten.expand.default:
+        call = f"{em.p.literal(_expand_stacked)}({rendered[0]}, {rendered[1]})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.bmm.default:  # matmul broadcasts an invariant operand over the rows
+        _emit_outputs(em, f, ind, f"torch.matmul({rendered[0]}, {rendered[1]})")
+    elif target is aten.cat.default:
+        parts = "[" + ", ".join(stacked_arg(v) for v in args[0]) + "]"
+        dim = args[1] if len(args) > 1 else 0
+        _emit_outputs(em, f, ind, f"torch.cat({parts}, {_shift(dim)})")
+
+
+def _expand_stacked(x, size):
+    """``aten.expand`` per replica on stacked ``x``: new leading dims go after the rows."""
+    extra = len(size) - (x.dim() - 1)
+    if extra > 0:
+        x = x.reshape(x.shape[0], *([1] * extra), *x.shape[1:])
+    return x.expand(x.shape[0], *size)
+
+
+def _per_row(p, x, shape):
+    """A per-replica affine parameter ``[rows, *shape]`` broadcastable against ``x``."""
+    if p is None:
+        return None
+    return p.reshape(p.shape[0], *[1] * (x.dim() - 1 - len(shape)), *p.shape[1:])
+
+
+def _layer_norm_stacked(x, shape, weight, bias, eps, affine_batched):
+    """``aten.native_layer_norm`` on stacked rows (the trailing dims are normalised, so rows
+    stay independent); per-replica ``weight``/``bias`` are applied per row."""
+    if not affine_batched:
+        return aten.native_layer_norm(x, shape, weight, bias, eps)
+    out, mean, rstd = aten.native_layer_norm(x, shape, None, None, eps)
+    if weight is not None:
+        out = out * (_per_row(weight, x, shape) if weight.dim() > len(shape) else weight)
+    if bias is not None:
+        out = out + (_per_row(bias, x, shape) if bias.dim() > len(shape) else bias)
+    return out, mean, rstd
+
+
+def _layer_norm_backward_stacked(grad, x, shape, mean, rstd, weight, bias, mask, affine_batched):
+    """``aten.native_layer_norm_backward`` per replica on stacked rows: the input gradient
+    is per row already; the weight and bias gradients are each row's own sums."""
+    if affine_batched and weight is not None:
+        w = _per_row(weight, x, shape) if weight.dim() > len(shape) else weight
+        grad_x = aten.native_layer_norm_backward(grad * w, x, shape, mean, rstd, None, None,
+                                                 [mask[0], False, False])[0]  # fmt: skip
+    else:
+        grad_x = aten.native_layer_norm_backward(grad, x, shape, mean, rstd, weight, bias,
+                                                 [mask[0], False, False])[0]  # fmt: skip
+    dims = tuple(range(1, grad.dim() - len(shape)))
+    grad_w = grad_b = None
+    if mask[1] and weight is not None:
+        prod = grad * ((x - mean) * rstd)
+        grad_w = prod.sum(dims) if dims else prod
+    if mask[2] and bias is not None:
+        grad_b = grad.sum(dims) if dims else grad.clone()
+    return grad_x, grad_w, grad_b
+
+
+def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale, ids_batched):
+    """``aten.embedding_dense_backward`` per replica on stacked rows: every row's gradient
+    table, as one ``index_add_`` into ``[rows * num_weights, D]``."""
+    rows, width = grad.shape[0], grad.shape[-1]
+    if not ids_batched:
+        ids = ids.expand(rows, *ids.shape)
+    ids = ids.long()
+    offsets = torch.arange(rows, device=ids.device).view(rows, *[1] * (ids.dim() - 1))
+    flat_grad = grad.reshape(-1, width)
+    if padding_idx >= 0:  # the padding row gets no gradient
+        flat_grad = flat_grad * (ids.reshape(-1, 1) != padding_idx).to(grad.dtype)
+    table = grad.new_zeros(rows * num_weights, width)
+    table.index_add_(0, (ids + offsets * num_weights).reshape(-1), flat_grad)
+    return table.view(rows, num_weights, width)

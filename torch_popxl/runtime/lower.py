@@ -19,6 +19,10 @@ Three phases, one direction:
    replicas cost one pass of Python. On stacked values a gradient-accumulation loop whose
    iterations are independent runs as one pass (Note [fold the accumulation loop] in
    ``explicit.py``), and elementwise update chains run in place (Note [update in place]).
+   Off-chip state round trips and RTS weight updates move no bytes the program cannot
+   observe (Note [remote slot views], Note [aliasing collectives], Note [RTS updates in
+   place]); unsharded off-chip state stays replica-invariant (Note [replica-invariant remote
+   buffers]).
 
 Note [replica-invariant values]
     Inside ``vmap`` a tensor is either batched (one value per replica) or unbatched (the same
@@ -183,6 +187,9 @@ class Assumptions:
     uniform_vars: frozenset[str] = frozenset()
     sum_vars: frozenset[str] = frozenset()
     force_batched: frozenset[str] = frozenset()
+    # Note [replica-invariant remote buffers]: remote buffer ids whose slots hold the same
+    # value on every replica.
+    uniform_buffers: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -367,11 +374,23 @@ class _Pass:
         self._set(f.outs[0], self.R > 1)
         return None
 
+    def _not_uniform(self, f: FlatOp) -> _Verdict:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        return replace(self.assume, uniform_buffers=self.assume.uniform_buffers - {bid})
+
     def _remote_load(self, f: FlatOp) -> _Verdict:
+        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
+            # Note [replica-invariant remote buffers]: only a fixed slot is read as row 0
+            if _constant_offset(f) is None:
+                return self._not_uniform(f)
+            self._set(f.outs[0], False)
+            return None
         self._set(f.outs[0], self.R > 1)
         return None
 
     def _remote_load_(self, f: FlatOp) -> _Verdict:
+        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
+            return self._not_uniform(f)
         return self._write(f.ins[0], self.R > 1)
 
     def _host_store(self, f: FlatOp) -> _Verdict:
@@ -380,7 +399,13 @@ class _Pass:
                 return self._disqualify(n)
         return None
 
-    _remote_store = _print = _host_store
+    _print = _host_store
+
+    def _remote_store(self, f: FlatOp) -> _Verdict:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        if bid in self.assume.uniform_buffers and any(self.b(n) for n in f.ins):
+            return self._not_uniform(f)  # a per-replica value or slot
+        return self._host_store(f)
 
     def _loop(self, f: FlatOp) -> _Verdict:
         for carried, arg in zip(f.outs, f.ins, strict=True):
@@ -641,6 +666,212 @@ def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) ->
     return True
 
 
+# Note [replica-invariant remote buffers]
+#     A remote buffer whose variables all hold one value for every replica (unsharded, one
+#     replica group) and which is only ever stored to with replica-invariant values at fixed
+#     slots keeps R equal rows. Its loads are then replica-invariant (``FastExecutor`` starts
+#     from every such buffer and the analysis drops one at the first per-replica store, slot
+#     or in-place load): an off-chip optimizer state read as row 0 makes its update, and the
+#     weight it updates, replica-invariant (Note [replica-invariant values]), so the update
+#     runs once and the weight is not copied per replica. A store still writes every row.
+#     Only explicitly batched fragments read row 0; under vmap the buffer is per replica.
+# Note [remote slot views]
+#     A variable's remote optimizer state is loaded, updated in place and stored back to the
+#     same slot. In an explicitly batched fragment, when every replica addresses the same fixed
+#     slot (a constant offset), that round trip needs no copy: the load becomes a view of the
+#     slots (``torch_popxl::remote_slot_view``, counted as the load), the updates write through
+#     it, and the store of that very view moves nothing (``remote_store_stacked_`` sees the
+#     value is the slots; it still counts the store). Safe when nothing can observe the buffer
+#     changing early: no other remote op on the buffer between the load and the store, the
+#     value (or any alias of it) is stored to the same slot, is not used after the store, is
+#     not a fragment output and never goes to the host or a print.
+def _constant_offset(f: FlatOp) -> int | None:
+    """The offset of a remote op when it is a constant integer (the same on every replica)."""
+    off = f.source.inputs[-1] if f.source.inputs else None
+    if not isinstance(off, Constant) or off._data.numel() != 1:
+        return None
+    if off._data.dtype.is_floating_point or off._data.dtype == torch.bool:
+        return None
+    return int(off._data.item())
+
+
+def _remote_buffer_id(f: FlatOp) -> int | None:
+    if f.kind in ("remote_load", "remote_load_", "remote_store"):
+        return f.source.attrs.buffer.remote_buffer_id
+    return None
+
+
+def _touches_buffer(flat: list[FlatOp], bid: int) -> bool:
+    return any(_remote_buffer_id(g) == bid or _touches_buffer(g.body, bid) for g in flat)
+
+
+def _names(f: FlatOp) -> list[str]:
+    found = [*f.ins, *f.outs, *f.results]
+    for g in f.body:
+        found += _names(g)
+    return found
+
+
+def _rooted(plan: Plan, names: list[str], root: str) -> bool:
+    return any(plan.root_of(n) == root for n in names)
+
+
+def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[FlatOp]:
+    """Note [remote slot views]: the top-level remote loads to run as views."""
+    chosen: set[FlatOp] = set()
+    outputs = {plan.root_of(n) for n in out_names}
+    for i, f in enumerate(flat):
+        if f.kind != "remote_load" or plan.b(f.ins[0]):
+            continue
+        slot, out = _constant_offset(f), f.outs[0]
+        bid = f.source.attrs.buffer.remote_buffer_id
+        # (a load from a buffer read per replica is per replica anyway: forcing it is moot)
+        forced = out in plan.force_batched and bid in plan.assumptions.uniform_buffers
+        if slot is None or forced or out in outputs:
+            continue
+        for j in range(i + 1, len(flat)):
+            g = flat[j]
+            if _remote_buffer_id(g) == bid or _touches_buffer(g.body, bid):
+                break
+        else:
+            continue
+        g = flat[j]
+        if g.kind != "remote_store" or plan.root_of(g.ins[0]) != out or _constant_offset(g) != slot:
+            continue
+
+        between = flat[i + 1 : j]
+        if any(h.kind in ("host_store", "print") and _rooted(plan, _names(h), out)
+               for h in between):  # fmt: skip
+            continue
+        if any(_rooted(plan, _names(h), out) for h in flat[j + 1 :]):
+            continue
+        chosen.add(f)
+    return chosen
+
+
+# Note [aliasing collectives]
+#     A full-group all-gather of stacked rows returns those very rows (``[R, *s]`` is the
+#     gathered ``[G, *s]``); a copy only keeps the result independent of its input. At the top
+#     level of an explicitly batched fragment the copy is dropped (the stanza's
+#     ``explicit_alias`` rule) when nothing can see the sharing: neither the input nor the
+#     result is written after the op, neither is a fragment output, and the result never goes
+#     to the host or a print. An RTS weight update (update the shard, gather, copy into the
+#     full weight) then moves the shard once instead of twice.
+def _written_names(f: FlatOp) -> list[str]:
+    """The value names ``f`` (or its loop body) writes in place."""
+    if f.kind == "torch":
+        return [f.ins[i] for i in schema_effects(f.source)[0]]
+    if f.kind == "remote_load_":
+        return [f.ins[0]]
+    return [n for g in f.body for n in _written_names(g)]
+
+
+def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
+                       views: set[FlatOp]) -> dict[FlatOp, Callable[..., Any]]:  # fmt: skip
+    """Note [aliasing collectives]: the top-level collectives to run through their
+    ``explicit_alias`` rule, with the rule's function. Never on a remote slot view (``views``):
+    a later store to its buffer would change the result behind the program's back."""
+    chosen: dict[FlatOp, Callable[..., Any]] = {}
+    outputs = {plan.root_of(n) for n in out_names} | {f.outs[0] for f in views}
+    for i, f in enumerate(flat):
+        opdef = _collective(f.source) if f.kind == "torch" else None
+        if opdef is None or not opdef.has("explicit_alias") or len(f.outs) != 1:
+            continue
+        if f in plan.sum_reads or f in plan.sum_adds:
+            continue
+        fn = opdef.rule("explicit_alias")(f.source, [plan.b(n) for n in f.ins], R)
+        roots = {plan.root_of(f.ins[0]), plan.root_of(f.outs[0])}
+        if fn is None or roots & outputs or f.outs[0] in plan.force_batched:
+            continue
+        later = flat[i + 1 :]
+        if any(plan.root_of(n) in roots for g in later for n in _written_names(g)):
+            continue
+        if any(g.kind in ("host_store", "print") and
+               any(plan.root_of(n) in roots for n in _names(g)) for g in later):  # fmt: skip
+            continue
+        chosen[f] = fn
+    return chosen
+
+
+# Note [RTS updates in place]
+#     A replica-sharded update of a replica-invariant weight ``w`` reads
+#         s = reduce_scatter(w, 'local')  ... s updated in place ...
+#         g = all_gather(s); w.copy_(view/slice of g)
+#     When ``w`` divides into R chunks, ``s`` can be a view of ``w`` (the stanza's
+#     ``explicit_alias`` rule): the updates then write ``w`` directly, the gather is a view of
+#     the same memory (Note [aliasing collectives]) and the final copy finds nothing to move
+#     (``COPY_UNLESS_SAME``). The program cannot tell: nothing else reads or writes ``w``
+#     between the slice and the copy, the gathered value reaches the copy only through views
+#     used once, and ``s`` is not used after the copy. Traffic is counted as the ops say.
+_SLICE_VIEWS = frozenset(_VIEW_OPS | {_aten.slice.Tensor})
+
+
+def _rts_updates(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
+                 aliasing: Mapping[FlatOp, Any]) -> tuple[dict[FlatOp, Any], set[FlatOp]]:  # fmt: skip
+    """Note [RTS updates in place]: (slice ops to run as views with their function, the
+    copy-back ops that may find their source is their target)."""
+    shards: dict[FlatOp, Any] = {}
+    copies: set[FlatOp] = set()
+    uses = _uses(flat, {})
+    for n in out_names:
+        uses[n] = uses.get(n, 0) + 1
+    outputs = {plan.root_of(n) for n in out_names}
+    index = {f: i for i, f in enumerate(flat)}
+    for i, f in enumerate(flat):
+        opdef = _collective(f.source) if f.kind == "torch" else None
+        if opdef is None or not opdef.has("explicit_alias") or f in plan.sum_reads:
+            continue
+        fn = opdef.rule("explicit_alias")(f.source, [plan.b(n) for n in f.ins], R)
+        if fn is None or opdef.name != "replicated_reduce_scatter":
+            continue
+        w, shard = plan.root_of(f.ins[0]), f.outs[0]
+        if w in outputs or shard in outputs or shard in plan.force_batched:
+            continue
+        # the gather of the shard, then views used once, then the copy back into w
+        gather = next((g for g in flat[i + 1 :] if g in aliasing
+                       and plan.root_of(g.ins[0]) == shard), None)  # fmt: skip
+        if gather is None:
+            continue
+        chain, cur, k = [gather], gather.outs[0], index[gather] + 1
+        while k < len(flat) and uses.get(cur) == 1:
+            g = flat[k]
+            if g.kind != "torch" or cur not in g.ins:
+                break
+            if g.source.attrs.target in _SLICE_VIEWS and g.ins[0] == cur:
+                chain.append(g)
+                cur, k = g.outs[0], k + 1
+                continue
+            break
+        if k >= len(flat):
+            continue
+        back = flat[k]
+        if (back.kind != "torch" or back.source.attrs.target is not _aten.copy_.default
+                or back.ins != [f.ins[0], cur] or uses.get(cur) != 1):  # fmt: skip
+            continue
+        # nothing but the idiom touches w between the slice and the copy
+        middle = [g for g in flat[i + 1 : k] if g not in chain]
+        if any(plan.root_of(n) == w for g in middle for n in _names(g)):
+            continue
+        if any(g.kind in ("host_store", "print") and
+               any(plan.root_of(n) == shard for n in _names(g)) for g in middle):  # fmt: skip
+            continue
+        # and the shard (now w's memory) is not used after the copy
+        if any(plan.root_of(n) == shard for g in flat[k + 1 :] for n in _names(g)):
+            continue
+        shards[f] = fn
+        copies.add(back)
+    return shards, copies
+
+
+def _copy_unless_same(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(source)``, skipped when ``source`` is ``target``'s very memory and
+    layout (Note [RTS updates in place])."""
+    if (source.data_ptr() == target.data_ptr() and source.shape == target.shape
+            and source.stride() == target.stride() and source.dtype == target.dtype):  # fmt: skip
+        return target
+    return target.copy_(source)
+
+
 class _Scratch:
     """Buffers owned by the ops of one program, allocated on first use."""
 
@@ -697,6 +928,8 @@ class Program:
             "DEVICE": device,
             "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
             "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
+            "REMOTE_VIEW": torch.ops.torch_popxl.remote_slot_view,
+            "COPY_UNLESS_SAME": _copy_unless_same,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
             "VIEW": _batched_view,
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
@@ -750,6 +983,9 @@ class _Emitter:
         self.rows = program.R
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
+        self.views: set[FlatOp] = set()  # Note [remote slot views]
+        self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
+        self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -772,9 +1008,19 @@ class _Emitter:
             for n in f.outs:
                 # Materialise a forced value once, where it is defined (not after in-place
                 # ops that return it again, which would break aliasing).
-                if n in self.a.force_batched and f.kind != "loop" and n not in self.defined:
+                if (n in self.a.force_batched and f.kind != "loop" and n not in self.defined
+                        and not self._loads_per_replica(f)):  # fmt: skip
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
                 self.defined.add(n)
+
+    def _loads_per_replica(self, f: FlatOp) -> bool:
+        """A remote load that already gives every replica its own row (a value forced per
+        replica by an analysis pass that read the buffer as replica-invariant needs no
+        broadcast then, Note [replica-invariant remote buffers])."""
+        if f.kind != "remote_load":
+            return False
+        bid = f.source.attrs.buffer.remote_buffer_id
+        return not (self.explicit and bid in self.a.assumptions.uniform_buffers)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
         rewrite = self.inplace.get(f)
@@ -792,6 +1038,16 @@ class _Emitter:
             self.lines.append(
                 f"{ind}{f.outs[0]} = {_OUT_FORMS[attrs.target]}({', '.join(args)}, out={buf})"
             )
+            return
+        if f in self.copies:  # Note [RTS updates in place]
+            target, source = f.ins
+            self.lines.append(f"{ind}{f.outs[0]} = COPY_UNLESS_SAME({target}, {source})")
+            return
+        if f in self.aliasing:  # Note [aliasing collectives]
+            args = [self.literal(x, f) for x in f.source.attrs.args]
+            args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
+            call = f"{self.p.literal(self.aliasing[f])}({', '.join(args)})"
+            self.lines.append(f"{ind}{f.outs[0]} = {call}")
             return
         if rewrite == "inplace":
             fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
@@ -910,6 +1166,18 @@ class _Emitter:
         return True
 
     def _remote_load(self, f: FlatOp, ind: str) -> None:
+        bid = f.source.attrs.buffer.remote_buffer_id
+        if self.explicit and bid in self.a.assumptions.uniform_buffers:
+            # Note [replica-invariant remote buffers]: row 0 of the slot (counted as the load
+            # of every replica); a view when the value goes back to the same slot
+            slot = _constant_offset(f)
+            view = f"REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})[0]"
+            self.lines.append(f"{ind}{f.outs[0]} = {view}{'' if f in self.views else '.clone()'}")
+            return
+        if f in self.views:  # Note [remote slot views]
+            slot = _constant_offset(f)
+            self.lines.append(f"{ind}{f.outs[0]} = REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})")
+            return
         if self._remote_explicit(f, ind):
             return
         bid = f.source.attrs.buffer.remote_buffer_id
@@ -995,16 +1263,28 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     out_names = [scope[t.id] for t in outputs]
     plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
                    program.var_names, program.R, assume)  # fmt: skip
-    if program.R > 1:
-        flat = _fold_matmuls(flat, plan, program, program.R)
     reason = None
     if program.explicit_ok and program.R > 1:
         reason = _explicit.vmap_reason(flat, plan, program.R)
+    if plan.assumptions.uniform_buffers and (reason is not None or not program.explicit_ok
+                                             or program.R == 1):  # fmt: skip
+        # Note [replica-invariant remote buffers]: only explicit batching reads row 0
+        plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
+                       program.var_names, program.R,
+                       replace(plan.assumptions, uniform_buffers=frozenset()))  # fmt: skip
+        if program.explicit_ok and program.R > 1:
+            reason = _explicit.vmap_reason(flat, plan, program.R)
+    if program.R > 1:
+        flat = _fold_matmuls(flat, plan, program, program.R)
     explicit = program.explicit_ok and program.R > 1 and reason is None
     em = _Emitter(program, plan, param_names, explicit)
     em.inplace = _inplace_rewrites(flat, plan, out_names)
     if explicit:
         em.scratch = _scratch_ops(flat, plan, out_names, em.inplace)
+        em.views = _remote_views(flat, plan, out_names)
+        em.aliasing = _alias_collectives(flat, plan, out_names, program.R, em.views)
+        shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
+        em.aliasing.update(shards)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

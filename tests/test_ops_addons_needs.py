@@ -153,7 +153,7 @@ scatter_reduce shaped_dropout sin slice slice_ softmax split sqrt squeeze sub su
 transpose transpose_ where histogram collectives var_updates""".split()
 
 # Not provided: control flow (conditional) needs IR support, roi_align a kernel (issue 17).
-OPS_KNOWN_MISSING = {"conditional", "conditional_with_info", "roi_align"}
+OPS_KNOWN_MISSING = {"conditional", "conditional_with_info"}
 
 
 def test_every_upstream_ops_name_exists_but_the_known_missing():

@@ -687,48 +687,43 @@ def ipu_memory(ir, on_chip: list[Tensor], persistent: set[str]) -> tuple[IpuMemo
     return tuple(IpuMemory(i, variables.get(i, 0), peaks.get(i, 0)) for i in ipus)
 
 
-class _IpuLiveness(Interpreter[None]):
-    """``_Liveness`` with one running total per IPU (Note [memory per IPU])."""
+class _IpuLiveness(_Liveness):
+    """``_Liveness`` with one running total per IPU (Note [memory per IPU]): the same op
+    order, last uses and view aliases; only the bookkeeping of live bytes is per IPU."""
 
     def __init__(self, persistent: set[str], callee_peaks: dict | None = None):
-        self.persistent = persistent
-        self._callee_peaks: dict[tuple[int, int], dict[int, int]] = (
+        super().__init__(persistent)
+        self._ipu_peaks: dict[tuple[int, int], dict[int, int]] = (
             {} if callee_peaks is None else callee_peaks
         )
 
     def peaks(self, graph: Graph, ops: list[Op], default_ipu: int) -> dict[int, int]:
-        self.graph, self.default_ipu = graph, default_ipu
-        self.last_use: dict[str, int] = {}
-        for i, op in enumerate(ops):
-            for t in op.inputs:
-                self.last_use[t.id] = i
-        for t in graph._outputs:
-            self.last_use[t.id] = len(ops)
-        self.live: dict[str, tuple[int, int]] = {}  # id -> (ipu, bytes)
+        self.default_ipu = default_ipu
+        self.placed: dict[str, tuple[int, int]] = {}  # live id -> (ipu, bytes)
         self.totals: dict[int, int] = {}
-        self.max: dict[int, int] = {}
-        self.index = 0
-        self.run(ops, {})
-        return self.max
+        self.maxima: dict[int, int] = {}
+        self.peak(graph, ops)
+        return self.maxima
 
     def _ipu_of(self, t: Tensor) -> int:
         return self.default_ipu if t._ipu is None else t._ipu
 
     def _note(self, extra: dict[int, int] | None = None) -> None:
-        for ipu in set(self.totals) | set(extra or {}):
-            now = self.totals.get(ipu, 0) + (extra or {}).get(ipu, 0)
-            self.max[ipu] = max(self.max.get(ipu, 0), now)
+        extra = extra or {}
+        for ipu in set(self.totals) | set(extra):
+            now = self.totals.get(ipu, 0) + extra.get(ipu, 0)
+            self.maxima[ipu] = max(self.maxima.get(ipu, 0), now)
 
     def op(self, op: Op, ins: list[None], env) -> list[None]:
         for t in op.outputs:
-            if t.id not in self.live and self._is_intermediate(t):
+            if t.id not in self.placed and t.id not in self.alias and self._is_intermediate(t):
                 ipu, n = self._ipu_of(t), _dtypes.nbytes(t.shape, t.dtype)
-                self.live[t.id] = (ipu, n)
+                self.placed[t.id] = (ipu, n)
                 self.totals[ipu] = self.totals.get(ipu, 0) + n
         self._note()
         i = self.index
-        for tid in [tid for tid in self.live if self.last_use.get(tid, i) <= i]:
-            ipu, n = self.live.pop(tid)
+        for tid in [tid for tid in self.placed if self.last_use.get(tid, i) <= i]:
+            ipu, n = self.placed.pop(tid)
             self.totals[ipu] -= n
         self.index += 1
         return [None] * len(op.outputs)
@@ -740,23 +735,12 @@ class _IpuLiveness(Interpreter[None]):
 
     repeat = call
 
-    def constant(self, t: Constant) -> None:
-        return None
-
-    def unbound(self, t: Tensor) -> None:
-        return None
-
-    def _is_intermediate(self, t: Tensor) -> bool:
-        if isinstance(t, Variable | Constant) or t.id in self.persistent:
-            return False
-        return all(t.id != x.id for x in self.graph._inputs)
-
     def _callee(self, graph: Graph, ipu: int) -> dict[int, int]:
         key = (id(graph), ipu)
-        if key not in self._callee_peaks:
-            walk = _IpuLiveness(self.persistent, self._callee_peaks)
-            self._callee_peaks[key] = walk.peaks(graph, graph._ops, ipu)
-        return self._callee_peaks[key]
+        if key not in self._ipu_peaks:
+            walk = _IpuLiveness(self.persistent, self._ipu_peaks)
+            self._ipu_peaks[key] = walk.peaks(graph, graph._ops, ipu)
+        return self._ipu_peaks[key]
 
 
 # ---- phases -------------------------------------------------------------------------------

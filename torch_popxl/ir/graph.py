@@ -315,6 +315,11 @@ class Graph:
     def _rebind_fake(self, t: Tensor, fake: torch.Tensor) -> None:
         self._by_fake[id(fake)] = (fake, t)
 
+    def _unbind_fake(self, fake: torch.Tensor) -> None:
+        entry = self._by_fake.get(id(fake))
+        if entry is not None and entry[0] is fake:
+            del self._by_fake[id(fake)]
+
     def _tensor_for_fake(self, fake: torch.Tensor) -> Tensor | None:
         entry = self._by_fake.get(id(fake))
         return entry[1] if entry is not None and entry[0] is fake else None

@@ -102,3 +102,56 @@ def test_inplace_squeeze_in_captured_torch_code_keeps_the_producer_shape():
 
     got = run(build)["y"]
     np.testing.assert_allclose(got, (a * 2).squeeze(1).T + 1, rtol=1e-6)
+
+
+# ---- C9: onehot(t, num_classes, values, axis) ---------------------------------------------
+
+
+def _numpy_onehot(idx, n, off, on, axis):
+    out = np.where(idx[..., None] == np.arange(n), on, off)
+    return np.moveaxis(out, -1, axis)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, -1, -2, -3])
+def test_onehot_inserts_class_axis_like_numpy(axis):
+    idx = np.array([[1, 5, 0], [2, 7, -1]], np.int32)  # 7 and -1 are out of range: all off
+    want = _numpy_onehot(idx, 6, -2.0, 3.5, axis)
+
+    def build():
+        t = popxl.variable(idx, name="idx")
+        n = popxl.constant(np.array(6, np.int32))
+        values = popxl.constant(np.array([-2.0, 3.5], np.float32))
+        return {"y": ops.onehot(t, n, values, axis)}
+
+    got = run(build)["y"]
+    assert got.shape == want.shape
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_onehot_upstream_unit_test_call():
+    # upstream tests/unittests/python/popxl/ops/test_onehot.py builds exactly this call
+    def build():
+        t = popxl.variable(np.array([[1, 5]], np.int32))
+        y = ops.onehot(t, popxl.constant(np.array(6, np.int32)),
+                       popxl.constant(np.array([0, 1], np.int32)), 1)  # fmt: skip
+        assert y.shape == (1, 6, 2) and y.dtype == popxl.int32
+        return {"y": y}
+
+    got = run(build)["y"]
+    np.testing.assert_array_equal(got, _numpy_onehot(np.array([[1, 5]]), 6, 0, 1, 1))
+
+
+def test_onehot_rejects_bad_arguments():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.array([1, 2], np.int32))
+        values = popxl.constant(np.array([0.0, 1.0], np.float32))
+        with pytest.raises(TypeError, match="must be a popxl.constant"):
+            ops.onehot(t, popxl.variable(np.array(3, np.int32)), values, 0)
+        with pytest.raises(ValueError, match="scalar integer"):
+            ops.onehot(t, popxl.constant(np.array([3, 4], np.int32)), values, 0)
+        with pytest.raises(ValueError, match="axis 2 is out of range"):
+            ops.onehot(t, 3, values, 2)
+        with pytest.raises(ValueError, match=r"shape \(2,\)"):
+            ops.onehot(t, 3, popxl.constant(np.zeros(3, np.float32)), 0)

@@ -18,7 +18,7 @@ from ..capture import call_torch
 from ..ir.attrs import PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
-from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
+from ..ir.tensor import Constant, HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
 from ..opdefs.ipu_copy import ipu_copy
 from . import addons_needs, collectives, var_updates
@@ -459,12 +459,63 @@ def _take_zero_out_of_range(x: torch.Tensor, axis: int, idx: torch.Tensor) -> to
     return torch.where(valid.reshape(shape), rows, torch.zeros((), dtype=x.dtype))
 
 
-def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor) -> Tensor:
-    n = num_classes if isinstance(num_classes, int) else int(num_classes.shape[0])
-    idx = call_torch(torch.Tensor.to, (t, torch.int64), {})
-    hot = call_torch(torch.nn.functional.one_hot, (idx, n), {})
-    off, on = values[0], values[1]
-    return where(cast(hot, _dtypes.bool), on, off)
+def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor, axis: int = -1) -> Tensor:
+    """One-hot encode ``t`` (ONNX OneHot): the output has a class axis of size ``num_classes``
+    inserted at ``axis`` (negative counts from the end of the output), holding ``values[1]``
+    where the class equals the index and ``values[0]`` elsewhere. Indices outside
+    ``[0, num_classes)`` give a row of ``values[0]``.
+
+    ``num_classes`` is a scalar popxl Constant (its value fixes the output shape, as upstream
+    PopXL reads it at graph-construction time) or a Python int. ``axis`` defaults to -1 (the
+    ONNX default); upstream PopXL requires it.
+    """
+    t = _check_tensor(t, "onehot")
+    values = _check_tensor(values, "onehot")
+    n = _onehot_depth(num_classes)
+    if values.shape != (2,):
+        raise ValueError(
+            f"onehot: values must have shape (2,) holding [off_value, on_value]; got "
+            f"{values.id!r} of shape {values.shape}."
+        )
+    rank = t.rank + 1
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"onehot: axis {axis} is out of range for the rank-{rank} output of {t.id!r} "
+            f"(shape {t.shape}); use an axis in [{-rank}, {rank - 1}]."
+        )
+    return call_torch(_onehot_torch, (t, values, n, axis % rank), {})
+
+
+def _onehot_depth(num_classes) -> int:
+    if isinstance(num_classes, Tensor):
+        if not isinstance(num_classes, Constant):
+            raise TypeError(
+                f"onehot: num_classes {num_classes.id!r} must be a popxl.constant (its value "
+                "sets the output shape, so it must be known when the graph is built); got a "
+                f"{type(num_classes).__name__}. Pass popxl.constant(n, popxl.int32) or an int."
+            )
+        data = num_classes.data
+        if data.size != 1 or not np.issubdtype(data.dtype, np.integer):
+            raise ValueError(
+                "onehot: num_classes must be a scalar integer constant; got one of shape "
+                f"{data.shape} and dtype {data.dtype}."
+            )
+        n = int(data.reshape(()))
+    elif isinstance(num_classes, int | np.integer) and not isinstance(num_classes, bool):
+        n = int(num_classes)
+    else:
+        raise TypeError(
+            f"onehot: num_classes must be a scalar popxl constant or an int; got {num_classes!r}."
+        )
+    if n < 1:
+        raise ValueError(f"onehot: num_classes must be at least 1; got {n}.")
+    return n
+
+
+def _onehot_torch(t, values, n, axis):
+    classes = torch.arange(n, device=t.device)
+    hot = t.to(torch.int64).unsqueeze(-1) == classes
+    return torch.where(hot, values[1], values[0]).movedim(-1, axis)
 
 
 def argmax(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:

@@ -155,3 +155,85 @@ def test_onehot_rejects_bad_arguments():
             ops.onehot(t, 3, values, 2)
         with pytest.raises(ValueError, match=r"shape \(2,\)"):
             ops.onehot(t, 3, popxl.constant(np.zeros(3, np.float32)), 0)
+
+
+# ---- C3/C4: interpolate --------------------------------------------------------------------
+
+X4 = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+X3 = rng.standard_normal((2, 3, 10)).astype(np.float32)
+
+
+def _interp(x, *args, **kwargs):
+    return run(lambda: {"y": ops.interpolate(popxl.variable(x), *args, **kwargs)})["y"]
+
+
+def test_interpolate_upstream_positional_order():
+    # upstream: interpolate(t, scale_factor, mode, nearest_mode, coordinate_transformation_mode)
+    got = _interp(X4, (1.0, 1.0, 2.0, 3.0), "nearest", "round_prefer_floor", "half_pixel")
+    want = torch.nn.functional.interpolate(torch.from_numpy(X4), scale_factor=(2, 3))
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+TORCH_RESIZE = [
+    # (input, scale_factor, mode, ctm, torch kwargs)
+    (X3, (1.0, 1.0, 0.3), "linear", "half_pixel", dict(scale_factor=0.3, mode="linear")),
+    (X3, (1.0, 1.0, 2.5), "linear", "half_pixel", dict(scale_factor=2.5, mode="linear")),
+    (X3, (1.0, 1.0, 2.5), "linear", "pytorch_half_pixel", dict(scale_factor=2.5, mode="linear")),
+    (X4, (1.0, 1.0, 2.0, 2.0), "linear", "half_pixel",
+     dict(scale_factor=2.0, mode="bilinear", align_corners=False)),
+    (X4, (1.0, 1.0, 2.0, 2.0), "linear", "align_corners",
+     dict(size=(10, 8), mode="bilinear", align_corners=True)),
+    (X4, (1.0, 1.0, 0.5, 1.5), "linear", "half_pixel",
+     dict(scale_factor=(0.5, 1.5), mode="bilinear", align_corners=False)),
+    (X4, (1.0, 1.0, 2.0, 2.0), "cubic", "half_pixel",
+     dict(scale_factor=2.0, mode="bicubic", align_corners=False)),
+    (X4, (1.0, 1.0, 2.0, 3.0), "cubic", "align_corners",
+     dict(size=(10, 12), mode="bicubic", align_corners=True)),
+    (X4, (1.0, 1.0, 2.0, 2.0), "nearest", "asymmetric", dict(scale_factor=2.0, mode="nearest")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("x", "scale", "mode", "ctm", "torch_kwargs"),
+    TORCH_RESIZE,
+    ids=[f"{m}-{c}-{s}" for _, s, m, c, _ in TORCH_RESIZE],
+)
+def test_interpolate_modes_match_torch_functional_interpolate(x, scale, mode, ctm, torch_kwargs):
+    # torch's nearest is ONNX's asymmetric + floor rounding
+    nearest = "floor" if mode == "nearest" else "round_prefer_floor"
+    got = _interp(x, scale, mode, nearest, ctm)
+    want = torch.nn.functional.interpolate(torch.from_numpy(x), **torch_kwargs).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_interpolate_linear_hand_values():
+    x = np.array([[[0.0, 10.0, 20.0]]], np.float32)
+    # asymmetric, scale 2: sources 0, .5, 1, 1.5, 2, 2.5 (the last past the edge: clamped)
+    got = _interp(x, (1.0, 1.0, 2.0), "linear", coordinate_transformation_mode="asymmetric")
+    np.testing.assert_allclose(got, [[[0, 5, 10, 15, 20, 20]]])
+    # half_pixel, scale 2: sources -.25 (edge), .25, .75, 1.25, 1.75, 2.25 (edge)
+    got = _interp(x, (1.0, 1.0, 2.0), "linear")
+    np.testing.assert_allclose(got, [[[0, 2.5, 7.5, 12.5, 17.5, 20]]])
+    # nearest rounding modes at the half_pixel ties of scale 2 (sources -.25, .25, .75, ...)
+    got = _interp(x, (1.0, 1.0, 2.0), "nearest", "round_prefer_ceil")
+    np.testing.assert_allclose(got, [[[0, 0, 10, 10, 20, 20]]])
+    got = _interp(x, (1.0, 1.0, 2.0), "nearest", "ceil")
+    np.testing.assert_allclose(got, [[[0, 10, 10, 20, 20, 20]]])
+
+
+def test_interpolate_output_size_is_keyword_only_and_errors_name_the_choices():
+    got = _interp(X3, mode="linear", output_size=(2, 3, 3))
+    want = torch.nn.functional.interpolate(torch.from_numpy(X3), size=3, mode="linear")
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(X3)
+        with pytest.raises(ValueError, match="must be nearest, linear or cubic"):
+            ops.interpolate(x, (1.0, 1.0, 2.0), "bilinear")
+        with pytest.raises(ValueError, match="must be half_pixel"):
+            ops.interpolate(x, (1.0, 1.0, 2.0), "linear", "floor", "corners")
+        with pytest.raises(ValueError, match="needs 3 values"):
+            ops.interpolate(x, (2.0, 2.0))
+        with pytest.raises(TypeError, match="floating-point"):
+            ops.interpolate(popxl.variable(np.zeros((2, 2), np.int32)), (1.0, 2.0), "linear")

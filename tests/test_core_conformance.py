@@ -237,3 +237,43 @@ def test_interpolate_output_size_is_keyword_only_and_errors_name_the_choices():
             ops.interpolate(x, (2.0, 2.0))
         with pytest.raises(TypeError, match="floating-point"):
             ops.interpolate(popxl.variable(np.zeros((2, 2), np.int32)), (1.0, 2.0), "linear")
+
+
+# ---- A1: truthiness ------------------------------------------------------------------------
+
+
+def test_bool_of_variables_constants_and_graph_inputs_is_true_as_upstream():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        w = popxl.variable(np.zeros((10, 10), np.float32), name="w")
+        c = popxl.constant(np.zeros(()), name="c")
+        assert w and c  # upstream popxl Tensor has no __bool__: every tensor is truthy
+        assert (w or None) is w
+        seen = []
+
+        def body(x):
+            seen.append(bool(x))
+            return x + 1
+
+        ir.create_graph(body, w)
+        assert seen == [True]
+        # a value computed by an op is still a data-dependent test
+        with pytest.raises(popxl.errors.DataDependentError, match="where"):
+            bool(w.sum() > 0)
+
+
+def test_data_dependent_branch_in_compiled_torch_code_still_raises():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+    m = Branchy()
+    trainer = popxl.compile(
+        m, torch.nn.functional.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1)
+    )
+    with pytest.raises(popxl.errors.DataDependentError, match="torch.where"):
+        trainer.step(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))

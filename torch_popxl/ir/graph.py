@@ -324,6 +324,9 @@ class Graph:
         entry = self._by_fake.get(id(fake))
         return entry[1] if entry is not None and entry[0] is fake else None
 
+    def _has_input(self, t: Tensor) -> bool:
+        return any(x is t for x in self._inputs)
+
     def _add_input(self, t: Tensor, by_ref: bool) -> None:
         self._inputs.append(t)
         if by_ref:

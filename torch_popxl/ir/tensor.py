@@ -187,6 +187,12 @@ class Tensor(_InstalledMethods):
         return repr(self)
 
     def __bool__(self):
+        # Upstream PopXL tensors have no __bool__, so `assert w`, `if t:` and `t or default` see
+        # any tensor as true; that holds here for variables, constants and graph inputs. A
+        # tensor computed by an op is almost always a data-dependent test (`if t.sum() > 0:`,
+        # torch code run on handles), which upstream would silently take as true: that raises.
+        if self._graph._has_input(self):
+            return True
         raise _data_dependent(self, "bool()")
 
     def __float__(self):
@@ -313,6 +319,9 @@ class VariableInfo:
 class Variable(Tensor):
     """A tensor whose value persists across ``Session.run`` calls (a weight)."""
 
+    def __bool__(self):
+        return True  # as upstream, whose tensors have no __bool__
+
     _info: VariableInfo
 
     @property
@@ -349,6 +358,9 @@ class Constant(Tensor):
     """A tensor with a fixed value known at graph-construction time."""
 
     _data: torch.Tensor  # the real (not fake) value, set by ``_create``
+
+    def __bool__(self):
+        return True  # as upstream, whose tensors have no __bool__
 
     @property
     def data(self) -> np.ndarray:

@@ -277,3 +277,31 @@ def test_data_dependent_branch_in_compiled_torch_code_still_raises():
     )
     with pytest.raises(popxl.errors.DataDependentError, match="torch.where"):
         trainer.step(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))
+
+
+# ---- AD2: adam/lamb updater dtype ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adam_updater", "lamb_updater"])
+def test_adam_updater_dtype_follows_upstream_connection_rule(name):
+    # Upstream popxl connects `weight` only when weight decay is on (var_updates/adam_updater.py),
+    # and AdamUpdaterOp::setup gives the updater the weight's dtype when it is connected, else
+    # the first-order state's.
+    updater = getattr(ops.var_updates, name)
+    m16 = np.full((2,), 0.1, np.float16)
+    v32 = np.full((2,), 0.01, np.float32)
+    w32 = np.array([1.0, -2.0], np.float32)
+
+    def build():
+        m = popxl.variable(m16, popxl.float16)
+        v, w = popxl.variable(v32), popxl.variable(w32)
+        kw = dict(time_step=None, beta1=0.9, beta2=0.999, epsilon=1e-5)
+        decayed = updater(m, v, weight=w, weight_decay=0.1, **kw)
+        plain = updater(m, v, weight=w, weight_decay=0.0, **kw)
+        assert decayed.dtype == popxl.float32 and plain.dtype == popxl.float16
+        return {"decayed": decayed, "plain": plain}
+
+    got = run(build)
+    m = m16.astype(np.float32)
+    np.testing.assert_allclose(got["decayed"], m / (np.sqrt(v32) + 1e-5) + 0.1 * w32, rtol=1e-6)
+    np.testing.assert_allclose(got["plain"], (m / (np.sqrt(v32) + 1e-5)).astype(np.float16))

@@ -305,3 +305,89 @@ def test_adam_updater_dtype_follows_upstream_connection_rule(name):
     m = m16.astype(np.float32)
     np.testing.assert_allclose(got["decayed"], m / (np.sqrt(v32) + 1e-5) + 0.1 * w32, rtol=1e-6)
     np.testing.assert_allclose(got["plain"], (m / (np.sqrt(v32) + 1e-5)).astype(np.float16))
+
+
+# ---- R1: shard_grouping (SDK 3.3 RTS API) -------------------------------------------------
+
+
+def test_shard_grouping_rts_matches_unsharded_matmul():
+    # ported from upstream tests/integration/popxl/test_replica_sharding.py
+    ir = popxl.Ir(replication=8)
+    w_rts = ir.replica_grouping(group_size=4)
+    m_rts = ir.replica_grouping(group_size=2)
+    xs = rng.standard_normal((8, 4, 4)).astype(np.float32)
+    w_np = rng.standard_normal((4, 4)).astype(np.float32)
+    m_np = rng.standard_normal((4, 4)).astype(np.float32)
+    with ir.main_graph, popxl.in_sequence():
+        h2d = popxl.h2d_stream((4, 4), popxl.float32)
+        x = ops.host_load(h2d)
+        w_v, w_shard = popxl.replica_sharded_variable(
+            w_np, popxl.float32, "w", shard_grouping=w_rts
+        )
+        m_buffer = popxl.replica_sharded_buffer(m_np.shape, popxl.float32, shard_grouping=m_rts)
+        m_v = popxl.remote_replica_sharded_variable(m_np, m_buffer, shard_grouping=m_rts)
+        assert w_shard.shape == (4,) and m_buffer.tensor_shape == (8,)
+        w = ops.collectives.replicated_all_gather(w_shard, group=w_rts)
+        m = ops.collectives.replicated_all_gather(ops.remote_load(m_buffer, 0), group=m_rts)
+        z = (x @ w) @ m
+        d2h = popxl.d2h_stream(z.shape, z.dtype)
+        ops.host_store(d2h, z)
+    with popxl.Session(ir, "ipu_hw") as session:
+        out = session.run({h2d: xs})[d2h]
+        np.testing.assert_allclose(session.get_tensor_data(w_v), w_np)
+        np.testing.assert_allclose(session.get_tensor_data(m_v), m_np)
+    np.testing.assert_allclose(out, xs @ w_np @ m_np, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_grouping_with_strided_replica_grouping_matches_shard_over():
+    ir = popxl.Ir(replication=8)
+    rg = ir.replica_grouping(stride=2, group_size=4)  # groups {0,2,4,6}, {1,3,5,7}
+    data = rng.standard_normal((2, 6)).astype(np.float32)
+    with ir.main_graph:
+        a = popxl.replica_sharded_buffer(
+            data.shape,
+            popxl.float32,
+            rg,
+            shard_grouping=ir.replica_grouping(stride=2, group_size=2),
+        )
+        b = popxl.replica_sharded_buffer(data.shape, popxl.float32, rg, shard_over=2)
+        c = popxl.replica_sharded_buffer(data.shape, popxl.float32, rg, ir.replica_grouping(2, 2))
+        assert a.tensor_shape == b.tensor_shape == c.tensor_shape == (3,)
+        assert a._rts_shard_over == b._rts_shard_over == c._rts_shard_over == 2
+
+
+def test_invalid_shard_grouping_raises_value_error():
+    # upstream test_invalid_sharding_factor, plus the conflicts torch_popxl can detect
+    ir = popxl.Ir(replication=8)
+    with ir.main_graph:
+        with pytest.raises(ValueError):
+            popxl.replica_sharded_buffer(
+                (4, 4), popxl.float32, shard_grouping=ir.replica_grouping(group_size=16)
+            )
+        with pytest.raises(ValueError, match="must have stride 1"):
+            popxl.replica_sharded_buffer(
+                (4, 4), popxl.float32, shard_grouping=ir.replica_grouping(stride=2)
+            )
+        with pytest.raises(ValueError, match="larger than the replica group size 4"):
+            popxl.replica_sharded_buffer(
+                (4, 4), popxl.float32, replica_grouping=ir.replica_grouping(group_size=4),
+                shard_grouping=ir.replica_grouping(group_size=8),
+            )  # fmt: skip
+        with pytest.raises(ValueError, match="stride 4"):
+            popxl.replica_sharded_buffer(
+                (4, 4), popxl.float32, replica_grouping=ir.replica_grouping(stride=4),
+                shard_grouping=ir.replica_grouping(stride=2),
+            )  # fmt: skip
+        with pytest.raises(ValueError, match="Pass only one"):
+            popxl.replica_sharded_buffer(
+                (4, 4),
+                popxl.float32,
+                shard_over=4,
+                shard_grouping=ir.replica_grouping(group_size=4),
+            )
+        buf = popxl.replica_sharded_buffer((4, 4), popxl.float32, shard_over=4)
+        with pytest.raises(ValueError, match="shards over 2 replicas"):
+            popxl.remote_replica_sharded_variable(
+                np.zeros((4, 4), np.float32), buf, shard_grouping=ir.replica_grouping(group_size=2)
+            )
+    assert len(ir.main_graph.variables) == 0  # the failed calls left no variable behind

@@ -391,3 +391,75 @@ def test_invalid_shard_grouping_raises_value_error():
                 np.zeros((4, 4), np.float32), buf, shard_grouping=ir.replica_grouping(group_size=2)
             )
     assert len(ir.main_graph.variables) == 0  # the failed calls left no variable behind
+
+
+# ---- C5 subsample, C13 concat dtypes, C7 float8 data movement ------------------------------
+
+
+def test_subsample_int_stride_and_length_check():
+    v_np = np.arange(10, dtype=np.int32)
+    m_np = np.arange(50 * 24, dtype=np.int32).reshape(50, 24)
+
+    def build():
+        v, m = popxl.variable(v_np), popxl.variable(m_np)
+        return {"v": ops.subsample(v, 2), "m": ops.subsample(m, [3, 5])}
+
+    got = run(build)
+    np.testing.assert_array_equal(got["v"], v_np[::2])
+    np.testing.assert_array_equal(got["m"], m_np[::3, ::5])
+    ir = popxl.Ir()
+    with ir.main_graph:
+        m = popxl.variable(m_np)
+        with pytest.raises(ValueError, match="The length of subsample `strides` must match"):
+            ops.subsample(m, [2])
+        with pytest.raises(ValueError, match="positive"):
+            ops.subsample(m, [0, 1])
+
+
+@pytest.mark.parametrize("fn", ["concat", "concat_"])
+def test_concat_mixed_dtypes_raise_type_error_as_upstream(fn):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        a = popxl.variable(np.zeros(2, np.float32))
+        b = popxl.variable(np.zeros(2, np.float16))
+        with pytest.raises(TypeError, match="All inputs to a concat operation must have the same"):
+            getattr(ops, fn)([a, b], 0)
+        f8a = popxl.variable(np.zeros(2, np.float32), dtype=popxl.float8_143)
+        f8b = popxl.variable(np.zeros(2, np.float32), dtype=popxl.float8_152)
+        with pytest.raises(TypeError, match="All inputs to a concat operation must have the same"):
+            getattr(ops, fn)([f8a, f8b], 0)
+        assert getattr(ops, fn)([a, a], 0).shape == (4,)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("dtype", ["float8_143", "float8_152"])
+def test_float8_rts_variable_all_gather_and_slices_move_bytes_exactly(dtype, executor):
+    from torch_popxl.utils import host_pow2scale_then_cast
+
+    dt = getattr(popxl, dtype)
+    data = np.array([1.0, 2.0, -0.5, 3.0], np.float32)
+    want = host_pow2scale_then_cast(data, dt, 1, True)  # the host encoding of 2 * data
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph, popxl.in_sequence():
+        x, shard = popxl.replica_sharded_variable(
+            data, dtype=dt, log2_scale=1, nan_on_overflow=True
+        )
+        full = ops.collectives.replicated_all_gather(shard)
+        sliced = ops.collectives.replica_sharded_slice(full)
+        again = ops.collectives.replicated_all_gather(sliced)
+        halves = ops.collectives.replicated_slice(full)
+        outs = {}
+        for k, t in {"full": full, "again": again, "half": halves}.items():
+            as_f32 = ops.cast(t, popxl.float32)  # float8 values are exact in float32
+            outs[k] = popxl.d2h_stream(as_f32.shape, as_f32.dtype)
+            ops.host_store(outs[k], as_f32)
+        with pytest.raises(TypeError, match="float32, float16, int32, uint32"):
+            ops.collectives.replicated_all_reduce(full)  # a reduction still needs arithmetic
+    with popxl.Session(ir, "ipu_hw", executor=executor) as session:
+        out = session.run()
+        np.testing.assert_array_equal(
+            session.get_tensor_data(x).view(np.uint8), want.view(np.uint8)
+        )
+    for k in ("full", "again"):
+        np.testing.assert_array_equal(out[outs[k]], np.stack([2 * data] * 2), err_msg=k)
+    np.testing.assert_array_equal(out[outs["half"]], (2 * data).reshape(2, 2))

@@ -386,12 +386,35 @@ def tied_gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_prop
     return gather(t, indices, axis, available_memory_proportion, zero_OOR)
 
 
-def subsample(t: Tensor, strides: Sequence[int]) -> Tensor:
-    return _getitem(t, tuple(builtins_slice(None, None, s) for s in strides))
+def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
+    """Every ``strides[i]``-th element along axis ``i`` (an int means ``[int]``, for a rank-1
+    ``t``)."""
+    t = _check_tensor(t, "subsample")
+    strides = [strides] if isinstance(strides, int | np.integer) else list(strides)
+    if len(strides) != t.rank:
+        raise ValueError(
+            "The length of subsample `strides` must match the rank of the input tensor. Got "
+            f"{len(strides)} strides {strides} for {t.id!r} of shape {t.shape}."
+        )
+    if any(isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 1 for s in strides):
+        raise ValueError(f"subsample: strides must be positive ints; got {strides}.")
+    return _getitem(t, tuple(builtins_slice(None, None, int(s)) for s in strides))
 
 
 def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
-    return call_torch(torch.cat, (list(ts),), {"dim": axis})
+    ts = [_check_tensor(t, "concat") for t in ts]
+    _check_concat_types(ts)
+    return call_torch(torch.cat, (ts,), {"dim": axis})
+
+
+def _check_concat_types(ts: list[Tensor]) -> None:
+    # Upstream raises rather than promoting (torch.cat would promote float16 to float32).
+    types = [t.dtype for t in ts]
+    if len(set(types)) > 1:
+        raise TypeError(
+            f"All inputs to a concat operation must have the same type: {types}. Cast them to "
+            "one dtype first (ops.cast)."
+        )
 
 
 def split(t: Tensor, splits: int | list[int], axis: int = 0) -> list[Tensor]:

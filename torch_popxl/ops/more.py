@@ -83,6 +83,12 @@ def exp_(t: Tensor) -> Tensor:
 def concat_(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
     """Concatenation whose output aliases its inputs upstream; the values are ``concat``'s."""
     ts = [_check(t, "concat_") for t in ts]
+    types = [t.dtype for t in ts]
+    if len(set(types)) > 1:
+        raise TypeError(
+            f"All inputs to a concat operation must have the same type: {types}. Cast them to "
+            "one dtype first (ops.cast)."
+        )
     return call_torch(torch.cat, (ts,), {"dim": axis})
 
 

@@ -463,3 +463,78 @@ def test_float8_rts_variable_all_gather_and_slices_move_bytes_exactly(dtype, exe
     for k in ("full", "again"):
         np.testing.assert_array_equal(out[outs[k]], np.stack([2 * data] * 2), err_msg=k)
     np.testing.assert_array_equal(out[outs["half"]], (2 * data).reshape(2, 2))
+
+
+# ---- C8: print_tensor format ---------------------------------------------------------------
+
+
+def _printed(build, capfd):
+    capfd.readouterr()
+    run(build)
+    captured = capfd.readouterr()
+    assert captured.out == ""  # upstream prints on stderr only
+    return captured.err
+
+
+def test_print_tensor_default_title_and_upstream_format_on_stderr(capfd):
+    def build():
+        x = popxl.variable([0.0, 1.0], name="x")
+        return {"y": ops.print_tensor(x, print_gradient=True, open_bracket="|")}
+
+    assert _printed(build, capfd) == "print_x: |0.0000000,1.0000000)\n"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "want"),
+    [
+        (dict(float_format="fixed", digits=2), "t: (1.50,-0.25,1000.00)"),
+        (dict(float_format="scientific", digits=3), "t: (1.500e+00,-2.500e-01,1.000e+03)"),
+        (dict(float_format="none", digits=4), "t: (1.5,-0.25,1000)"),
+        (dict(separator=" ", open_bracket="[", close_bracket="]", digits=3), "t: [1.50 -0.250 1.00e+03]"),
+    ],
+)  # fmt: skip
+def test_print_tensor_format_options(kwargs, want, capfd):
+    def build():
+        t = popxl.variable(np.array([1.5, -0.25, 1000.0], np.float32), name="v")
+        return {"y": ops.print_tensor(t, "t", **kwargs)}
+
+    assert _printed(build, capfd) == want + "\n"
+
+
+def test_print_tensor_summarises_large_tensors_and_prints_ints(capfd):
+    def build():
+        t = popxl.variable(np.arange(20, dtype=np.int32).reshape(4, 5), name="big")
+        return {"y": ops.print_tensor(t, summarise_threshold=10, edge_items=1)}
+
+    assert _printed(build, capfd) == "print_big: ((0,...,4),\n ...,\n (15,...,19))\n"
+
+
+def test_print_tensor_rejects_unknown_float_format():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable([0.0, 1.0])
+        with pytest.raises(ValueError, match="float_format must be one of auto, fixed"):
+            ops.print_tensor(x, float_format="engineering")
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_print_gradient_prints_the_gradient_and_passes_it_on(executor, capfd):
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.arange(4, dtype=np.float32), name="x")
+        fwd = ir.create_graph(lambda x: ops.print_tensor(x, print_gradient=True) @ x, x)
+        info = ops.call_with_info(fwd, x)
+        bwd = autodiff(fwd)
+        (dx,) = ops.call(
+            bwd.graph, popxl.constant(np.float32(0.5)), inputs_dict=bwd.inputs_dict(info)
+        )
+        d = popxl.d2h_stream(dx.shape, dx.dtype)
+        ops.host_store(d, dx)
+    capfd.readouterr()
+    with popxl.Session(ir, "ipu_hw", executor=executor) as session:
+        got = session.run()[d]
+    err = capfd.readouterr().err
+    # d(x.x)/dx = 2x, times the seed 0.5; the print sees the gradient of print's output (0.5 x)
+    np.testing.assert_allclose(got, np.arange(4, dtype=np.float32))
+    assert "print_x: (0.0000000,1.0000000,2.0000000,3.0000000)" in err
+    assert "print_x_gradient: (0.0000000,0.50000000,1.0000000,1.5000000)" in err

@@ -15,7 +15,7 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
-from ..ir.attrs import PrintOptions
+from ..ir.attrs import FLOAT_FORMATS, PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
 from ..ir.tensor import Constant, HostTensor, Tensor, _fake_like, constant
@@ -781,9 +781,28 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
                  edge_items: int = 3, max_line_width: int = 75, digits: int = 8,
                  float_format: str = "auto", separator: str = ",", open_bracket: str = "(",
                  close_bracket: str = ")") -> Tensor:  # fmt: skip
-    """Print ``t`` at run time (per replica); returns ``t`` unchanged."""
+    """Print ``t`` to stderr at run time, once per replica, as ``{title}: {values}``; returns
+    ``t`` unchanged (an identity for gradients).
+
+    ``title`` defaults to ``print_{t.name}`` as upstream. Floats are printed with ``digits``
+    significant digits (``float_format`` "auto", C++ showpoint style: ``0.0000000``), or
+    ``digits`` decimals ("fixed", "scientific"), or ``digits`` significant digits without
+    trailing zeros ("none"); elements are joined by ``separator`` inside ``open_bracket`` /
+    ``close_bracket``, rows wrap at ``max_line_width``, and tensors with more than
+    ``summarise_threshold`` elements show ``edge_items`` at each end of every axis.
+    ``print_gradient`` is accepted for upstream compatibility; the gradient is not printed.
+    """
     graph = gcg()
     _check_tensor(t, "print_tensor")
+    if float_format not in FLOAT_FORMATS:
+        raise ValueError(
+            f"print_tensor: float_format must be one of {', '.join(FLOAT_FORMATS)}; got "
+            f"{float_format!r}."
+        )
+    for name, value in (("summarise_threshold", summarise_threshold), ("edge_items", edge_items),
+                        ("max_line_width", max_line_width), ("digits", digits)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"print_tensor: {name} must be a non-negative int; got {value!r}.")
     out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
     graph._append_op(
         Op(
@@ -792,12 +811,17 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
             (t,),
             (out,),
             PrintOptions(
-                title=title or t.id,
+                title=f"print_{t.name}" if title is None else title,
                 print_self=print_self,
                 threshold=summarise_threshold,
                 edge_items=edge_items,
                 line_width=max_line_width,
                 digits=digits,
+                float_format=float_format,
+                separator=separator,
+                open_bracket=open_bracket,
+                close_bracket=close_bracket,
+                print_gradient=print_gradient,
             ),
         )
     )

@@ -538,3 +538,145 @@ def test_print_gradient_prints_the_gradient_and_passes_it_on(executor, capfd):
     np.testing.assert_allclose(got, np.arange(4, dtype=np.float32))
     assert "print_x: (0.0000000,1.0000000,2.0000000,3.0000000)" in err
     assert "print_x_gradient: (0.0000000,0.50000000,1.0000000,1.5000000)" in err
+
+
+# ---- C10: conditional ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_conditional_picks_the_branch_per_run(executor):
+    a_np = np.array([23.0, 10.0, 22.0, 21.0], np.float32)
+    w_np = np.array([10.0, 18.0, 32.0, 12.0], np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        a_s = popxl.h2d_stream([4], popxl.float32)
+        w_s = popxl.h2d_stream([4], popxl.float32)
+        c_s = popxl.h2d_stream([1], popxl.bool)
+        a, w, cond = ops.host_load(a_s), ops.host_load(w_s), ops.host_load(c_s)
+
+        def then_fn(x):
+            wt = popxl.graph_input(x.shape, x.dtype, "w")
+            return x * wt, x + 1.0
+
+        def else_fn(x):
+            wt = popxl.graph_input(x.shape, x.dtype, "w")
+            return x / wt, x - 1.0
+
+        g_then = ir.create_graph(then_fn, a)
+        g_else = ir.create_graph(else_fn, a)
+        info = ops.conditional_with_info(
+            cond, g_then, g_else, then_inputs=[a], else_inputs=[w],
+            then_inputs_dict={g_then.inputs[1]: w}, else_inputs_dict={g_else.inputs[1]: a},
+        )  # fmt: skip
+        outs = {}
+        for i, t in enumerate(info.outputs):
+            outs[i] = popxl.d2h_stream(t.shape, t.dtype)
+            ops.host_store(outs[i], t)
+    assert info.called_graph == (g_then, g_else)
+    assert info.inputs == (cond, a, w, w, a)
+    assert info.graph_to_parent(g_else.inputs[1]) == a
+    assert info.parent_to_graph(w) == g_then.inputs[1]
+    assert info.graph_to_parent_input_index(0, then_branch=False) == 3
+    assert info.outputs[0].name == "mul_or_div"
+    with popxl.Session(ir, "ipu_hw", executor=executor) as session:
+        for c in (True, False):
+            got = session.run({a_s: a_np, w_s: w_np, c_s: np.array([c])})
+            want = (a_np * w_np, a_np + 1) if c else (w_np / a_np, w_np - 1)
+            np.testing.assert_allclose(got[outs[0]], want[0], rtol=1e-6)
+            np.testing.assert_allclose(got[outs[1]], want[1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_conditional_condition_is_per_replica(executor):
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        x = popxl.variable(np.array([1.0, 2.0], np.float32))
+        c_s = popxl.h2d_stream([], popxl.bool)
+        cond = ops.host_load(c_s)
+        g_then = ir.create_graph(lambda x: x * 10.0, x)
+        g_else = ir.create_graph(lambda x: -x, x)
+        (y,) = ops.conditional(cond, g_then, g_else, [x], [x])
+        d = popxl.d2h_stream(y.shape, y.dtype)
+        ops.host_store(d, y)
+    with popxl.Session(ir, "ipu_hw", executor=executor) as session:
+        got = session.run({c_s: np.array([True, False])})[d]
+    np.testing.assert_allclose(got, [[10.0, 20.0], [-1.0, -2.0]])
+
+
+@pytest.mark.parametrize("cond_value", [True, False])
+def test_conditional_gradient_flows_into_the_taken_branch_only(cond_value):
+    # y = where(c, x * w, sin(x)); hand gradients: dy/dx = w or cos(x), dy/dw = x or 0
+    x_np = np.array([0.5, -1.0, 2.0], np.float32)
+    w_np = np.array([3.0, 4.0, -2.0], np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x, w = popxl.variable(x_np, name="x"), popxl.variable(w_np, name="w")
+        c = popxl.constant(np.array(cond_value))
+
+        def body(x, w, c):
+            g_then = popxl.gcg().ir.create_graph(lambda x, w: x * w, x, w)
+            g_else = popxl.gcg().ir.create_graph(lambda x: ops.sin(x), x)
+            return ops.conditional(c, g_then, g_else, [x, w], [x])[0]
+
+        fwd = ir.create_graph(body, x, w, c)
+        info = ops.call_with_info(fwd, x, w, c)
+        bwd = autodiff(fwd, grads_required=fwd.inputs[:2])
+        seed = popxl.constant(np.ones(3, np.float32))
+        dx, dw = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
+        streams = [popxl.d2h_stream(t.shape, t.dtype) for t in (info.outputs[0], dx, dw)]
+        for s, t in zip(streams, (info.outputs[0], dx, dw), strict=True):
+            ops.host_store(s, t)
+    with popxl.Session(ir, "ipu_hw") as session:
+        y, gx, gw = _run_streams(session, streams)
+    if cond_value:
+        np.testing.assert_allclose(y, x_np * w_np, rtol=1e-6)
+        np.testing.assert_allclose(gx, w_np, rtol=1e-6)
+        np.testing.assert_allclose(gw, x_np, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(y, np.sin(x_np), rtol=1e-6)
+        np.testing.assert_allclose(gx, np.cos(x_np), rtol=1e-6)
+        np.testing.assert_allclose(gw, np.zeros(3), atol=0)
+
+
+def _run_streams(session, streams):
+    out = session.run()
+    return [out[s] for s in streams]
+
+
+def test_conditional_rejects_what_upstream_rejects_and_effects_it_cannot_select():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros(2, np.float32))
+        c = popxl.constant(np.array(True))
+        g1 = ir.create_graph(lambda x: x + 1.0, x)
+        g2 = ir.create_graph(lambda x: (x + 1.0, x), x)
+        g3 = ir.create_graph(lambda x: ops.cast(x, popxl.int32), x)
+        with pytest.raises(ValueError, match="must have the same number of outputs: 1 != 2"):
+            ops.conditional(c, g1, g2, [x], [x])
+        with pytest.raises(TypeError, match="same dtypes"):
+            ops.conditional(c, g1, g3, [x], [x])
+        with pytest.raises(TypeError, match="must be a popxl.bool"):
+            ops.conditional(x, g1, g1, [x], [x])
+        with pytest.raises(ValueError, match="single value"):
+            ops.conditional(popxl.constant(np.array([True, False])), g1, g1, [x], [x])
+        with pytest.raises(ValueError, match="Not enough inputs"):
+            ops.conditional(c, g1, g1, [x], [])
+
+        def by_ref(t: popxl.TensorByRef):
+            ops.var_updates.accumulate_(t, popxl.constant(np.ones(2, np.float32)))
+            return t + 0.0
+
+        g_ref = ir.create_graph(by_ref, x)
+        with pytest.raises(NotImplementedError, match="TensorByRef is not implemented"):
+            ops.conditional(c, g_ref, g1, [x], [x])
+        stream = popxl.d2h_stream((2,), popxl.float32)
+
+        def storing(t):
+            ops.host_store(stream, t)
+            return t + 0.0
+
+        g_store = ir.create_graph(storing, x)
+        with pytest.raises(NotImplementedError, match="acts outside the graph"):
+            ops.conditional(c, g1, g_store, [x], [x])
+        n_ops = len(ir.main_graph._ops)
+    assert n_ops == 0  # no failed call left a call site behind

@@ -25,6 +25,7 @@ from . import addons_needs, collectives, var_updates
 from ._intsafe import int_safe
 from .addons_needs import *  # noqa: F403  (issue 15: names popxl-addons programs use)
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
+from .conditional import conditional, conditional_with_info
 from .more import (
     PadType,
     _keep_int,
@@ -111,6 +112,7 @@ __all__ = [
     # host io, remote, calls
     "host_load", "host_store", "remote_load", "remote_load_", "remote_store",
     "call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo", "print_tensor",
+    "conditional", "conditional_with_info",
     # var updates
     "accumulate_", "accumulate_square_", "accumulate_mean_", "accumulate_moving_average_",
     "accumulate_moving_average_square_", "accumulator_scale_", "accumulator_zero_",
@@ -790,7 +792,8 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
     trailing zeros ("none"); elements are joined by ``separator`` inside ``open_bracket`` /
     ``close_bracket``, rows wrap at ``max_line_width``, and tensors with more than
     ``summarise_threshold`` elements show ``edge_items`` at each end of every axis.
-    ``print_gradient`` is accepted for upstream compatibility; the gradient is not printed.
+    With ``print_gradient``, the gradient graph made by ``autodiff`` prints the gradient as
+    ``{title}_gradient``.
     """
     graph = gcg()
     _check_tensor(t, "print_tensor")

@@ -399,20 +399,24 @@ _NEEDS_DOWNCAST = frozenset({np.dtype(np.int64), np.dtype(np.uint64), np.dtype(n
 def _memmap_data(data: np.memmap, dtype, downcast: bool) -> np.memmap:
     if not data.flags.c_contiguous:
         raise ValueError(
-            "A np.memmap given as variable data must be C-contiguous: the variable keeps it as "
-            "its host storage and cannot reorder it. Create the memmap with order='C'."
+            "When passing a memory-mapped NumPy array, it must already be in C-ordered (row "
+            "major) layout: the variable keeps the memmap as its host storage and cannot "
+            "reorder it. Create the memmap with order='C'."
         )
     if dtype is not None and np.dtype(dtype.as_numpy()) != data.dtype:
         raise ValueError(
-            f"The np.memmap has dtype {data.dtype} but dtype={dtype} was given. A memmap is "
-            f"kept as the variable's host storage and cannot be converted; open it with dtype "
-            f"{np.dtype(dtype.as_numpy())} or leave dtype=None."
+            f"When passing a memory-mapped NumPy array, the `dtype` parameter must match the "
+            f"memmap's dtype or be None: the memmap has dtype {data.dtype} but dtype={dtype} "
+            f"was given. A memmap is kept as the variable's host storage and cannot be "
+            f"converted; open it with dtype {np.dtype(dtype.as_numpy())} or leave dtype=None."
         )
     if dtype is None and downcast and data.dtype in _NEEDS_DOWNCAST:
         raise ValueError(
-            f"The np.memmap has dtype {data.dtype}, which would be downcast to 32 bits, but a "
-            f"memmap is kept as the variable's host storage and cannot be converted. Pass "
-            f"downcast=False (or dtype={data.dtype}) or open the memmap with a 32-bit dtype."
+            f"When passing a memory-mapped NumPy array, the dtype {dtype} is not supported, as "
+            f"it requires downcasting: the memmap has dtype {data.dtype}, which would be "
+            f"downcast to 32 bits, but a memmap is kept as the variable's host storage and "
+            f"cannot be converted. Pass downcast=False (or dtype={data.dtype}) or open the "
+            f"memmap with a 32-bit dtype."
         )
     if _dtypes._lookup(data.dtype) is None:
         raise ValueError(f"A np.memmap of dtype {data.dtype} cannot hold popxl variable data.")

@@ -92,7 +92,7 @@ class PrintOptions:
                 return element(a.item())
             n = a.shape[0]
             edge = self.edge_items
-            rows = range(n)
+            rows: list[int | None] = list(range(n))
             if summarise and n > 2 * edge:
                 rows = [*range(edge), None, *range(n - edge, n)]
             parts = ["..." if i is None else rec(a[i], depth + 1) for i in rows]

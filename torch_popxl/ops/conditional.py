@@ -204,6 +204,8 @@ def conditional_with_info(
                     f"this input to the {role} graph by ref: {t.id}"
                 )
         _check_branch(g, role, set())
+    then_call: tuple[list[Any], Mapping | None]
+    else_call: tuple[list[Any], Mapping | None]
     if check_inputs:
         # Both input sets are checked before either call site is added, so a failure leaves
         # the graph unchanged; the checked tensors are then passed in input order.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -635,7 +635,7 @@ def remote_code_load(graph: Graph, destination: str) -> None:
     parent.ir._code_loads.append((parent, graph, destination))
 
 
-_NEAREST_ROUNDING = {
+_NEAREST_ROUNDING: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "round_prefer_floor": lambda x: np.ceil(x - 0.5),
     "round_prefer_ceil": lambda x: np.floor(x + 0.5),
     "floor": np.floor,

@@ -680,3 +680,37 @@ def test_conditional_rejects_what_upstream_rejects_and_effects_it_cannot_select(
             ops.conditional(c, g1, g_store, [x], [x])
         n_ops = len(ir.main_graph._ops)
     assert n_ops == 0  # no failed call left a call site behind
+
+
+def test_bool_of_loaded_and_called_values_is_true_but_computed_values_raise():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        s = popxl.h2d_stream((2,), popxl.float32)
+        x = ops.host_load(s)
+        _, shard = popxl.replica_sharded_variable(np.zeros(4, np.float32))
+        (y,) = ops.call(ir.create_graph(lambda t: t + 1.0, x), x)
+        assert x and shard and y  # no __bool__ upstream
+        with pytest.raises(popxl.errors.DataDependentError):
+            bool(x * 2.0)
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_interpolate_gradient_matches_torch_autograd(mode):
+    x_np = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    tx = torch.tensor(x_np, requires_grad=True)
+    torch_mode = "bilinear" if mode == "linear" else "bicubic"
+    ty = torch.nn.functional.interpolate(tx, scale_factor=2.0, mode=torch_mode)
+    seed = rng.standard_normal(tuple(ty.shape)).astype(np.float32)
+    ty.backward(torch.from_numpy(seed))
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(x_np, name="x")
+        fwd = ir.create_graph(lambda t: ops.interpolate(t, (1.0, 1.0, 2.0, 2.0), mode), x)
+        info = ops.call_with_info(fwd, x)
+        bwd = autodiff(fwd)
+        (dx,) = ops.call(bwd.graph, popxl.constant(seed), inputs_dict=bwd.inputs_dict(info))
+        d = popxl.d2h_stream(dx.shape, dx.dtype)
+        ops.host_store(d, dx)
+    with popxl.Session(ir, "ipu_hw") as session:
+        got = session.run()[d]
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-4, atol=1e-5)

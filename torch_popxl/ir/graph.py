@@ -324,8 +324,12 @@ class Graph:
         entry = self._by_fake.get(id(fake))
         return entry[1] if entry is not None and entry[0] is fake else None
 
-    def _has_input(self, t: Tensor) -> bool:
-        return any(x is t for x in self._inputs)
+    def _producer(self, t: Tensor) -> Op | None:
+        """The op of this graph that outputs ``t`` (None for inputs, variables, constants)."""
+        for op in reversed(self._ops):
+            if any(o is t for o in op.outputs):
+                return op
+        return None
 
     def _add_input(self, t: Tensor, by_ref: bool) -> None:
         self._inputs.append(t)

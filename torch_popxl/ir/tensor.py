@@ -188,10 +188,12 @@ class Tensor(_InstalledMethods):
 
     def __bool__(self):
         # Upstream PopXL tensors have no __bool__, so `assert w`, `if t:` and `t or default` see
-        # any tensor as true; that holds here for variables, constants and graph inputs. A
-        # tensor computed by an op is almost always a data-dependent test (`if t.sum() > 0:`,
-        # torch code run on handles), which upstream would silently take as true: that raises.
-        if self._graph._has_input(self):
+        # any tensor as true; that holds here for variables, constants, graph inputs and the
+        # results of loads and calls. A value computed by a captured torch op is almost always
+        # a data-dependent test (`if t.sum() > 0:`, torch code run on handles), which upstream
+        # would silently take as true: that raises.
+        producer = self._graph._producer(self)
+        if producer is None or producer.kind != "torch":
             return True
         raise _data_dependent(self, "bool()")
 

@@ -714,3 +714,30 @@ def test_interpolate_gradient_matches_torch_autograd(mode):
     with popxl.Session(ir, "ipu_hw") as session:
         got = session.run()[d]
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ---- popxl.fp8_utils -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float8_143", "float8_152"])
+@pytest.mark.parametrize("src_dtype", [np.float16, np.float32, np.float64])
+def test_fp8_utils_host_casts_match_the_utils_ones(dtype, src_dtype):
+    from torch_popxl import fp8_utils, utils
+
+    dt = getattr(popxl, dtype)
+    data = np.array([[0.5, -1.25], [3.0, 0.0]], src_dtype)
+    fp8 = fp8_utils.host_pow2scale_cast_to_fp8(data, dt, log2_scale=2)
+    want = utils.host_pow2scale_then_cast(data.astype(np.float64), dt, 2)
+    assert fp8.dtype == want.dtype and fp8.shape == (2, 2)
+    np.testing.assert_array_equal(fp8.view(np.uint8), want.view(np.uint8))
+    for out_dt, np_dt in ((popxl.float16, np.float16), (popxl.float32, np.float32)):
+        back = fp8_utils.host_pow2scale_cast_from_fp8(fp8, out_dt, log2_scale=-2)
+        assert back.dtype == np_dt
+        np.testing.assert_array_equal(back, data.astype(np_dt))  # all exact in float8
+    t = torch.tensor([1.0, 2.0])
+    np.testing.assert_array_equal(
+        fp8_utils.host_pow2scale_cast_to_fp8(t, dt).view(np.uint8),
+        utils.host_pow2scale_then_cast(t.numpy(), dt).view(np.uint8),
+    )
+    with pytest.raises(RuntimeError, match="not currently supported"):
+        fp8_utils.host_pow2scale_cast_from_fp8(fp8, popxl.int32)

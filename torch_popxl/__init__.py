@@ -5,7 +5,7 @@ variables and host streams, run by a ``Session``, with replication, replica grou
 replicated tensor sharding and remote buffers.
 """
 
-from . import dtypes, ops, tensor_methods, transforms, utils
+from . import dtypes, fp8_utils, ops, tensor_methods, transforms, utils
 from .compile import InferenceProgram, Trainer, compile
 from .context import (
     gcg,

@@ -741,3 +741,18 @@ def test_fp8_utils_host_casts_match_the_utils_ones(dtype, src_dtype):
     )
     with pytest.raises(RuntimeError, match="not currently supported"):
         fp8_utils.host_pow2scale_cast_from_fp8(fp8, popxl.int32)
+
+
+def test_variable_memmap_arr_is_the_host_storage(tmp_path):
+    mm = np.memmap(str(tmp_path / "w.npy"), dtype=np.float32, shape=(3,), mode="w+")
+    mm[:] = [1.0, 2.0, 3.0]
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(mm, name="w")
+        plain = popxl.variable(np.zeros(3, np.float32))
+        ops.var_updates.accumulate_(v, popxl.constant(np.ones(3, np.float32)))
+    assert v._memmap_arr is mm and plain._memmap_arr is None
+    with popxl.Session(ir, "ipu_hw") as session:
+        session.run()
+        assert session.get_tensor_data(v) is v._memmap_arr
+    np.testing.assert_array_equal(mm, [2.0, 3.0, 4.0])  # written back into the file's array

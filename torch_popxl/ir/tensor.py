@@ -330,6 +330,14 @@ class Variable(Tensor):
     def info(self) -> VariableInfo:
         return self._info
 
+    @property
+    def _memmap_arr(self) -> np.memmap | None:
+        """The np.memmap holding this variable's host data (Note [memmap variables]), as
+        upstream's private attribute of that name; None when the host data is not a memmap."""
+        entry = self._graph.ir._variables.get(self._id)
+        host = entry[1] if entry is not None else None
+        return host if isinstance(host, np.memmap) else None
+
     def _set_hints(self, *, replica_sum: bool) -> None:
         """Record compiler hints (a builder's privilege, like adding ops to a graph)."""
         self._info = replace(self._info, replica_sum=replica_sum)

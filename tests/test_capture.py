@@ -222,7 +222,7 @@ class _BranchyModule(torch.nn.Module):
 DATA_DEPENDENT = {
     "item": (lambda t: t.sum().item(), r"\.item\(\)"),
     "if_sum_greater_than_zero": (_data_dependent_if, r"if t\.sum\(\) > 0"),
-    "bool": (lambda t: bool(t), "bool()"),
+    "bool": (lambda t: bool(t * 2), "bool()"),
     "float": (lambda t: float(t.sum()), r"float\(\)"),
     "int": (lambda t: int(t.sum()), r"int\(\)"),
     "module_forward_branch": (lambda t: _BranchyModule()(t), "not known"),

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.tensorlocation",
             "torch_popxl.random_seed",
             "torch_popxl.utils",
+            "torch_popxl.fp8_utils",
         ),
     ),
     ("transforms", ("torch_popxl.transforms",)),

@@ -57,6 +57,10 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
         "abs", "ceil", "clip", "cos", "sin", "floor", "identity", "isfinite", "isinf", "isnan",
         "sign", "pow", "geluerf", "greater", "batch_norm_inference", "cumsum", "histogram",
         "subsample",
+        # added to ops/__init__.py __all__ by SDK 3.4: cast.py, matmul.py, swish.py,
+        # scatter_reduce.py, shaped_dropout.py, conditional.py
+        "pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish", "swish_",
+        "scatter_reduce", "shaped_dropout", "conditional", "conditional_with_info",
     )),
     ("torch_popxl.ops.collectives", "python/popxl/python_files/ops/collectives/__init__.py", (
         "all_reduce", "all_reduce_identical_inputs", "all_reduce_identical_grad_inputs",

@@ -5,7 +5,7 @@ variables and host streams, run by a ``Session``, with replication, replica grou
 replicated tensor sharding and remote buffers.
 """
 
-from . import dtypes, ops, tensor_methods, transforms, utils
+from . import dtypes, fp8_utils, ops, tensor_methods, transforms, utils
 from .compile import InferenceProgram, Trainer, compile
 from .context import (
     gcg,
@@ -89,7 +89,7 @@ __all__ = [
     "replica_sharded_buffer", "replica_sharded_variable",
     "gcg", "gmg", "gir", "get_current_context", "get_main_graph", "in_sequence", "io_tiles",
     "ipu", "name_scope", "get_current_graph", "create_seeds", "TensorStorage", "TensorLocation",
-    "ReplicatedTensorSharding", "TileSet", "ExecutionContext", "utils",
+    "ReplicatedTensorSharding", "TileSet", "ExecutionContext", "utils", "fp8_utils",
     "ops", "transforms", "dtypes", "dtype", "compile", "Trainer", "InferenceProgram",
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float8_143", "float8_152", "bfloat16", "float16", "float32", "float64", "complex64", "complex128",

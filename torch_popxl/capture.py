@@ -36,6 +36,22 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# In-place ops that change a tensor's shape/strides, not its data, and their view forms. Torch's
+# own decompositions use them on fresh intermediates (1-D @ 2-D matmul is
+# `unsqueeze(0).mm(w).squeeze_(0)`); recording them in place would change the shape of the
+# producing op's output after the fact, so they are recorded as the view op (Note [in-place
+# metadata ops]).
+_INPLACE_VIEWS = {
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.swapdims_.default: aten.transpose.int,
+    aten.swapaxes_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.as_strided_.default: aten.as_strided.default,
+}
 
 
 def _op_name(func) -> str:
@@ -60,6 +76,8 @@ class _Recorder(TorchDispatchMode):
                 "example `.item()`, `bool(t)` or `if t.sum() > 0:`). Tensor values are not "
                 "known at capture time: express the choice with ops such as torch.where."
             )
+        if func in _INPLACE_VIEWS:
+            return self._inplace_view(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in _CONSTANT_LIFTS:
             real = args[0]
@@ -72,6 +90,25 @@ class _Recorder(TorchDispatchMode):
             return out
         self._record(func, args, kwargs, out)
         return out
+
+    def _inplace_view(self, func, args, kwargs):
+        # Note [in-place metadata ops]: the caller holds `self` and expects it reshaped in place
+        # (an in-place op's return value is ignored), so the fake object itself must mutate. The
+        # handle it belonged to keeps its old metadata on a fresh fake, and the mutated object
+        # becomes the output of a recorded out-of-place view op.
+        target = args[0]
+        before = self._handle_for(target)
+        kept = torch.empty_strided(
+            target.shape, target.stride(), dtype=target.dtype, device=target.device
+        )
+        before._fake = kept
+        self.graph._rebind_fake(before, kept)
+        self.graph._unbind_fake(target)
+        view = _INPLACE_VIEWS[func]
+        func(*args, **kwargs)
+        fargs = (kept, *args[1:])
+        self._record(view, fargs, kwargs, target)
+        return target
 
     def _handle_for(self, fake: torch.Tensor) -> Tensor:
         t = self.graph._tensor_for_fake(fake)

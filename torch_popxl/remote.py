@@ -21,13 +21,13 @@ members of the first constant group of each user group and drop the padding.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import dtypes as _dtypes
 from .ir.context import gcg
 from .ir.remote_buffer import RemoteBuffer
+from .ir.replica_grouping import ReplicaGrouping
 from .ir.tensor import (
     HostTensor,
     RtsLayout,
@@ -40,9 +40,6 @@ from .ir.tensor import (
     _per_replica_shape,
 )
 from .ops.remote import remote_load, remote_store
-
-if TYPE_CHECKING:
-    from .ir.replica_grouping import ReplicaGrouping
 
 __all__ = [
     "RtsLayout",
@@ -150,17 +147,24 @@ def replica_sharded_buffer(
     shape,
     dtype,
     replica_grouping: ReplicaGrouping | None = None,
-    shard_over: int | None = None,
+    shard_over: int | ReplicaGrouping | None = None,
     entries: int = 1,
+    *,
+    shard_grouping: ReplicaGrouping | None = None,
 ) -> RemoteBuffer:
     """A remote buffer for RTS variables of host shape ``shape`` sharded over ``shard_over``.
 
     ``shape`` includes the group dimension when the grouping has more than one group. The
     buffer's slot is 1-D, ``(ceil(n / shard_over),)``, and its ``meta_shape`` is the full
-    per-group shape.
+    per-group shape. ``shard_grouping`` (the SDK 3.3 form; also accepted in ``shard_over``'s
+    place) names the shard groups as a grouping: its ``group_size`` is the shard count and its
+    stride must be the variable grouping's (1 by default).
     """
     ir = gcg().ir
     user_rg = ir._check_grouping(replica_grouping)
+    # Sharding happens inside the groups of the constant refinement (Note [RTS layout]).
+    shard_over = _shard_count(ir, replica_grouping, shard_over, shard_grouping)
+    shard_over = _check_shard_over(shard_over, user_rg.const_rg)
     shape = tuple(int(s) for s in shape)
     if user_rg.num_groups > 1:
         if not shape or shape[0] != user_rg.num_groups:
@@ -169,13 +173,46 @@ def replica_sharded_buffer(
                 f"{user_rg!r} has {user_rg.num_groups} groups, so pass ({user_rg.num_groups}, *shape)."
             )
         shape = shape[1:]
-    # Sharding happens inside the groups of the constant refinement (Note [RTS layout]).
-    shard_over = _check_shard_over(shard_over, user_rg.const_rg)
     n = math.prod(shape)
     rb = RemoteBuffer((-(-n // shard_over),), dtype, entries)
     rb.meta_shape = shape
     rb._rts_shard_over = shard_over
     return rb
+
+
+def _shard_count(ir, replica_grouping, shard_over, shard_grouping) -> int | None:
+    """``shard_over`` as an int (or None) from either spelling: an int ``shard_over`` (SDK 3.1)
+    or a ``shard_grouping`` (SDK 3.3), whose group_size is the count and whose stride must be
+    the variable grouping's, so each shard group is consecutive members of one replica group."""
+    if isinstance(shard_over, ReplicaGrouping):
+        if shard_grouping is not None:
+            raise ValueError(
+                "Pass the shard grouping once: as shard_grouping= or in shard_over's place, "
+                "not both."
+            )
+        shard_over, shard_grouping = None, shard_over
+    if shard_grouping is None:
+        return shard_over
+    if shard_over is not None:
+        raise ValueError(
+            f"Got both shard_over={shard_over!r} and shard_grouping={shard_grouping!r}; they "
+            "say the same thing (shard_over is shard_grouping.group_size). Pass only one."
+        )
+    shard_grouping = ir._check_grouping(shard_grouping)
+    base = ir._check_grouping(replica_grouping).const_rg
+    if not shard_grouping.is_const or shard_grouping.stride != base.stride:
+        reason = (
+            "the replica_grouping's stride"
+            if replica_grouping is not None
+            else "as no replica_grouping was given (one group of all replicas)"
+        )
+        raise ValueError(
+            f"shard_grouping {shard_grouping!r} must have stride {base.stride}, {reason}: "
+            "replicated tensor sharding shards over consecutive members of a replica group. Use "
+            f"ir.replica_grouping(stride={base.stride}, group_size=k) with k dividing the "
+            f"replica group size {base.group_size}."
+        )
+    return shard_grouping.group_size
 
 
 def _check_shard_over(shard_over, rg) -> int:
@@ -231,12 +268,15 @@ def remote_replica_sharded_variable(
     retrieval_mode: str | None = "one_per_group",
     log2_scale: int | None = None,
     nan_on_overflow: bool | None = None,
+    *,
+    shard_grouping: ReplicaGrouping | None = None,
 ) -> Variable:
     """A variable sharded across the replicas of each group and stored remotely (§4.7).
 
     Returns the full handle (``shape`` is the unsharded per-group shape). On device,
     ``ops.remote_load(remote_buffer, offset)`` gives this replica's 1-D shard, with
     ``meta_shape`` equal to the full shape. Sets ``remote_buffer.meta_shape`` if unset.
+    The shard count is the buffer's; ``shard_grouping``, if given, must agree with it.
     """
     graph = _main_graph_only("remote_replica_sharded_variable")
     ir = graph.ir
@@ -245,8 +285,23 @@ def remote_replica_sharded_variable(
     offset = _check_offset(offset, "remote_replica_sharded_variable")
     rg = ir._check_grouping(replica_grouping)
     _check_retrieval_mode(retrieval_mode)
+    wanted = _shard_count(ir, replica_grouping, None, shard_grouping)
+    if wanted is not None:
+        _check_shard_over(wanted, rg.const_rg)
     arr, dt = _host_data(data, dtype, downcast, log2_scale, nan_on_overflow)
     shape = _per_replica_shape(arr.shape, rg, name)
+    n = math.prod(shape)
+    shard_over = rb._rts_shard_over or _infer_shard_over(rb, n, rg, name)
+    if wanted is not None and wanted != shard_over:
+        if rb._rts_shard_over is None and -(-n // wanted) == math.prod(rb.tensor_shape):
+            shard_over = wanted  # a user-made buffer whose slot size fits several counts
+        else:
+            raise ValueError(
+                f"shard_grouping {shard_grouping!r} shards over {wanted} replicas, but "
+                f"{rb!r} holds shards of a {n}-element tensor split over {shard_over}. Create "
+                "the buffer with popxl.replica_sharded_buffer(..., shard_grouping=...) using "
+                "the same grouping."
+            )
     if not rb.meta_shape:
         rb.meta_shape = shape
     elif tuple(rb.meta_shape) != shape:
@@ -255,8 +310,6 @@ def remote_replica_sharded_variable(
             f"shape {shape}: the buffer's meta_shape is {tuple(rb.meta_shape)}. Every RTS variable "
             "in one buffer must have the same full shape; create another buffer."
         )
-    n = math.prod(shape)
-    shard_over = rb._rts_shard_over or _infer_shard_over(rb, n, rg, name)
     return _make_remote(
         graph, arr, dt, rb, offset, name, rg, retrieval_mode, RtsLayout(shard_over, n)
     )
@@ -268,23 +321,28 @@ def replica_sharded_variable(
     name: str | None = None,
     downcast: bool = True,
     replica_grouping: ReplicaGrouping | None = None,
-    shard_over: int | None = None,
+    shard_over: int | ReplicaGrouping | None = None,
     retrieval_mode: str | None = "one_per_group",
     log2_scale: int | None = None,
     nan_on_overflow: bool | None = None,
+    *,
+    shard_grouping: ReplicaGrouping | None = None,
 ) -> tuple[Variable, Tensor]:
     """An RTS variable whose shard stays on device for the whole session (§4.8).
 
     Returns ``(full_handle, shard)``. The shard is loaded from its one-entry buffer in the
     WeightsFromHost program and stored back in the WeightsToHost program, so it can be
-    updated in place during ``run`` with no explicit load or store.
+    updated in place during ``run`` with no explicit load or store. ``shard_over`` or
+    ``shard_grouping`` set the shard groups as for ``replica_sharded_buffer``.
     """
     graph = _main_graph_only("replica_sharded_variable")
     # Checked before the buffer is made, so a failing call leaves the Ir unchanged.
     _require_replication(graph.ir, "replica_sharded_variable")
     _check_retrieval_mode(retrieval_mode)
     arr, dt = _host_data(data, dtype, downcast, log2_scale, nan_on_overflow)
-    rb = replica_sharded_buffer(arr.shape, dt, replica_grouping, shard_over, entries=1)
+    rb = replica_sharded_buffer(
+        arr.shape, dt, replica_grouping, shard_over, entries=1, shard_grouping=shard_grouping
+    )
     var = remote_replica_sharded_variable(arr, rb, 0, dt, name, False, replica_grouping,
                                           retrieval_mode)  # fmt: skip
 

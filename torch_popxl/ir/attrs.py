@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from .graph import Graph
     from .remote_buffer import RemoteBuffer
@@ -59,11 +61,71 @@ class RemoteTransfer:
     buffer: RemoteBuffer
 
 
+FLOAT_FORMATS = ("auto", "fixed", "scientific", "none")
+
+
 @dataclass(frozen=True, slots=True)
 class PrintOptions:
+    """How ``ops.print_tensor`` prints (upstream's PrintTensorFmt options)."""
+
     title: str
     print_self: bool
     threshold: int
     edge_items: int
     line_width: int
     digits: int
+    float_format: str = "auto"
+    separator: str = ","
+    open_bracket: str = "("
+    close_bracket: str = ")"
+    print_gradient: bool = False
+
+    def format(self, values) -> str:
+        """``values`` (a numpy array) as nested brackets of formatted elements; tensors with
+        more than ``threshold`` elements show ``edge_items`` at each end of every axis."""
+        arr = np.asarray(values)
+        summarise = arr.size > self.threshold
+        element = self._element_formatter(arr.dtype)
+
+        def rec(a, depth: int) -> str:
+            if a.ndim == 0:
+                return element(a.item())
+            n = a.shape[0]
+            edge = self.edge_items
+            rows: list[int | None] = list(range(n))
+            if summarise and n > 2 * edge:
+                rows = [*range(edge), None, *range(n - edge, n)]
+            parts = ["..." if i is None else rec(a[i], depth + 1) for i in rows]
+            if a.ndim > 1:
+                body = (self.separator + "\n" + " " * (depth + 1)).join(parts)
+            else:
+                body = self._wrap(parts, depth + 1)
+            return self.open_bracket + body + self.close_bracket
+
+        return rec(arr, 0)
+
+    def _element_formatter(self, dtype):
+        kind = dtype.kind
+        if kind == "b":
+            return lambda v: "true" if v else "false"
+        if kind in "iu":
+            return lambda v: str(int(v))
+        d = self.digits
+        return {
+            "auto": lambda v: f"{v:#.{d}g}",
+            "fixed": lambda v: f"{v:.{d}f}",
+            "scientific": lambda v: f"{v:.{d}e}",
+            "none": lambda v: f"{v:.{d}g}",
+        }[self.float_format]
+
+    def _wrap(self, parts: list[str], indent: int) -> str:
+        # break a row of elements before it passes line_width, continuing one column in
+        lines, line = [], ""
+        for i, p in enumerate(parts):
+            piece = p + (self.separator if i < len(parts) - 1 else "")
+            if line and indent + len(line) + len(piece) > self.line_width:
+                lines.append(line)
+                line = ""
+            line += piece
+        lines.append(line)
+        return ("\n" + " " * indent).join(lines)

@@ -315,9 +315,21 @@ class Graph:
     def _rebind_fake(self, t: Tensor, fake: torch.Tensor) -> None:
         self._by_fake[id(fake)] = (fake, t)
 
+    def _unbind_fake(self, fake: torch.Tensor) -> None:
+        entry = self._by_fake.get(id(fake))
+        if entry is not None and entry[0] is fake:
+            del self._by_fake[id(fake)]
+
     def _tensor_for_fake(self, fake: torch.Tensor) -> Tensor | None:
         entry = self._by_fake.get(id(fake))
         return entry[1] if entry is not None and entry[0] is fake else None
+
+    def _producer(self, t: Tensor) -> Op | None:
+        """The op of this graph that outputs ``t`` (None for inputs, variables, constants)."""
+        for op in reversed(self._ops):
+            if any(o is t for o in op.outputs):
+                return op
+        return None
 
     def _add_input(self, t: Tensor, by_ref: bool) -> None:
         self._inputs.append(t)

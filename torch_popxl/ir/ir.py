@@ -218,9 +218,10 @@ class Ir:
             # Note [memmap variables] in ir/tensor.py: a non-constant grouping is stored as
             # its constant refinement on device, so PopXL copies the memmap and says so.
             warnings.warn(
-                f"Variable {v.id!r} has a non-constant replica grouping "
-                f"({v.replica_grouping!r}), so its np.memmap data is copied: weights_to_host "
-                "will not write to the memmap.",
+                f"Variable {v.id!r}: you have passed np.memmap data and the non-const replica "
+                f"grouping `{v.replica_grouping}`, so the data is copied (a non-constant "
+                "replica grouping is stored as its constant refinement): weights_to_host will "
+                "not write to the memmap.",
                 stacklevel=3,
             )
             host = np.array(host, copy=True)

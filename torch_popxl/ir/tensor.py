@@ -187,6 +187,14 @@ class Tensor(_InstalledMethods):
         return repr(self)
 
     def __bool__(self):
+        # Upstream PopXL tensors have no __bool__, so `assert w`, `if t:` and `t or default` see
+        # any tensor as true; that holds here for variables, constants, graph inputs and the
+        # results of loads and calls. A value computed by a captured torch op is almost always
+        # a data-dependent test (`if t.sum() > 0:`, torch code run on handles), which upstream
+        # would silently take as true: that raises.
+        producer = self._graph._producer(self)
+        if producer is None or producer.kind != "torch":
+            return True
         raise _data_dependent(self, "bool()")
 
     def __float__(self):
@@ -313,11 +321,22 @@ class VariableInfo:
 class Variable(Tensor):
     """A tensor whose value persists across ``Session.run`` calls (a weight)."""
 
+    def __bool__(self):
+        return True  # as upstream, whose tensors have no __bool__
+
     _info: VariableInfo
 
     @property
     def info(self) -> VariableInfo:
         return self._info
+
+    @property
+    def _memmap_arr(self) -> np.memmap | None:
+        """The np.memmap holding this variable's host data (Note [memmap variables]), as
+        upstream's private attribute of that name; None when the host data is not a memmap."""
+        entry = self._graph.ir._variables.get(self._id)
+        host = entry[1] if entry is not None else None
+        return host if isinstance(host, np.memmap) else None
 
     def _set_hints(self, *, replica_sum: bool) -> None:
         """Record compiler hints (a builder's privilege, like adding ops to a graph)."""
@@ -349,6 +368,9 @@ class Constant(Tensor):
     """A tensor with a fixed value known at graph-construction time."""
 
     _data: torch.Tensor  # the real (not fake) value, set by ``_create``
+
+    def __bool__(self):
+        return True  # as upstream, whose tensors have no __bool__
 
     @property
     def data(self) -> np.ndarray:
@@ -387,20 +409,24 @@ _NEEDS_DOWNCAST = frozenset({np.dtype(np.int64), np.dtype(np.uint64), np.dtype(n
 def _memmap_data(data: np.memmap, dtype, downcast: bool) -> np.memmap:
     if not data.flags.c_contiguous:
         raise ValueError(
-            "A np.memmap given as variable data must be C-contiguous: the variable keeps it as "
-            "its host storage and cannot reorder it. Create the memmap with order='C'."
+            "When passing a memory-mapped NumPy array, it must already be in C-ordered (row "
+            "major) layout: the variable keeps the memmap as its host storage and cannot "
+            "reorder it. Create the memmap with order='C'."
         )
     if dtype is not None and np.dtype(dtype.as_numpy()) != data.dtype:
         raise ValueError(
-            f"The np.memmap has dtype {data.dtype} but dtype={dtype} was given. A memmap is "
-            f"kept as the variable's host storage and cannot be converted; open it with dtype "
-            f"{np.dtype(dtype.as_numpy())} or leave dtype=None."
+            f"When passing a memory-mapped NumPy array, the `dtype` parameter must match the "
+            f"memmap's dtype or be None: the memmap has dtype {data.dtype} but dtype={dtype} "
+            f"was given. A memmap is kept as the variable's host storage and cannot be "
+            f"converted; open it with dtype {np.dtype(dtype.as_numpy())} or leave dtype=None."
         )
     if dtype is None and downcast and data.dtype in _NEEDS_DOWNCAST:
         raise ValueError(
-            f"The np.memmap has dtype {data.dtype}, which would be downcast to 32 bits, but a "
-            f"memmap is kept as the variable's host storage and cannot be converted. Pass "
-            f"downcast=False (or dtype={data.dtype}) or open the memmap with a 32-bit dtype."
+            f"When passing a memory-mapped NumPy array, the dtype {dtype} is not supported, as "
+            f"it requires downcasting: the memmap has dtype {data.dtype}, which would be "
+            f"downcast to 32 bits, but a memmap is kept as the variable's host storage and "
+            f"cannot be converted. Pass downcast=False (or dtype={data.dtype}) or open the "
+            f"memmap with a 32-bit dtype."
         )
     if _dtypes._lookup(data.dtype) is None:
         raise ValueError(f"A np.memmap of dtype {data.dtype} cannot hold popxl variable data.")

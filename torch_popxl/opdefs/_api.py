@@ -13,6 +13,9 @@ __all__ = ["CollectiveOperator", "check_tensor", "grouping_of", "reduce_op"]
 _OPS = {"add": "add", "mean": "mean", "mul": "mean", "min": "min", "max": "max",
         "and": "and", "or": "or", "square_add": "square_add"}  # fmt: skip
 _DTYPES = ("float32", "float16", "int32", "uint32")
+# All-gather and slices only move bytes, so upstream also allows float8 there (RTS float8
+# variables are gathered and sliced, never reduced).
+_MOVE_DTYPES = (*_DTYPES, "float8_143", "float8_152")
 
 
 class CollectiveOperator:
@@ -29,17 +32,19 @@ class CollectiveOperator:
     Local = "local"
 
 
-def check_tensor(t, name: str) -> Tensor:
-    """``t`` if it is a handle of the current graph with a dtype PopXL collectives support."""
+def check_tensor(t, name: str, data_movement: bool = False) -> Tensor:
+    """``t`` if it is a handle of the current graph with a dtype PopXL collectives support
+    (``data_movement``: the op copies values without arithmetic, so float8 is allowed too)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} expects a popxl Tensor; got {type(t).__name__}.")
     graph = gcg()
     if t._graph is not graph:
         raise ValueError(f"{name}: tensor {t.id!r} is not in the current graph {graph.id!r}.")
-    if t.dtype.name not in _DTYPES:
+    allowed = _MOVE_DTYPES if data_movement else _DTYPES
+    if t.dtype.name not in allowed:
         raise TypeError(
-            f"{name}: tensor {t.id!r} has dtype {t.dtype.name}; PopXL collectives support "
-            f"{', '.join(_DTYPES)}. Cast it first (ops.cast)."
+            f"{name}: tensor {t.id!r} has dtype {t.dtype.name}; PopXL {name} supports "
+            f"{', '.join(allowed)}. Cast it first (ops.cast)."
         )
     return t
 

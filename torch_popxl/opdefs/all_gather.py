@@ -182,7 +182,7 @@ def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
 def replicated_all_gather(t: Handle, axis: int = 0, group: ReplicaGrouping | None = None,
                           output_shape: str = "auto") -> Handle:  # fmt: skip
     """Gather ``t`` from every member of the group (modes: concat, new_axis, meta_shape, auto)."""
-    check_tensor(t, NAME)
+    check_tensor(t, NAME, data_movement=True)
     if not isinstance(axis, int):
         raise ValueError(f"replicated_all_gather: axis must be an int; got {axis!r}.")
     if output_shape not in ("new_axis", "concat", "meta_shape", "auto"):

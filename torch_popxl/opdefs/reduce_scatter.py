@@ -325,7 +325,7 @@ def replicated_reduce_scatter(t: Handle, op: str = "add", group: ReplicaGrouping
 
 def replica_sharded_slice(t: Handle, group: ReplicaGrouping | None = None) -> Handle:
     """Each replica keeps its own chunk of ``t`` (no reduction); an RTS shard of ``t``."""
-    check_tensor(t, "replica_sharded_slice")
+    check_tensor(t, "replica_sharded_slice", data_movement=True)
     g, s = grouping_of(t, group)
     out = call_torch(ops.replicated_reduce_scatter, (t, "local", g, s), {})
     out._meta_shape = tuple(t.shape)

@@ -142,7 +142,7 @@ def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
 
 def replicated_slice(t: Handle, axis: int = 0, group: ReplicaGrouping | None = None) -> Handle:
     """Replica with index i in its group takes block i of ``t`` along ``axis``."""
-    check_tensor(t, "replicated_slice")
+    check_tensor(t, "replicated_slice", data_movement=True)
     g, s = grouping_of(t, group)
     axis = axis % t.rank
     if t.shape[axis] % g:

@@ -15,16 +15,17 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
-from ..ir.attrs import PrintOptions
+from ..ir.attrs import FLOAT_FORMATS, PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
-from ..ir.tensor import HostTensor, Tensor, _fake_like, constant
+from ..ir.tensor import Constant, HostTensor, Tensor, _fake_like, constant
 from ..opdefs.host import host_load, host_store
 from ..opdefs.ipu_copy import ipu_copy
 from . import addons_needs, collectives, var_updates
 from ._intsafe import int_safe
 from .addons_needs import *  # noqa: F403  (issue 15: names popxl-addons programs use)
 from .call import CallSiteInfo, call, call_with_info, repeat, repeat_with_info
+from .conditional import conditional, conditional_with_info
 from .more import (
     PadType,
     _keep_int,
@@ -111,6 +112,7 @@ __all__ = [
     # host io, remote, calls
     "host_load", "host_store", "remote_load", "remote_load_", "remote_store",
     "call", "call_with_info", "repeat", "repeat_with_info", "CallSiteInfo", "print_tensor",
+    "conditional", "conditional_with_info",
     # var updates
     "accumulate_", "accumulate_square_", "accumulate_mean_", "accumulate_moving_average_",
     "accumulate_moving_average_square_", "accumulator_scale_", "accumulator_zero_",
@@ -386,12 +388,35 @@ def tied_gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_prop
     return gather(t, indices, axis, available_memory_proportion, zero_OOR)
 
 
-def subsample(t: Tensor, strides: Sequence[int]) -> Tensor:
-    return _getitem(t, tuple(builtins_slice(None, None, s) for s in strides))
+def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
+    """Every ``strides[i]``-th element along axis ``i`` (an int means ``[int]``, for a rank-1
+    ``t``)."""
+    t = _check_tensor(t, "subsample")
+    strides = [strides] if isinstance(strides, int | np.integer) else list(strides)
+    if len(strides) != t.rank:
+        raise ValueError(
+            "The length of subsample `strides` must match the rank of the input tensor. Got "
+            f"{len(strides)} strides {strides} for {t.id!r} of shape {t.shape}."
+        )
+    if any(isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 1 for s in strides):
+        raise ValueError(f"subsample: strides must be positive ints; got {strides}.")
+    return _getitem(t, tuple(builtins_slice(None, None, int(s)) for s in strides))
 
 
 def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
-    return call_torch(torch.cat, (list(ts),), {"dim": axis})
+    ts = [_check_tensor(t, "concat") for t in ts]
+    _check_concat_types(ts)
+    return call_torch(torch.cat, (ts,), {"dim": axis})
+
+
+def _check_concat_types(ts: list[Tensor]) -> None:
+    # Upstream raises rather than promoting (torch.cat would promote float16 to float32).
+    types = [t.dtype for t in ts]
+    if len(set(types)) > 1:
+        raise TypeError(
+            f"All inputs to a concat operation must have the same type: {types}. Cast them to "
+            "one dtype first (ops.cast)."
+        )
 
 
 def split(t: Tensor, splits: int | list[int], axis: int = 0) -> list[Tensor]:
@@ -459,12 +484,63 @@ def _take_zero_out_of_range(x: torch.Tensor, axis: int, idx: torch.Tensor) -> to
     return torch.where(valid.reshape(shape), rows, torch.zeros((), dtype=x.dtype))
 
 
-def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor) -> Tensor:
-    n = num_classes if isinstance(num_classes, int) else int(num_classes.shape[0])
-    idx = call_torch(torch.Tensor.to, (t, torch.int64), {})
-    hot = call_torch(torch.nn.functional.one_hot, (idx, n), {})
-    off, on = values[0], values[1]
-    return where(cast(hot, _dtypes.bool), on, off)
+def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor, axis: int = -1) -> Tensor:
+    """One-hot encode ``t`` (ONNX OneHot): the output has a class axis of size ``num_classes``
+    inserted at ``axis`` (negative counts from the end of the output), holding ``values[1]``
+    where the class equals the index and ``values[0]`` elsewhere. Indices outside
+    ``[0, num_classes)`` give a row of ``values[0]``.
+
+    ``num_classes`` is a scalar popxl Constant (its value fixes the output shape, as upstream
+    PopXL reads it at graph-construction time) or a Python int. ``axis`` defaults to -1 (the
+    ONNX default); upstream PopXL requires it.
+    """
+    t = _check_tensor(t, "onehot")
+    values = _check_tensor(values, "onehot")
+    n = _onehot_depth(num_classes)
+    if values.shape != (2,):
+        raise ValueError(
+            f"onehot: values must have shape (2,) holding [off_value, on_value]; got "
+            f"{values.id!r} of shape {values.shape}."
+        )
+    rank = t.rank + 1
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"onehot: axis {axis} is out of range for the rank-{rank} output of {t.id!r} "
+            f"(shape {t.shape}); use an axis in [{-rank}, {rank - 1}]."
+        )
+    return call_torch(_onehot_torch, (t, values, n, axis % rank), {})
+
+
+def _onehot_depth(num_classes) -> int:
+    if isinstance(num_classes, Tensor):
+        if not isinstance(num_classes, Constant):
+            raise TypeError(
+                f"onehot: num_classes {num_classes.id!r} must be a popxl.constant (its value "
+                "sets the output shape, so it must be known when the graph is built); got a "
+                f"{type(num_classes).__name__}. Pass popxl.constant(n, popxl.int32) or an int."
+            )
+        data = num_classes.data
+        if data.size != 1 or not np.issubdtype(data.dtype, np.integer):
+            raise ValueError(
+                "onehot: num_classes must be a scalar integer constant; got one of shape "
+                f"{data.shape} and dtype {data.dtype}."
+            )
+        n = int(data.reshape(()))
+    elif isinstance(num_classes, int | np.integer) and not isinstance(num_classes, bool):
+        n = int(num_classes)
+    else:
+        raise TypeError(
+            f"onehot: num_classes must be a scalar popxl constant or an int; got {num_classes!r}."
+        )
+    if n < 1:
+        raise ValueError(f"onehot: num_classes must be at least 1; got {n}.")
+    return n
+
+
+def _onehot_torch(t, values, n, axis):
+    classes = torch.arange(n, device=t.device)
+    hot = t.to(torch.int64).unsqueeze(-1) == classes
+    return torch.where(hot, values[1], values[0]).movedim(-1, axis)
 
 
 def argmax(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
@@ -707,9 +783,29 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
                  edge_items: int = 3, max_line_width: int = 75, digits: int = 8,
                  float_format: str = "auto", separator: str = ",", open_bracket: str = "(",
                  close_bracket: str = ")") -> Tensor:  # fmt: skip
-    """Print ``t`` at run time (per replica); returns ``t`` unchanged."""
+    """Print ``t`` to stderr at run time, once per replica, as ``{title}: {values}``; returns
+    ``t`` unchanged (an identity for gradients).
+
+    ``title`` defaults to ``print_{t.name}`` as upstream. Floats are printed with ``digits``
+    significant digits (``float_format`` "auto", C++ showpoint style: ``0.0000000``), or
+    ``digits`` decimals ("fixed", "scientific"), or ``digits`` significant digits without
+    trailing zeros ("none"); elements are joined by ``separator`` inside ``open_bracket`` /
+    ``close_bracket``, rows wrap at ``max_line_width``, and tensors with more than
+    ``summarise_threshold`` elements show ``edge_items`` at each end of every axis.
+    With ``print_gradient``, the gradient graph made by ``autodiff`` prints the gradient as
+    ``{title}_gradient``.
+    """
     graph = gcg()
     _check_tensor(t, "print_tensor")
+    if float_format not in FLOAT_FORMATS:
+        raise ValueError(
+            f"print_tensor: float_format must be one of {', '.join(FLOAT_FORMATS)}; got "
+            f"{float_format!r}."
+        )
+    for name, value in (("summarise_threshold", summarise_threshold), ("edge_items", edge_items),
+                        ("max_line_width", max_line_width), ("digits", digits)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"print_tensor: {name} must be a non-negative int; got {value!r}.")
     out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
     graph._append_op(
         Op(
@@ -718,12 +814,17 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
             (t,),
             (out,),
             PrintOptions(
-                title=title or t.id,
+                title=f"print_{t.name}" if title is None else title,
                 print_self=print_self,
                 threshold=summarise_threshold,
                 edge_items=edge_items,
                 line_width=max_line_width,
                 digits=digits,
+                float_format=float_format,
+                separator=separator,
+                open_bracket=open_bracket,
+                close_bracket=close_bracket,
+                print_gradient=print_gradient,
             ),
         )
     )

@@ -9,10 +9,12 @@ upstream's in-place ops do.
 
 from __future__ import annotations
 
+import builtins
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +83,12 @@ def exp_(t: Tensor) -> Tensor:
 def concat_(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
     """Concatenation whose output aliases its inputs upstream; the values are ``concat``'s."""
     ts = [_check(t, "concat_") for t in ts]
+    types = [t.dtype for t in ts]
+    if len(set(types)) > 1:
+        raise TypeError(
+            f"All inputs to a concat operation must have the same type: {types}. Cast them to "
+            "one dtype first (ops.cast)."
+        )
     return call_torch(torch.cat, (ts,), {"dim": axis})
 
 
@@ -627,49 +635,140 @@ def remote_code_load(graph: Graph, destination: str) -> None:
     parent.ir._code_loads.append((parent, graph, destination))
 
 
+_NEAREST_ROUNDING: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "round_prefer_floor": lambda x: np.ceil(x - 0.5),
+    "round_prefer_ceil": lambda x: np.floor(x + 0.5),
+    "floor": np.floor,
+    "ceil": np.ceil,
+}
+_RESIZE_MODES = ("nearest", "linear", "cubic")
+_RESIZE_COORDINATES = (
+    "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize",
+)  # fmt: skip
+_CUBIC_A = -0.75  # ONNX Resize's default cubic_coeff_a (also torch's bicubic)
+
+
 def interpolate(t: Tensor, scale_factor: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
-                output_size: Sequence[int] | None = None, mode: str = "nearest",
-                nearest_mode: str = "round_prefer_floor",
-                coordinate_transformation_mode: str = "half_pixel") -> Tensor:  # fmt: skip
-    """Resize ``t`` (ONNX Resize): ``mode`` "nearest" with ``nearest_mode`` rounding of the
-    ``half_pixel`` source coordinate ``(i + 0.5) / scale - 0.5``, clamped to the input."""
+                mode: str = "nearest", nearest_mode: str = "round_prefer_floor",
+                coordinate_transformation_mode: str = "half_pixel", *,
+                output_size: Sequence[int] | None = None) -> Tensor:  # fmt: skip
+    """Resize ``t`` (ONNX Resize, as upstream PopXL): each output axis has
+    ``floor(length * scale)`` elements; output index ``i`` reads the source coordinate given by
+    ``coordinate_transformation_mode`` (half_pixel ``(i + 0.5) / scale - 0.5``,
+    pytorch_half_pixel (0 for a length-1 output), align_corners
+    ``i * (length - 1) / (out_length - 1)``, asymmetric ``i / scale``, tf_crop_and_resize with
+    the full region), sampled with ``mode`` "nearest" (rounded by ``nearest_mode``), "linear" or
+    "cubic" (coefficient -0.75); samples beyond the edges repeat the edge element.
+
+    ``output_size`` (keyword only, not in upstream PopXL) gives the output shape instead of
+    ``scale_factor``.
+    """
     t = _check(t, "interpolate")
-    if mode != "nearest" or coordinate_transformation_mode != "half_pixel":
+    if mode not in _RESIZE_MODES:
+        raise ValueError(f"interpolate type {mode} is not valid, must be nearest, linear or cubic.")
+    if nearest_mode not in _NEAREST_ROUNDING:
         raise ValueError(
-            f"interpolate: the simulator supports mode='nearest' with "
-            f"coordinate_transformation_mode='half_pixel'; got mode={mode!r}, "
-            f"coordinate_transformation_mode={coordinate_transformation_mode!r}."
+            f"interpolate type {nearest_mode} is not valid, must be round_prefer_floor, "
+            "round_prefer_ceil, floor or ceil."
         )
-    rounding = {
-        "round_prefer_floor": lambda x: torch.ceil(x - 0.5),
-        "round_prefer_ceil": lambda x: torch.floor(x + 0.5),
-        "floor": torch.floor,
-        "ceil": torch.ceil,
-    }
-    if nearest_mode not in rounding:
-        raise ValueError(f"interpolate: nearest_mode must be one of {sorted(rounding)}; got "
-                         f"{nearest_mode!r}.")  # fmt: skip
+    if coordinate_transformation_mode not in _RESIZE_COORDINATES:
+        raise ValueError(
+            f"interpolate type {coordinate_transformation_mode} is not valid, must be "
+            "half_pixel, pytorch_half_pixel, align_corners, asymmetric or tf_crop_and_resize."
+        )
+    if mode != "nearest" and not t.dtype.is_floating_point:
+        raise TypeError(
+            f"interpolate: mode={mode!r} needs a floating-point tensor; {t.id!r} is "
+            f"{t.dtype.name}. Cast it first, or use mode='nearest'."
+        )
     if output_size is not None:
         sizes = [int(s) for s in output_size]
+        if len(sizes) != t.rank or builtins.min(sizes, default=1) < 1:
+            raise ValueError(
+                f"interpolate: output_size needs {t.rank} positive values (one per axis of "
+                f"{t.id!r}); got {list(output_size)}."
+            )
         scales = [o / i for o, i in zip(sizes, t.shape, strict=True)]
     else:
         scales = [float(s) for s in scale_factor]
         if len(scales) != t.rank:
-            raise ValueError(f"interpolate: scale_factor needs {t.rank} values (one per axis of "
-                             f"{t.id!r}); got {scales}.")  # fmt: skip
+            raise ValueError(
+                f"interpolate: scale_factor needs {t.rank} values (one per axis of {t.id!r}); "
+                f"got {scales}."
+            )
+        if builtins.min(scales, default=1.0) <= 0:
+            raise ValueError(f"interpolate: scale_factor values must be positive; got {scales}.")
         sizes = [math.floor(i * s) for i, s in zip(t.shape, scales, strict=True)]
-    rnd = rounding[nearest_mode]
+        if 0 in sizes and t.nelms:
+            raise ValueError(
+                f"interpolate: scale_factor {scales} gives an empty output shape {sizes} for "
+                f"{t.id!r} of shape {t.shape}."
+            )
+    # Per axis: source indices and weights, computed here in float64 (they depend only on the
+    # shapes) and applied as gathers plus a weighted sum; resize is separable per axis.
+    plan = []
+    for ax, (length, size, scale) in enumerate(zip(t.shape, sizes, scales, strict=True)):
+        src = _resize_source(coordinate_transformation_mode, length, size, scale)
+        taps = _resize_taps(mode, nearest_mode, src, length)
+        if len(taps) == 1 and size == length and np.array_equal(taps[0][0], np.arange(length)):
+            continue
+        plan.append((ax, taps))
 
     def run(x):
-        for ax, (size, scale) in enumerate(zip(sizes, scales, strict=True)):
-            if size == x.shape[ax] and scale == 1.0:
-                continue
-            pos = (torch.arange(size, dtype=torch.float64) + 0.5) / scale - 0.5
-            idx = rnd(pos).clamp(0, x.shape[ax] - 1).to(torch.int64).to(x.device)
-            x = x.index_select(ax, idx)
+        for ax, taps in plan:
+            shape = [1] * x.dim()
+            shape[ax] = -1
+            total = None
+            for idx, weight in taps:
+                picked = x.index_select(ax, torch.from_numpy(idx).to(x.device))
+                if weight is not None:
+                    w = torch.from_numpy(weight).to(device=x.device, dtype=x.dtype)
+                    picked = picked * w.reshape(shape)
+                total = picked if total is None else total + picked
+            x = total
         return x
 
     return call_torch(run, (t,), {})
+
+
+def _resize_source(ctm: str, length: int, size: int, scale: float) -> np.ndarray:
+    # float32 arithmetic in torch's order (reciprocal scale times the shifted index), so linear
+    # weights round as torch.nn.functional.interpolate's do
+    f32 = np.float32
+    i = np.arange(size, dtype=f32)
+    if ctm in ("half_pixel", "pytorch_half_pixel"):
+        src = f32(1.0 / scale) * (i + f32(0.5)) - f32(0.5)
+        return src if size > 1 or ctm == "half_pixel" else np.zeros(size, f32)
+    if ctm == "asymmetric":
+        return f32(1.0 / scale) * i
+    corners = f32((length - 1) / (size - 1)) * i if size > 1 else np.zeros(size, f32)
+    if ctm == "align_corners" or size > 1:
+        return corners
+    # tf_crop_and_resize over the whole region (upstream PopXL passes no roi)
+    return np.full(size, 0.5 * (length - 1), f32)
+
+
+def _resize_taps(mode: str, nearest_mode: str, src: np.ndarray, length: int):
+    """[(source indices, weights or None)] whose weighted sum gives each output element;
+    indices beyond the input repeat the edge element."""
+
+    def clamp(idx):
+        return np.clip(idx, 0, length - 1).astype(np.int64)
+
+    if mode == "nearest":
+        return [(clamp(_NEAREST_ROUNDING[nearest_mode](src)), None)]
+    base = np.floor(src)
+    s = src - base
+    if mode == "linear":
+        return [(clamp(base), np.float32(1.0) - s), (clamp(base + 1), s)]
+    a = _CUBIC_A
+    coeffs = [
+        ((a * (s + 1) - 5 * a) * (s + 1) + 8 * a) * (s + 1) - 4 * a,
+        ((a + 2) * s - (a + 3)) * s * s + 1,
+        ((a + 2) * (1 - s) - (a + 3)) * (1 - s) * (1 - s) + 1,
+        ((a * (2 - s) - 5 * a) * (2 - s) + 8 * a) * (2 - s) - 4 * a,
+    ]
+    return [(clamp(base + k - 1), c) for k, c in enumerate(coeffs)]
 
 
 # ---- region-of-interest pooling -----------------------------------------------------------

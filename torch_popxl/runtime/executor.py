@@ -11,6 +11,7 @@ Both run the same program against the same session state:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -131,9 +132,15 @@ def _emit_prints(prints, num_replicas: int) -> None:
             continue
         for r in range(num_replicas):
             tag = f" (replica {r})" if num_replicas > 1 else ""
-            with torch._tensor_str.printoptions(threshold=attrs.threshold, edgeitems=attrs.edge_items,
-                                                linewidth=attrs.line_width, precision=attrs.digits):  # fmt: skip
-                print(f"{attrs.title}{tag}: {value[r]}")
+            # upstream prints on the device's stderr (poplar PrintTensor)
+            print(f"{attrs.title}{tag}: {attrs.format(_printable(value[r]))}", file=sys.stderr)
+
+
+def _printable(value: torch.Tensor):
+    value = value.detach().cpu()
+    if value.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        value = value.float()
+    return value.numpy()
 
 
 def _uniform_buffers(ir) -> frozenset[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -157,6 +157,25 @@ def _differentiable_dtype(t: Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+class _PrintGradient(torch.autograd.Function):
+    """Identity whose backward records a PRINT of the gradient into the grad graph (the
+    current graph while ``torch.autograd.grad`` records)."""
+
+    @staticmethod
+    def forward(ctx, x, replay, attrs):
+        ctx.replay, ctx.attrs = replay, attrs
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        source = ctx.replay.grad_handle(g)
+        graph = source.graph
+        out = Tensor._create(graph, source.name + "_print", _fake_like(source.shape, source.dtype))
+        attrs = replace(ctx.attrs, title=f"{ctx.attrs.title}_gradient", print_gradient=False)
+        graph._append_op(Op(OpKind.PRINT, "PrintTensor", (source,), (out,), attrs))
+        return out._fake, None, None
+
+
 class _Replay(Interpreter[torch.Tensor]):
     """The forward graph re-run on fake tensors that track gradients (``ir.walk.Interpreter``
     over fake tensors). Calls are entered; a repeat, like a host or remote load, yields fresh
@@ -205,8 +224,11 @@ class _Replay(Interpreter[torch.Tensor]):
     def op(self, op: Op, ins: list[torch.Tensor], env) -> list[torch.Tensor]:
         if op.kind == OpKind.PRINT:
             # print_tensor is an identity for gradients (upstream's grad op passes the gradient
-            # on). The grad graph does not print the gradient, as upstream's does.
-            outs = [torch.ops.aten.alias.default(ins[0])]
+            # on, printing it as "{title}_gradient" when print_gradient is set).
+            if op.attrs.print_gradient and ins[0].requires_grad:
+                outs = [_PrintGradient.apply(ins[0], self, op.attrs)]
+            else:
+                outs = [torch.ops.aten.alias.default(ins[0])]
             self._note_outputs(op, outs)
             return outs
         if op.kind != OpKind.TORCH:

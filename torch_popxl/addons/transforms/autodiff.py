@@ -77,12 +77,16 @@ def _accum_name(t: Tensor, key_of: Mapping[Tensor, str]) -> str:
 
 
 def autodiff_with_accumulation(graph: GraphWithNamedArgs | Graph, tensors_to_accumulate_grads: Iterable[Tensor],
-                               grads_provided: Iterable[Tensor] | None = None,
                                grads_required: Iterable[Tensor] | None = None,
                                called_graphs_grad_info: Mapping | None = None,
-                               replica_groupings: NamedReplicaGrouping | None = None,
+                               replica_groupings: NamedReplicaGrouping | None = None, *,
+                               grads_provided: Iterable[Tensor] | None = None,
                                ) -> tuple[NamedVariableFactories, GraphWithNamedArgs]:  # fmt: skip
     """Autodiff whose gradients of ``tensors_to_accumulate_grads`` go into running-mean accumulators.
+
+    The positional parameters are popxl-addons 3.4's (``graph, tensors_to_accumulate_grads,
+    grads_required, called_graphs_grad_info, replica_groupings``); ``grads_provided`` (default:
+    every forward output) is a keyword-only extension.
 
     Returns the accumulator factories (``mean_accum_counter`` and ``accum.<key>``) and the grad
     graph, whose remaining outputs are the gradients of ``grads_required`` (default: none).

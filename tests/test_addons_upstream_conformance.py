@@ -7,7 +7,10 @@ or checks an upstream signature / message.
 
 from __future__ import annotations
 
+import glob
 import inspect
+import json
+import os
 from functools import partial
 
 import numpy as np
@@ -15,7 +18,9 @@ import pytest
 
 import torch_popxl as popxl
 import torch_popxl.addons as addons
+from torch_popxl.addons.layers import Linear
 from torch_popxl.addons.module import Module
+from torch_popxl.addons.task_session import TaskSession
 from torch_popxl.addons.transforms.autodiff import autodiff, autodiff_with_accumulation
 from torch_popxl.addons.variable_factory import NamedVariableFactories
 
@@ -127,3 +132,142 @@ def test_autodiff_with_accumulation_grads_provided_keyword_selects_output():
         session.run()
         got = session.get_tensor_data(acc.accum.w)
     np.testing.assert_allclose(got, x_np)  # d(sum(x * w))/dw = x; the x + w output has no seed
+
+
+# ---- A2: TaskSession(inputs, outputs, state, max_checkpoints=1, ...) and checkpoint dirs -------
+
+
+class MockModel(Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = Linear(30)
+        self.l2 = Linear(10)
+        self.l3 = Linear(2)
+
+    def build(self, x):
+        return self.l3(self.l2(self.l1(x)))
+
+
+def _mock_session(seed: int, **kwargs) -> TaskSession:
+    """Upstream tests/integration/test_task_session.py's session (a (1, 100) input: see C12)."""
+    np.random.seed(seed)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.random.rand(1, 100))
+        facts, g = MockModel().create_graph(x)
+        variables = facts.init()
+        g.bind(variables).call(x)
+    return TaskSession(
+        inputs=[], outputs=[], state=variables, ir=ir, device_desc="ipu_hw", **kwargs
+    )
+
+
+def _state_values(session: TaskSession) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in session.get_named_tensors_data().to_dict().items()}
+
+
+def test_task_session_save_load_checkpoint_upstream_port(tmp_path):
+    ckpt_dir = str(tmp_path)
+    session = _mock_session(0)
+    with session:
+        session.run()
+        session.save_checkpoint(ckpt_dir)
+    files = glob.glob(os.path.join(ckpt_dir, "model", "*.npz"))
+    assert len(files) == len(session.state.keys_flat())
+    saved = _state_values(session)
+    session2 = _mock_session(1)  # other initial values: everything must come from the files
+    assert any(not np.array_equal(v, saved[k]) for k, v in _state_values(session2).items())
+    session2.load_checkpoint(ckpt_dir, report_missing="error")
+    for k, v in _state_values(session2).items():
+        np.testing.assert_array_equal(v, saved[k])
+    assert session2.session_state == {"steps": 1}
+    with open(os.path.join(ckpt_dir, "session_info.json")) as f:
+        assert json.load(f) == {"steps": 1}
+
+
+def test_task_session_missing_key_raises_and_loads_nothing_upstream_port(tmp_path):
+    ckpt_dir = str(tmp_path)
+    session = _mock_session(0)
+    with session:
+        session.run()
+        session.save_checkpoint(ckpt_dir)
+    os.remove(os.path.join(ckpt_dir, "model", "l2.weight.npz"))
+    session2 = _mock_session(1)
+    before = _state_values(session2)
+    with pytest.raises(ValueError, match=r"state keys not in checkpoint: \['l2.weight'\]"):
+        session2.load_checkpoint(ckpt_dir, report_missing="error")
+    for k, v in _state_values(session2).items():
+        np.testing.assert_array_equal(v, before[k])
+    assert session2.session_state == {"steps": 0}
+    session2.load_checkpoint(ckpt_dir, report_missing="none")  # loads the others
+    saved = _state_values(session)
+    after = _state_values(session2)
+    np.testing.assert_array_equal(after["l2.weight"], before["l2.weight"])
+    np.testing.assert_array_equal(after["l1.weight"], saved["l1.weight"])
+
+
+def test_task_session_constructor_keywords_and_positional_max_checkpoints():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        variables = addons.NamedTensors(w=popxl.variable(np.zeros(2, np.float32), name="w"))
+    with pytest.raises(TypeError, match="4th positional parameter is max_checkpoints"):
+        TaskSession([], [], variables, ir, "ipu_hw")
+    with pytest.raises(TypeError, match="state= .* or model=, not both"):
+        TaskSession([], [], variables, model=variables, ir=ir, device_desc="ipu_hw")
+    with pytest.raises(ValueError, match="max_checkpoints must be >= 1"):
+        TaskSession([], [], variables, 0, ir, "ipu_hw")
+    old = TaskSession([], [], model=variables, ir=ir, device_desc="ipu_hw")  # pre-3.4 keyword
+    assert old.state is variables and old.model is variables
+    new = TaskSession([], [], variables, 2, ir, "ipu_hw")
+    assert new.state is variables
+
+
+def test_task_session_keeps_max_checkpoints_directories(tmp_path):
+    session = _mock_session(0, max_checkpoints=2)
+    keep = tmp_path / "a" / "notes.txt"
+    with session:
+        for name in ("a", "b", "c"):
+            session.run()
+            session.save_checkpoint(str(tmp_path / name))
+            if name == "a":
+                keep.write_text("not a checkpoint file")
+    # "a" lost its checkpoint files (the third save), but not the user's file in it.
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["notes.txt"]
+    for name, steps in (("b", 2), ("c", 3)):
+        with open(tmp_path / name / "session_info.json") as f:
+            assert json.load(f) == {"steps": steps}
+    # Saving to the same directory twice replaces it and does not count twice.
+    with session:
+        session.save_checkpoint(str(tmp_path / "c"))
+        session.save_checkpoint(str(tmp_path / "c"))
+    assert (tmp_path / "b" / "session_info.json").exists()
+
+
+class _Loader:
+    def __init__(self):
+        self.position = 0
+
+    def save(self, filename):
+        with open(filename, "w") as f:
+            f.write(str(self.position))
+
+    def resume(self, filename):
+        with open(filename) as f:
+            self.position = int(f.read())
+
+
+def test_task_session_checkpoints_dataloader_and_session_state_info(tmp_path):
+    session = _mock_session(0)
+    with pytest.raises(ValueError, match="Dataloader must implement save and resume"):
+        session.dataloader = object()
+    session.dataloader = _Loader()
+    session.dataloader.position = 17
+    session.add_session_state_info({"lr": 0.5})
+    with pytest.raises(TypeError):
+        session.add_session_state_info({"bad": object()})  # not JSON: refused at once
+    session.save_checkpoint(str(tmp_path))
+    other = _mock_session(1)
+    other.dataloader = _Loader()
+    other.load_checkpoint(str(tmp_path), report_missing="none")
+    assert other.dataloader.position == 17
+    assert other.session_state == {"steps": 0, "lr": 0.5}

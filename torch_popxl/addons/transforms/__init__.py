@@ -4,7 +4,12 @@ settings (recorded only), the 2.x phased-execution helpers (``transforms.phased`
 ``use_fc_pass``."""
 
 from . import (  # noqa: F401
-    batch_serialisation, phased, pipelining, recomputation, repeat_graph, use_fc_pass,
+    batch_serialisation,
+    phased,
+    pipelining,
+    recomputation,
+    repeat_graph,
+    use_fc_pass,
 )
 from .autodiff import autodiff, autodiff_with_accumulation
 from .available_memory_proportion import (

@@ -271,3 +271,123 @@ def test_task_session_checkpoints_dataloader_and_session_state_info(tmp_path):
     other.load_checkpoint(str(tmp_path), report_missing="none")
     assert other.dataloader.position == 17
     assert other.session_state == {"steps": 0, "lr": 0.5}
+
+
+# ---- A7: Module.build_grad / call_module (upstream tests/unit/test_modules_build_graph.py) -------
+
+
+class _LinearAD(Module):
+    def __init__(self, features):
+        super().__init__()
+        self.features = features
+
+    def build(self, x):
+        w = self.add_variable_input("w", partial(_seeded, (x.shape[-1], self.features), 1), x.dtype)
+        b = self.add_variable_input("b", partial(_seeded, (self.features,), 2), x.dtype)
+        return (x @ w) + b
+
+
+def _seeded(shape, seed):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+class _LinearBuildGrad(Module):
+    def __init__(self, features, grad_inlining_error="error"):
+        super().__init__(grad_inlining_error=grad_inlining_error)
+        self.features = features
+
+    def build(self, x):
+        w = self.add_variable_input("w", partial(_seeded, (x.shape[-1], self.features), 1), x.dtype)
+        b = self.add_variable_input("b", partial(_seeded, (self.features,), 2), x.dtype)
+        self.aux["x"] = x
+        self.aux["w"] = w
+        return (x @ w) + b
+
+    def build_grad(self, dy):
+        dx = dy @ self.aux["w"].T
+        self.var_grad["w"] = (dy.T @ self.aux["x"]).T
+        self.var_grad["b"] = popxl.ops.sum(dy, 0)
+        return dx
+
+
+class _Outlined(Module):
+    def build(self, x):
+        (y,) = self.call_module(_LinearBuildGrad(x.shape[-1]))(x * 1)
+        return y
+
+
+def _grads(make, method=None):
+    x_np, dy_np = _seeded((4, 3), 3), _seeded((4, 3), 4)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(x_np, name="x")
+        facts, fwd = make().create_graph(x)
+        n_fwd_outputs = len(fwd.graph.outputs)
+        bwd = fwd.autodiff() if method is None else fwd.autodiff(method=method)
+        call = fwd.bind(facts.init()).call_with_info(x)
+        outs = bwd.call(popxl.constant(dy_np), args=bwd.grad_graph_info.inputs_dict(call))
+        streams = [addons.host_store(t) for t in (call.outputs[0], *outs)]
+    with popxl.Session(ir, "ipu_hw") as session:
+        got = session.run()
+    return [got[s] for s in streams], fwd, bwd, n_fwd_outputs
+
+
+def test_build_grad_matches_autodiff_and_stitches_aux_as_forward_outputs():
+    want, _, ad_bwd, _ = _grads(lambda: _LinearAD(3))
+    got, fwd, bwd, n_before = _grads(lambda: _LinearBuildGrad(3), method="build_grad")
+    for g, w, name in zip(got, want, ("y", "dx", "dw", "db"), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+    # As upstream: both aux tensors (here graph inputs) became forward outputs, so the grad
+    # graph's inputs pair one to one with the forward outputs.
+    assert n_before == 1 and len(fwd.graph.outputs) == 3
+    assert len(bwd.graph.inputs) == len(fwd.graph.outputs)
+    assert len(bwd.graph.outputs) == len(fwd.graph.inputs)
+
+    def key(info, group):
+        return sorted(
+            (c.fwd_tensor.name, c.connection_type.name) for c in getattr(info, group)
+        )  # fmt: skip
+
+    for group in ("expected_inputs", "expected_outputs"):
+        assert key(bwd.grad_graph_info, group) == key(ad_bwd.grad_graph_info, group)
+
+
+def test_build_grad_errors_match_upstream():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(_seeded((4, 3), 3), name="x")
+        facts, fwd = _LinearBuildGrad(3).create_graph(x)
+        bare = addons.GraphWithNamedArgs(fwd.graph, args=fwd.args)
+        with pytest.raises(ValueError, match="`from_module` is specified"):
+            bare.autodiff(method="build_grad")
+        with pytest.raises(ValueError, match="grad_inlining_error should be one of"):
+            _LinearBuildGrad(3, grad_inlining_error="")
+
+        class Inlined(Module):
+            def __init__(self, mode):
+                super().__init__()
+                self.linear = _LinearBuildGrad(3, grad_inlining_error=mode)
+
+            def build(self, x):
+                return self.linear(2 * x)
+
+        with pytest.raises(RuntimeError, match="`build_grad` has been implemented"):
+            Inlined("error").create_graph(x)
+        with pytest.warns(UserWarning, match="`build_grad` has been implemented"):
+            Inlined("warning").create_graph(x)
+
+
+def test_outlined_build_grad_needs_its_grad_info_and_then_matches_autodiff():
+    want, *_ = _grads(lambda: _LinearAD(3))
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(_seeded((4, 3), 3), name="x")
+        _, fwd = _Outlined().create_graph(x)
+        kept = fwd.called_graphs_grad_info
+        fwd.called_graphs_grad_info = {}
+        with pytest.raises(ValueError, match="marked as unsafe to autodiff"):
+            fwd.autodiff()
+        fwd.called_graphs_grad_info = kept
+    got, *_ = _grads(_Outlined)
+    for g, w, name in zip(got, want, ("y", "dx", "linear.w", "linear.b"), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)

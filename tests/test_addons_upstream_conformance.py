@@ -20,6 +20,8 @@ import torch_popxl as popxl
 import torch_popxl.addons as addons
 from torch_popxl.addons.layers import Linear
 from torch_popxl.addons.module import Module
+from torch_popxl.addons.ops.streams import host_load, host_store
+from torch_popxl.addons.remote import load_remote, named_variable_buffers, store_remote
 from torch_popxl.addons.task_session import TaskSession
 from torch_popxl.addons.transforms.autodiff import autodiff, autodiff_with_accumulation
 from torch_popxl.addons.variable_factory import NamedVariableFactories
@@ -391,3 +393,48 @@ def test_outlined_build_grad_needs_its_grad_info_and_then_matches_autodiff():
     got, *_ = _grads(_Outlined)
     for g, w, name in zip(got, want, ("y", "dx", "linear.w", "linear.b"), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ---- A6: memmap-backed state (upstream tests/integration/test_memmap.py) ----------------------
+# Upstream feeds a (100,) input; (1, 100) here because vector @ matrix is a separate core bug
+# (sweep C12), not an addons one.
+
+
+class _MemmapModel(Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = Linear(30, bias=False)
+
+    def build(self, x):
+        return self.l1(x)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_memmap_state_trains_in_place_and_is_the_tensor_data(tmp_path, remote):
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x_np, x_h2d, x = host_load(np.random.normal(0, 1, size=(1, 100)), popxl.float32, "x")
+        facts, g = _MemmapModel().create_graph(x)
+        if remote:
+            buffers = named_variable_buffers(facts)
+            variables = facts.init_remote(buffers, 0, "m", memmap_dir=str(tmp_path))
+            weights = load_remote(buffers)
+        else:
+            variables = weights = facts.init("m", memmap_dir=str(tmp_path))
+        (y,) = g.bind(weights).call(x)
+        outputs = [host_store(y)]
+        delta = np.random.normal(0, 1, size=weights.l1.weight.shape)
+        popxl.ops.var_updates.accumulate_(weights.l1.weight, popxl.constant(delta, popxl.float32))
+        if remote:
+            store_remote(buffers, weights)
+    session = TaskSession(inputs=[x_h2d], outputs=outputs, state=variables, ir=ir,
+                          device_desc="ipu_hw")  # fmt: skip
+    weight = session.get_tensor_data(session.state.l1.weight)
+    assert isinstance(weight, np.memmap)
+    assert weight is session.state.l1.weight._memmap_arr
+    before = weight.copy()
+    with session:
+        got = session.run({x_h2d: x_np})[session.outputs[0]]
+    np.testing.assert_allclose(got, x_np.astype(np.float32) @ before, rtol=1e-5, atol=1e-5)
+    after = np.load(tmp_path / f"{session.state.l1.weight.name}.npy")  # written through
+    np.testing.assert_allclose(after, before + delta.astype(np.float32), rtol=1e-6)

@@ -438,3 +438,22 @@ def test_memmap_state_trains_in_place_and_is_the_tensor_data(tmp_path, remote):
     np.testing.assert_allclose(got, x_np.astype(np.float32) @ before, rtol=1e-5, atol=1e-5)
     after = np.load(tmp_path / f"{session.state.l1.weight.name}.npy")  # written through
     np.testing.assert_allclose(after, before + delta.astype(np.float32), rtol=1e-6)
+
+
+# ---- addons.seed_variable is the function (upstream tests/integration/test_seed_variable.py) ----
+
+
+def test_seed_variable_package_attribute_is_the_function_upstream_port():
+    ir = popxl.Ir(4)
+    tp_group = ir.replica_grouping(group_size=2)
+    with ir.main_graph:
+        seed_v, seed = addons.seed_variable(1984, tp_group)
+        d2h = popxl.d2h_stream(seed.shape, seed.dtype)
+        popxl.ops.host_store(d2h, seed)
+    with popxl.Session(ir, device_desc="ipu_hw") as sess:
+        output = sess.run()[d2h]
+    output = output.reshape(2, 2, -1)  # [group, member of the group, seed]
+    for a, b in output:
+        np.testing.assert_equal(a, b)  # replicas of one group share the seed
+    assert not np.array_equal(output[0, 0], output[1, 0])  # the two groups do not
+    np.testing.assert_equal(sess.get_tensor_data(seed_v), output[:, 0, :])

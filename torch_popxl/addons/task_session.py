@@ -164,7 +164,7 @@ class TaskSession(Session):
         for name, value in state.items():
             source = _npy_memmap_file(value)
             if source is not None:  # upstream copies the memmap's file rather than re-encoding
-                value.flush() if isinstance(value, np.memmap) else value.base.flush()
+                _memmap_of(value).flush()
                 path = os.path.join(checkpoint_dir, _MODEL_DIR, os.path.basename(source))
                 if os.path.realpath(path) != os.path.realpath(source):
                     shutil.copyfile(source, path)
@@ -306,16 +306,25 @@ def _check_report(method: str) -> None:
 
 
 def _is_memmap(value) -> bool:
-    return isinstance(value, np.memmap) or isinstance(getattr(value, "base", None), np.memmap)
+    return _memmap_of(value) is not None
+
+
+def _memmap_of(value) -> np.memmap | None:
+    mm = value if isinstance(value, np.memmap) else getattr(value, "base", None)
+    return mm if isinstance(mm, np.memmap) else None
 
 
 def _npy_memmap_file(value) -> str | None:
-    """The ``.npy`` file whose memmap holds exactly ``value`` (not a view of part of it)."""
-    mm = value if isinstance(value, np.memmap) else getattr(value, "base", None)
-    if not isinstance(mm, np.memmap) or not isinstance(mm.filename, str):
+    """The ``.npy`` file whose memmap holds exactly ``value`` (not a view of part of it); a
+    raw memmap (no ``.npy`` header, which ``np.load`` could not read back) gives None."""
+    mm = _memmap_of(value)
+    if mm is None or not isinstance(mm.filename, str) or not mm.filename.endswith(".npy"):
         return None
-    if not mm.filename.endswith(".npy") or mm.shape != value.shape or mm.dtype != value.dtype:
+    if mm.shape != value.shape or mm.dtype != value.dtype or mm.offset == 0:
         return None
+    with open(mm.filename, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            return None
     return mm.filename
 
 

@@ -21,7 +21,6 @@ from . import (  # noqa: F401
     patterns,
     route_tensor,
     rts,
-    seed_variable,
     task_session,
     transforms,
 )
@@ -51,7 +50,7 @@ from .rts import (
 
 # As upstream (``from .seed_variable import *``): the package attribute is the function, which
 # shadows the submodule of the same name (``torch_popxl.addons.seed_variable`` still imports).
-from .seed_variable import seed_variable  # noqa: F811
+from .seed_variable import seed_variable
 from .streams import InputStreams, OutputStreams
 from .transforms import (
     RemoteHandle,

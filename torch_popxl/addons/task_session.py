@@ -164,13 +164,16 @@ class TaskSession(Session):
         for name, value in state.items():
             source = _npy_memmap_file(value)
             if source is not None:  # upstream copies the memmap's file rather than re-encoding
-                _memmap_of(value).flush()
+                mm = _memmap_of(value)
+                assert mm is not None  # _npy_memmap_file found one
+                mm.flush()
                 path = os.path.join(checkpoint_dir, _MODEL_DIR, os.path.basename(source))
                 if os.path.realpath(path) != os.path.realpath(source):
                     shutil.copyfile(source, path)
             else:
                 path = os.path.join(checkpoint_dir, _MODEL_DIR, f"{name}.npz")
-                np.savez(path, **{name: np.asarray(value)})
+                arrays: dict[str, Any] = {name: np.asarray(value)}
+                np.savez(path, **arrays)
             written.append(path)
         if self._dataloader is not None:
             logging.info("\t Saving dataloader state...")
@@ -206,7 +209,7 @@ class TaskSession(Session):
                 f"(one written by save_checkpoint holds {_MODEL_DIR}/ and {_SESSION_FILE})."
             )
         with timer(f"Loading checkpoint {checkpoint_dir} ... "):
-            variables = self.state.to_dict()
+            variables: dict[str, Variable] = dict(self.state.to_dict())
             skipped: set[str] = set()
             if skip_memmap:
                 data = self.get_tensors_data(self.state.tensors)

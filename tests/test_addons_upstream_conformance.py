@@ -499,3 +499,21 @@ def test_memmap_state_checkpoint_round_trip(tmp_path, raw):
         initialise_memmap_dir_from_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "fresh"))
         b = _memmap_session(str(tmp_path / "fresh"))
         np.testing.assert_array_equal(b.get_tensor_data(b.state.w), [2.0, 3.0, 4.0])
+
+
+def test_task_session_missing_dataloader_state_is_reported_before_anything_loads(tmp_path):
+    session = _mock_session(0)
+    session.save_checkpoint(str(tmp_path))  # no dataloader: no dataloader.bin
+    other = _mock_session(1)
+    other.dataloader = _Loader()
+    before = _state_values(other)
+    with pytest.raises(ValueError, match="dataloader.bin not in checkpoint"):
+        other.load_checkpoint(str(tmp_path), report_missing="error")
+    for k, v in _state_values(other).items():
+        np.testing.assert_array_equal(v, before[k])
+    other.load_checkpoint(str(tmp_path), report_missing="none")  # loads the rest
+    assert other.dataloader.position == 0
+    np.testing.assert_array_equal(
+        other.get_tensor_data(other.state.l1.weight),
+        session.get_tensor_data(session.state.l1.weight),
+    )

@@ -98,7 +98,7 @@ class TaskSession(Session):
         )
         self.state = state
         self.session_state: dict[str, Any] = {"steps": 0}
-        self._dataloader = None
+        self._dataloader: Any = None
         self._checkpoints: deque[tuple[str, list[str]]] = deque()
         self._max_checkpoints = max_checkpoints
 
@@ -219,10 +219,15 @@ class TaskSession(Session):
             ckpt = {k: v for k, v in ckpt.items() if k not in skipped}
             self._report_missing(ckpt.keys(), variables.keys(), report_missing)
             session_state = self._read_session_state(checkpoint_dir, report_missing)
+            loader_file = os.path.join(checkpoint_dir, _DATALOADER_FILE)
+            resume = self._dataloader is not None and os.path.exists(loader_file)
+            if self._dataloader is not None and not resume:
+                self._report(f"{_DATALOADER_FILE} not in checkpoint {checkpoint_dir!r}",
+                             report_missing)  # fmt: skip
             # Every read succeeded; write_variables_data checks every array before it writes.
             self.write_variables_data({variables[k]: ckpt[k] for k in variables.keys() & ckpt})
-            if self._dataloader is not None:
-                self._dataloader.resume(filename=os.path.join(checkpoint_dir, _DATALOADER_FILE))
+            if resume:
+                self._dataloader.resume(filename=loader_file)
             if session_state is not None:
                 self.session_state = session_state
 

@@ -517,3 +517,31 @@ def test_task_session_missing_dataloader_state_is_reported_before_anything_loads
         other.get_tensor_data(other.state.l1.weight),
         session.get_tensor_data(session.state.l1.weight),
     )
+
+
+def test_autodiff_with_accumulation_fourth_positional_is_called_graphs_grad_info():
+    want, *_ = _grads(lambda: _LinearAD(3))  # [y, dx, dw, db] of plain autodiff
+    x_np, dy_np = _seeded((4, 3), 3), _seeded((4, 3), 4)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(x_np, name="x")
+        facts, fwd = _Outlined().create_graph(x)
+        kept = fwd.called_graphs_grad_info
+        fwd.called_graphs_grad_info = {}
+        with pytest.raises(ValueError, match="marked as unsafe to autodiff"):
+            autodiff_with_accumulation(fwd, fwd.args.tensors, [fwd.graph.inputs[0]])
+        dfacts, dgraph = autodiff_with_accumulation(
+            fwd, fwd.args.tensors, [fwd.graph.inputs[0]], kept
+        )
+        acc = dfacts.init()
+        call = fwd.bind(facts.init()).call_with_info(x)
+        (dx,) = dgraph.bind(acc).call(
+            popxl.constant(dy_np), args=dgraph.grad_graph_info.inputs_dict(call)
+        )
+        dx_d2h = addons.host_store(dx)
+    with popxl.Session(ir, "ipu_hw") as session:
+        got_dx = session.run()[dx_d2h]
+        accums = {k: session.get_tensor_data(t) for k, t in acc.to_dict().items()}
+    np.testing.assert_allclose(got_dx, want[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(accums["accum._LinearBuildGrad.w"], want[2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(accums["accum._LinearBuildGrad.b"], want[3], rtol=1e-5, atol=1e-6)

@@ -1,8 +1,9 @@
-"""addons.TaskSession: named streams and exact checkpoint save / restore of weights and
-optimizer state."""
+"""addons.TaskSession (popxl-addons 3.4 API): named streams and exact checkpoint save / restore
+of weights and optimizer state, as checkpoint directories with one .npz per state tensor."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -45,7 +46,7 @@ def build_training_session(
             opt_graph.bind(state).call(w, grad)
             optim[name] = state
     model = addons.NamedTensors(fwd=weights, optim=addons.NamedTensors(**optim))
-    return TaskSession(inputs, outputs, model, ir, "ipu_model")
+    return TaskSession(inputs, outputs, state=model, ir=ir, device_desc="ipu_model")
 
 
 def batches(n):
@@ -55,9 +56,9 @@ def batches(n):
 
 def test_task_session_checkpoint_restores_weights_and_optimizer_state_exactly(tmp_path):
     data = batches(5)
-    path = str(tmp_path / "ckpt" / "model.npz")
+    path = str(tmp_path / "ckpt")
     with build_training_session() as a:
-        assert sorted(a.model.to_dict()) == [
+        assert sorted(a.state.to_dict()) == [
             "fwd.bias", "fwd.weight",
             "optim.bias.first_order", "optim.bias.second_order", "optim.bias.step",
             "optim.weight.first_order", "optim.weight.second_order", "optim.weight.step",
@@ -65,8 +66,9 @@ def test_task_session_checkpoint_restores_weights_and_optimizer_state_exactly(tm
         for x in data[:3]:
             a.run({a.inputs.x: x})
         a.save_checkpoint(path)
+        by_key_a_at_save = {k: v.copy() for k, v in a.get_named_tensors_data().to_dict().items()}
         losses_a = [float(a.run({a.inputs.x: x})[a.outputs.loss]) for x in data[3:]]
-        final_a = a.get_tensors_data(a.model.tensors)
+        final_a = a.get_tensors_data(a.state.tensors)
     with build_training_session(seed=1) as b:  # different initial weights: all come from the file
         b.load_checkpoint(path, report_missing="error")
         losses_b = [float(b.run({b.inputs.x: x})[b.outputs.loss]) for x in data[3:]]
@@ -77,36 +79,60 @@ def test_task_session_checkpoint_restores_weights_and_optimizer_state_exactly(tm
         np.testing.assert_array_equal(final_b[t], by_key_a[k])
         assert final_b[t].dtype == by_key_a[k].dtype
     assert by_key_a["optim.weight.first_order"].dtype == np.float16  # Adam's default state dtype
-    with np.load(path) as f:
-        assert sorted(f.files) == sorted(a.model.to_dict())
+    # One .npz per flat key under model/, holding the array under that key.
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "model").iterdir())
+    assert files == sorted(f"{k}.npz" for k in a.state.to_dict())
+    with np.load(tmp_path / "ckpt" / "model" / "fwd.weight.npz") as f:
+        assert f.files == ["fwd.weight"]
+        np.testing.assert_array_equal(f["fwd.weight"], by_key_a_at_save["fwd.weight"])
+    assert b.session_state == {"steps": 5}  # 3 saved + 2 runs after loading
+
+
+def _write_ckpt(folder, arrays, session_state=None):
+    """A checkpoint directory in popxl-addons 3.4's layout, written by hand."""
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    for k, v in arrays.items():
+        np.savez(folder / "model" / f"{k}.npz", **{k: v})
+    if session_state is not None:
+        (folder / "session_info.json").write_text(json.dumps(session_state))
+    return str(folder)
 
 
 def test_load_checkpoint_reports_missing_keys_and_writes_nothing_on_a_mismatch(tmp_path, caplog):
-    path = str(tmp_path / "part.npz")
     with build_training_session() as s:
-        before = {k: v.copy() for k, v in s.get_tensors_data(s.model.tensors).items()}
-        np.savez(path, **{"fwd.weight": np.ones((3, 2), np.float32), "extra": np.zeros(1)})
-        with pytest.raises(ValueError, match=r"Checkpoint Tensors not in model: \['extra'\]"):
-            s.load_checkpoint(path, report_missing="error")
-        with caplog.at_level(logging.WARNING):
-            s.load_checkpoint(path)  # default 'warn': loads what matches
-        assert "Model Tensors not in checkpoint" in caplog.text
-        np.testing.assert_array_equal(
-            s.get_tensor_data(s.model.fwd.weight), np.ones((3, 2), np.float32)
+        before = {k: v.copy() for k, v in s.get_tensors_data(s.state.tensors).items()}
+        part = _write_ckpt(
+            tmp_path / "part",
+            {"fwd.weight": np.ones((3, 2), np.float32), "extra": np.zeros(1)},
+            {"steps": 7},
         )
-        np.savez(
-            path,
-            **{"fwd.weight": np.zeros((3, 2), np.float32), "fwd.bias": np.zeros((5,), np.float32)},
+        with pytest.raises(ValueError, match=r"Checkpoint keys not in state: \['extra'\]"):
+            s.load_checkpoint(part, report_missing="error")
+        assert s.session_state == {"steps": 0}  # the failed load changed nothing
+        with caplog.at_level(logging.WARNING):
+            s.load_checkpoint(part)  # default 'warn': loads what matches
+        assert "state keys not in checkpoint" in caplog.text
+        np.testing.assert_array_equal(
+            s.get_tensor_data(s.state.fwd.weight), np.ones((3, 2), np.float32)
+        )
+        assert s.session_state == {"steps": 7}
+        bad = _write_ckpt(
+            tmp_path / "bad",
+            {"fwd.weight": np.zeros((3, 2), np.float32), "fwd.bias": np.zeros((5,), np.float32)},
+            {"steps": 9},
         )
         with pytest.raises(ValueError):
-            s.load_checkpoint(path, report_missing="none")  # bias has the wrong shape
-        # all-or-nothing: the weight was not overwritten by the failed load
+            s.load_checkpoint(bad, report_missing="none")  # bias has the wrong shape
+        # all-or-nothing: neither the weight nor the session state changed in the failed load
         np.testing.assert_array_equal(
-            s.get_tensor_data(s.model.fwd.weight), np.ones((3, 2), np.float32)
+            s.get_tensor_data(s.state.fwd.weight), np.ones((3, 2), np.float32)
         )
-        np.testing.assert_array_equal(s.get_tensor_data(s.model.fwd.bias), before[s.model.fwd.bias])
+        np.testing.assert_array_equal(s.get_tensor_data(s.state.fwd.bias), before[s.state.fwd.bias])
+        assert s.session_state == {"steps": 7}
         with pytest.raises(ValueError, match="report_missing must be one of"):
-            s.load_checkpoint(path, report_missing="loud")
+            s.load_checkpoint(bad, report_missing="loud")
+        with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+            s.load_checkpoint(str(tmp_path / "nowhere"))
 
 
 def test_load_from_session_copies_state_by_key_and_reads_upstream_pickled_checkpoints(tmp_path):
@@ -136,7 +162,7 @@ def _files(folder):
 def test_memmap_backed_task_session_trains_into_its_files_and_checkpoints_exactly(tmp_path):
     data = batches(5)
     mm_dir = tmp_path / "weights"
-    ckpt = str(tmp_path / "ckpt.npz")
+    ckpt = str(tmp_path / "ckpt")
     # Reference: the same training held in memory.
     with build_training_session() as ref:
         ref_losses = [float(ref.run({ref.inputs.x: x})[ref.outputs.loss]) for x in data]
@@ -147,6 +173,8 @@ def test_memmap_backed_task_session_trains_into_its_files_and_checkpoints_exactl
         assert "optim.weight.first_order.npy" in _files(mm_dir)
         losses = [float(a.run({a.inputs.x: x})[a.outputs.loss]) for x in data[:3]]
         a.save_checkpoint(ckpt)
+        # As upstream, a memmap-held tensor is checkpointed as a copy of its .npy file.
+        assert sorted(_files(tmp_path / "ckpt" / "model")) == sorted(_files(mm_dir))
         losses += [float(a.run({a.inputs.x: x})[a.outputs.loss]) for x in data[3:]]
         final = {k: a.get_tensor_data(t) for k, t in a.model.to_dict().items()}
     assert losses == ref_losses  # memmaps change where weights live, not the numbers

@@ -21,7 +21,6 @@ from . import (  # noqa: F401
     patterns,
     route_tensor,
     rts,
-    seed_variable,
     task_session,
     transforms,
 )
@@ -48,6 +47,10 @@ from .rts import (
     reduce_replica_sharded_tensor,
     replica_sharded_spec,
 )
+
+# As upstream (``from .seed_variable import *``): the package attribute is the function, which
+# shadows the submodule of the same name (``torch_popxl.addons.seed_variable`` still imports).
+from .seed_variable import seed_variable
 from .streams import InputStreams, OutputStreams
 from .transforms import (
     RemoteHandle,
@@ -84,7 +87,7 @@ def _git_commit() -> str | None:
 GIT_COMMIT = _git_commit()
 
 __all__ = [
-    "GIT_COMMIT", "is_subgraph", "route_tensor_into_graph", "null_context", "suffix_graph_name",
+    "GIT_COMMIT", "is_subgraph", "route_tensor_into_graph", "seed_variable", "null_context", "suffix_graph_name",
     "set_available_memory_proportion_by_ipu", "set_graph_available_memory_proportion_by_ipu",
     "replica_sharded_spec", "reduce_replica_sharded_graph", "all_gather_replica_sharded_graph",
     "reduce_replica_sharded_tensor", "gather_replica_sharded_tensor",

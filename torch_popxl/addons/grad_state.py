@@ -5,15 +5,17 @@ of each named variable) and the graphs being built.
 Note [aux stitching]
     ``self.aux["x"] = x`` in ``build`` only records the forward tensor. Reading
     ``self.aux["x"]`` in ``build_grad`` makes a grad-graph input of the same spec (once per
-    key) and remembers which forward tensor feeds it; ``create_grad_graph`` then makes those
-    forward tensors outputs of the forward graph (every existing call site gains the output)
-    and connects them as ``Fwd`` inputs in the ``GradGraphInfo``, as ``popxl`` autodiff does
-    for the tensors it saves.
+    key) and remembers which forward tensor feeds it; ``create_grad_graph`` then makes every
+    tensor kept in ``aux`` an output of the forward graph, in the order it was kept (as
+    popxl-addons does, forward inputs and unread entries included; every existing call site
+    gains the outputs), and connects the read ones as ``Fwd`` inputs in the ``GradGraphInfo``,
+    as ``popxl`` autodiff does for the tensors it saves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,7 +23,7 @@ from ..ir.tensor import Tensor, graph_input
 from .utils import OrderedDict
 
 __all__ = ["Aux", "VarGrads", "build_context", "build_grad_context", "current_build",
-           "current_build_grad"]  # fmt: skip
+           "current_build_grad", "mark_build_grad_graph", "build_grad_module_of"]  # fmt: skip
 
 _BUILD: list[Any] = []
 _BUILD_GRAD: list[Any] = []
@@ -45,6 +47,21 @@ def build_grad_context(module: Any) -> Iterator[None]:
         yield
     finally:
         _BUILD_GRAD.pop()
+
+
+# Graphs made by a module that implements build_grad, with the module's class name: their
+# gradient must come from that build_grad (upstream marks them "unsafe to autodiff"
+# recursively), so differentiating a caller needs their grad graph in called_graphs_grad_info.
+_BUILD_GRAD_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mark_build_grad_graph(graph: Any, module_name: str) -> None:
+    _BUILD_GRAD_GRAPHS[graph] = module_name
+
+
+def build_grad_module_of(graph: Any) -> str | None:
+    """The class name of the build_grad module that made ``graph``, or None."""
+    return _BUILD_GRAD_GRAPHS.get(graph)
 
 
 def current_build() -> Any:

@@ -43,6 +43,7 @@ from .grad_state import (
     build_context,
     build_grad_context,
     current_build,
+    mark_build_grad_graph,
 )
 from .graph import BoundGraph, GraphWithNamedArgs
 from .graph_cache import GraphCache, _tensors_in
@@ -122,7 +123,8 @@ class Module(_PopXLModule):
     def __init__(self, cache: bool | GraphCache | None = False, grad_inlining_error: str = "error"):
         if grad_inlining_error not in _GRAD_INLINING:
             raise ValueError(
-                f"grad_inlining_error must be one of {_GRAD_INLINING}; got {grad_inlining_error!r}."
+                f"grad_inlining_error should be one of 'error', 'warning', 'none'; got "
+                f"{grad_inlining_error!r}."
             )
         if isinstance(cache, GraphCache):
             graph_cache: GraphCache | None = cache
@@ -166,8 +168,8 @@ class Module(_PopXLModule):
         # parent would differentiate the inlined ops instead (upstream's guard rail).
         if self.implements_grad_graph and current_build() is not self:
             msg = (
-                f"{type(self).__name__} is called directly (inlined) but implements build_grad, "
-                "which autodiff then cannot use. Outline it instead: "
+                f"{type(self).__name__} is called directly (inlined) but `build_grad` has been "
+                "implemented, which autodiff then cannot use. Outline it instead: "
                 "`self.call_module(module)(*args)`, or create its graph and call that. To allow "
                 "inlining set grad_inlining_error='none' (or 'warning')."
             )
@@ -292,6 +294,8 @@ class Module(_PopXLModule):
                 self.__dict__["aux"] = Aux()
                 with build_context(self):
                     graph = ir.create_graph(self, *args, **kwargs)
+                if self.implements_grad_graph:
+                    mark_build_grad_graph(graph, type(self).__name__)
                 facts, named = self._variable_factories.copy(), self._named_inputs.copy()
             else:
                 with build_context(self):
@@ -368,10 +372,11 @@ class Module(_PopXLModule):
         finally:
             self._reset()
 
-        # Note [aux stitching]: forward tensors the gradient reads become forward outputs.
-        for fwd_t in aux._grad_to_fwd.values():
-            if fwd_t not in graph._inputs and fwd_t not in graph._outputs:
-                _stitch_output(graph, fwd_t)
+        # Note [aux stitching]: as upstream, every tensor build kept in aux becomes a forward
+        # output, in the order it was kept (graph inputs included, read or not).
+        for value in aux._dict.values():
+            if isinstance(value, Tensor):
+                _stitch_output(graph, value)
         return GraphWithNamedArgs.from_grad_graph(
             create_grad_graph_info(
                 graph,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import typing
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,8 @@ from .module import Module
 from .replica_grouping import ReplicaGrouping
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
 from .verify import verify_ir
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .remote_buffer import RemoteBuffer
@@ -217,12 +219,11 @@ class Ir:
         if isinstance(host, np.memmap) and not v.replica_grouping.is_const:
             # Note [memmap variables] in ir/tensor.py: a non-constant grouping is stored as
             # its constant refinement on device, so PopXL copies the memmap and says so.
-            warnings.warn(
-                f"Variable {v.id!r}: you have passed np.memmap data and the non-const replica "
-                f"grouping `{v.replica_grouping}`, so the data is copied (a non-constant "
-                "replica grouping is stored as its constant refinement): weights_to_host will "
-                "not write to the memmap.",
-                stacklevel=3,
+            # Logged (once per variable), not warned, as upstream PopXL does.
+            _log.warning(
+                f"Variable {v.id!r}: you have passed np.memmap data and a non-const replica "
+                f"grouping ({v.replica_grouping!r}), so the data is copied: weights_to_host "
+                "will not write to the memmap."
             )
             host = np.array(host, copy=True)
         self._variables[v.id] = (v, host)

@@ -360,6 +360,13 @@ class Variable(Tensor):
     def shape_on_replica(self) -> tuple[int, ...]:
         return self.shape
 
+    @property
+    def _memmap_arr(self) -> np.memmap | None:
+        """The np.memmap this variable keeps as its host storage (upstream's private attribute;
+        Note [memmap variables]); None when its data is not a memmap or was copied."""
+        host = self.ir._variables.get(self.id, (None, None))[1]
+        return host if isinstance(host, np.memmap) else None
+
     def _host_shape_base(self) -> tuple[int, ...]:
         return tuple(self.shape)
 
@@ -407,26 +414,26 @@ _NEEDS_DOWNCAST = frozenset({np.dtype(np.int64), np.dtype(np.uint64), np.dtype(n
 
 
 def _memmap_data(data: np.memmap, dtype, downcast: bool) -> np.memmap:
+    # The messages begin as upstream PopXL's (tests match on those prefixes).
     if not data.flags.c_contiguous:
         raise ValueError(
-            "When passing a memory-mapped NumPy array, it must already be in C-ordered (row "
-            "major) layout: the variable keeps the memmap as its host storage and cannot "
-            "reorder it. Create the memmap with order='C'."
+            "When passing a memory-mapped NumPy array, it must already be in C-ordered layout: "
+            "the variable keeps it as its host storage and cannot reorder it. Create the memmap "
+            "with order='C'."
         )
     if dtype is not None and np.dtype(dtype.as_numpy()) != data.dtype:
         raise ValueError(
-            f"When passing a memory-mapped NumPy array, the `dtype` parameter must match the "
-            f"memmap's dtype or be None: the memmap has dtype {data.dtype} but dtype={dtype} "
-            f"was given. A memmap is kept as the variable's host storage and cannot be "
-            f"converted; open it with dtype {np.dtype(dtype.as_numpy())} or leave dtype=None."
+            f"When passing a memory-mapped NumPy array, the `dtype` parameter must be None or "
+            f"the array's dtype: the np.memmap has dtype {data.dtype} but dtype={dtype} was "
+            f"given. The variable keeps the memmap as its host storage and cannot convert it; "
+            f"open it with dtype {np.dtype(dtype.as_numpy())} or leave dtype=None."
         )
-    if dtype is None and downcast and data.dtype in _NEEDS_DOWNCAST:
+    if downcast and data.dtype in _NEEDS_DOWNCAST:
         raise ValueError(
             f"When passing a memory-mapped NumPy array, the dtype {dtype} is not supported, as "
-            f"it requires downcasting: the memmap has dtype {data.dtype}, which would be "
-            f"downcast to 32 bits, but a memmap is kept as the variable's host storage and "
-            f"cannot be converted. Pass downcast=False (or dtype={data.dtype}) or open the "
-            f"memmap with a 32-bit dtype."
+            f"it requires downcasting the {data.dtype} data to 32 bits, which would copy it "
+            f"instead of keeping the memmap as the variable's host storage. Pass downcast=False "
+            f"or open the memmap with a 32-bit dtype."
         )
     if _dtypes._lookup(data.dtype) is None:
         raise ValueError(f"A np.memmap of dtype {data.dtype} cannot hold popxl variable data.")

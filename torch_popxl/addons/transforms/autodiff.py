@@ -23,10 +23,10 @@ import numpy as np
 from ... import dtypes as _dtypes
 from ... import ops
 from ...ir.context import in_sequence
-from ...ir.graph import Graph
+from ...ir.graph import Graph, OpKind
 from ...ir.tensor import Tensor, constant
 from ...transforms.autodiff import autodiff as _popxl_autodiff
-from ..grad_state import normalise_grad_info
+from ..grad_state import build_grad_module_of, normalise_grad_info
 from ..graph import GraphWithNamedArgs
 from ..named_replica_grouping import NamedReplicaGrouping
 from ..named_tensors import NamedTensors
@@ -52,6 +52,33 @@ def _merged_grad_info(named: GraphWithNamedArgs | None, given: Mapping | None) -
     return merged
 
 
+def _check_no_build_grad_callee(graph: Graph, given: Mapping) -> None:
+    """Refuse to differentiate through a call of a graph whose module implements build_grad
+    when its grad graph is not given: the hand-written gradient would be silently replaced by
+    an automatic one (upstream PopXL marks such graphs unsafe to autodiff recursively)."""
+    seen: set[int] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for op in g._ops:
+            if op.kind != OpKind.CALL:
+                continue  # repeats carry no gradient path
+            callee = op.attrs.graph
+            if callee in given or id(callee) in seen:
+                continue
+            seen.add(id(callee))
+            module = build_grad_module_of(callee)
+            if module is not None:
+                raise ValueError(
+                    f"autodiff of {graph.id!r}: the called graph {callee.id!r} is marked as unsafe "
+                    f"to autodiff: it was created by {module}, which implements build_grad, and "
+                    "its gradient graph was not given. Outline it with `self.call_module(...)` "
+                    "(which records its grad graph in the graph's called_graphs_grad_info), or "
+                    "pass {forward graph: grad graph} in called_graphs_grad_info."
+                )
+            stack.append(callee)
+
+
 def autodiff(graph: GraphWithNamedArgs | Graph, grads_provided: Iterable[Tensor] | None = None,
              grads_required: Iterable[Tensor] | None = None,
              called_graphs_grad_info: Mapping | None = None) -> GraphWithNamedArgs:  # fmt: skip
@@ -61,9 +88,9 @@ def autodiff(graph: GraphWithNamedArgs | Graph, grads_provided: Iterable[Tensor]
     every forward input are required, in graph-input order (tensor arguments first).
     """
     g, named = _as_graph(graph)
-    info = _popxl_autodiff(
-        g, grads_provided, grads_required, _merged_grad_info(named, called_graphs_grad_info)
-    )
+    given = _merged_grad_info(named, called_graphs_grad_info)
+    _check_no_build_grad_callee(g, given)
+    info = _popxl_autodiff(g, grads_provided, grads_required, given)
     if named is not None:
         named.autodiff_applied = True
     return GraphWithNamedArgs.from_grad_graph(info)
@@ -77,12 +104,16 @@ def _accum_name(t: Tensor, key_of: Mapping[Tensor, str]) -> str:
 
 
 def autodiff_with_accumulation(graph: GraphWithNamedArgs | Graph, tensors_to_accumulate_grads: Iterable[Tensor],
-                               grads_provided: Iterable[Tensor] | None = None,
                                grads_required: Iterable[Tensor] | None = None,
                                called_graphs_grad_info: Mapping | None = None,
-                               replica_groupings: NamedReplicaGrouping | None = None,
+                               replica_groupings: NamedReplicaGrouping | None = None, *,
+                               grads_provided: Iterable[Tensor] | None = None,
                                ) -> tuple[NamedVariableFactories, GraphWithNamedArgs]:  # fmt: skip
     """Autodiff whose gradients of ``tensors_to_accumulate_grads`` go into running-mean accumulators.
+
+    The positional parameters are popxl-addons 3.4's (``graph, tensors_to_accumulate_grads,
+    grads_required, called_graphs_grad_info, replica_groupings``); ``grads_provided`` (default:
+    every forward output) is a keyword-only extension.
 
     Returns the accumulator factories (``mean_accum_counter`` and ``accum.<key>``) and the grad
     graph, whose remaining outputs are the gradients of ``grads_required`` (default: none).
@@ -91,9 +122,9 @@ def autodiff_with_accumulation(graph: GraphWithNamedArgs | Graph, tensors_to_acc
     g, named = _as_graph(graph)
     accumulate = list(tensors_to_accumulate_grads)
     plain = list(grads_required or [])
-    info = _popxl_autodiff(
-        g, grads_provided, plain + accumulate, _merged_grad_info(named, called_graphs_grad_info)
-    )
+    given = _merged_grad_info(named, called_graphs_grad_info)
+    _check_no_build_grad_callee(g, given)
+    info = _popxl_autodiff(g, grads_provided, plain + accumulate, given)
     if named is not None:
         named.autodiff_applied = True
     grad_graph = info.graph
@@ -174,12 +205,17 @@ def _graph_autodiff(self: GraphWithNamedArgs, grads_provided: Iterable[Tensor] |
             grad = module.create_grad_graph(self, grads_provided, grads_required)
             self.autodiff_applied = True
             return grad
+        if method == "build_grad" and module is None:
+            raise ValueError(
+                f"method='build_grad' can only be used if `from_module` is specified: "
+                f"{self.graph.id!r} was wrapped in a GraphWithNamedArgs without it (the one "
+                "Module.create_graph returns has it). Use method='autodiff'."
+            )
         if method == "build_grad":
             raise ValueError(
                 f"method='build_grad' needs a graph created by a module that implements "
-                f"build_grad; {self.graph.id!r} was created by "
-                f"{type(module).__name__ if module is not None else 'no module'}. Use "
-                "method='autodiff'."
+                f"build_grad; {self.graph.id!r} was created by {type(module).__name__}, which "
+                "does not. Use method='autodiff'."
             )
     return autodiff(self, grads_provided, grads_required, called_graphs_grad_info)
 

@@ -137,26 +137,3 @@ def test_scatter_reduce_errors():
             ops.scatter_reduce(d, i, "mean", axis_size=3)
         with pytest.raises(ValueError, match="one index per slice"):
             ops.scatter_reduce(d, popxl.variable(np.zeros(3, np.int32)), "sum", axis_size=3)
-
-
-# popart python/popxl/python_files/ops/__init__.py (__all__, the release popxl-addons 3.4 runs on)
-UPSTREAM_OPS_ALL = """abs add add_ argmax argmin average_pool max_pool call call_with_info CallSiteInfo cast
-pow2scale_then_cast cast_then_pow2scale concat concat_ swish swish_ greater conv PadType cos cumsum
-roi_align interpolate conditional conditional_with_info detach detach_ div dropout dynamic_slice
-dynamic_update dynamic_update_ equal exp exp_ log onehot topk fmod gather tied_gather gelu gelu_
-group_norm layer_norm host_load host_store increment_mod increment_mod_ init io_tile_copy ipu_copy
-l1 l2 lamb_square logical_and logical_not logical_or logsum logsumexp matmul matmul_pow2scaled max
-maximum mean median min mul nll_loss nll_loss_with_softmax_grad negate print_tensor prod
-split_random_seed random_uniform random_normal relu relu_ reshape reshape_ flatten flatten_
-remote_load remote_load_ remote_store repeat repeat_with_info scaled_add scaled_add_ scatter
-scatter_reduce shaped_dropout sin slice slice_ softmax split sqrt squeeze sub sum sumsquare tanh
-transpose transpose_ where histogram collectives var_updates""".split()
-
-# Every name is provided now (conditional by selection of both branches' outputs, see
-# ops/conditional.py); a future gap goes here.
-OPS_KNOWN_MISSING: set[str] = set()
-
-
-def test_every_upstream_ops_name_exists_but_the_known_missing():
-    missing = [n for n in UPSTREAM_OPS_ALL if not hasattr(ops, n)]
-    assert sorted(missing) == sorted(OPS_KNOWN_MISSING & set(UPSTREAM_OPS_ALL))

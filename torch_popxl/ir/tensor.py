@@ -360,13 +360,6 @@ class Variable(Tensor):
     def shape_on_replica(self) -> tuple[int, ...]:
         return self.shape
 
-    @property
-    def _memmap_arr(self) -> np.memmap | None:
-        """The np.memmap this variable keeps as its host storage (upstream's private attribute;
-        Note [memmap variables]); None when its data is not a memmap or was copied."""
-        host = self.ir._variables.get(self.id, (None, None))[1]
-        return host if isinstance(host, np.memmap) else None
-
     def _host_shape_base(self) -> tuple[int, ...]:
         return tuple(self.shape)
 

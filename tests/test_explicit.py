@@ -512,3 +512,57 @@ def test_a_gather_of_a_remote_slot_view_does_not_see_a_later_store(R):
             results[executor] = [session.run({xs: x})[st] for _ in range(2)]
     for got, want in zip(results["fast"], results["reference"], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _build_mixed_ranks(R):
+    """Elementwise ops whose batched operands differ in per-replica rank (Note [broadcasting on
+    stacked values]); the vectors have R elements, so a stacked operand aligned the wrong way
+    would broadcast silently instead of failing."""
+    rng = np.random.default_rng(4)
+    ir = popxl.Ir(replication=R)
+    per = ir.replica_grouping(1, 1)  # one value per replica
+    with ir.main_graph, popxl.in_sequence():
+        step = popxl.variable(np.arange(1, R + 1, dtype=np.float32), name="step",
+                              replica_grouping=per)  # fmt: skip
+        bias = popxl.variable(rng.normal(size=(R, R)).astype(np.float32), name="bias",
+                              replica_grouping=per)  # fmt: skip
+        m = popxl.variable(rng.normal(size=(R, 3, R)).astype(np.float32), name="m",
+                           replica_grouping=per)  # fmt: skip
+        inv = popxl.variable(rng.normal(size=(R,)).astype(np.float32), name="inv")
+        xs = popxl.h2d_stream((3, R), popxl.float32, "x")
+        x = ops.host_load(xs)  # batched [3, R]
+        logits = x + bias  # [3, R] + [R], both batched
+        scaled = m / (1.0 - 0.9**step)  # [3, R] / [], both batched
+        outer = step * inv  # batched [] times invariant [R]: the result is [R] per replica
+        picked = torch.where(x > 0, step, bias)  # [3, R] condition, [] and [R] branches
+        m.add_(step)  # in place: [3, R] += [] per replica
+        m.div_(bias + 1.0)  # in place: [3, R] /= [R]
+        outs = {}
+        for name, t in (("logits", logits), ("scaled", scaled), ("outer", outer),
+                        ("picked", picked)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs, m
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_mixed_rank_elementwise_ops_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(5).normal(size=(R, 3, R)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, m = _build_mixed_ranks(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            got = {}
+            for i in range(2):
+                out = session.run({xs: x})
+                got.update({f"{k}{i}": out[s] for k, s in outs.items()})
+            got["m"] = session.get_tensor_data(m)
+            results[executor] = got
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-5, atol=1e-6, err_msg=k)

@@ -30,6 +30,7 @@ __all__ = [
     "foldable",
     "is_random",
     "opdef_rule",
+    "rank_padding",
     "vmap_reason",
 ]
 
@@ -131,9 +132,7 @@ def _ok_torch(f, a, R: int) -> bool:
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
-        ranks_b = {t.rank for t, b in zip(f.op.inputs, batched, strict=True) if b}
-        ranks_u = [t.rank for t, b in zip(f.op.inputs, batched, strict=True) if not b]
-        return len(ranks_b) == 1 and all(r <= min(ranks_b) for r in ranks_u)
+        return True  # any ranks: Note [broadcasting on stacked values]
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True
     if target is aten.addmm.default:
@@ -152,6 +151,31 @@ def _ok_torch(f, a, R: int) -> bool:
     if target in _TRANSFORMER:
         return _TRANSFORMER[target](f, batched)
     return opdef_rule(f.op, batched, R) is not None
+
+
+# Note [broadcasting on stacked values]
+#     Per replica, an elementwise op broadcasts its operands by aligning trailing dims. On
+#     stacked values a batched operand carries the replica dim in front, so a batched operand
+#     of lower per-replica rank than the op's result would align its replica dim with one of
+#     the result's own dims (Adam's ``m / (1 - beta1 ** step)`` with a per-replica step counter,
+#     a per-replica bias ``[10]`` added to ``[32, 10]`` logits): wrong, or an error. Padding it
+#     with unit dims after the replica dim (``x[:, None]``, a view) restores the per-replica
+#     alignment; replica-invariant operands are stored without the replica dim and align by
+#     their trailing dims as they do per replica. The result's rank is the largest operand
+#     rank, so the operand an in-place op writes is never padded.
+def rank_padding(f, plan) -> dict[int, int]:
+    """``{input index: unit dims to insert after the replica dim}`` for the batched operands of
+    an explicitly batched elementwise op ``f`` (Note [broadcasting on stacked values])."""
+    if f.kind != "torch" or f.op.attrs.target not in _ELEMENTWISE:
+        return {}
+    if f in plan.sum_adds or f in plan.sum_reads:
+        return {}  # emitted on the replica sum, which has no replica dim
+    top = max((t.rank for t in f.op.inputs), default=0)
+    return {
+        i: top - t.rank
+        for i, (t, n) in enumerate(zip(f.op.inputs, f.ins, strict=True))
+        if t.rank < top and plan.b(n)
+    }
 
 
 def opdef_rule(op: Op, batched: list[bool], R: int):

@@ -566,3 +566,50 @@ def test_mixed_rank_elementwise_ops_run_explicitly_and_match_the_reference(R):
     for k, want in results["reference"].items():
         assert results["fast"][k].shape == want.shape, k
         np.testing.assert_allclose(results["fast"][k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _build_indexed(R):
+    """index_select / index_copy / index_add with an index shared by the replicas (the
+    pipeline's activation stashes), on batched and replica-invariant operands."""
+    rng = np.random.default_rng(6)
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        stash = popxl.variable(rng.normal(size=(R, 3, 2, 4)).astype(np.float32), name="stash",
+                               replica_grouping=ir.replica_grouping(1, 1))  # fmt: skip
+        table = popxl.variable(rng.normal(size=(3, 4)).astype(np.float32), name="table")
+        xs = popxl.h2d_stream((1, 2, 4), popxl.float32, "x")
+        x = ops.host_load(xs)  # batched
+        where = popxl.constant(np.array([2], np.int32)).long()
+        stash.copy_(torch.index_copy(stash, 0, where, x))  # batched self and source
+        picked = torch.index_select(stash, -3, where)
+        rows = torch.index_select(table, 0, where)  # replica-invariant
+        mixed = torch.index_copy(table, 0, where, x[0, :1])  # invariant self, batched source
+        added = torch.index_add(
+            table, 1, popxl.constant(np.array([3, 0], np.int32)).long(), x[0].T[:3]
+        )
+        outs = {}
+        for name, t in (("picked", picked), ("rows", rows), ("mixed", mixed), ("added", added)):
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs, stash
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_indexed_ops_with_a_shared_index_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(7).normal(size=(R, 1, 2, 4)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, stash = _build_indexed(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            got = {k: out[s] for k, s in outs.items()}
+            got["stash"] = session.get_tensor_data(stash)
+            results[executor] = got
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)

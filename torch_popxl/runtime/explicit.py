@@ -59,6 +59,9 @@ ELEMENTWISE = _ELEMENTWISE = {
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
          aten.gather.default, aten.scatter_add.default, aten.squeeze.dim, aten.slice.Tensor,
          aten.select.int}  # fmt: skip
+# ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
+# stashes): stacked when the index is the same on every replica
+_INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}
 _SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
 # nll_loss forward/backward: the position of the ``reduction`` argument
 _NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
@@ -148,6 +151,9 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
+    if target in _INDEXED:  # a per-replica index would need a gather per row
+        index = f.op.attrs.args[2]
+        return isinstance(index, Slot) and not batched[index.index] and not f.op.attrs.kwargs
     if target in _TRANSFORMER:
         return _TRANSFORMER[target](f, batched)
     return opdef_rule(f.op, batched, R) is not None
@@ -419,6 +425,16 @@ def emit_torch(em, f, ind: str) -> None:
         dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target in _INDEXED:
+        # the shared index selects along the shifted dim; tensors other than the index are
+        # given their replica dim (an invariant ``self`` written with per-replica rows)
+        rendered = [lit(v) for v in args]
+        for i in (0, 3):
+            v = args[i] if i < len(args) else None
+            if isinstance(v, Slot) and not a.b(f.ins[v.index]):
+                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
+        rendered[1] = repr(_shift(args[1]))
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
     elif target in _TRANSFORMER:
         _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R)

@@ -613,3 +613,45 @@ def test_indexed_ops_with_a_shared_index_run_explicitly_and_match_the_reference(
     for k, want in results["reference"].items():
         assert results["fast"][k].shape == want.shape, k
         np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _build_pool_and_grads(R, image_shape):
+    """2-d max pooling (forward and backward), select_backward and activation gradients on
+    per-replica values: the ops of CNN and transformer backward passes."""
+    aten = torch.ops.aten
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        xs = popxl.h2d_stream(image_shape, popxl.float32, "x")
+        x = ops.host_load(xs)
+        pooled, indices = aten.max_pool2d_with_indices(x, [2, 2], [2, 2], [1, 1])
+        grad = aten.max_pool2d_with_indices_backward(torch.sigmoid(pooled), x, [2, 2], [2, 2],
+                                                     [1, 1], [1, 1], False, indices)  # fmt: skip
+        picked = aten.select_backward(pooled[..., 1, :], list(pooled.shape), -2, 1)
+        sig = aten.sigmoid_backward(grad, torch.sigmoid(x))
+        tanh = aten.tanh_backward(grad, torch.tanh(x))
+        silu = aten.silu_backward(grad, x)
+        outs = {}
+        for name, t in (("pooled", pooled), ("indices", indices), ("grad", grad),
+                        ("picked", picked), ("sig", sig), ("tanh", tanh), ("silu", silu)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R,image_shape", [(2, (3, 2, 5, 6)), (3, (2, 4, 5))])
+def test_pooling_and_gradient_ops_run_explicitly_and_match_the_reference(R, image_shape):
+    x = np.random.default_rng(8).normal(size=(R, *image_shape)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _build_pool_and_grads(R, image_shape)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            results[executor] = {k: out[s] for k, s in outs.items()}
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)

@@ -54,6 +54,8 @@ ELEMENTWISE = _ELEMENTWISE = {
     aten.clamp_min.default, aten.clamp_max.default, aten.fill_.Scalar, aten.silu.default,
     aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.gt.Tensor,
     aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
+    # activation gradients (grad_output, and the forward's input or output)
+    aten.sigmoid_backward.default, aten.tanh_backward.default, aten.silu_backward.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
@@ -62,6 +64,9 @@ _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.defaul
 # ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
 # stashes): stacked when the index is the same on every replica
 _INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}
+# 2-d max pooling per replica on [N, C, H, W] or [C, H, W]: the replicas' rows are more images
+# (the indices are positions within each image's plane, so they do not change)
+_POOL = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default}
 _SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
 # nll_loss forward/backward: the position of the ``reduction`` argument
 _NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
@@ -151,6 +156,10 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
+    if target is aten.select_backward.default:
+        return batched[0]
+    if target in _POOL:
+        return f.op.inputs[0].rank in (3, 4) and not f.op.attrs.kwargs
     if target in _INDEXED:  # a per-replica index would need a gather per row
         index = f.op.attrs.args[2]
         return isinstance(index, Slot) and not batched[index.index] and not f.op.attrs.kwargs
@@ -426,6 +435,19 @@ def emit_torch(em, f, ind: str) -> None:
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target is aten.select_backward.default:
+        sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
+        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}, {lit(args[3])}"
+        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({call})")
+    elif target in _POOL:
+        rendered = [lit(v) for v in args]
+        tensors = (0,) if target is aten.max_pool2d_with_indices.default else (0, 1, 7)
+        for i in tensors:  # every tensor argument with its rows (the op's own batch dim)
+            if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
+                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
+        fn = em.p.literal(_pool_stacked)
+        call = f"{fn}({em.p.literal(target._op)}, {tensors!r}, {', '.join(rendered)})"
+        _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
         # the shared index selects along the shifted dim; tensors other than the index are
         # given their replica dim (an invariant ``self`` written with per-replica rows)
@@ -495,6 +517,23 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         parts = "[" + ", ".join(stacked_arg(v) for v in args[0]) + "]"
         dim = args[1] if len(args) > 1 else 0
         _emit_outputs(em, f, ind, f"torch.cat({parts}, {_shift(dim)})")
+
+
+def _pool_stacked(fn, tensors, *args):
+    """A 2-d pooling op (forward or backward) on stacked rows: per-replica ``[N, C, H, W]``
+    values fold the rows into the batch dim; per-replica ``[C, H, W]`` ones are a batch
+    already. Outputs get their rows back."""
+    x = args[tensors[0]]
+    if x.dim() == 4:  # [rows, C, H, W]: the rows are the batch
+        return fn(*args)
+    rows, n = x.shape[:2]
+    args = list(args)
+    for i in tensors:
+        args[i] = args[i].reshape(rows * n, *args[i].shape[2:])
+    out = fn(*args)
+    if isinstance(out, tuple):
+        return tuple(o.view(rows, n, *o.shape[1:]) for o in out)
+    return out.view(rows, n, *out.shape[1:])
 
 
 def _expand_stacked(x, size):

@@ -655,3 +655,45 @@ def test_pooling_and_gradient_ops_run_explicitly_and_match_the_reference(R, imag
     for k, want in results["reference"].items():
         assert results["fast"][k].shape == want.shape, k
         np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _build_masks_and_reductions(R):
+    """Comparisons and masks, ``*_like`` values, a full mean and ``stack`` on per-replica and
+    replica-invariant values."""
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        inv = popxl.variable(np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32), name="inv")
+        xs = popxl.h2d_stream((3, 4), popxl.float32, "x")
+        x = ops.host_load(xs)
+        mask = torch.logical_and(x >= inv, ~(x > 0.5)) | (x != inv)
+        bits = torch.bitwise_and(mask, torch.logical_or(x < 0, inv > 0))
+        rem = torch.remainder(x, 0.7) + torch.remainder(x, inv + 2.0)
+        like = torch.zeros_like(x) + torch.ones_like(inv) * 2.0
+        mean = torch.mean(x * inv)
+        stacked = torch.stack([x, inv, like], dim=-2)
+        stacked0 = torch.stack([inv, x])
+        outs = {}
+        for name, t in (("mask", mask), ("bits", bits), ("rem", rem), ("like", like),
+                        ("mean", mean), ("stacked", stacked), ("stacked0", stacked0)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_masks_likes_means_and_stacks_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(9).normal(size=(R, 3, 4)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _build_masks_and_reductions(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            results[executor] = {k: out[s] for k, s in outs.items()}
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)

@@ -56,6 +56,11 @@ ELEMENTWISE = _ELEMENTWISE = {
     aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
     # activation gradients (grad_output, and the forward's input or output)
     aten.sigmoid_backward.default, aten.tanh_backward.default, aten.silu_backward.default,
+    # masks and comparisons, and values shaped like their input
+    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.ge.Tensor, aten.le.Tensor,
+    aten.ne.Tensor, aten.remainder.Scalar, aten.remainder.Tensor, aten.zeros_like.default,
+    aten.ones_like.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
@@ -70,7 +75,9 @@ _POOL = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_back
 _SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
 # nll_loss forward/backward: the position of the ``reduction`` argument
 _NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
-_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.mean.default,
+         aten.amax.default}  # fmt: skip
+_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}  # over every per-replica dim
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FLAT_KINDS = {
     "clone",
@@ -114,6 +121,7 @@ _TRANSFORMER = {
     aten.expand.default: _any_ok,
     aten.bmm.default: _any_ok,
     aten.cat.default: _any_ok,
+    aten.stack.default: _any_ok,
 }
 
 
@@ -416,12 +424,13 @@ def emit_torch(em, f, ind: str) -> None:
     elif target in _SUMS:
         per_replica_dims = f.op.inputs[0].rank
         dims = args[1] if len(args) > 1 else kwargs.pop("dim", None)
-        if dims is None or dims == [] or target is aten.sum.default:
+        if dims is None or dims == [] or target in _FULL_REDUCTIONS:
             dims = list(range(per_replica_dims))
         dims = [_shift(d % per_replica_dims) for d in dims]
         keep = args[2] if len(args) > 2 else kwargs.pop("keepdim", False)
         extra = "".join(f", {k}={lit(v)}" for k, v in kwargs.items())
-        fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean"}.get(target, "torch.sum")
+        fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean",
+              aten.mean.default: "torch.mean"}.get(target, "torch.sum")  # fmt: skip
         em.lines.append(f"{ind}{out} = {fn}({x}, {tuple(dims)!r}, keepdim={keep!r}{extra})")
     elif target in _DIM1 or target in _SOFTMAX_BACKWARD:
         # every tensor argument must be stacked; the dim moves past the replica dim
@@ -513,10 +522,13 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         _emit_outputs(em, f, ind, call)
     elif target is aten.bmm.default:  # matmul broadcasts an invariant operand over the rows
         _emit_outputs(em, f, ind, f"torch.matmul({rendered[0]}, {rendered[1]})")
-    elif target is aten.cat.default:
+    elif target in (aten.cat.default, aten.stack.default):
         parts = "[" + ", ".join(stacked_arg(v) for v in args[0]) + "]"
         dim = args[1] if len(args) > 1 else 0
-        _emit_outputs(em, f, ind, f"torch.cat({parts}, {_shift(dim)})")
+        if target is aten.stack.default and dim < 0:  # counts the new dim: per replica rank + 1
+            dim += f.op.outputs[0].rank
+        fn = "torch.cat" if target is aten.cat.default else "torch.stack"
+        _emit_outputs(em, f, ind, f"{fn}({parts}, {_shift(dim)})")
 
 
 def _pool_stacked(fn, tensors, *args):

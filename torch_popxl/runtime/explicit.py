@@ -5,8 +5,8 @@ Note [explicit batching]
     which dominates small replicated programs. The compiler already knows, statically, which
     values are batched (one row per replica, ``[R, *shape]``) and which are replica-invariant
     (stored once). For a small, common set of ops the stacked form is a direct rewrite —
-    elementwise ops broadcast correctly when every batched input has the same per-replica
-    rank and no unbatched input has a larger one; ``mm`` becomes ``matmul``/``bmm``; ops
+    elementwise ops broadcast as they do per replica once a batched operand of lower rank
+    gets unit dims after the replica dim (Note [broadcasting on stacked values]); ``mm`` becomes ``matmul``/``bmm``; ops
     taking a ``dim`` shift it past the replica dimension. A ``torch_popxl`` op brings its own
     rule: its definition's ``explicit`` rule (``opdefs/registry.py``) says whether it has a
     stacked form for the given batched inputs and returns the callable that runs it (a

@@ -697,3 +697,39 @@ def test_masks_likes_means_and_stacks_run_explicitly_and_match_the_reference(R):
     for k, want in results["reference"].items():
         assert results["fast"][k].shape == want.shape, k
         np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.BatchNorm2d(4),
+        torch.nn.Conv2d(4, 3, 3, bias=False), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(3 * 3 * 3, 5),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("R,GA", [(2, 2), (3, 1)])
+def test_cnn_training_runs_explicitly_and_matches_the_reference_executor(R, GA):
+    """Note [convolutions and batch norm on stacked rows]: convolutions (with and without bias),
+    batch norm with per-replica statistics and running statistics, max pooling: the fast
+    executor runs the whole step on stacked values and trains as the reference executor."""
+    rng = np.random.default_rng(10)
+    batches = [(rng.normal(size=(R * GA * 4, 2, 8, 8)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+    results = {}
+    for executor in ("fast", "reference"):
+        torch.manual_seed(0)
+        model = _cnn()
+        trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                replication_factor=R, gradient_accumulation=GA,
+                                executor=executor)  # fmt: skip
+        losses = [trainer.step(x, y) for x, y in batches]
+        if executor == "fast":
+            for name, fn in trainer.session._executor.fns.items():
+                assert fn.explicit, (name, fn.vmap_reason)
+        state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+        results[executor] = (losses, state)
+    (fast_losses, fast_state), (ref_losses, ref_state) = results["fast"], results["reference"]
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref_state.items():  # parameters, running means and variances
+        np.testing.assert_allclose(fast_state[k], want, rtol=1e-4, atol=1e-5, err_msg=k)

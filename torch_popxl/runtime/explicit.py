@@ -60,7 +60,7 @@ ELEMENTWISE = _ELEMENTWISE = {
     aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.logical_and.default, aten.logical_or.default, aten.ge.Tensor, aten.le.Tensor,
     aten.ne.Tensor, aten.remainder.Scalar, aten.remainder.Tensor, aten.zeros_like.default,
-    aten.ones_like.default,
+    aten.ones_like.default, aten.relu_.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
@@ -166,6 +166,8 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target is aten.select_backward.default:
         return batched[0]
+    if target in _CNN:
+        return _CNN[target](f, batched)
     if target in _POOL:
         return f.op.inputs[0].rank in (3, 4) and not f.op.attrs.kwargs
     if target in _INDEXED:  # a per-replica index would need a gather per row
@@ -444,6 +446,11 @@ def emit_torch(em, f, ind: str) -> None:
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target in _CNN:
+        rendered = [lit(v) for v in args]
+        flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
+        call = f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r})"
+        _emit_outputs(em, f, ind, call)
     elif target is aten.select_backward.default:
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
         call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}, {lit(args[3])}"
@@ -529,6 +536,139 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
             dim += f.op.outputs[0].rank
         fn = "torch.cat" if target is aten.cat.default else "torch.stack"
         _emit_outputs(em, f, ind, f"{fn}({parts}, {_shift(dim)})")
+
+
+# Note [convolutions and batch norm on stacked rows]
+#     A convolution with a replica-invariant weight treats every image alike: the rows of its
+#     per-replica ``[N, C, *S]`` input fold into the batch dim, one call for all replicas. Its
+#     weight and bias gradients are per replica (each replica's own images), so they are one
+#     call per row; the input gradient folds like the forward. Batch norm normalises each
+#     channel over the batch and spatial dims of ONE replica, so the rows fold into the channel
+#     dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``): per-replica statistics
+#     become per-channel ones of the folded tensor, the affine parameters and running
+#     statistics are per row (``[rows * C]``; the running statistics are views of the stacked
+#     variables, so the kernel's in-place update reaches them), and per-channel results come
+#     back as ``[rows, C]``.
+def _conv_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # input, weight, bias, ...
+    x, w, b = args[0], args[1], args[2]
+    return (isinstance(x, Slot) and batched[x.index] and isinstance(w, Slot)
+            and not batched[w.index] and (b is None or not batched[b.index])
+            and f.op.inputs[x.index].rank == f.op.inputs[w.index].rank
+            and not f.op.attrs.kwargs)  # fmt: skip
+
+
+def _conv_backward_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # grad, input, weight, bias_sizes, ...
+    g, x, w = args[0], args[1], args[2]
+    return (all(isinstance(v, Slot) for v in (g, x, w)) and batched[g.index] and batched[x.index]
+            and not batched[w.index] and f.op.inputs[x.index].rank == f.op.inputs[w.index].rank
+            and not f.op.attrs.kwargs)  # fmt: skip
+
+
+def _batch_norm_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # (grad,) input, ...
+    first = 1 if f.op.attrs.target is aten.native_batch_norm_backward.default else 0
+    xs = args[: first + 1]
+    if not (all(isinstance(v, Slot) and batched[v.index] for v in xs)
+            and f.op.inputs[args[first].index].rank >= 2 and not f.op.attrs.kwargs):  # fmt: skip
+        return False
+    if not first and args[5]:  # training updates the running statistics: they are per row
+        return all(not isinstance(v, Slot) or batched[v.index] for v in args[3:5])
+    return True
+
+
+def _fold_batch(x):
+    rows, n = x.shape[:2]
+    return x.reshape(rows * n, *x.shape[2:])
+
+
+def _conv_stacked(x, w, b, *rest, flags):
+    """``aten.convolution`` on stacked rows with an invariant weight: one call."""
+    out = aten.convolution(_fold_batch(x), w, b, *rest)
+    return out.view(x.shape[0], x.shape[1], *out.shape[1:])
+
+
+def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags):
+    """``aten.convolution_backward`` on stacked rows: the input gradient in one call, the
+    weight and bias gradients per row (Note [convolutions and batch norm on stacked rows])."""
+    *conv, mask = rest
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        grad_x = aten.convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,
+                                           *conv, [True, False, False])[0]  # fmt: skip
+        grad_x = grad_x.view(x.shape)
+    if mask[1] or mask[2]:
+        per_row = [aten.convolution_backward(grad[r], x[r], w, bias_sizes, *conv,
+                                             [False, mask[1], mask[2]])
+                   for r in range(x.shape[0])]  # fmt: skip
+        grad_w = torch.stack([p[1] for p in per_row]) if mask[1] else None
+        grad_b = torch.stack([p[2] for p in per_row]) if mask[2] else None
+    return grad_x, grad_w, grad_b
+
+
+def _channels_in(x):  # [rows, N, C, *S] -> [N, rows * C, *S]
+    rows, n, c = x.shape[:3]
+    return x.transpose(0, 1).reshape(n, rows * c, *x.shape[3:])
+
+
+def _channels_out(y, rows: int):  # [N, rows * C, *S] -> [rows, N, C, *S]
+    return y.view(y.shape[0], rows, -1, *y.shape[2:]).transpose(0, 1).contiguous()
+
+
+def _per_channel(p, rows: int, batched: bool):  # [C] or [rows, C] -> [rows * C]
+    if p is None or p.numel() == 0:
+        return p
+    return p.reshape(-1) if batched else p.repeat(rows)
+
+
+def _per_row_channels(t, rows: int):  # [rows * C] -> [rows, C]
+    return None if t is None else t.view(rows, t.numel() // rows)
+
+
+def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
+    """``aten.native_batch_norm`` per replica on stacked rows (Note [convolutions and batch
+    norm on stacked rows])."""
+    rows = x.shape[0]
+    stats = [_per_channel(t, rows, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
+    out, save_mean, save_invstd = aten.native_batch_norm(
+        _channels_in(x), _per_channel(w, rows, flags[1]), _per_channel(b, rows, flags[2]),
+        *stats, training, momentum, eps,
+    )  # fmt: skip
+    for orig, flat in zip((mean, var), stats, strict=True):
+        # a (per-row) running statistic that was not a view of its variable: write it back
+        if training and orig is not None and flat.data_ptr() != orig.data_ptr():
+            orig.copy_(flat.view(orig.shape))
+    return (_channels_out(out, rows), _per_row_channels(save_mean, rows),
+            _per_row_channels(save_invstd, rows))  # fmt: skip
+
+
+def _batch_norm_backward_stacked(grad, x, w, mean, var, save_mean, save_invstd, training, eps,
+                                 mask, *, flags):  # fmt: skip
+    """``aten.native_batch_norm_backward`` per replica on stacked rows."""
+    rows = x.shape[0]
+    grad_x, grad_w, grad_b = aten.native_batch_norm_backward(
+        _channels_in(grad), _channels_in(x), _per_channel(w, rows, flags[2]),
+        _per_channel(mean, rows, flags[3]), _per_channel(var, rows, flags[4]),
+        _per_channel(save_mean, rows, flags[5]), _per_channel(save_invstd, rows, flags[6]),
+        training, eps, mask,
+    )  # fmt: skip
+    grad_x = None if grad_x is None else _channels_out(grad_x, rows)
+    return grad_x, _per_row_channels(grad_w, rows), _per_row_channels(grad_b, rows)
+
+
+_CNN = {
+    aten.convolution.default: _conv_ok,
+    aten.convolution_backward.default: _conv_backward_ok,
+    aten.native_batch_norm.default: _batch_norm_ok,
+    aten.native_batch_norm_backward.default: _batch_norm_ok,
+}
+_CNN_STACKED = {
+    aten.convolution.default: _conv_stacked,
+    aten.convolution_backward.default: _conv_backward_stacked,
+    aten.native_batch_norm.default: _batch_norm_stacked,
+    aten.native_batch_norm_backward.default: _batch_norm_backward_stacked,
+}
 
 
 def _pool_stacked(fn, tensors, *args):

@@ -4,7 +4,12 @@
   (capture, autodiff, program build, code generation), less one steady-state step.
 * Peak RSS (item 6): each layout trains R=8 replicas in its own fresh process; the peak
   resident set of that process is compared: optimizer state sharded (RTS) and off-chip
-  against everything on chip and unsharded.
+  against everything on chip and unsharded. Also printed: the growth of the RSS over the
+  process with torch and torch_popxl imported (most of the peak is the libraries), the
+  training state the simulator holds between steps, and, for contrast, the on-chip variables
+  that 8 IPUs would hold. The simulator stores replica-invariant state once (Note
+  [replica-invariant values]), so unsharded on-chip state costs one copy, not R, and the
+  sharded layout holds its shards plus the off-chip store: also one copy.
 
 Usage: ``python benchmarks/bench_build_memory.py`` (spawns the per-layout processes itself).
 """
@@ -62,13 +67,39 @@ def build_seconds(R: int, layout: dict) -> tuple[float, float]:
     return first - step, step
 
 
+def _rss_mib() -> float:
+    """The process's resident set now (``/proc/self/statm``), MiB; the peak where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _held_state_mib(session) -> float:
+    """MiB of the tensors the simulator holds between runs: on-chip variables (one storage for
+    a replica-invariant one, R rows otherwise) and the remote buffers (off-chip store)."""
+    state = session._state
+    seen: dict[int, int] = {}
+    for t in [*state.vars.values(), *state.persistent.values(), *state.buffers.values()]:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) / 2**20
+
+
 def peak_rss_child(layout_name: str, R: int) -> None:
-    """Run in a fresh process: train two steps, print the peak RSS in MiB as JSON."""
+    """Run in a fresh process: train two steps, print as JSON the peak RSS, the RSS the
+    process had before training (torch and torch_popxl imported), and the state it holds."""
     x, y = _data(R)
+    before = _rss_mib()
     trainer = _trainer(R, LAYOUTS[layout_name])
     for _ in range(2):
         trainer.step(x, y)
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    held = _held_state_mib(trainer.session)
+    device = trainer.session.memory_report().to_dict()["memory_per_replica_bytes"]["variables"]
+    print(json.dumps({"peak_rss_mib": peak, "before_mib": before, "state_mib": held,
+                      "device_variables_mib": device * R / 2**20}))  # fmt: skip
 
 
 def main() -> dict:
@@ -81,9 +112,19 @@ def main() -> dict:
     for name in LAYOUTS:
         out = subprocess.run([sys.executable, __file__, "--rss", name, "8"], check=True,
                              capture_output=True, text=True).stdout  # fmt: skip
-        results[f"rss_{name}"] = json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
-    print(f"peak RSS at R=8: on-chip unsharded {results['rss_on-chip']:.0f} MiB, remote+RTS "
-          f"{results['rss_remote+RTS']:.0f} MiB (ratio {results['rss_remote+RTS'] / results['rss_on-chip']:.2f})")  # fmt: skip
+        child = json.loads(out.strip().splitlines()[-1])
+        results[f"rss_{name}"] = child["peak_rss_mib"]
+        results[f"rss_growth_{name}"] = child["peak_rss_mib"] - child["before_mib"]
+        results[f"state_{name}"] = child["state_mib"]
+        results[f"device_{name}"] = child["device_variables_mib"]
+    on, rts = "on-chip", "remote+RTS"
+    print(f"peak RSS at R=8: on-chip unsharded {results[f'rss_{on}']:.0f} MiB, remote+RTS "
+          f"{results[f'rss_{rts}']:.0f} MiB (ratio {results[f'rss_{rts}'] / results[f'rss_{on}']:.2f}); "
+          f"growth over the imported process {results[f'rss_growth_{on}']:.0f} / "
+          f"{results[f'rss_growth_{rts}']:.0f} MiB; training state held "
+          f"{results[f'state_{on}']:.1f} / {results[f'state_{rts}']:.1f} MiB "
+          f"(on-chip variables of 8 IPUs: {results[f'device_{on}']:.1f} / "
+          f"{results[f'device_{rts}']:.1f} MiB)")  # fmt: skip
     return results
 
 

@@ -512,3 +512,224 @@ def test_a_gather_of_a_remote_slot_view_does_not_see_a_later_store(R):
             results[executor] = [session.run({xs: x})[st] for _ in range(2)]
     for got, want in zip(results["fast"], results["reference"], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _build_mixed_ranks(R):
+    """Elementwise ops whose batched operands differ in per-replica rank (Note [broadcasting on
+    stacked values]); the vectors have R elements, so a stacked operand aligned the wrong way
+    would broadcast silently instead of failing."""
+    rng = np.random.default_rng(4)
+    ir = popxl.Ir(replication=R)
+    per = ir.replica_grouping(1, 1)  # one value per replica
+    with ir.main_graph, popxl.in_sequence():
+        step = popxl.variable(np.arange(1, R + 1, dtype=np.float32), name="step",
+                              replica_grouping=per)  # fmt: skip
+        bias = popxl.variable(rng.normal(size=(R, R)).astype(np.float32), name="bias",
+                              replica_grouping=per)  # fmt: skip
+        m = popxl.variable(rng.normal(size=(R, 3, R)).astype(np.float32), name="m",
+                           replica_grouping=per)  # fmt: skip
+        inv = popxl.variable(rng.normal(size=(R,)).astype(np.float32), name="inv")
+        xs = popxl.h2d_stream((3, R), popxl.float32, "x")
+        x = ops.host_load(xs)  # batched [3, R]
+        logits = x + bias  # [3, R] + [R], both batched
+        scaled = m / (1.0 - 0.9**step)  # [3, R] / [], both batched
+        outer = step * inv  # batched [] times invariant [R]: the result is [R] per replica
+        picked = torch.where(x > 0, step, bias)  # [3, R] condition, [] and [R] branches
+        m.add_(step)  # in place: [3, R] += [] per replica
+        m.div_(bias + 1.0)  # in place: [3, R] /= [R]
+        outs = {}
+        for name, t in (("logits", logits), ("scaled", scaled), ("outer", outer),
+                        ("picked", picked)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs, m
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_mixed_rank_elementwise_ops_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(5).normal(size=(R, 3, R)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, m = _build_mixed_ranks(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            got = {}
+            for i in range(2):
+                out = session.run({xs: x})
+                got.update({f"{k}{i}": out[s] for k, s in outs.items()})
+            got["m"] = session.get_tensor_data(m)
+            results[executor] = got
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _build_indexed(R):
+    """index_select / index_copy / index_add with an index shared by the replicas (the
+    pipeline's activation stashes), on batched and replica-invariant operands."""
+    rng = np.random.default_rng(6)
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        stash = popxl.variable(rng.normal(size=(R, 3, 2, 4)).astype(np.float32), name="stash",
+                               replica_grouping=ir.replica_grouping(1, 1))  # fmt: skip
+        table = popxl.variable(rng.normal(size=(3, 4)).astype(np.float32), name="table")
+        xs = popxl.h2d_stream((1, 2, 4), popxl.float32, "x")
+        x = ops.host_load(xs)  # batched
+        where = popxl.constant(np.array([2], np.int32)).long()
+        stash.copy_(torch.index_copy(stash, 0, where, x))  # batched self and source
+        picked = torch.index_select(stash, -3, where)
+        rows = torch.index_select(table, 0, where)  # replica-invariant
+        mixed = torch.index_copy(table, 0, where, x[0, :1])  # invariant self, batched source
+        added = torch.index_add(
+            table, 1, popxl.constant(np.array([3, 0], np.int32)).long(), x[0].T[:3]
+        )
+        outs = {}
+        for name, t in (("picked", picked), ("rows", rows), ("mixed", mixed), ("added", added)):
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs, stash
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_indexed_ops_with_a_shared_index_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(7).normal(size=(R, 1, 2, 4)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, stash = _build_indexed(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            got = {k: out[s] for k, s in outs.items()}
+            got["stash"] = session.get_tensor_data(stash)
+            results[executor] = got
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _build_pool_and_grads(R, image_shape):
+    """2-d max pooling (forward and backward), select_backward and activation gradients on
+    per-replica values: the ops of CNN and transformer backward passes."""
+    aten = torch.ops.aten
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        xs = popxl.h2d_stream(image_shape, popxl.float32, "x")
+        x = ops.host_load(xs)
+        pooled, indices = aten.max_pool2d_with_indices(x, [2, 2], [2, 2], [1, 1])
+        grad = aten.max_pool2d_with_indices_backward(torch.sigmoid(pooled), x, [2, 2], [2, 2],
+                                                     [1, 1], [1, 1], False, indices)  # fmt: skip
+        picked = aten.select_backward(pooled[..., 1, :], list(pooled.shape), -2, 1)
+        sig = aten.sigmoid_backward(grad, torch.sigmoid(x))
+        tanh = aten.tanh_backward(grad, torch.tanh(x))
+        silu = aten.silu_backward(grad, x)
+        outs = {}
+        for name, t in (("pooled", pooled), ("indices", indices), ("grad", grad),
+                        ("picked", picked), ("sig", sig), ("tanh", tanh), ("silu", silu)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R,image_shape", [(2, (3, 2, 5, 6)), (3, (2, 4, 5))])
+def test_pooling_and_gradient_ops_run_explicitly_and_match_the_reference(R, image_shape):
+    x = np.random.default_rng(8).normal(size=(R, *image_shape)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _build_pool_and_grads(R, image_shape)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            results[executor] = {k: out[s] for k, s in outs.items()}
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _build_masks_and_reductions(R):
+    """Comparisons and masks, ``*_like`` values, a full mean and ``stack`` on per-replica and
+    replica-invariant values."""
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        inv = popxl.variable(np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32), name="inv")
+        xs = popxl.h2d_stream((3, 4), popxl.float32, "x")
+        x = ops.host_load(xs)
+        mask = torch.logical_and(x >= inv, ~(x > 0.5)) | (x != inv)
+        bits = torch.bitwise_and(mask, torch.logical_or(x < 0, inv > 0))
+        rem = torch.remainder(x, 0.7) + torch.remainder(x, inv + 2.0)
+        like = torch.zeros_like(x) + torch.ones_like(inv) * 2.0
+        mean = torch.mean(x * inv)
+        stacked = torch.stack([x, inv, like], dim=-2)
+        stacked0 = torch.stack([inv, x])
+        outs = {}
+        for name, t in (("mask", mask), ("bits", bits), ("rem", rem), ("like", like),
+                        ("mean", mean), ("stacked", stacked), ("stacked0", stacked0)):  # fmt: skip
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_masks_likes_means_and_stacks_run_explicitly_and_match_the_reference(R):
+    x = np.random.default_rng(9).normal(size=(R, 3, 4)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _build_masks_and_reductions(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            out = session.run({xs: x})
+            results[executor] = {k: out[s] for k, s in outs.items()}
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def _cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.BatchNorm2d(4),
+        torch.nn.Conv2d(4, 3, 3, bias=False), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(3 * 3 * 3, 5),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("R,GA", [(2, 2), (3, 1)])
+def test_cnn_training_runs_explicitly_and_matches_the_reference_executor(R, GA):
+    """Note [convolutions and batch norm on stacked rows]: convolutions (with and without bias),
+    batch norm with per-replica statistics and running statistics, max pooling: the fast
+    executor runs the whole step on stacked values and trains as the reference executor."""
+    rng = np.random.default_rng(10)
+    batches = [(rng.normal(size=(R * GA * 4, 2, 8, 8)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+    results = {}
+    for executor in ("fast", "reference"):
+        torch.manual_seed(0)
+        model = _cnn()
+        trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                replication_factor=R, gradient_accumulation=GA,
+                                executor=executor)  # fmt: skip
+        losses = [trainer.step(x, y) for x, y in batches]
+        if executor == "fast":
+            for name, fn in trainer.session._executor.fns.items():
+                assert fn.explicit, (name, fn.vmap_reason)
+        state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+        results[executor] = (losses, state)
+    (fast_losses, fast_state), (ref_losses, ref_state) = results["fast"], results["reference"]
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref_state.items():  # parameters, running means and variances
+        np.testing.assert_allclose(fast_state[k], want, rtol=1e-4, atol=1e-5, err_msg=k)

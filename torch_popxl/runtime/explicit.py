@@ -5,8 +5,8 @@ Note [explicit batching]
     which dominates small replicated programs. The compiler already knows, statically, which
     values are batched (one row per replica, ``[R, *shape]``) and which are replica-invariant
     (stored once). For a small, common set of ops the stacked form is a direct rewrite —
-    elementwise ops broadcast correctly when every batched input has the same per-replica
-    rank and no unbatched input has a larger one; ``mm`` becomes ``matmul``/``bmm``; ops
+    elementwise ops broadcast as they do per replica once a batched operand of lower rank
+    gets unit dims after the replica dim (Note [broadcasting on stacked values]); ``mm`` becomes ``matmul``/``bmm``; ops
     taking a ``dim`` shift it past the replica dimension. A ``torch_popxl`` op brings its own
     rule: its definition's ``explicit`` rule (``opdefs/registry.py``) says whether it has a
     stacked form for the given batched inputs and returns the callable that runs it (a
@@ -30,6 +30,7 @@ __all__ = [
     "foldable",
     "is_random",
     "opdef_rule",
+    "rank_padding",
     "vmap_reason",
 ]
 
@@ -53,15 +54,30 @@ ELEMENTWISE = _ELEMENTWISE = {
     aten.clamp_min.default, aten.clamp_max.default, aten.fill_.Scalar, aten.silu.default,
     aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.gt.Tensor,
     aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
+    # activation gradients (grad_output, and the forward's input or output)
+    aten.sigmoid_backward.default, aten.tanh_backward.default, aten.silu_backward.default,
+    # masks and comparisons, and values shaped like their input
+    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.ge.Tensor, aten.le.Tensor,
+    aten.ne.Tensor, aten.remainder.Scalar, aten.remainder.Tensor, aten.zeros_like.default,
+    aten.ones_like.default, aten.relu_.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
          aten.gather.default, aten.scatter_add.default, aten.squeeze.dim, aten.slice.Tensor,
          aten.select.int}  # fmt: skip
+# ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
+# stashes): stacked when the index is the same on every replica
+_INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}
+# 2-d max pooling per replica on [N, C, H, W] or [C, H, W]: the replicas' rows are more images
+# (the indices are positions within each image's plane, so they do not change)
+_POOL = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default}
 _SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
 # nll_loss forward/backward: the position of the ``reduction`` argument
 _NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
-_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.mean.default,
+         aten.amax.default}  # fmt: skip
+_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}  # over every per-replica dim
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FLAT_KINDS = {
     "clone",
@@ -105,6 +121,7 @@ _TRANSFORMER = {
     aten.expand.default: _any_ok,
     aten.bmm.default: _any_ok,
     aten.cat.default: _any_ok,
+    aten.stack.default: _any_ok,
 }
 
 
@@ -131,9 +148,7 @@ def _ok_torch(f, a, R: int) -> bool:
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
-        ranks_b = {t.rank for t, b in zip(f.op.inputs, batched, strict=True) if b}
-        ranks_u = [t.rank for t, b in zip(f.op.inputs, batched, strict=True) if not b]
-        return len(ranks_b) == 1 and all(r <= min(ranks_b) for r in ranks_u)
+        return True  # any ranks: Note [broadcasting on stacked values]
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True
     if target is aten.addmm.default:
@@ -149,9 +164,43 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
+    if target is aten.select_backward.default:
+        return batched[0]
+    if target in _CNN:
+        return _CNN[target](f, batched)
+    if target in _POOL:
+        return f.op.inputs[0].rank in (3, 4) and not f.op.attrs.kwargs
+    if target in _INDEXED:  # a per-replica index would need a gather per row
+        index = f.op.attrs.args[2]
+        return isinstance(index, Slot) and not batched[index.index] and not f.op.attrs.kwargs
     if target in _TRANSFORMER:
         return _TRANSFORMER[target](f, batched)
     return opdef_rule(f.op, batched, R) is not None
+
+
+# Note [broadcasting on stacked values]
+#     Per replica, an elementwise op broadcasts its operands by aligning trailing dims. On
+#     stacked values a batched operand carries the replica dim in front, so a batched operand
+#     of lower per-replica rank than the op's result would align its replica dim with one of
+#     the result's own dims (Adam's ``m / (1 - beta1 ** step)`` with a per-replica step counter,
+#     a per-replica bias ``[10]`` added to ``[32, 10]`` logits): wrong, or an error. Padding it
+#     with unit dims after the replica dim (``x[:, None]``, a view) restores the per-replica
+#     alignment; replica-invariant operands are stored without the replica dim and align by
+#     their trailing dims as they do per replica. The result's rank is the largest operand
+#     rank, so the operand an in-place op writes is never padded.
+def rank_padding(f, plan) -> dict[int, int]:
+    """``{input index: unit dims to insert after the replica dim}`` for the batched operands of
+    an explicitly batched elementwise op ``f`` (Note [broadcasting on stacked values])."""
+    if f.kind != "torch" or f.op.attrs.target not in _ELEMENTWISE:
+        return {}
+    if f in plan.sum_adds or f in plan.sum_reads:
+        return {}  # emitted on the replica sum, which has no replica dim
+    top = max((t.rank for t in f.op.inputs), default=0)
+    return {
+        i: top - t.rank
+        for i, (t, n) in enumerate(zip(f.op.inputs, f.ins, strict=True))
+        if t.rank < top and plan.b(n)
+    }
 
 
 def opdef_rule(op: Op, batched: list[bool], R: int):
@@ -377,12 +426,13 @@ def emit_torch(em, f, ind: str) -> None:
     elif target in _SUMS:
         per_replica_dims = f.op.inputs[0].rank
         dims = args[1] if len(args) > 1 else kwargs.pop("dim", None)
-        if dims is None or dims == [] or target is aten.sum.default:
+        if dims is None or dims == [] or target in _FULL_REDUCTIONS:
             dims = list(range(per_replica_dims))
         dims = [_shift(d % per_replica_dims) for d in dims]
         keep = args[2] if len(args) > 2 else kwargs.pop("keepdim", False)
         extra = "".join(f", {k}={lit(v)}" for k, v in kwargs.items())
-        fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean"}.get(target, "torch.sum")
+        fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean",
+              aten.mean.default: "torch.mean"}.get(target, "torch.sum")  # fmt: skip
         em.lines.append(f"{ind}{out} = {fn}({x}, {tuple(dims)!r}, keepdim={keep!r}{extra})")
     elif target in _DIM1 or target in _SOFTMAX_BACKWARD:
         # every tensor argument must be stacked; the dim moves past the replica dim
@@ -395,6 +445,34 @@ def emit_torch(em, f, ind: str) -> None:
         dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+    elif target in _CNN:
+        rendered = [lit(v) for v in args]
+        flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
+        call = f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r})"
+        _emit_outputs(em, f, ind, call)
+    elif target is aten.select_backward.default:
+        sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
+        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}, {lit(args[3])}"
+        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({call})")
+    elif target in _POOL:
+        rendered = [lit(v) for v in args]
+        tensors = (0,) if target is aten.max_pool2d_with_indices.default else (0, 1, 7)
+        for i in tensors:  # every tensor argument with its rows (the op's own batch dim)
+            if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
+                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
+        fn = em.p.literal(_pool_stacked)
+        call = f"{fn}({em.p.literal(target._op)}, {tensors!r}, {', '.join(rendered)})"
+        _emit_outputs(em, f, ind, call)
+    elif target in _INDEXED:
+        # the shared index selects along the shifted dim; tensors other than the index are
+        # given their replica dim (an invariant ``self`` written with per-replica rows)
+        rendered = [lit(v) for v in args]
+        for i in (0, 3):
+            v = args[i] if i < len(args) else None
+            if isinstance(v, Slot) and not a.b(f.ins[v.index]):
+                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
+        rendered[1] = repr(_shift(args[1]))
         em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
     elif target in _TRANSFORMER:
         _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R)
@@ -451,10 +529,163 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         _emit_outputs(em, f, ind, call)
     elif target is aten.bmm.default:  # matmul broadcasts an invariant operand over the rows
         _emit_outputs(em, f, ind, f"torch.matmul({rendered[0]}, {rendered[1]})")
-    elif target is aten.cat.default:
+    elif target in (aten.cat.default, aten.stack.default):
         parts = "[" + ", ".join(stacked_arg(v) for v in args[0]) + "]"
         dim = args[1] if len(args) > 1 else 0
-        _emit_outputs(em, f, ind, f"torch.cat({parts}, {_shift(dim)})")
+        if target is aten.stack.default and dim < 0:  # counts the new dim: per replica rank + 1
+            dim += f.op.outputs[0].rank
+        fn = "torch.cat" if target is aten.cat.default else "torch.stack"
+        _emit_outputs(em, f, ind, f"{fn}({parts}, {_shift(dim)})")
+
+
+# Note [convolutions and batch norm on stacked rows]
+#     A convolution with a replica-invariant weight treats every image alike: the rows of its
+#     per-replica ``[N, C, *S]`` input fold into the batch dim, one call for all replicas. Its
+#     weight and bias gradients are per replica (each replica's own images), so they are one
+#     call per row; the input gradient folds like the forward. Batch norm normalises each
+#     channel over the batch and spatial dims of ONE replica, so the rows fold into the channel
+#     dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``): per-replica statistics
+#     become per-channel ones of the folded tensor, the affine parameters and running
+#     statistics are per row (``[rows * C]``; the running statistics are views of the stacked
+#     variables, so the kernel's in-place update reaches them), and per-channel results come
+#     back as ``[rows, C]``.
+def _conv_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # input, weight, bias, ...
+    x, w, b = args[0], args[1], args[2]
+    return (isinstance(x, Slot) and batched[x.index] and isinstance(w, Slot)
+            and not batched[w.index] and (b is None or not batched[b.index])
+            and f.op.inputs[x.index].rank == f.op.inputs[w.index].rank
+            and not f.op.attrs.kwargs)  # fmt: skip
+
+
+def _conv_backward_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # grad, input, weight, bias_sizes, ...
+    g, x, w = args[0], args[1], args[2]
+    return (all(isinstance(v, Slot) for v in (g, x, w)) and batched[g.index] and batched[x.index]
+            and not batched[w.index] and f.op.inputs[x.index].rank == f.op.inputs[w.index].rank
+            and not f.op.attrs.kwargs)  # fmt: skip
+
+
+def _batch_norm_ok(f, batched) -> bool:
+    args = f.op.attrs.args  # (grad,) input, ...
+    first = 1 if f.op.attrs.target is aten.native_batch_norm_backward.default else 0
+    xs = args[: first + 1]
+    if not (all(isinstance(v, Slot) and batched[v.index] for v in xs)
+            and f.op.inputs[args[first].index].rank >= 2 and not f.op.attrs.kwargs):  # fmt: skip
+        return False
+    if not first and args[5]:  # training updates the running statistics: they are per row
+        return all(not isinstance(v, Slot) or batched[v.index] for v in args[3:5])
+    return True
+
+
+def _fold_batch(x):
+    rows, n = x.shape[:2]
+    return x.reshape(rows * n, *x.shape[2:])
+
+
+def _conv_stacked(x, w, b, *rest, flags):
+    """``aten.convolution`` on stacked rows with an invariant weight: one call."""
+    out = aten.convolution(_fold_batch(x), w, b, *rest)
+    return out.view(x.shape[0], x.shape[1], *out.shape[1:])
+
+
+def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags):
+    """``aten.convolution_backward`` on stacked rows: the input gradient in one call, the
+    weight and bias gradients per row (Note [convolutions and batch norm on stacked rows])."""
+    *conv, mask = rest
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        grad_x = aten.convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,
+                                           *conv, [True, False, False])[0]  # fmt: skip
+        grad_x = grad_x.view(x.shape)
+    if mask[1] or mask[2]:
+        per_row = [aten.convolution_backward(grad[r], x[r], w, bias_sizes, *conv,
+                                             [False, mask[1], mask[2]])
+                   for r in range(x.shape[0])]  # fmt: skip
+        grad_w = torch.stack([p[1] for p in per_row]) if mask[1] else None
+        grad_b = torch.stack([p[2] for p in per_row]) if mask[2] else None
+    return grad_x, grad_w, grad_b
+
+
+def _channels_in(x):  # [rows, N, C, *S] -> [N, rows * C, *S]
+    rows, n, c = x.shape[:3]
+    return x.transpose(0, 1).reshape(n, rows * c, *x.shape[3:])
+
+
+def _channels_out(y, rows: int):  # [N, rows * C, *S] -> [rows, N, C, *S]
+    return y.view(y.shape[0], rows, -1, *y.shape[2:]).transpose(0, 1).contiguous()
+
+
+def _per_channel(p, rows: int, batched: bool):  # [C] or [rows, C] -> [rows * C]
+    if p is None or p.numel() == 0:
+        return p
+    return p.reshape(-1) if batched else p.repeat(rows)
+
+
+def _per_row_channels(t, rows: int):  # [rows * C] -> [rows, C]
+    return None if t is None else t.view(rows, t.numel() // rows)
+
+
+def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
+    """``aten.native_batch_norm`` per replica on stacked rows (Note [convolutions and batch
+    norm on stacked rows])."""
+    rows = x.shape[0]
+    stats = [_per_channel(t, rows, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
+    out, save_mean, save_invstd = aten.native_batch_norm(
+        _channels_in(x), _per_channel(w, rows, flags[1]), _per_channel(b, rows, flags[2]),
+        *stats, training, momentum, eps,
+    )  # fmt: skip
+    for orig, flat in zip((mean, var), stats, strict=True):
+        # a (per-row) running statistic that was not a view of its variable: write it back
+        if training and orig is not None and flat.data_ptr() != orig.data_ptr():
+            orig.copy_(flat.view(orig.shape))
+    return (_channels_out(out, rows), _per_row_channels(save_mean, rows),
+            _per_row_channels(save_invstd, rows))  # fmt: skip
+
+
+def _batch_norm_backward_stacked(grad, x, w, mean, var, save_mean, save_invstd, training, eps,
+                                 mask, *, flags):  # fmt: skip
+    """``aten.native_batch_norm_backward`` per replica on stacked rows."""
+    rows = x.shape[0]
+    grad_x, grad_w, grad_b = aten.native_batch_norm_backward(
+        _channels_in(grad), _channels_in(x), _per_channel(w, rows, flags[2]),
+        _per_channel(mean, rows, flags[3]), _per_channel(var, rows, flags[4]),
+        _per_channel(save_mean, rows, flags[5]), _per_channel(save_invstd, rows, flags[6]),
+        training, eps, mask,
+    )  # fmt: skip
+    grad_x = None if grad_x is None else _channels_out(grad_x, rows)
+    return grad_x, _per_row_channels(grad_w, rows), _per_row_channels(grad_b, rows)
+
+
+_CNN = {
+    aten.convolution.default: _conv_ok,
+    aten.convolution_backward.default: _conv_backward_ok,
+    aten.native_batch_norm.default: _batch_norm_ok,
+    aten.native_batch_norm_backward.default: _batch_norm_ok,
+}
+_CNN_STACKED = {
+    aten.convolution.default: _conv_stacked,
+    aten.convolution_backward.default: _conv_backward_stacked,
+    aten.native_batch_norm.default: _batch_norm_stacked,
+    aten.native_batch_norm_backward.default: _batch_norm_backward_stacked,
+}
+
+
+def _pool_stacked(fn, tensors, *args):
+    """A 2-d pooling op (forward or backward) on stacked rows: per-replica ``[N, C, H, W]``
+    values fold the rows into the batch dim; per-replica ``[C, H, W]`` ones are a batch
+    already. Outputs get their rows back."""
+    x = args[tensors[0]]
+    if x.dim() == 4:  # [rows, C, H, W]: the rows are the batch
+        return fn(*args)
+    rows, n = x.shape[:2]
+    args = list(args)
+    for i in tensors:
+        args[i] = args[i].reshape(rows * n, *args[i].shape[2:])
+    out = fn(*args)
+    if isinstance(out, tuple):
+        return tuple(o.view(rows, n, *o.shape[1:]) for o in out)
+    return out.view(rows, n, *out.shape[1:])
 
 
 def _expand_stacked(x, size):

@@ -989,7 +989,9 @@ class _Emitter:
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
-            return f.ins[x.index]
+            pad = _explicit.rank_padding(f, self.a).get(x.index, 0) if self.explicit else 0
+            # Note [broadcasting on stacked values]: unit dims after the replica dim
+            return f"{f.ins[x.index]}[:{', None' * pad}]" if pad else f.ins[x.index]
         if isinstance(x, list):
             return "[" + ", ".join(self.literal(y, f) for y in x) + "]"
         if isinstance(x, tuple):

@@ -1,0 +1,75 @@
+"""Adam over the seed model's parameters: per-parameter chains, torch._foreach_*, fused kernel.
+
+What issue 14 item 3 (multi-tensor optimizer updates) could gain on this machine's CPU: one
+Adam step over the parameters of the 784-512-512-512-10 MLP (8 tensors, 0.93 M values),
+
+* ``chain``: one in-place op after another per parameter, as the generated step runs it
+  after Note [update in place] (torch's single-tensor Adam does the same);
+* ``foreach``: the same arithmetic as ``torch._foreach_*`` calls over all parameters (torch's
+  ``foreach=True`` path);
+* ``fused``: ``torch._fused_adam_`` over all parameters (torch's ``fused=True`` path; one pass
+  over each tensor).
+
+Timed interleaved; prints ms per step, median (min-max), and each against ``chain``. On CPU the
+``_foreach_*`` kernels loop over the tensors one op at a time, so they save only Python
+dispatch; only the fused kernel saves memory passes, and it rounds differently from the
+single-tensor update (its results differ from eager's default Adam in the last bits).
+
+Usage: ``python benchmarks/bench_optimizer.py [rounds]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import describe, interleaved_samples, ratio  # noqa: E402
+
+SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
+LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
+
+
+def main(rounds: int = 30) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
+    avgs = [torch.zeros(s) for s in SHAPES]
+    sqs = [torch.zeros(s) for s in SHAPES]
+    steps = [torch.tensor(3.0) for _ in SHAPES]
+    step_size, bc2_sqrt = LR / (1 - BETA1**3), (1 - BETA2**3) ** 0.5
+
+    def chain():
+        for p, g, m, v in zip(params, grads, avgs, sqs, strict=True):
+            m.lerp_(g, 1 - BETA1)
+            v.mul_(BETA2).addcmul_(g, g, value=1 - BETA2)
+            denom = v.sqrt().div_(bc2_sqrt).add_(EPS)
+            p.addcdiv_(m, denom, value=-step_size)
+
+    def foreach():
+        torch._foreach_lerp_(avgs, grads, 1 - BETA1)
+        torch._foreach_mul_(sqs, BETA2)
+        torch._foreach_addcmul_(sqs, grads, grads, 1 - BETA2)
+        denom = torch._foreach_sqrt(sqs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, EPS)
+        torch._foreach_addcdiv_(params, avgs, denom, -step_size)
+
+    def fused():
+        torch._fused_adam_(params, grads, avgs, sqs, [], steps, lr=LR, beta1=BETA1, beta2=BETA2,
+                           weight_decay=0.0, eps=EPS, amsgrad=False, maximize=False)  # fmt: skip
+
+    fns = {"chain": chain, "foreach": foreach, "fused": fused}
+    s = interleaved_samples(fns, rounds)
+    print("Adam step over the seed MLP's 8 parameters (0.93 M values), median (min-max):")
+    for name in fns:
+        print(f"  {name:<8} {describe(s[name])}; chain / {name} {ratio(s['chain'], s[name])}")
+    return {k: statistics.median(v) for k, v in s.items()}
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)

@@ -1,0 +1,216 @@
+"""popxl.compile with Adam/AdamW(fused=True): one fused kernel call per param group, with the
+numbers of eager torch's fused optimizer (Note [fused optimizer updates] in compile.py).
+
+``Elementwise`` computes its gradients with elementwise ops only, so the compiled program's
+gradients equal eager torch's bit for bit (also summed over replicas and micro-batches) and
+the optimizer update is compared exactly: parameters, exp_avg, exp_avg_sq and step. The MLP's
+matmul gradients are summed in another order than eager's, so it is compared tightly.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import torch_popxl as popxl
+from torch_popxl.runtime import explicit as _explicit
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+LOOSE = {"rtol": 2e-4, "atol": 2e-5}  # tests/test_compile.py's: another formula's rounding
+
+
+class Elementwise(torch.nn.Module):
+    """A scalar 'loss' whose gradients are elementwise: ``2 w s``, ``2 b s``, ``s``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(12))
+        self.b = torch.nn.Parameter(torch.randn(4))
+        self.c = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        s = x.sum(0)
+        return (
+            (self.w * self.w * s).sum() + (self.b * self.b * s[:4]).sum() + (self.c * s[:3]).sum()
+        )
+
+
+def _identity_loss(out, target):
+    return out
+
+
+def _cross_entropy(out, target):
+    return torch.nn.functional.cross_entropy(out, target)
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))  # fmt: skip
+
+
+CASES = {"elementwise": (Elementwise, _identity_loss), "mlp": (_mlp, _cross_entropy)}
+
+
+def _batches(n, size, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 12, generator=gen), torch.randint(0, 4, (size,), generator=gen))
+            for _ in range(n)]  # fmt: skip
+
+
+def _groups(model, lr=1e-2):
+    """Two param groups with their own learning rates: the first parameter, the rest."""
+    params = list(model.parameters())
+    return [{"params": params[:1], "lr": lr}, {"params": params[1:], "lr": 2 * lr}]
+
+
+FUSED = {
+    "adam": lambda m, fused=True: torch.optim.Adam(
+        _groups(m), lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2, fused=fused
+    ),
+    "adamw": lambda m, fused=True: torch.optim.AdamW(
+        _groups(m), lr=1e-2, weight_decay=0.1, fused=fused
+    ),
+}
+
+
+def _eager(model, loss_fn, opt, batches, chunks, between):
+    """Eager torch on the compiled schedule: the mean of ``chunks`` chunk gradients per step."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
+            loss = loss_fn(model(xc), yc)
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        opt.step()
+        losses.append(total)
+        between()
+    return losses
+
+
+def _run_both(case, make_opt, R, GA, steps=3, make_between=None, eager_opt=None, **kw):
+    """Trains a copy compiled and a copy eagerly on the same batches; ``make_between(opt)``
+    gives what runs after every step (an LR scheduler)."""
+    make_model, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps, 8 * R * GA)
+    opt = make_opt(model)
+    between = make_between(opt) if make_between else lambda: None
+    trainer = popxl.compile(model, loss_fn, opt, replication_factor=R, gradient_accumulation=GA,
+                            **kw)  # fmt: skip
+    losses = []
+    for x, y in batches:
+        losses.append(trainer.step(x, y))
+        between()
+    ref_opt = (eager_opt or make_opt)(ref)
+    ref_between = make_between(ref_opt) if make_between else lambda: None
+    ref_losses = _eager(ref, loss_fn, ref_opt, batches, R * GA, ref_between)
+    return trainer, (model, opt, losses), (ref, ref_opt, ref_losses)
+
+
+def _assert_same(ours, theirs, tol):
+    model, opt, losses = ours
+    ref, ref_opt, ref_losses = theirs
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), **tol, msg=lambda m, n=n: f"{n}: {m}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], **tol)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize(
+    "R,GA,executor", [(1, 1, "fast"), (1, 1, "reference"), (4, 2, "fast"), (4, 2, "reference")]
+)
+def test_fused_adam_equals_eager_fused_adam(kind, R, GA, executor):
+    """Exact at R=1; with replicas the gradient mean is summed in another order than eager's
+    accumulation over chunks, so the numbers agree to within a few float32 ulps."""
+    trainer, ours, theirs = _run_both("elementwise", FUSED[kind], R, GA, executor=executor)
+    assert trainer.fused_reasons == (None, None)
+    _assert_same(ours, theirs, EXACT if R == 1 else TIGHT)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_fused_adam_differs_from_eager_single_tensor_adam(kind):
+    """The exact equality above says which formula ran: torch's single-tensor Adam (what the
+    compiled step runs without fused=True) rounds differently."""
+    _, ours, theirs = _run_both(
+        "elementwise", FUSED[kind], 1, 1, eager_opt=lambda m: FUSED[kind](m, fused=False)
+    )
+    _assert_same(ours, theirs, LOOSE)
+    with pytest.raises(AssertionError):
+        _assert_same(ours, theirs, EXACT)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("R,GA", [(1, 1), (4, 2)])
+def test_fused_adam_trains_an_mlp_as_eager_fused_adam(kind, R, GA):
+    trainer, ours, theirs = _run_both("mlp", FUSED[kind], R, GA)
+    assert trainer.fused_reasons == (None, None)
+    _assert_same(ours, theirs, TIGHT)
+
+
+def test_without_fused_the_chain_runs_and_says_why():
+    trainer, ours, theirs = _run_both("elementwise", lambda m: FUSED["adam"](m, fused=False), 4, 2)
+    assert trainer.fused_reasons == ("the optimizer was not built with fused=True",) * 2
+    _assert_same(ours, theirs, TIGHT)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (4, 2)])
+def test_lr_scheduler_between_fused_steps_changes_the_compiled_update(R, GA):
+    def scheduler(opt):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        return sched.step
+
+    trainer, ours, theirs = _run_both("elementwise", FUSED["adamw"], R, GA, steps=4,
+                                      make_between=scheduler)  # fmt: skip
+    assert ours[1].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
+    assert trainer.fused_reasons == (None, None)
+    _assert_same(ours, theirs, EXACT if R == 1 else TIGHT)
+
+
+def test_changing_betas_eps_or_weight_decay_rebuilds_and_carries_state():
+    """The fused kernel takes betas, eps and weight decay as numbers: a change rebuilds the
+    program, and training goes on from the same state as eager torch's."""
+
+    def edit(opt):
+        def apply():
+            for g in opt.param_groups:
+                g["betas"] = (g["betas"][0] - 0.05, g["betas"][1])
+                g["eps"] *= 2
+                g["weight_decay"] += 0.01
+
+        return apply
+
+    trainer, ours, theirs = _run_both("elementwise", FUSED["adam"], 1, 1, make_between=edit)
+    assert trainer.fused_reasons == (None, None)
+    _assert_same(ours, theirs, EXACT)
+
+
+@pytest.mark.parametrize(
+    "kw,reason",
+    [
+        ({"rts_threshold": 1}, "sharded"),
+        ({"optimizer_state": "remote"}, "off-chip"),
+        ({"loss_scaling": "dynamic"}, "dynamic loss scaling"),
+    ],
+    ids=["rts", "remote", "dynamic_loss_scaling"],
+)
+def test_fused_optimizer_falls_back_to_the_chain_and_says_why(kw, reason):
+    trainer, ours, theirs = _run_both("mlp", FUSED["adamw"], 4, 2, **kw)
+    assert all(r is not None and reason in r for r in trainer.fused_reasons), trainer.fused_reasons
+    _assert_same(ours, theirs, LOOSE)  # the chain is torch's single-tensor formula
+
+
+def test_fused_update_in_a_vmap_fragment_equals_eager(monkeypatch):
+    """A fragment with an op lacking an explicit-batching rule runs under vmap; the fused
+    update inside it (on replica-invariant tensors) still gives eager's numbers."""
+    monkeypatch.setattr(_explicit, "vmap_reason", lambda *a: "forced by the test")
+    trainer, ours, theirs = _run_both("elementwise", FUSED["adam"], 4, 2)
+    executor = trainer.session._executor
+    assert not any(getattr(fn, "explicit", True) for fn in executor.fns.values())
+    _assert_same(ours, theirs, TIGHT)

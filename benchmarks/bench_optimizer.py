@@ -15,7 +15,12 @@ Timed interleaved; prints ms per step, median (min-max), and each against ``chai
 dispatch; only the fused kernel saves memory passes, and it rounds differently from the
 single-tensor update (its results differ from eager's default Adam in the last bits).
 
-Usage: ``python benchmarks/bench_optimizer.py [rounds]``.
+Then the whole compiled seed step (R=4, GA=8, micro-batch 8, on-chip state) with
+``Adam(fused=False)`` (the per-parameter chain) and ``Adam(fused=True)`` (one fused kernel
+call, Note [fused optimizer updates] in compile.py), and eager torch's same schedule with
+``fused=True``, timed interleaved.
+
+Usage: ``python benchmarks/bench_optimizer.py [rounds] [compiled rounds]``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import numpy as np  # noqa: E402
+
+import torch_popxl as popxl  # noqa: E402
+from mnist_compile import make_model  # noqa: E402
+from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
 
 SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
@@ -71,5 +82,45 @@ def main(rounds: int = 30) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in s.items()}
 
 
+def compiled(rounds: int = 10) -> dict[str, float]:
+    """The compiled seed step with the per-parameter Adam chain and with the fused kernel."""
+    R, GA, MICRO = 4, 8, 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
+    y = rng.integers(0, 10, R * GA * MICRO)
+    trainers = {}
+    for name, fused in (("compiled_chain", False), ("compiled_fused", True)):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), LR, fused=fused)
+        trainers[name] = popxl.compile(model, torch.nn.functional.cross_entropy, opt,
+                                       replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    torch.manual_seed(0)
+    eager_model = make_model()
+    eager_opt = torch.optim.Adam(eager_model.parameters(), LR, fused=True)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def eager_fused():
+        eager_opt.zero_grad()
+        for xc, yc in zip(xt.split(R * MICRO), yt.split(R * MICRO), strict=True):
+            (torch.nn.functional.cross_entropy(eager_model(xc), yc) / GA).backward()
+        eager_opt.step()
+
+    fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
+    fns["eager_fused"] = eager_fused
+    s = interleaved_samples(fns, rounds)
+    print(f"compiled seed step (R={R}, GA={GA}, micro-batch {MICRO}, on-chip Adam), "
+          "median (min-max):")  # fmt: skip
+    for name, trainer in trainers.items():
+        fallbacks = vmap_fallbacks(trainer)
+        print(f"  {name:<15} {describe(s[name])}; chain / {name} "
+              f"{ratio(s['compiled_chain'], s[name])}; fused_reasons {trainer.fused_reasons}; "
+              f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    print(f"  eager fused same schedule {describe(s['eager_fused'])}; eager / compiled_fused "
+          f"{ratio(s['eager_fused'], s['compiled_fused'])}")  # fmt: skip
+    return {k: statistics.median(v) for k, v in s.items()}
+
+
 if __name__ == "__main__":
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+    compiled(int(sys.argv[2]) if len(sys.argv) > 2 else 10)

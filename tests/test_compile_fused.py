@@ -214,3 +214,12 @@ def test_fused_update_in_a_vmap_fragment_equals_eager(monkeypatch):
     executor = trainer.session._executor
     assert not any(getattr(fn, "explicit", True) for fn in executor.fns.values())
     _assert_same(ours, theirs, TIGHT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_adamw_on_16_bit_parameters_equals_eager_fused_adamw_exactly(dtype, monkeypatch):
+    monkeypatch.setitem(CASES, "elementwise", (lambda: Elementwise().to(dtype), _identity_loss))
+    trainer, ours, theirs = _run_both("elementwise", FUSED["adamw"], 1, 1)
+    assert trainer.fused_reasons == (None, None)
+    assert ours[0].w.dtype == dtype
+    _assert_same(ours, theirs, EXACT)

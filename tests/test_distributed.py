@@ -234,8 +234,8 @@ def _train(replication, optimizer, **kwargs):
 
 
 def scenario_training(replication, executor):
-    """Data-parallel training through popxl.compile: SGD with momentum, and Adam with RTS
-    (reduce-scatter/all-gather) off-chip optimizer state."""
+    """Data-parallel training through popxl.compile: SGD with momentum, Adam with RTS
+    (reduce-scatter/all-gather) off-chip optimizer state, and fused AdamW on chip."""
     assert replication in (R, "popdist")
     sgd = _train(replication, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     adam = _train(
@@ -244,7 +244,10 @@ def scenario_training(replication, executor):
         rts_threshold=32,
         optimizer_state="remote",
     )
-    return {**{f"{k}@sgd": v for k, v in sgd.items()}, **{f"{k}@adam": v for k, v in adam.items()}}
+    # on-chip fused AdamW: one fused kernel call per step (Note [fused optimizer updates])
+    fused = _train(replication, lambda p: torch.optim.AdamW(p, lr=0.01, fused=True))
+    return {**{f"{k}@sgd": v for k, v in sgd.items()}, **{f"{k}@adam": v for k, v in adam.items()},
+            **{f"{k}@fused_adamw": v for k, v in fused.items()}}  # fmt: skip
 
 
 def scenario_layout(replication, executor):

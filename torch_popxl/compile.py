@@ -14,7 +14,9 @@ write it by hand:
   the optimizer state is sharded) and the optimizer update runs with exactly the torch
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
-  is loaded and stored around the update.
+  is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
+  each param group's on-chip parameters with one fused kernel call, as eager torch does
+  (Note [fused optimizer updates]).
 
 The torch objects stay the source of truth: the hyperparameters are read from
 ``optimizer.param_groups`` at each step (Note [hyperparameters at run time]), the module's

@@ -8,12 +8,16 @@ matmul gradients are summed in another order than eager's, so it is compared tig
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
 
 import torch_popxl as popxl
 from torch_popxl.runtime import explicit as _explicit
+
+# the module (``torch_popxl.compile`` the attribute is the function)
+_compile = importlib.import_module("torch_popxl.compile")
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
@@ -223,3 +227,11 @@ def test_fused_adamw_on_16_bit_parameters_equals_eager_fused_adamw_exactly(dtype
     assert trainer.fused_reasons == (None, None)
     assert ours[0].w.dtype == dtype
     _assert_same(ours, theirs, EXACT)
+
+
+def test_a_cuda_simulator_keeps_the_chain_and_says_why():
+    """CUDA's fused kernel is not exercised here, so a CUDA program keeps the chain."""
+    spec = _compile._GroupSpec("adam", ("w",), fused=(0.9, 0.999, 1e-8, 0.0))
+    assert _compile._fused_reason(spec, [], "on_chip", False, "cpu") is None
+    reason = _compile._fused_reason(spec, [], "on_chip", False, "cuda:0")
+    assert reason is not None and "CPU simulator only" in reason

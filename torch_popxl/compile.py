@@ -281,7 +281,7 @@ def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) 
 #     Where the kernel cannot apply, the group keeps the per-parameter chain and
 #     ``Trainer.fused_reasons`` says why: sharded (RTS) or off-chip state (each parameter's
 #     state is loaded and stored on its own), dynamic loss scaling (its skipped step is
-#     written for the chain), mixed dtypes in one group.
+#     written for the chain), mixed dtypes in one group, a CUDA simulator (untested).
 
 
 def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, eps: float,
@@ -298,11 +298,15 @@ def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, e
        weight_decay=weight_decay, eps=eps, maximize=False)  # fmt: skip
 
 
-def _fused_reason(spec: _GroupSpec, slots: list, state_placement: str, dynamic_scaling: bool):
+def _fused_reason(spec: _GroupSpec, slots: list, state_placement: str, dynamic_scaling: bool,
+                  device: str):  # fmt: skip
     """Why a param group keeps the per-parameter update chain, or None when it runs the fused
     kernel (Note [fused optimizer updates])."""
     if spec.fused is None:
         return "the optimizer was not built with fused=True"
+    if torch.device(device).type != "cpu":
+        # CUDA's fused kernel takes its learning-rate tensor differently; untested here.
+        return f"the fused update is used on the CPU simulator only (device={device!r})"
     if any(s.sharded for s in slots):
         return "the group's optimizer state is sharded (replicated tensor sharding)"
     if state_placement != "on_chip":
@@ -743,7 +747,7 @@ class Trainer:
             for i, spec in enumerate(specs):
                 members = [(s, g) for s, g in zip(slots, reduced, strict=True) if s.group == i]
                 reason = _fused_reason(spec, [s for s, _ in members], self.optimizer_state,
-                                       found is not None)  # fmt: skip
+                                       found is not None, self.device)  # fmt: skip
                 fused_reasons.append(reason)
                 if reason is None and members:
                     self._fused_update(members, spec, step, hyper_vars[i])

@@ -575,7 +575,7 @@ class Trainer:
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
                  device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None,
-                 loss_scaling=None):  # fmt: skip
+                 loss_scaling=None, backend: str = "default"):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -608,6 +608,7 @@ class Trainer:
         self.optimizer_state = optimizer_state
         self.device = device
         self.executor = executor
+        self.backend = _check_backend(backend, executor)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
@@ -763,7 +764,9 @@ class Trainer:
                            {"growth": scaling.growth_factor, "backoff": scaling.backoff_factor,
                             "interval": scaling.growth_interval})  # fmt: skip
                 ops.var_updates.copy_var_update_(scale_vars[2], found)
-        session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
+        session = Session(
+            ir, "ipu_hw", device=self.device, executor=self.executor, backend=self.backend
+        )
         session.__enter__()
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
@@ -1320,13 +1323,14 @@ class InferenceProgram:
     """
 
     def __init__(self, model: torch.nn.Module, replication_factor: int = 1, device: str = "cpu",
-                 executor: str = "fast"):  # fmt: skip
+                 executor: str = "fast", backend: str = "default"):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_device(device)
         self.model = model
         self.replication_factor = replication_factor
         self.device = device
         self.executor = executor
+        self.backend = _check_backend(backend, executor)
         self.ir = None
         self.session = None
         self._programs: dict[bool, tuple] = {}  # per train/eval mode: (key, ir, session, ...)
@@ -1357,7 +1361,9 @@ class InferenceProgram:
             for i, v in enumerate(leaves):
                 out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                 ops.host_store(out_streams[-1], v)
-        session = Session(ir, "ipu_hw", device=self.device, executor=self.executor)
+        session = Session(
+            ir, "ipu_hw", device=self.device, executor=self.executor, backend=self.backend
+        )
         session.__enter__()
         copied = []
         for n, t in [*params.items(), *buffers.items()]:
@@ -1410,14 +1416,17 @@ class InferenceProgram:
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast",
-            max_grad_norm: float | None = None, loss_scaling=None):  # fmt: skip
+            max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
     With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
     :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
     ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
     training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
-    its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does). See the README section "popxl.compile".
+    its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
+    ``backend="inductor"`` runs the generated step functions through ``torch.compile`` (CPU;
+    seconds of compilation at the first step, see README "Benchmarks"); ``"default"`` runs
+    them as generated. See the README section "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -1433,10 +1442,10 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
                 "loss_scaling only "
                 "apply to training."
             )
-        return InferenceProgram(model, replication_factor, device, executor)
+        return InferenceProgram(model, replication_factor, device, executor, backend)
     assert loss_fn is not None  # checked above: both or neither
     return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor, max_grad_norm, loss_scaling)  # fmt: skip
+                   optimizer_state, device, executor, max_grad_norm, loss_scaling, backend)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -1451,6 +1460,17 @@ def _mark_eager_step(trainer_ref) -> None:
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")
+
+
+def _check_backend(backend, executor) -> str:
+    if backend not in ("default", "inductor"):
+        raise ValueError(f"backend must be 'default' or 'inductor'; got {backend!r}.")
+    if backend != "default" and executor != "fast":
+        raise ValueError(
+            f"backend={backend!r} needs executor='fast' (the reference executor has no generated "
+            "step function to compile)."
+        )
+    return backend
 
 
 def _check_device(device) -> None:

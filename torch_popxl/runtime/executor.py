@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -158,10 +158,15 @@ def _uniform_buffers(ir) -> frozenset[int]:
 class FastExecutor:
     """Straight-line generated code, every replica at once under ``torch.func.vmap``."""
 
-    def __init__(self, ir, device: torch.device):
+    def __init__(self, ir, device: torch.device, backend: str = "default"):
         self.ir = ir
         self.device = device
         self.R = ir.instance_replication_factor
+        # Note [inductor backend]: fragment -> the torch.compile'd step function, or why the
+        # fragment runs the plain generated function (filled in at each fragment's first run).
+        self.backend = backend
+        self.backend_reasons: dict[str, str | None] = {}
+        self._compiled: dict[str, Any] = {}
         # The program is compiled for the GLOBAL replica count (full-group collectives span
         # every instance); it runs under vmap over this process's R local replicas.
         self.global_R = ir.replication_factor
@@ -246,10 +251,12 @@ class FastExecutor:
             rt = _RunContext(ins, buffers, nht, R, None, explicit_R=R)
             outs = tuple(
                 o if b else o.expand(R, *o.shape)
-                for o, b in zip(fn(rt, *var_vals), fn.out_batched, strict=True)
+                for o, b in zip(self._call(fragment, fn, rt, var_vals), fn.out_batched, strict=True)
             )
             stored, prints = rt.outs, []
         elif self.global_R == 1:
+            if self.backend == "inductor":
+                step = self._inductor_step(fragment, fn, nht, R, titles)
             outs, stored, prints = step(
                 [v[0] for v in values],
                 [x[:, 0] for x in ins],
@@ -260,6 +267,11 @@ class FastExecutor:
             stored = {k: [t.unsqueeze(0) for t in ts] for k, ts in stored.items()}
             prints = [v.unsqueeze(0) for v in prints]
         else:
+            if self.backend == "inductor":
+                self.backend_reasons[fragment] = (
+                    f"runs under torch.func.vmap ({fn.vmap_reason or 'several processes'}); "
+                    "torch.compile does not trace it here"
+                )
             # Note [replica-invariant values]: invariant variables enter vmap unbatched.
             var_vals = [
                 v[0] if t.id in self.uniform else v for t, v in zip(tensors, values, strict=True)
@@ -274,6 +286,61 @@ class FastExecutor:
                 state.persistent[t.id] = value
         _emit_prints(list(zip(titles, prints, strict=True)), R)
         return {k: torch.stack(ts) for k, ts in stored.items()}
+
+    def _compiled_fn(self, fragment: str, fn):
+        """The torch.compile'd ``fn`` for ``fragment`` (Note [inductor backend]), or None."""
+        if self.backend_reasons.get(fragment) is not None:
+            return None
+        if fragment not in self._compiled:
+            if self.device.type != "cpu":
+                self.backend_reasons[fragment] = f"inductor is used on CPU only ({self.device})"
+                return None
+            # The same source over OpOverloads: the raw ``_op`` builtins are opaque to dynamo.
+            scope: dict[str, Any] = {}
+            names = {**self.program.globals, **self.program.overloads}
+            exec(compile(fn.source, f"<torch_popxl inductor {fragment}>", "exec"), names, scope)
+            self._compiled[fragment] = torch.compile(
+                scope["fn"], backend="inductor", dynamic=False, fullgraph=True
+            )
+        return self._compiled[fragment]
+
+    def _call(self, fragment: str, fn, rt, var_vals):
+        """``fn(rt, *var_vals)``, through torch.compile under ``backend="inductor"``."""
+        compiled = self._compiled_fn(fragment, fn) if self.backend == "inductor" else None
+        if compiled is None:
+            return fn(rt, *var_vals)
+        try:
+            outs = compiled(rt, *var_vals)
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back (recorded)
+            # fullgraph=True: a failure is raised while compiling, before the graph ran, so
+            # nothing was updated yet and the plain function can run this step.
+            self.backend_reasons[fragment] = f"torch.compile failed: {type(e).__name__}: {e}"[:500]
+            self._compiled.pop(fragment, None)
+            return fn(rt, *var_vals)
+        self.backend_reasons.setdefault(fragment, None)
+        return outs
+
+    def _inductor_step(self, fragment: str, fn, nht: int, R: int, titles: list):
+        """The single-replica ``step`` of ``run`` with the fragment compiled."""
+
+        def step(var_vals, ins, buffers, anchor):
+            rt = _RunContext(ins, buffers, nht, R, anchor)
+            outs = self._call(fragment, fn, rt, var_vals)
+            titles[:] = [attrs for attrs, _ in rt.prints]
+            return outs, rt.outs, [value for _, value in rt.prints]
+
+        return step
+
+
+# Note [inductor backend]
+#     ``backend="inductor"`` (Session, popxl.compile) wraps each generated step function that
+#     runs outside vmap (explicit batching, or one replica) in ``torch.compile`` (inductor,
+#     dynamic=False, fullgraph=True), compiled at the fragment's first run. With fullgraph a
+#     graph break or a compiler error is raised before anything ran, so the fragment then runs
+#     the plain function for good and ``FastExecutor.backend_reasons`` says why; fragments
+#     under vmap always run plain. Compilation costs seconds per fragment (and torch.compile
+#     needs a C++ compiler), which short jobs never win back: the default stays the plain
+#     generated code (README "Benchmarks").
 
 
 # ---- the reference executor ---------------------------------------------------------------

@@ -445,7 +445,7 @@ def emit_torch(em, f, ind: str) -> None:
         dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
-        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+        em.lines.append(f"{ind}{out} = {em.p.aten(target)}({', '.join(rendered)})")
     elif target in _CNN:
         rendered = [lit(v) for v in args]
         flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
@@ -454,7 +454,7 @@ def emit_torch(em, f, ind: str) -> None:
     elif target is aten.select_backward.default:
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
         call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}, {lit(args[3])}"
-        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({call})")
+        em.lines.append(f"{ind}{out} = {em.p.aten(target)}({call})")
     elif target in _POOL:
         rendered = [lit(v) for v in args]
         tensors = (0,) if target is aten.max_pool2d_with_indices.default else (0, 1, 7)
@@ -462,7 +462,7 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
-        call = f"{fn}({em.p.literal(target._op)}, {tensors!r}, {', '.join(rendered)})"
+        call = f"{fn}({em.p.aten(target)}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
         # the shared index selects along the shifted dim; tensors other than the index are
@@ -473,7 +473,7 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(v, Slot) and not a.b(f.ins[v.index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         rendered[1] = repr(_shift(args[1]))
-        em.lines.append(f"{ind}{out} = {em.p.literal(target._op)}({', '.join(rendered)})")
+        em.lines.append(f"{ind}{out} = {em.p.aten(target)}({', '.join(rendered)})")
     elif target in _TRANSFORMER:
         _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R)
     else:  # pragma: no cover - batchable() admits nothing else
@@ -505,7 +505,7 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
 
     if target is aten.embedding.default:
         # the weight is replica-invariant; an embedding looks up any index shape
-        _emit_outputs(em, f, ind, f"{em.p.literal(target._op)}({', '.join(rendered)})")
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
     elif target is aten.native_layer_norm.default:
         affine_b = flag(args[2]) or flag(args[3])
         call = f"{em.p.literal(_layer_norm_stacked)}({', '.join(rendered)}, {affine_b!r})"

@@ -947,6 +947,9 @@ class Program:
         self.sources: dict[str, str] = {}
         self.explicit_ok = False  # set by the executor (single process, R > 1)
         self.var_names: dict[str, str] = {}
+        # Note [inductor backend] (runtime/executor.py): literal name -> the OpOverload whose
+        # raw ``_op`` the generated code calls (faster, but torch.compile cannot trace it).
+        self.overloads: dict[str, torch._ops.OpOverload] = {}
 
     def fresh(self) -> str:
         return f"v{next(self._counter)}"
@@ -959,6 +962,12 @@ class Program:
             self._keepalive.append(x)
             self.globals[name] = x
         return self._literals[key]
+
+    def aten(self, target: torch._ops.OpOverload) -> str:
+        """The literal for an aten overload's raw ``_op`` (skips the OpOverload dispatch)."""
+        name = self.literal(target._op)
+        self.overloads[name] = target
+        return name
 
     def constant(self, t: Constant) -> str:
         key = id(t)
@@ -1052,7 +1061,7 @@ class _Emitter:
             self.lines.append(f"{ind}{f.outs[0]} = {call}")
             return
         if rewrite == "inplace":
-            fn = self.p.literal(_INPLACE[f.source.attrs.target]._op)
+            fn = self.p.aten(_INPLACE[f.source.attrs.target])
             args = [self.literal(x, f) for x in f.source.attrs.args]
             args += [f"{k}={self.literal(v, f)}" for k, v in f.source.attrs.kwargs.items()]
             self.lines.append(f"{ind}{f.outs[0]} = {fn}({', '.join(args)})")
@@ -1068,7 +1077,7 @@ class _Emitter:
         if target is _aten.view.default and self.p.R > 1:
             fn = "VIEW"
         else:
-            fn = self.p.literal(target._op if is_aten else target)
+            fn = self.p.aten(target) if is_aten else self.p.literal(target)
         if f in self.a.sum_reads:
             self._sum_read(f, ind)
             return
@@ -1244,6 +1253,7 @@ class Fragment(Protocol):
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
     vmap_reason: str | None  # why it runs under vmap (the first op without a rule), if it does
     written_streams: frozenset[int]  # host streams whose loaded values it updates in place
+    source: str  # the generated Python
 
     def __call__(self, rt: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
@@ -1300,6 +1310,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.vmap_reason = reason
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
+    fn.source = src
     return fn
 
 

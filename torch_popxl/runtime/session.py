@@ -37,10 +37,13 @@ class Session:
     ``device_desc`` is ``"ipu_hw"``, ``"ipu_model"`` or ``"cpu"`` (all mean the simulator).
     ``device`` picks the torch device that holds the replicas (``"cpu"`` by default,
     ``"cuda"`` when available). ``executor="reference"`` runs the plain reference executor.
+    ``backend="inductor"`` runs the fast executor's generated step functions through
+    ``torch.compile`` (CPU; Note [inductor backend]); ``"default"`` runs them as generated.
     """
 
     def __init__(self, ir, device_desc: str = "cpu", weights_to_host_on_exit: bool = True, *,
-                 device: str | torch.device | None = None, executor: str = "fast"):  # fmt: skip
+                 device: str | torch.device | None = None, executor: str = "fast",
+                 backend: str = "default"):  # fmt: skip
         if not isinstance(ir, Ir):
             raise TypeError(f"Session expects a popxl Ir; got {type(ir).__name__}.")
         ir.verify()
@@ -53,6 +56,13 @@ class Session:
             )
         if executor not in ("fast", "reference"):
             raise ValueError(f"executor must be 'fast' or 'reference'; got {executor!r}.")
+        if backend not in ("default", "inductor"):
+            raise ValueError(f"backend must be 'default' or 'inductor'; got {backend!r}.")
+        if backend != "default" and executor != "fast":
+            raise ValueError(
+                f"backend={backend!r} needs executor='fast' (the reference executor has no "
+                "generated step function to compile)."
+            )
         self._ir = ir
         self._device_desc = device_desc
         self.weights_to_host_on_exit = weights_to_host_on_exit
@@ -82,8 +92,10 @@ class Session:
         self._inputs_expected = frozenset(ir.get_all_h2d_streams())
         self._outputs_expected = frozenset(ir.get_all_d2h_streams())
         self._outputs_in_order = sorted(self._outputs_expected, key=lambda s: s._index)
-        self._executor = (FastExecutor if executor == "fast" else ReferenceExecutor)(
-            ir, self._torch_device
+        self._executor = (
+            FastExecutor(ir, self._torch_device, backend)
+            if executor == "fast"
+            else ReferenceExecutor(ir, self._torch_device)
         )
         # One PopXL instance per process under torch.distributed (runtime/distributed.py): this
         # session holds the local replicas [offset, offset + R) of the global ones.

@@ -55,14 +55,23 @@ def _train(backend: str, batches, **kw):
 
 
 @needs_inductor
-def test_inductor_mnist_trainer_matches_default_backend():
+@pytest.mark.parametrize(
+    ("layout", "compiled"),
+    [({}, True), ({"rts_threshold": 100, "optimizer_state": "remote"}, False)],
+    ids=["on_chip", "remote_rts"],
+)
+def test_inductor_mnist_trainer_matches_default_backend(layout, compiled):
     batches = _batches(3, 16)
-    kw = {"replication_factor": 2, "gradient_accumulation": 2}
+    kw = {"replication_factor": 2, "gradient_accumulation": 2, **layout}
     _, ref_model, ref_opt, ref_losses = _train("default", batches, **kw)
     trainer, model, opt, losses = _train("inductor", batches, **kw)
-    # it really ran compiled: no fragment fell back to the plain function
     reasons = trainer.session._executor.backend_reasons
-    assert reasons["normal"] is None, reasons
+    if compiled:  # it really ran compiled: the step did not fall back to the plain function
+        assert reasons["normal"] is None, reasons
+    else:
+        # Known limitation: the RTS in-place update compares data pointers, which dynamo
+        # cannot trace, so the step runs the plain function, and says so.
+        assert reasons["normal"] is not None and "torch.compile failed" in reasons["normal"]
     np.testing.assert_allclose(losses, ref_losses, **CLOSE)
     # the steps updated the weights (equal weights would be no evidence otherwise)
     assert not torch.equal(model[0].weight.detach(), _mlp()[0].weight)

@@ -63,9 +63,12 @@ def main(repeats: int = 20) -> dict[str, float]:
         step_d, step_i = np.median(s[d]), np.median(s[i])
         extra = first[i] - first[d]
         gain = step_d - step_i
-        even = f"{extra / gain:.0f} steps" if gain > 0 else "never (inductor is not faster)"
         reasons = trainers[i].session._executor.backend_reasons
-        fallen = {k: v for k, v in reasons.items() if v is not None}
+        fallen = {k: v[:120] for k, v in reasons.items() if v is not None}
+        if "normal" in fallen:
+            even = "n/a (the step fell back to the plain function)"
+        else:
+            even = f"{extra / gain:.0f} steps" if gain > 0 else "never (inductor is not faster)"
         print(f"  {layout_name:<10} first step: default {first[d]:.2f} s, inductor "
               f"{first[i]:.2f} s; steady step: default {describe(s[d])}, inductor "
               f"{describe(s[i])}, default/inductor {ratio(s[d], s[i])}; break-even after "

@@ -60,7 +60,8 @@ def main(repeats: int = 10) -> dict[str, float]:
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns |= {"eager_schedule": eager_schedule, "eager_batch_256": eager_big}
     cpu: dict[str, list[float]] = {}
-    s = interleaved_samples(fns, repeats, cpu=cpu)
+    faults: dict[str, list[float]] = {}
+    s = interleaved_samples(fns, repeats, cpu=cpu, faults=faults)
     print(f"seed MNIST step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), median (min-max):")
     print(f"  eager same schedule   {describe(s['eager_schedule'])}")
     print(f"  eager one batch of 256 {describe(s['eager_batch_256'])}")
@@ -74,6 +75,8 @@ def main(repeats: int = 10) -> dict[str, float]:
           + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
           + f"; eager schedule / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "
           f"/ remote+RTS {ratio(cpu['eager_schedule'], cpu['remote+RTS'])}")  # fmt: skip
+    print("  minor page faults per step, median: "
+          + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in faults.items()))  # fmt: skip
     return {k: statistics.median(v) for k, v in s.items()}
 
 

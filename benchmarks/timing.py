@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -12,24 +13,31 @@ def interleaved_samples(
     repeats: int = 30,
     warmup: int = 3,
     cpu: dict[str, list[float]] | None = None,
+    faults: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of every call of each function, measured round-robin (one call of each in
     turn), so a slow spell of the machine hits every function alike. ``cpu``, when given, is
     filled with the process CPU seconds of the same calls: on a machine shared by more jobs
-    than cores a call also waits for a core, which wall time counts and CPU time does not."""
+    than cores a call also waits for a core, which wall time counts and CPU time does not.
+    ``faults``, when given, with the minor page faults of each call (fresh memory the kernel
+    hands out and zero-fills: Note [step cache] in csrc/step_cache.cpp)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    if cpu is not None:
-        cpu.update({k: [] for k in fns})
+    for extra in (cpu, faults):
+        if extra is not None:
+            extra.update({k: [] for k in fns})
     for _ in range(repeats):
         for name, fn in fns.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
             if cpu is not None:
                 cpu[name].append(time.process_time() - c0)
+            if faults is not None:
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     return samples
 
 

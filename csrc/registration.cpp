@@ -1,7 +1,7 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp) only define functions, declared in kernels.h / traffic.h; adding an op means
-// one m.def below plus one line in register_kernels.
+// traffic.cpp, step_cache.cpp) only define functions, declared in kernels.h / traffic.h /
+// step_cache.h; adding an op means one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "step_cache.h"
 
 TORCH_LIBRARY(torch_popxl, m) {
   // Stacked collectives (collectives.cpp) and their full-group forms (fused.cpp).
@@ -43,6 +44,12 @@ TORCH_LIBRARY(torch_popxl, m) {
       "add_collective_traffic(int bytes, int calls) -> ()",
       TORCH_FN(torch_popxl::add_collective_traffic));
   m.def("reset_traffic_counters() -> ()", TORCH_FN(torch_popxl::reset_traffic_counters));
+  // The step cache (step_cache.cpp), catch-all like the counters.
+  m.def("step_cache_begin() -> ()", TORCH_FN(torch_popxl::step_cache_begin));
+  m.def("step_cache_end() -> ()", TORCH_FN(torch_popxl::step_cache_end));
+  m.def("step_cache_empty() -> ()", TORCH_FN(torch_popxl::step_cache_empty));
+  m.def("step_cache_set_limit(int limit) -> ()", TORCH_FN(torch_popxl::step_cache_set_limit));
+  m.def("step_cache_stats() -> int[]", TORCH_FN(torch_popxl::step_cache_stats));
 }
 
 // The kernels are built only from device-generic ATen ops, so one CompositeExplicitAutograd

@@ -1,6 +1,8 @@
 """Note [explicit batching]: replicated programs whose ops all have stacked rules run without
 vmap; they must give exactly what the reference executor gives (per replica)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -326,9 +328,9 @@ class _TinyGPT(torch.nn.Module):
     """GPT-2's ops at toy size: embeddings, layer norms, causal attention (split, transpose,
     expand, bmm), tanh GELU, an LM head tied to the token embedding."""
 
-    def __init__(self, vocab=11, width=8, heads=2, seq=5):
+    def __init__(self, vocab=11, width=8, heads=2, seq=5, attention="manual"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.attention = heads, attention
         self.wte = torch.nn.Embedding(vocab, width)
         self.wpe = torch.nn.Embedding(seq, width)
         self.ln_1 = torch.nn.LayerNorm(width)
@@ -347,8 +349,20 @@ class _TinyGPT(torch.nn.Module):
         x = self.wte(ids) + self.wpe(torch.arange(t))
         q, k, v = self.c_attn(self.ln_1(x)).split(x.shape[-1], dim=2)
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-1, -2)).masked_fill(~self.mask[:t, :t], -1e9)
-        a = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if self.attention == "manual":
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~self.mask[:t, :t], -1e9)
+            a = torch.softmax(scores, dim=-1) @ v
+        elif self.attention == "sdpa_causal":
+            a = sdpa(q, k, v, is_causal=True)
+        elif self.attention == "sdpa_mask":  # one [t, t] mask for every sequence
+            a = sdpa(q, k, v, attn_mask=self.mask[:t, :t])
+        elif self.attention == "sdpa_batch_mask":  # the same mask, one row per sequence
+            a = sdpa(q, k, v, attn_mask=self.mask[:t, :t].expand(b, 1, t, t))
+        else:  # "sdpa_row_mask": a mask per sequence, from its tokens (a replica's own rows)
+            keep = (ids != 0)[:, None, None, :] | torch.eye(t, dtype=torch.bool)
+            a = sdpa(q, k, v, attn_mask=keep & self.mask[:t, :t])
+        a = a.transpose(1, 2).reshape(b, t, -1)
         x = x + self.c_proj(a)
         h = torch.nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")
         h1, h2 = h.split(x.shape[-1], dim=-1)
@@ -362,12 +376,15 @@ def _lm_loss(logits, targets):
     )
 
 
-@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("R,attention", [(2, "manual"), (3, "manual"), (2, "sdpa_causal"),
+                                         (3, "sdpa_mask"), (2, "sdpa_batch_mask"),
+                                         (2, "sdpa_row_mask")])  # fmt: skip
 @pytest.mark.parametrize("layout", [dict(), dict(rts_threshold=16, optimizer_state="remote")],
                          ids=["on_chip", "remote_rts"])  # fmt: skip
-def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, layout):
+def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, attention, layout):
     """A GPT-style program (embedding and its dense backward, layer norms with replica-invariant
-    or per-replica off-chip weights, split/transpose/expand/bmm/cat) runs without vmap with the
+    or per-replica off-chip weights, split/transpose/expand/bmm/cat, or torch's fused attention
+    with a causal flag, one shared mask or a mask per sequence) runs without vmap with the
     accumulation loop folded, and trains as the reference executor and eager torch do (R=3:
     the weights do not divide into shards, the copy path of Note [RTS updates in place])."""
     GA, micro, seq, vocab = 2, 2, 5, 11
@@ -376,7 +393,7 @@ def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, lay
     params = {}
     for executor in ("fast", "reference", "eager"):
         torch.manual_seed(0)
-        model = _TinyGPT(vocab=vocab, seq=seq)
+        model = _TinyGPT(vocab=vocab, seq=seq, attention=attention)
         opt = torch.optim.AdamW(model.parameters(), 1e-2, weight_decay=0.1)
         if executor == "eager":  # the same schedule: R * micro rows per micro-batch, mean loss
             for t in tokens:
@@ -400,6 +417,49 @@ def test_compiled_gpt_runs_explicitly_and_matches_the_reference_and_eager(R, lay
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(params["fast"], params["eager"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hugging_face_gpt2_trains_without_vmap_as_eager_torch_does():
+    """Hugging Face's GPT-2 (built from a tiny config, its own attention code: torch's fused
+    attention with the mask it builds) runs explicitly batched through popxl.compile and
+    trains as eager torch does on the same schedule."""
+    transformers = pytest.importorskip("transformers")
+    R, GA, micro, seq, vocab = 2, 2, 2, 8, 40
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids):
+            return self.gpt(input_ids=ids).logits
+
+    rng = np.random.default_rng(3)
+    tokens = [rng.integers(0, vocab, (R * GA * micro, seq + 1)) for _ in range(2)]
+    torch.manual_seed(0)
+    model = Logits()
+    eager = copy.deepcopy(model)
+    trainer = popxl.compile(model, _lm_loss, torch.optim.AdamW(model.parameters(), 1e-3),
+                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    opt = torch.optim.AdamW(eager.parameters(), 1e-3)
+    for t in tokens:
+        losses = trainer.step(t[:, :-1], t[:, 1:])
+        x, y = torch.from_numpy(t[:, :-1]), torch.from_numpy(t[:, 1:])
+        opt.zero_grad()
+        eager_losses = []
+        for xc, yc in zip(x.split(R * micro), y.split(R * micro), strict=True):
+            loss = _lm_loss(eager(xc), yc)
+            (loss / GA).backward()
+            eager_losses.append(loss.item())
+        opt.step()
+        np.testing.assert_allclose(losses, np.mean(eager_losses), rtol=1e-5)
+    for name, fn in trainer.session._executor.fns.items():
+        assert fn.explicit, (name, fn.vmap_reason)
+    for got, want in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-4, atol=1e-5)
 
 
 def _remote_round_trips(R):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
+from torch_popxl import capture
 from torch_popxl.runtime import explicit
 
 N = 4096
@@ -109,3 +110,27 @@ def test_randomness_is_detected_from_the_nondeterministic_seeded_tag():
     for op in (aten.add.Tensor, aten.zeros_like.default, aten.empty_like.default):
         assert not explicit.is_random(op)
     assert not explicit.is_random(torch.ops.torch_popxl.replicated_all_reduce.default)
+
+
+def test_attention_and_dropout_with_probability_zero_draw_nothing():
+    """Flash attention and dropout carry the seeded tag; with p = 0 they draw nothing, so they
+    neither make a value per replica nor keep a program under vmap."""
+    aten = torch.ops.aten
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.ones((1, 2, 3, 4), np.float32))
+        x = popxl.variable(np.ones((3,), np.float32))
+        cases = [
+            (capture.call_torch(flash, (q, q, q), {}), False),
+            (capture.call_torch(flash, (q, q, q, 0.0), {}), False),
+            (capture.call_torch(flash, (q, q, q), {"dropout_p": 0.1}), True),
+            (capture.call_torch(aten.native_dropout.default, (x, 0.0, True), {}), False),
+            (capture.call_torch(aten.native_dropout.default, (x, 0.5, True), {}), True),
+            (capture.call_torch(aten.bernoulli.p, (x, 0.0), {}), True),  # not a dropout op
+        ]
+        for out, random in cases:
+            first = out[0] if isinstance(out, tuple) else out
+            op = first._graph._producer(first)
+            assert explicit.is_random(op.attrs.target)
+            assert explicit.draws_random(op) is random, (op.attrs.target, op.attrs.args)

@@ -25,6 +25,7 @@ from ..ir.graph import Op, Slot
 __all__ = [
     "ELEMENTWISE",
     "batchable",
+    "draws_random",
     "emit_torch",
     "fold_obstacle",
     "foldable",
@@ -111,6 +112,20 @@ def _any_ok(f, batched) -> bool:
     return not f.op.attrs.kwargs
 
 
+def _attention_ok(f, batched, n_tensors: int) -> bool:
+    """Flash attention (forward: q, k, v; backward: grad, q, k, v, out, logsumexp) on
+    per-replica ``[B, H, S, D]`` values without dropout: the replicas' rows fold into the batch
+    dim (``_attention_stacked``). A per-replica mask must be ``[B or 1, H or 1, S, S]``."""
+    args, kwargs = f.op.attrs.args, f.op.attrs.kwargs
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, Slot) and batched[mask.index] and f.op.inputs[mask.index].rank != 4:
+        return False
+    dropout = args[n_tensors] if len(args) > n_tensors else kwargs.get("dropout_p", 0.0)
+    tensors = args[:n_tensors]
+    return (dropout == 0 and all(isinstance(v, Slot) for v in tensors)
+            and all(f.op.inputs[v.index].rank == 4 for v in tensors[:4]))  # fmt: skip
+
+
 _TRANSFORMER = {
     aten.embedding.default: _embedding_ok,
     aten.embedding_dense_backward.default: _embedding_backward_ok,
@@ -122,14 +137,39 @@ _TRANSFORMER = {
     aten.bmm.default: _any_ok,
     aten.cat.default: _any_ok,
     aten.stack.default: _any_ok,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: lambda f, b: _attention_ok(f, b, 3),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        lambda f, b: _attention_ok(f, b, 6)
+    ),
+}
+
+
+# Seeded ops that draw nothing when their dropout probability (this argument) is 0.
+_DROPOUT_P = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (3, "dropout_p"),
+    aten.native_dropout.default: (1, "p"),
 }
 
 
 def is_random(target) -> bool:
-    """Whether ``target`` draws random numbers. torch tags every such aten overload
+    """Whether ``target`` can draw random numbers. torch tags every such aten overload
     ``nondeterministic_seeded``, including those without a ``Generator`` argument
     (``rand_like``, ``randn_like``, ``randint_like``); PopXL replicas draw independently."""
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def draws_random(op: Op) -> bool:
+    """Whether the captured ``op`` draws random numbers: its target can (``is_random``), and
+    it is not an attention or dropout op whose dropout probability is 0."""
+    target = op.attrs.target
+    if not is_random(target):
+        return False
+    if target in _DROPOUT_P:
+        pos, name = _DROPOUT_P[target]
+        args, kwargs = op.attrs.args, op.attrs.kwargs
+        p = args[pos] if len(args) > pos else kwargs.get(name, 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def _ok_torch(f, a, R: int) -> bool:
@@ -138,7 +178,7 @@ def _ok_torch(f, a, R: int) -> bool:
         return True  # rt.sum_read finishes it on either layout
     if f in a.sum_adds:  # acc += (sum over replicas of x): x.sum(0) on stacked values
         return target in _ELEMENTWISE
-    if is_random(target):
+    if draws_random(f.op):
         # Each replica draws its own values (vmap's randomness="different"); the stacked form
         # has no rule for that, so a fragment with a random op runs under vmap.
         return False
@@ -527,6 +567,14 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
     elif target is aten.expand.default:
         call = f"{em.p.literal(_expand_stacked)}({rendered[0]}, {rendered[1]})"
         _emit_outputs(em, f, ind, call)
+    elif target in _ATTENTION:
+        tensors = ", ".join(stacked_arg(v) for v in args[: _ATTENTION[target]])
+        rest = [lit(v) for v in args[_ATTENTION[target] :]]
+        rest += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        rest.append(f"mask_batched={flag(kwargs.get('attn_mask'))!r}")
+        fn = em.p.literal(_attention_stacked)
+        call = f"{fn}({em.p.aten(target)}, [{tensors}], {', '.join(rest)})"
+        _emit_outputs(em, f, ind, call)
     elif target is aten.bmm.default:  # matmul broadcasts an invariant operand over the rows
         _emit_outputs(em, f, ind, f"torch.matmul({rendered[0]}, {rendered[1]})")
     elif target in (aten.cat.default, aten.stack.default):
@@ -669,6 +717,30 @@ _CNN_STACKED = {
     aten.native_batch_norm.default: _batch_norm_stacked,
     aten.native_batch_norm_backward.default: _batch_norm_backward_stacked,
 }
+
+
+_ATTENTION = {  # the number of leading tensor arguments
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 6,
+}
+
+
+def _attention_stacked(fn, tensors, *args, mask_batched: bool = False, **kwargs):
+    """Flash attention (forward or backward) on stacked rows: per-replica ``[B, H, S, D]``
+    (and ``[B, H, S]`` logsumexp) values fold their rows into the batch dim; every output
+    gets its rows back. Each sequence attends only within itself, so the fold is exact. A
+    mask with one row per sequence is repeated (invariant) or folded (per replica) alike; one
+    that broadcasts over the batch stays as it is."""
+    rows, batch = tensors[0].shape[:2]
+    mask = kwargs.get("attn_mask")
+    if mask is not None and (mask_batched or (mask.dim() == 4 and mask.shape[0] == batch > 1)):
+        if not mask_batched:
+            mask = mask.expand(rows, *mask.shape)
+        kwargs["attn_mask"] = mask.expand(rows, batch, *mask.shape[2:]).reshape(
+            rows * batch, *mask.shape[2:]
+        )
+    out = fn(*[t.reshape(-1, *t.shape[2:]) for t in tensors], *args, **kwargs)
+    return tuple(o.view(rows, -1, *o.shape[1:]) for o in out)
 
 
 def _pool_stacked(fn, tensors, *args):

@@ -167,7 +167,7 @@ _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._
 
 
 # Which ops draw random numbers (defined next to the explicit-batching rules, which need it).
-_is_random = _explicit.is_random
+_draws_random = _explicit.draws_random
 
 
 def _collective(op: Op | None) -> OpDef | None:
@@ -322,7 +322,6 @@ class _Pass:
         return self._disqualify(f.ins[uses[0]])
 
     def _torch(self, f: FlatOp) -> _Verdict:
-        target = f.source.attrs.target
         uses = self._sum_roots(f)
         if uses:
             verdict = self._sum_use(f, uses, schema_effects(f.source)[0])
@@ -338,11 +337,11 @@ class _Pass:
             # whole replica set.
             out_b = collective.rule("output_batched")(f.source, self.R, any_b)
         else:
-            out_b = any_b or _is_random(target)
+            out_b = any_b or _draws_random(f.source)
         written, aliases = schema_effects(f.source)
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
-        write_b = any_b or (self.R > 1 and _is_random(target))
+        write_b = any_b or (self.R > 1 and _draws_random(f.source))
         for i in written:
             verdict = self._write(f.ins[i], write_b)
             if verdict is not None:

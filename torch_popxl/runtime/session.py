@@ -22,7 +22,7 @@ from ..ir.ir import Ir
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Constant, Tensor, Variable
 from ..opdefs import backends
-from . import distributed, remote_io
+from . import distributed, remote_io, step_cache
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 from .report import build_report
 
@@ -177,8 +177,13 @@ class Session:
     def _run_fragment(self, fragment: str, ins: list[torch.Tensor], nht: int):
         # Every fragment runs inside a traffic scope (they take turns across threads), so no
         # weights_from_host of one session is counted in another session's run. The scope's
-        # counts are kept: the "normal" fragment's are the last run's figures.
-        with backends.traffic_scope() as counted, backends.use_collectives(self._collectives):
+        # counts are kept: the "normal" fragment's are the last run's figures. Large blocks the
+        # fragment frees are kept for its next run (Note [step cache] in csrc/step_cache.cpp).
+        with (
+            backends.traffic_scope() as counted,
+            backends.use_collectives(self._collectives),
+            step_cache.running(),
+        ):
             result = self._executor.run(self._state, fragment, ins, nht)
         if fragment == "normal":
             self._last_run_counters = counted

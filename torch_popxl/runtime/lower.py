@@ -106,6 +106,14 @@ class FlatOp:
         return self.op
 
 
+def _reads(f: FlatOp) -> list[str]:
+    """Every value name ``f`` reads, its body's reads and a loop's fed-back results included."""
+    names = [*f.ins, *f.results]
+    for g in f.body:
+        names += _reads(g)
+    return names
+
+
 class _Flattener(Interpreter[str]):
     """The program's ops as flat ops over value names (``ir.walk.Interpreter`` over names).
 
@@ -594,6 +602,16 @@ def _inplace_rewrites(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> d
     return found
 
 
+# Note [release dead values]
+#     Generated code keeps a value in a local name, which Python holds until the function
+#     returns. Each block therefore ends a value's name (``del``) right after its last use in
+#     that block (reads in a loop body count at the loop), as eager torch frees an autograd
+#     buffer once the backward pass is done with it: the step's working set is the live values,
+#     not every value it made, and with the step cache (csrc/step_cache.cpp) the next value
+#     takes a block that is still warm in the CPU caches. A view keeps its base alive
+#     through its own reference, so releasing a name never frees memory still in use. Never
+#     released: the fragment's parameters and outputs, and in a loop body the names defined
+#     around it (carried values, accumulators) and its fed-back results.
 # Note [scratch buffers]
 #     What is left of an update chain after Note [update in place] still allocates a few
 #     parameter-sized temporaries per step (``sqrt(v)``, ``m / denom``). In an explicitly
@@ -991,6 +1009,7 @@ class _Emitter:
         self.rows = program.R
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
+        self.keep: frozenset[str] = frozenset()  # never released: the fragment's outputs, params
         self.views: set[FlatOp] = set()  # Note [remote slot views]
         self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
         self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
@@ -1012,8 +1031,17 @@ class _Emitter:
             return repr(x)
         return self.p.literal(x)
 
-    def block(self, flat: list[FlatOp], indent: str) -> None:
-        for f in flat:
+    def block(self, flat: list[FlatOp], indent: str,
+              keep: frozenset[str] = frozenset()) -> None:  # fmt: skip
+        """Emit ``flat``; every value defined here is released after its last use in it
+        (Note [release dead values]), except those in ``keep``."""
+        last: dict[str, int] = {}
+        for i, f in enumerate(flat):
+            for n in [*f.outs, *_reads(f)]:
+                last[n] = i
+        keep = keep | self.keep
+        for i, f in enumerate(flat):
+            start = len(self.lines)
             getattr(self, f"_{f.kind}")(f, indent)
             for n in f.outs:
                 # Materialise a forced value once, where it is defined (not after in-place
@@ -1022,6 +1050,18 @@ class _Emitter:
                         and not self._loads_per_replica(f)):  # fmt: skip
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
                 self.defined.add(n)
+            dead = [n for n in dict.fromkeys(f.outs) if last[n] == i and n not in keep]
+            dead += sorted({n for g in flat[:i] for n in g.outs if last[n] == i} - set(dead) - keep)
+            if f.kind != "loop" and any(line.startswith(f"{indent}_r = ")
+                                        for line in self.lines[start:]):  # fmt: skip
+                dead.append("_r")
+            if dead:
+                self.lines.append(f"{indent}del {', '.join(dead)}")
+
+    def _outer_names(self, loop: FlatOp) -> frozenset[str]:
+        """The names a loop body must not release: everything defined around it (carried
+        values, accumulators the body adds to), its inputs and its fed-back results."""
+        return frozenset(self.defined) | frozenset(loop.ins + loop.outs + loop.results)
 
     def _loads_per_replica(self, f: FlatOp) -> bool:
         """A remote load that already gives every replica its own row (a value forced per
@@ -1224,13 +1264,13 @@ class _Emitter:
                 self.lines.append(f"{ind}_o_{n} = {n}")
                 self.lines.append(f"{ind}{n} = {n}.repeat({f.count}, *[1] * ({n}.dim() - 1))")
             self.fold, self.rows = f.count, f.count * self.p.R
-            self.block(f.body, ind)
+            self.block(f.body, ind, self._outer_names(f))
             self.fold, self.rows = 1, self.p.R
             for n in outside:
                 self.lines.append(f"{ind}{n} = _o_{n}")
             return
         self.lines.append(f"{ind}for _ in range({f.count}):")
-        self.block(f.body, ind + "    ")
+        self.block(f.body, ind + "    ", self._outer_names(f))
         results = f.results
         if results:
             lhs = "".join(c + ", " for c in f.outs[: len(results)])
@@ -1296,6 +1336,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
         em.aliasing = _alias_collectives(flat, plan, out_names, program.R, em.views)
         shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
         em.aliasing.update(shards)
+    em.keep = frozenset(out_names) | frozenset(param_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")
     em.lines.append(f"    return ({''.join(n + ', ' for n in out_names)})")

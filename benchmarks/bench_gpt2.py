@@ -9,7 +9,8 @@ pre-LayerNorm blocks, causal attention, tanh GELU, an LM head tied to the token 
 Prints build seconds, ms per step as median (min-max) over interleaved rounds, the ratios
 eager/simulator (>= 1: the simulator is faster) and the fragments that fall back to vmap.
 
-Usage: ``python benchmarks/bench_gpt2.py [rounds]``.
+Usage: ``python benchmarks/bench_gpt2.py [rounds] [--inductor]``; ``--inductor`` adds the on-chip
+program with ``backend="inductor"`` (its first step compiles it, about a minute here).
 """
 
 from __future__ import annotations
@@ -104,13 +105,16 @@ def lm_loss(logits, targets):
     )
 
 
-def main(repeats: int = 5) -> dict[str, float]:
+def main(repeats: int = 5, inductor: bool = False) -> dict[str, float]:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (R * GA * MICRO, SEQ + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     trainers, builds = {}, {}
-    for name, layout in LAYOUTS.items():
+    layouts = dict(LAYOUTS)
+    if inductor:  # the on-chip program through torch.compile (its first step compiles it)
+        layouts["inductor"] = {"backend": "inductor"}
+    for name, layout in layouts.items():
         model = make_model()
         t0 = time.perf_counter()
         trainers[name] = popxl.compile(model, lm_loss, torch.optim.AdamW(model.parameters(), 1e-3),
@@ -141,6 +145,12 @@ def main(repeats: int = 5) -> dict[str, float]:
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager / simulator "
               f"{ratio(s['eager_schedule'], s[name])}; build {builds[name] - steady[name]:.2f} s; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    if inductor:
+        saved = steady["on-chip"] - steady["inductor"]
+        extra = builds["inductor"] - builds["on-chip"]
+        even = f"{extra / saved:.0f} steps" if saved > 0 else "never"
+        print(f"  inductor: first step {builds['inductor']:.1f} s (compilation included), "
+              f"{saved * 1e3:.1f} ms per step saved: it pays for itself after {even}")  # fmt: skip
     print("  CPU time per step: " + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
           + f"; eager / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "
           f"/ remote+RTS {ratio(cpu['eager_schedule'], cpu['remote+RTS'])}")  # fmt: skip
@@ -148,4 +158,5 @@ def main(repeats: int = 5) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    args = [a for a in sys.argv[1:] if a != "--inductor"]
+    main(int(args[0]) if args else 5, inductor="--inductor" in sys.argv)

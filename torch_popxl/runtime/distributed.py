@@ -141,6 +141,8 @@ def mean_over_instances(value: float, replication_factor: int | None = None) -> 
     (:func:`layout_for`): a one-replica program runs alone in every process, so its value is
     its own.
     """
+    if not launched():  # one process: one instance, whatever the layout
+        return value
     instances = (
         num_instances()
         if replication_factor is None

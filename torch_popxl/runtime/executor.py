@@ -192,6 +192,7 @@ class FastExecutor:
             assume = settled
         self.uniform = assume.uniform_vars
         self.replica_sums = assume.sum_vars
+        self._rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see _row
         # Session copies only these inputs; the others are read, never written.
         self.written_streams = self.fns["normal"].written_streams
 
@@ -246,7 +247,8 @@ class FastExecutor:
         if getattr(fn, "explicit", False):
             # Note [explicit batching]: the fragment runs on the stacked tensors directly.
             var_vals = [
-                v[0] if t.id in self.uniform else v for t, v in zip(tensors, values, strict=True)
+                self._row(t.id, v) if t.id in self.uniform else v
+                for t, v in zip(tensors, values, strict=True)
             ]
             rt = _RunContext(ins, buffers, nht, R, None, explicit_R=R)
             outs = tuple(
@@ -286,6 +288,14 @@ class FastExecutor:
                 state.persistent[t.id] = value
         _emit_prints(list(zip(titles, prints, strict=True)), R)
         return {k: torch.stack(ts) for k, ts in stored.items()}
+
+    def _row(self, tid: str, stacked: torch.Tensor) -> torch.Tensor:
+        """Row 0 of a replica-invariant variable's storage, the view made once per storage
+        (a fresh view per variable per step costs more than some of the ops using it)."""
+        cached = self._rows.get(tid)
+        if cached is None or cached[0] is not stacked:
+            cached = self._rows[tid] = (stacked, stacked[0])
+        return cached[1]
 
     def _compiled_fn(self, fragment: str, fn):
         """The torch.compile'd ``fn`` for ``fragment`` (Note [inductor backend]), or None."""

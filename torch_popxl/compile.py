@@ -49,6 +49,7 @@ from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
 from .ir.streams import d2h_stream, h2d_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
+from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
 from .runtime.session import Session
 from .transforms.autodiff import autodiff
@@ -168,16 +169,18 @@ def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[fl
 #     (Python floats) and hand them to kernels that compute in float32 ("opmath") and round
 #     the result once to the parameter's dtype, per torch op: ``grad.add(param, alpha=wd)``,
 #     ``exp_avg.lerp_(grad, 1 - beta1)``, ``exp_avg_sq.mul_(beta2)`` then ``.addcmul_(...)``,
-#     ``param.addcdiv_(exp_avg, denom, value=-step_size)``. The update below does the same:
-#     the hyperparameters are float64, every scalar is derived in float64 and cast to
-#     float32 once, and every torch op is computed in float32 (``_f``) and rounded to the
-#     parameter's dtype (``_r``) where torch rounds. One quirk is kept: ``add``'s ``alpha``
-#     and an added scalar (``add_(eps)``) are first rounded to the tensor's dtype
-#     (``_alpha``), while ``mul``, ``lerp``, ``addcmul`` and ``addcdiv`` take them in
-#     float32 (measured on torch's CPU kernels for float16 and bfloat16). For float32
-#     parameters all the casts are no-ops; for float16 / bfloat16 ones this is what makes
-#     the update match eager bit for bit (``g * (1 - beta2)`` rounded before the
-#     ``addcmul`` made fp16 Adam drift ~0.025 in three steps).
+#     ``param.addcdiv_(exp_avg, denom, value=-step_size)``. The compiled update does the same,
+#     with the hyperparameters read at run time from ``hyper/i`` (so LR schedulers need no
+#     rebuild): that variable is float64 (not downcast), every scalar is derived from it in
+#     float64 and cast to float32 once. The ops taking a scalar ``alpha`` / ``value`` run
+#     torch's own kernels through ``opdefs/scalar_tensor.py`` (the scalar a tensor there): those
+#     kernels may fuse the multiply and the add into one rounding, which no chain of separate
+#     ops reproduces. Ops taking a plain tensor scalar (``mul``, ``lerp``, ``div``) compute in
+#     float32 (``_f``) and round to the parameter's dtype (``_r``) where torch rounds; an added
+#     scalar (``add_(eps)``) is first rounded to the tensor's dtype (``_alpha``), as torch's
+#     CPU kernels do for float16 and bfloat16. The update then equals eager torch's bit for bit
+#     for float32, float16 and bfloat16 parameters given the same gradients
+#     (tests/test_compile_optimizer_exact.py).
 
 
 def _f(t):
@@ -190,15 +193,6 @@ def _r(t, like):
 
 def _alpha(scalar, like):
     return scalar.to(like.dtype).float()
-
-
-def _sub_(p, update):
-    """``p -= update`` rounded once (float32 ``update`` of a 16-bit ``p``). For float32 it is
-    the plain in-place op: one op fewer per parameter in the program (and the cost model)."""
-    if p.dtype == torch.float32:
-        p.sub_(update)
-    else:
-        p.copy_(_r(_f(p) - update, p))
 
 
 def _group_scalars(h, step, *, kind: str):
@@ -218,17 +212,24 @@ def _group_scalars(h, step, *, kind: str):
 
 
 def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
+    # Every ``add(..., alpha=a)`` of torch's SGD runs torch's kernel with ``a`` read at run
+    # time (Note [optimizer arithmetic as torch rounds it]).
     d_p = g
     if spec.weight_decay:
-        d_p = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
+        d_p = g.clone()
+        _scalar_ops.add_alpha_(d_p, p, wd)  # grad.add(param, alpha=weight_decay)
     if spec.momentum:
         (buf,) = state
-        decayed = _r(_f(buf) * momentum, buf)  # buf.mul_(momentum)
-        new = _r(_f(decayed) + _f(d_p) * _alpha(one_minus_dampening, buf), buf)  # .add_(g, 1-d)
+        new = _r(_f(buf) * momentum, buf)  # buf.mul_(momentum)
+        _scalar_ops.add_alpha_(new, d_p, one_minus_dampening)  # .add_(grad, alpha=1 - d)
         # torch initialises the buffer with the first gradient (no dampening on step 1).
         buf.copy_(torch.where(step == 0, d_p, new))
-        d_p = _r(_f(d_p) + _f(buf) * _alpha(momentum, d_p), d_p) if spec.nesterov else buf
-    _sub_(p, _f(d_p) * _alpha(lr, p))  # param.add_(grad, alpha=-lr)
+        if spec.nesterov:
+            d_p = d_p.clone()
+            _scalar_ops.add_alpha_(d_p, buf, momentum)  # grad.add(buf, alpha=momentum)
+        else:
+            d_p = buf
+    _scalar_ops.add_alpha_(p, d_p, -lr)  # param.add_(grad, alpha=-lr)
 
 
 def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
@@ -237,16 +238,19 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
         if spec.weight_decay:
             p.mul_(decay)  # param.mul_(1 - lr * weight_decay): float32 scalar, one rounding
     elif spec.weight_decay:
-        g = _r(_f(g) + _f(p) * _alpha(wd, g), g)  # grad.add(param, alpha=weight_decay)
-    # Out-of-place + copy_ because vmap has no batching rule for lerp_ / addcmul_ (it would
-    # fall back to a slow per-replica loop).
+        g = g.clone()
+        _scalar_ops.add_alpha_(g, p, wd)  # grad.add(param, alpha=weight_decay)
+    # Out-of-place + copy_ because vmap has no batching rule for lerp_ (it would fall back
+    # to a slow per-replica loop).
     exp_avg.copy_(_r(torch.lerp(_f(exp_avg), _f(g), one_minus_b1), exp_avg))
-    decayed = _r(_f(exp_avg_sq) * b2, exp_avg_sq)  # exp_avg_sq.mul_(beta2)
-    exp_avg_sq.copy_(_r(torch.addcmul(_f(decayed), _f(g) * one_minus_b2, _f(g)), exp_avg_sq))
+    exp_avg_sq.copy_(_r(_f(exp_avg_sq) * b2, exp_avg_sq))  # exp_avg_sq.mul_(beta2)
+    # .addcmul_(grad, grad, value=1 - beta2): torch's kernel, the value read at run time
+    # (Note [optimizer arithmetic as torch rounds it])
+    _scalar_ops.addcmul_value_(exp_avg_sq, g, g, one_minus_b2)
     # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): three roundings
     root = exp_avg_sq.sqrt()
     denom = _r(_f(_r(_f(root) / bc2_sqrt, root)) + _alpha(eps, root), root)
-    _sub_(p, _f(exp_avg) / _f(denom) * step_size)  # param.addcdiv_(exp_avg, denom, -step_size)
+    _scalar_ops.addcdiv_value_(p, exp_avg, denom, -step_size)  # param.addcdiv_(.., -step_size)
 
 
 def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
@@ -680,7 +684,9 @@ class Trainer:
             ]
             loss_stream = None
             hyper_vars = [
-                variable(np.zeros(_N_HYPER, np.float64), name=f"hyper/{i}")
+                # float64, as torch's Python-float hyperparameters (no downcast: Note
+                # [optimizer arithmetic as torch rounds it])
+                variable(np.zeros(_N_HYPER, np.float64), downcast=False, name=f"hyper/{i}")
                 for i in range(len(specs))
             ]
             slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]

@@ -6,7 +6,8 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
-stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion) and
+stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
+scalar is a tensor) and
 ``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
 layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
@@ -29,6 +30,7 @@ from . import (
     reference,
     registry,
     remote,
+    scalar_tensor,
     take_own,
 )
 from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup, registered
@@ -52,5 +54,6 @@ __all__ = [
     "registered",
     "registry",
     "remote",
+    "scalar_tensor",
     "take_own",
 ]

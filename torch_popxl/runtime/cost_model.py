@@ -139,7 +139,7 @@ class _Walker:
             # Where an op runs is where its outputs live; a store has none, so its input's.
             io = any(t.tile_set == "io" for t in (op.outputs or op.inputs))
             opdef = opdefs.lookup(op)
-            if opdef is not None:
+            if opdef is not None and opdef.has("traffic"):
                 # Per-replica work: the op's total over the replicas that run it, divided back.
                 t = opdef.traffic(op, self.num_replicas)
                 nbytes = t.total_bytes / self.num_replicas
@@ -185,7 +185,7 @@ class CostModel:
     flops_per_s: float = 62.5e12
     matmul_half_efficiency_flops: float = 4.7e6
     on_chip_bytes_per_s: float = 47.5e12
-    op_overhead_s: float = 4.63e-6
+    op_overhead_s: float = 4.72e-6
     # replica links (collectives)
     replica_link_bytes_per_s: float = 64e9
     collective_step_latency_s: float = 2.0e-6

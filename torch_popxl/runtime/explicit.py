@@ -428,7 +428,8 @@ def emit_torch(em, f, ind: str) -> None:
     stacked_form = opdef_rule(f.op, batched, R) if is_popxl and f not in a.sum_reads else None
     if stacked_form is not None:  # the op's own rule (batchable() checked it has one)
         call_args = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
-        em.lines.append(f"{ind}{out} = {em.p.literal(stacked_form)}({', '.join(call_args)})")
+        call = f"{em.p.literal(stacked_form)}({', '.join(call_args)})"
+        em.lines.append(f"{ind}{out} = {call}" if out is not None else f"{ind}{call}")
         return
     if not any(batched) or target in _ELEMENTWISE or f in a.sum_reads:
         em._torch_plain(f, ind)

@@ -1,0 +1,130 @@
+"""In-place pointwise ops whose scalar is a tensor read at run time (optimizer updates).
+
+torch's single-tensor optimizers call ``addcmul_(t1, t2, value=v)``, ``addcdiv_(t1, t2,
+value=v)`` and ``add_(other, alpha=a)`` with Python numbers; their CPU kernels may contract the
+multiply and the add into one fused multiply-add, so no chain of separate ops rounds as they
+do. A compiled optimizer step reads its learning rate and betas from a tensor each step (an LR
+scheduler changes them without a rebuild), so it calls these ops instead: each runs torch's own
+kernel with the tensor's value as the number, and the update equals eager torch's bit for bit
+(Note [optimizer arithmetic as torch rounds it] in compile.py).
+
+* ``addcmul_value_(self, t1, t2, value)``: ``self.addcmul_(t1, t2, value=value.item())``
+* ``addcdiv_value_(self, t1, t2, value)``: ``self.addcdiv_(t1, t2, value=value.item())``
+* ``add_alpha_(self, other, alpha)``: ``self.add_(other, alpha=alpha.item())``
+
+``value`` / ``alpha`` is a one-element tensor. The ops move nothing between replicas; on
+stacked ``[R, ...]`` values (Note [explicit batching] in runtime/explicit.py) they run as they
+are when the scalar is the same on every replica (the tensors broadcast as per replica).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ir.graph import Op, Slot
+from .registry import Effect, OpDef, register
+
+__all__ = ["add_alpha_", "addcdiv_value_", "addcmul_value_", "opdef"]
+
+
+def _number(t: Tensor) -> float | int | bool:
+    if t.numel() != 1:
+        raise ValueError(
+            f"expected a one-element scalar tensor, got shape {tuple(t.shape)} (the value every "
+            "element of the update uses)."
+        )
+    return t.item()
+
+
+@torch.library.custom_op("torch_popxl::addcmul_value_", mutates_args=("self",))
+def addcmul_value_(self: Tensor, tensor1: Tensor, tensor2: Tensor, value: Tensor) -> None:
+    """``self.addcmul_(tensor1, tensor2, value=value.item())``."""
+    self.addcmul_(tensor1, tensor2, value=_number(value))
+
+
+@torch.library.custom_op("torch_popxl::addcdiv_value_", mutates_args=("self",))
+def addcdiv_value_(self: Tensor, tensor1: Tensor, tensor2: Tensor, value: Tensor) -> None:
+    """``self.addcdiv_(tensor1, tensor2, value=value.item())``."""
+    self.addcdiv_(tensor1, tensor2, value=_number(value))
+
+
+@torch.library.custom_op("torch_popxl::add_alpha_", mutates_args=("self",))
+def add_alpha_(self: Tensor, other: Tensor, alpha: Tensor) -> None:
+    """``self.add_(other, alpha=alpha.item())``."""
+    self.add_(other, alpha=_number(alpha))
+
+
+def _fake(*args) -> None:
+    return None
+
+
+for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
+    _op.register_fake(_fake)
+
+
+def _batched(x: Tensor, dim: int | None, rank: int) -> Tensor:
+    """``x`` to broadcast against a batched ``rank``-dim (per replica) target: its vmap dim in
+    front, then unit dims up to ``rank`` (as per replica); an unbatched one as it is."""
+    if dim is None:
+        return x
+    x = x.movedim(dim, 0)
+    return x.reshape(x.shape[0], *[1] * (rank - x.dim() + 1), *x.shape[1:])
+
+
+def _vmap_rule(op):
+    def rule(info, in_dims, self, *rest):
+        *tensors, scalar = rest
+        *tensor_dims, scalar_dim = in_dims[1:]
+        if in_dims[0] is None:
+            if any(d is not None for d in (*tensor_dims, scalar_dim)):
+                raise ValueError(
+                    f"{op._name}: the updated tensor is the same on every replica but the update "
+                    "differs per replica; write a per-replica tensor instead."
+                )
+            op(self, *tensors, scalar)
+            return None, None
+        target = self.movedim(in_dims[0], 0)
+        rank = target.dim() - 1
+        tensors = [_batched(t, d, rank) for t, d in zip(tensors, tensor_dims, strict=True)]
+        if scalar_dim is None:
+            op(target, *tensors, scalar)
+        else:  # a scalar per replica: one call per row
+            scalars = scalar.movedim(scalar_dim, 0)
+            for r in range(info.batch_size):
+                op(target[r], *[t[r] if d is not None else t for t, d in
+                                zip(tensors, tensor_dims, strict=True)], scalars[r])  # fmt: skip
+        return None, None
+
+    return rule
+
+
+for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
+    _op.register_vmap(_vmap_rule(_op))
+
+
+# ---- what the fast compiler asks -------------------------------------------------------------
+
+
+def _explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching]: the op as it is on stacked values, when the scalar is the same
+    on every replica, the written tensor is per replica wherever the update is (the analysis
+    makes it so) and every tensor has the same per-replica rank (a replica-invariant one then
+    broadcasts over the replica dim as it would per replica)."""
+    *tensors, scalar = op.attrs.args
+    if not all(isinstance(t, Slot) for t in (*tensors, scalar)) or batched[scalar.index]:
+        return None
+    flags = [batched[t.index] for t in tensors]
+    if any(flags) and not flags[0]:
+        return None
+    if len({op.inputs[t.index].rank for t in tensors}) != 1:
+        return None
+    return op.attrs.target
+
+
+opdef = register(
+    OpDef("scalar_tensor_update", Effect.INPLACE, {"explicit": _explicit}),
+    torch.ops.torch_popxl.addcmul_value_.default,
+    torch.ops.torch_popxl.addcdiv_value_.default,
+    torch.ops.torch_popxl.add_alpha_.default,
+)

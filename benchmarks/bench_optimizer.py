@@ -15,10 +15,12 @@ Timed interleaved; prints ms per step, median (min-max), and each against ``chai
 dispatch; only the fused kernel saves memory passes, and it rounds differently from the
 single-tensor update (its results differ from eager's default Adam in the last bits).
 
-Then the whole compiled seed step (R=4, GA=8, micro-batch 8, on-chip state) with
-``Adam(fused=False)`` (the per-parameter chain) and ``Adam(fused=True)`` (one fused kernel
-call, Note [fused optimizer updates] in compile.py), and eager torch's same schedule with
-``fused=True``, timed interleaved.
+Then the whole compiled seed step (R=4, GA=8, micro-batch 8) with ``Adam(fused=False)`` (the
+per-parameter chain) and ``Adam(fused=True)`` (one fused kernel call, Note [fused optimizer
+updates] in compile.py), on-chip and with sharded off-chip state (``rts_threshold=512,
+optimizer_state="remote"``, as bench_compile.py: the fused call then runs over the stacked
+shards, Note [per-element list ops] in runtime/explicit.py), and eager torch's same schedule
+with ``fused=True``, all timed interleaved.
 
 Usage: ``python benchmarks/bench_optimizer.py [rounds] [compiled rounds]``.
 """
@@ -82,19 +84,25 @@ def main(rounds: int = 30) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in s.items()}
 
 
+LAYOUTS = {"": {}, "_remote_rts": {"rts_threshold": 512, "optimizer_state": "remote"}}
+
+
 def compiled(rounds: int = 10) -> dict[str, float]:
-    """The compiled seed step with the per-parameter Adam chain and with the fused kernel."""
+    """The compiled seed step with the per-parameter Adam chain and with the fused kernel, on
+    chip and with sharded off-chip state."""
     R, GA, MICRO = 4, 8, 8
     rng = np.random.default_rng(0)
     x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
     y = rng.integers(0, 10, R * GA * MICRO)
     trainers = {}
-    for name, fused in (("compiled_chain", False), ("compiled_fused", True)):
-        torch.manual_seed(0)
-        model = make_model()
-        opt = torch.optim.Adam(model.parameters(), LR, fused=fused)
-        trainers[name] = popxl.compile(model, torch.nn.functional.cross_entropy, opt,
-                                       replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    for suffix, layout in LAYOUTS.items():
+        for kind, fused in (("chain", False), ("fused", True)):
+            torch.manual_seed(0)
+            model = make_model()
+            opt = torch.optim.Adam(model.parameters(), LR, fused=fused)
+            trainers[f"compiled_{kind}{suffix}"] = popxl.compile(
+                model, torch.nn.functional.cross_entropy, opt, replication_factor=R,
+                gradient_accumulation=GA, **layout)  # fmt: skip
     torch.manual_seed(0)
     eager_model = make_model()
     eager_opt = torch.optim.Adam(eager_model.parameters(), LR, fused=True)
@@ -109,15 +117,17 @@ def compiled(rounds: int = 10) -> dict[str, float]:
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns["eager_fused"] = eager_fused
     s = interleaved_samples(fns, rounds)
-    print(f"compiled seed step (R={R}, GA={GA}, micro-batch {MICRO}, on-chip Adam), "
-          "median (min-max):")  # fmt: skip
+    print(f"compiled seed step (R={R}, GA={GA}, micro-batch {MICRO}, Adam; on-chip, and "
+          "remote+RTS: rts_threshold=512, off-chip state), median (min-max):")  # fmt: skip
     for name, trainer in trainers.items():
+        chain = "compiled_chain" + ("_remote_rts" if name.endswith("_remote_rts") else "")
         fallbacks = vmap_fallbacks(trainer)
-        print(f"  {name:<15} {describe(s[name])}; chain / {name} "
-              f"{ratio(s['compiled_chain'], s[name])}; fused_reasons {trainer.fused_reasons}; "
+        print(f"  {name:<26} {describe(s[name])}; chain / {name} "
+              f"{ratio(s[chain], s[name])}; fused_reasons {trainer.fused_reasons}; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
     print(f"  eager fused same schedule {describe(s['eager_fused'])}; eager / compiled_fused "
-          f"{ratio(s['eager_fused'], s['compiled_fused'])}")  # fmt: skip
+          f"{ratio(s['eager_fused'], s['compiled_fused'])}, eager / compiled_fused_remote_rts "
+          f"{ratio(s['eager_fused'], s['compiled_fused_remote_rts'])}")  # fmt: skip
     return {k: statistics.median(v) for k, v in s.items()}
 
 

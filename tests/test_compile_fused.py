@@ -195,29 +195,134 @@ def test_changing_betas_eps_or_weight_decay_rebuilds_and_carries_state():
     _assert_same(ours, theirs, EXACT)
 
 
-@pytest.mark.parametrize(
-    "kw,reason",
-    [
-        ({"rts_threshold": 1}, "sharded"),
-        ({"optimizer_state": "remote"}, "off-chip"),
-        ({"loss_scaling": "dynamic"}, "dynamic loss scaling"),
-    ],
-    ids=["rts", "remote", "dynamic_loss_scaling"],
-)
-def test_fused_optimizer_falls_back_to_the_chain_and_says_why(kw, reason):
-    trainer, ours, theirs = _run_both("mlp", FUSED["adamw"], 4, 2, **kw)
-    assert all(r is not None and reason in r for r in trainer.fused_reasons), trainer.fused_reasons
+def test_dynamic_loss_scaling_keeps_the_chain_and_says_why():
+    trainer, ours, theirs = _run_both("mlp", FUSED["adamw"], 4, 2, loss_scaling="dynamic")
+    assert all(r is not None and "dynamic loss scaling" in r for r in trainer.fused_reasons), (
+        trainer.fused_reasons
+    )
     _assert_same(ours, theirs, LOOSE)  # the chain is torch's single-tensor formula
 
 
-def test_fused_update_in_a_vmap_fragment_equals_eager(monkeypatch):
+# Sharded (RTS) and off-chip optimizer state: the MLP's parameters of 16 values or more are
+# sharded, its last bias (4 values) is not, so each sharded group also holds an unsharded
+# member.
+LAYOUTS = {
+    "remote_rts": {"rts_threshold": 16, "optimizer_state": "remote"},
+    "remote": {"optimizer_state": "remote"},
+    "rts": {"rts_threshold": 16},
+}
+
+
+def _runs_explicitly_with_invariant_weights(trainer):
+    """No fragment under vmap, and every weight (sharded or not) stored once for all replicas
+    (Note [per-element list ops]: a shard in the group does not make the others per replica)."""
+    executor = trainer.session._executor
+    for name, fn in executor.fns.items():
+        assert fn.explicit, (name, fn.vmap_reason)
+    weights = {s.var.id for s in trainer._active.slots}
+    assert weights <= executor.uniform, weights - executor.uniform
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS)
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_adamw_with_sharded_or_off_chip_state_equals_eager_fused_adamw(R, layout):
+    """One fused call per group also over shards and off-chip state: eager fused AdamW's
+    numbers (to within the R > 1 reduction order), no vmap, and the reference executor's. The
+    MLP's shards divide its parameters, so they sit at the parameters' own positions and the
+    update is the on-chip program's bit for bit (Note [per-element list ops])."""
+    trainer, ours, theirs = _run_both("mlp", FUSED["adamw"], R, 2, **layout)
+    assert trainer.fused_reasons == (None, None)
+    sharded = [s.sharded for s in trainer._active.slots]
+    assert sharded == ([True] * 5 + [False] if "rts_threshold" in layout else [False] * 6)
+    _runs_explicitly_with_invariant_weights(trainer)
+    _assert_same(ours, theirs, TIGHT)
+    on_chip, whole, _ = _run_both("mlp", FUSED["adamw"], R, 2)
+    assert on_chip.fused_reasons == (None, None)
+    _assert_same(ours, whole, EXACT)
+    reference, ref_ours, _ = _run_both("mlp", FUSED["adamw"], R, 2, executor="reference",
+                                       **layout)  # fmt: skip
+    assert reference.fused_reasons == (None, None)
+    _assert_same(ours, ref_ours, TIGHT)  # one kernel call per replica: Note [per-element ...]
+
+
+BF16_ULP = {"rtol": 2**-7, "atol": 1e-6}  # one bfloat16 rounding step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state", ["on_chip", "remote"])
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_adam_over_padded_shards_equals_the_unsharded_fused_update(R, state, dtype):
+    """``rts_threshold=3`` shards every parameter of ``Elementwise``, the 3-value ``c`` with
+    padding: the fast path, bfloat16 shards (cast through float32) included, gives the
+    unsharded program's numbers to within the kernel's position-dependent rounding (Note
+    [per-element list ops]) and eager's to within the R > 1 reduction order."""
+    model = (lambda: Elementwise().to(dtype), _identity_loss)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(CASES, "elementwise", model)
+        sharded, ours, theirs = _run_both("elementwise", FUSED["adam"], R, 2, rts_threshold=3,
+                                          optimizer_state=state)  # fmt: skip
+        unsharded, whole, _ = _run_both("elementwise", FUSED["adam"], R, 2)
+    assert sharded.fused_reasons == unsharded.fused_reasons == (None, None)
+    assert all(s.sharded for s in sharded._active.slots)
+    assert ours[0].c.dtype == dtype
+    _runs_explicitly_with_invariant_weights(sharded)
+    _assert_same(ours, whole, TIGHT if dtype == torch.float32 else BF16_ULP)
+    if dtype == torch.float32:  # bfloat16 gradient means round differently from eager's
+        _assert_same(ours, theirs, TIGHT)
+
+
+@pytest.mark.parametrize("layout", ["remote_rts", "remote"])
+def test_fused_update_moves_what_the_chain_moves(layout):
+    """The fused update loads and stores every member's state once per step, as the chain
+    does: the same counted traffic, predicted by the memory report and counted by the
+    runtime. By hand (R=4): 2 states x 4 bytes x (values per replica, summed over replicas);
+    remote_rts: 1600 sharded values (400 per replica) and the 4-value bias on each replica."""
+    counters = {}
+    for fused in (True, False):
+        trainer, ours, theirs = _run_both("mlp", lambda m, f=fused: FUSED["adamw"](m, fused=f),
+                                          4, 2, **LAYOUTS[layout])  # fmt: skip
+        assert (trainer.fused_reasons == (None, None)) == fused
+        report = trainer.memory_report()
+        assert dict(report.predicted_counters) == dict(report.measured_counters)
+        counters[fused] = dict(report.measured_counters)
+    assert counters[True] == counters[False]
+    values = {"remote_rts": 1600 + 4 * 4, "remote": 4 * 1604}[layout]
+    got = {k: counters[True][k] for k in ("remote_load_bytes", "remote_store_bytes",
+                                           "num_remote_loads", "num_remote_stores")}  # fmt: skip
+    assert got == {"remote_load_bytes": 2 * 4 * values, "remote_store_bytes": 2 * 4 * values,
+                   "num_remote_loads": 12, "num_remote_stores": 12}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["on_chip", "remote_rts", "rts"])
+def test_fused_update_in_a_vmap_fragment_equals_eager(layout, monkeypatch):
     """A fragment with an op lacking an explicit-batching rule runs under vmap; the fused
-    update inside it (on replica-invariant tensors) still gives eager's numbers."""
+    update inside it (on replica-invariant tensors, or on shards that vmap batches and
+    ``per_element_stacked`` unwraps) still gives eager's numbers."""
     monkeypatch.setattr(_explicit, "vmap_reason", lambda *a: "forced by the test")
-    trainer, ours, theirs = _run_both("elementwise", FUSED["adam"], 4, 2)
+    trainer, ours, theirs = _run_both("mlp", FUSED["adam"], 4, 2, **LAYOUTS.get(layout, {}))
     executor = trainer.session._executor
     assert not any(getattr(fn, "explicit", True) for fn in executor.fns.values())
+    assert trainer.fused_reasons == (None, None)
     _assert_same(ours, theirs, TIGHT)
+
+
+def test_per_element_stacked_reads_non_contiguous_operands_by_their_strides():
+    """torch's CPU fused kernel walks memory as if contiguous (a transposed parameter or an
+    expanded gradient is misread); ``per_element_stacked`` runs it on contiguous copies and
+    writes them back (Note [per-element list ops])."""
+    gen = torch.Generator().manual_seed(0)
+    p, m = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen).abs()
+    g = torch.randn(3, generator=gen)
+    kwargs = {"lr": torch.tensor(0.1), "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0,
+              "eps": 1e-8, "amsgrad": False, "maximize": False}  # fmt: skip
+    want = [p.clone(), g.expand(5, 3).clone(), m.clone(), m.clone()]
+    torch._fused_adam_(*[[t] for t in want], [], [torch.tensor(2.0)], **kwargs)
+    got = [p.t().contiguous().t(), g.expand(5, 3), m.clone(), m.clone()]  # column-major p
+    assert not got[0].is_contiguous() and not got[1].is_contiguous()
+    _explicit.per_element_stacked(torch._fused_adam_, *[[t] for t in got], [],
+                                  [torch.tensor(2.0)], **kwargs)  # fmt: skip
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:], strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -232,6 +337,6 @@ def test_fused_adamw_on_16_bit_parameters_equals_eager_fused_adamw_exactly(dtype
 def test_a_cuda_simulator_keeps_the_chain_and_says_why():
     """CUDA's fused kernel is not exercised here, so a CUDA program keeps the chain."""
     spec = _compile._GroupSpec("adam", ("w",), fused=(0.9, 0.999, 1e-8, 0.0))
-    assert _compile._fused_reason(spec, [], "on_chip", False, "cpu") is None
-    reason = _compile._fused_reason(spec, [], "on_chip", False, "cuda:0")
+    assert _compile._fused_reason(spec, [], False, "cpu") is None
+    reason = _compile._fused_reason(spec, [], False, "cuda:0")
     assert reason is not None and "CPU simulator only" in reason

@@ -521,6 +521,63 @@ def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
                    "num_remote_loads": 6, "num_remote_stores": 3}  # fmt: skip
 
 
+def _fused_adam_program(R, per_replica_lr=False):
+    """One ``torch._fused_adam_`` call over a replica-invariant weight (with an invariant
+    gradient) and a per-replica one (with its replica's streamed gradient)."""
+    rng = np.random.default_rng(6)
+    ir = popxl.Ir(replication=R)
+    per_replica = ir.replica_grouping(1, 1)
+    with ir.main_graph, popxl.in_sequence():
+        w = popxl.variable(rng.normal(size=(5,)).astype(np.float32), name="w")
+        g = popxl.variable(rng.normal(size=(5,)).astype(np.float32), name="g")
+        m, v = (popxl.variable(np.zeros(5, np.float32), name=n) for n in ("m", "v"))
+        per = popxl.variable(rng.normal(size=(R, 12)).astype(np.float32), name="per",
+                             replica_grouping=per_replica)  # fmt: skip
+        m_per, v_per = (popxl.variable(np.zeros((R, 12), np.float32), name=n,
+                                       replica_grouping=per_replica) for n in ("mp", "vp"))  # fmt: skip
+        xs = popxl.h2d_stream((12,), popxl.float32, "x")
+        x = ops.host_load(xs)
+        lr = x.sum() * 0.01 if per_replica_lr else popxl.variable(np.float32(0.1), name="lr")
+        step = popxl.variable(np.float32(2.0), name="step")
+        torch._fused_adam_([w, per], [g, x], [m, m_per], [v, v_per], [], [step, step], lr=lr,
+                           beta1=0.9, beta2=0.99, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                           maximize=False)  # fmt: skip
+        outs = {}
+        for name, t in (("w", w), ("m", m), ("per", per), ("m_per", m_per), ("v_per", v_per)):
+            st = popxl.d2h_stream(t.shape, t.dtype, name)
+            ops.host_store(st, t)
+            outs[name] = st
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_adam_over_per_replica_and_invariant_elements_runs_stacked(R):
+    """Note [per-element list ops]: one fused call over a per-replica and a replica-invariant
+    element runs on the stacked rows without vmap, the invariant weight and its state stay
+    stored once, and the values (over two runs) are the reference executor's (one call per
+    replica: the kernel's position-dependent rounding, hence a tolerance)."""
+    xs_data = np.random.default_rng(1).normal(size=(R, 12)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _fused_adam_program(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        with session:
+            runs = [session.run({xs: xs_data}) for _ in range(2)]
+        if executor == "fast":
+            fast = session._executor
+            assert all(fn.explicit for fn in fast.fns.values()), fast.source()
+            assert {"w", "g", "m", "v", "lr", "step"} <= fast.uniform, fast.uniform
+        results[executor] = {k: run[st] for run in runs[-1:] for k, st in outs.items()}
+    for k, want in results["reference"].items():
+        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_fused_adam_with_a_per_replica_learning_rate_is_refused_naming_the_op():
+    ir, xs, _ = _fused_adam_program(2, per_replica_lr=True)
+    with pytest.raises(NotImplementedError, match=r"_fused_adam_.*differs between replicas"):
+        popxl.Session(ir, "ipu_model").run({xs: np.ones((2, 12), np.float32)})
+
+
 def test_remote_slot_view_kernel_is_a_counted_view_and_checks_its_offset():
     """``remote_slot_view``: every replica's slot as a view, counted as one remote load; a
     store of that very view writes nothing but counts the store; a bad offset is a

@@ -15,8 +15,8 @@ write it by hand:
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
-  each param group's on-chip parameters with one fused kernel call, as eager torch does
-  (Note [fused optimizer updates]).
+  each param group's parameters (or their shards) with one fused kernel call, as eager torch
+  does (Note [fused optimizer updates]).
 
 The torch objects stay the source of truth: the hyperparameters are read from
 ``optimizer.param_groups`` at each step (Note [hyperparameters at run time]), the module's
@@ -276,16 +276,26 @@ def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) 
 #     An Adam/AdamW built with ``fused=True`` updates a whole param group with one
 #     ``torch._fused_adam_`` / ``_fused_adamw_`` call, which rounds differently from the
 #     single-tensor chain above. The compiled step does the same: one call of the same kernel
-#     over all of the group's parameters (replica-invariant on-chip tensors, run once for all
-#     replicas), so the numbers are eager's fused ones, and on CPU it is ~3x faster than the
-#     per-parameter chain (benchmarks/bench_optimizer.py). The kernel takes the learning rate
-#     as a tensor (read from ``hyper/i`` at every step, so LR schedulers work) but betas, eps
-#     and weight decay as plain numbers: they are part of the group's structure
-#     (``_GroupSpec.fused``) and changing them rebuilds the program, carrying the state over.
-#     Where the kernel cannot apply, the group keeps the per-parameter chain and
-#     ``Trainer.fused_reasons`` says why: sharded (RTS) or off-chip state (each parameter's
-#     state is loaded and stored on its own), dynamic loss scaling (its skipped step is
-#     written for the chain), mixed dtypes in one group, a CUDA simulator (untested).
+#     over all of the group's parameters, so the numbers are eager's fused ones, and on CPU it
+#     is ~3x faster than the per-parameter chain (benchmarks/bench_optimizer.py). Every member
+#     is prepared as the chain prepares it (``Trainer._update_target``, ``_load_state``): a
+#     sharded (RTS) member gives this replica's shard of its parameter, its reduce-scattered
+#     gradient and its state shards, off-chip state is loaded from its remote buffer; after the
+#     call each member's state is stored and each shard all-gathered into its parameter
+#     (``_finish_update``). The kernel updates every list element on its own, so the fast
+#     executor runs the call once over stacked shards and replica-invariant weights together,
+#     and shards that divide their parameter give the unsharded update bit for bit (a padded
+#     shard may move a value by an ulp: Note [per-element list ops] in runtime/explicit.py).
+#     The one call holds every member's loaded state at once where the chain holds one
+#     parameter's state and its temporaries (the memory report's live intermediates count
+#     it); the traffic is the chain's. The kernel takes the learning rate as a tensor (read
+#     from ``hyper/i`` at every step, so LR schedulers work) but betas, eps and weight decay
+#     as plain numbers: they are part of the group's structure (``_GroupSpec.fused``) and
+#     changing them rebuilds the program, carrying the state over. Where the kernel cannot
+#     apply, the group keeps the per-parameter chain and ``Trainer.fused_reasons`` says why:
+#     dynamic loss scaling (its skipped step is written for the chain), mixed dtypes in one
+#     group (eager torch splits such a group into one call per dtype), a CUDA simulator
+#     (untested).
 
 
 def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, eps: float,
@@ -302,8 +312,7 @@ def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, e
        weight_decay=weight_decay, eps=eps, maximize=False)  # fmt: skip
 
 
-def _fused_reason(spec: _GroupSpec, slots: list, state_placement: str, dynamic_scaling: bool,
-                  device: str):  # fmt: skip
+def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device: str):
     """Why a param group keeps the per-parameter update chain, or None when it runs the fused
     kernel (Note [fused optimizer updates])."""
     if spec.fused is None:
@@ -311,10 +320,6 @@ def _fused_reason(spec: _GroupSpec, slots: list, state_placement: str, dynamic_s
     if torch.device(device).type != "cpu":
         # CUDA's fused kernel takes its learning-rate tensor differently; untested here.
         return f"the fused update is used on the CPU simulator only (device={device!r})"
-    if any(s.sharded for s in slots):
-        return "the group's optimizer state is sharded (replicated tensor sharding)"
-    if state_placement != "on_chip":
-        return "the group's optimizer state is off-chip (optimizer_state='remote')"
     if dynamic_scaling:
         return "dynamic loss scaling skips steps in the per-parameter update"
     dtypes = {s.var.dtype.name for s in slots}
@@ -753,8 +758,9 @@ class Trainer:
             fused_reasons = []
             for i, spec in enumerate(specs):
                 members = [(s, g) for s, g in zip(slots, reduced, strict=True) if s.group == i]
-                reason = _fused_reason(spec, [s for s, _ in members], self.optimizer_state,
-                                       found is not None, self.device)  # fmt: skip
+                reason = _fused_reason(
+                    spec, [s for s, _ in members], found is not None, self.device
+                )
                 fused_reasons.append(reason)
                 if reason is None and members:
                     self._fused_update(members, spec, step, hyper_vars[i])
@@ -918,44 +924,53 @@ class Trainer:
         return [call_torch(_scale, (g, coef), {}) for g in grads]
 
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
-        if s.sharded:
-            if s.var.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
-                p32 = ops.collectives.replica_sharded_slice(ops.cast(s.var, _float32))
-                p_shard = ops.cast(p32, s.var.dtype)
-            else:
-                p_shard = ops.collectives.replica_sharded_slice(s.var)
-            state = self._load_state(s)
-            _optimizer_update(p_shard, g, step, scalars, state, s.spec, found)
-            self._store_state(s, state)
-            if p_shard.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
-                flat = ops.collectives.replicated_all_gather(
-                    ops.cast(p_shard, _float32), output_shape="concat")  # fmt: skip
-                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
-                full = ops.cast(full, p_shard.dtype)
-            else:
-                full = ops.collectives.replicated_all_gather(p_shard)
-            ops.var_updates.copy_var_update_(s.var, full)
-        else:
-            state = self._load_state(s)
-            _optimizer_update(s.var, g, step, scalars, state, s.spec, found)
-            self._store_state(s, state)
-        ops.var_updates.accumulator_zero_(s.accum)
+        p = self._update_target(s)
+        state = self._load_state(s)
+        _optimizer_update(p, g, step, scalars, state, s.spec, found)
+        self._finish_update(s, p, state)
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
-        """One fused kernel call for a whole param group (Note [fused optimizer updates])."""
+        """One fused kernel call for a whole param group (Note [fused optimizer updates]):
+        every member's parameter (or shard) and state are prepared as ``_update`` prepares
+        them, updated together, then stored and gathered one by one."""
         assert spec.fused is not None
         slots = [s for s, _ in members]
+        ps = [self._update_target(s) for s in slots]
+        states = [self._load_state(s) for s in slots]
         b1, b2, eps, wd = spec.fused
         call_torch(
             _fused_adam_group,
-            (*[s.var for s in slots], *[g for _, g in members],
-             *[s.state["exp_avg"] for s in slots], *[s.state["exp_avg_sq"] for s in slots],
+            (*ps, *[g for _, g in members], *[st[0] for st in states], *[st[1] for st in states],
              step, hyper),
             {"n": len(slots), "kind": spec.kind, "beta1": b1, "beta2": b2, "eps": eps,
              "weight_decay": wd},
         )  # fmt: skip
-        for s in slots:
-            ops.var_updates.accumulator_zero_(s.accum)
+        for s, p, st in zip(slots, ps, states, strict=True):
+            self._finish_update(s, p, st)
+
+    def _update_target(self, s: _Slot) -> Tensor:
+        """What the update writes: the parameter, or this replica's shard of it (RTS)."""
+        if not s.sharded:
+            return s.var
+        if s.var.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+            p32 = ops.collectives.replica_sharded_slice(ops.cast(s.var, _float32))
+            return ops.cast(p32, s.var.dtype)
+        return ops.collectives.replica_sharded_slice(s.var)
+
+    def _finish_update(self, s: _Slot, p: Tensor, state: list[Tensor]) -> None:
+        """Stores off-chip state, all-gathers an updated shard into the parameter and zeroes
+        the gradient accumulator."""
+        self._store_state(s, state)
+        if s.sharded:
+            if p.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
+                flat = ops.collectives.replicated_all_gather(
+                    ops.cast(p, _float32), output_shape="concat")  # fmt: skip
+                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
+                full = ops.cast(full, p.dtype)
+            else:
+                full = ops.collectives.replicated_all_gather(p)
+            ops.var_updates.copy_var_update_(s.var, full)
+        ops.var_updates.accumulator_zero_(s.accum)
 
     def _load_state(self, s: _Slot) -> list[Tensor]:
         out = []

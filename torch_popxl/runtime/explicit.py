@@ -18,19 +18,24 @@ Note [explicit batching]
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
 
 __all__ = [
     "ELEMENTWISE",
+    "PER_ELEMENT",
     "batchable",
     "draws_random",
+    "element_inputs",
     "emit_torch",
     "fold_obstacle",
     "foldable",
     "is_random",
     "opdef_rule",
+    "per_element_ok",
+    "per_element_stacked",
     "rank_padding",
     "vmap_reason",
 ]
@@ -144,6 +149,111 @@ _TRANSFORMER = {
 }
 
 
+# Note [per-element list ops]
+#     torch's fused optimizer kernels (``_fused_adam_``, ``_fused_adamw_``) take lists of
+#     tensors and update each list element on its own: element k of the parameters, gradients
+#     and states is computed from element k of every list and from tensors read as scalars
+#     (the learning rate; the step counts, one per element) only. Replica batching is
+#     therefore per element: the analysis makes element k's written tensors per replica only
+#     when an input of element k is (``element_inputs``, read by ``_Pass._torch`` in
+#     runtime/lower.py), so one call updates RTS shards (per replica) and replica-invariant
+#     weights together. Stacked, an element ``[R, ...]`` is R elementwise updates in one, so
+#     the kernel runs as is on the physical tensors when every element is all stacked or all
+#     replica-invariant and the scalars are replica-invariant (``per_element_stacked``; under
+#     vmap, which has no batching rule for these kernels, it unwraps the batched elements to
+#     their stacked rows first; a per-replica scalar is an error there).
+#
+#     Two properties of torch's CPU kernels matter. They round a value by where it falls in
+#     its tensor (a vectorised body and a scalar tail give results an ulp apart), so the same
+#     numbers in another tensor size can differ in the last bit: stacked RTS shards ``[R,
+#     shard]`` are the parameter's own flat layout, so shards that divide the parameter give
+#     the unsharded update bit for bit, while a padded last shard (a longer tensor) or the
+#     reference executor's one call per replica may differ by an ulp. And they walk each
+#     element's memory as flat and contiguous whatever its strides say (a transposed parameter
+#     or an expanded gradient is silently misread), so a non-contiguous operand gets a
+#     contiguous copy, written back unless it is a broadcast (read-only) one; the compiled
+#     step's operands are contiguous, this keeps any other layout correct.
+PER_ELEMENT = frozenset({
+    aten._fused_adam_.default, aten._fused_adam_.tensor_lr,
+    aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr,
+})  # fmt: skip
+_SCALAR_LISTS = frozenset({"state_steps"})  # list arguments whose elements are read as scalars
+
+
+def _per_element_args(op: Op) -> tuple[list[list[int]], list[int], set[int]]:
+    """The tensor input indices of a ``PER_ELEMENT`` op: per list position, its element of
+    every list; the non-list tensors; the indices read as scalars (those and the step counts)."""
+    args, kwargs = op.attrs.args, op.attrs.kwargs
+    elements: list[list[int]] = []
+    shared: list[int] = []
+    scalars: set[int] = set()
+    for i, arg in enumerate(op.attrs.target._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, list | tuple):
+            for k, v in enumerate(value):
+                if isinstance(v, Slot):
+                    elements.extend([] for _ in range(k + 1 - len(elements)))
+                    elements[k].append(v.index)
+                    if arg.name in _SCALAR_LISTS:
+                        scalars.add(v.index)
+        elif isinstance(value, Slot):
+            shared.append(value.index)
+            scalars.add(value.index)
+    return elements, shared, scalars
+
+
+def element_inputs(op: Op) -> dict[int, frozenset[int]] | None:
+    """Note [per-element list ops]: for a ``PER_ELEMENT`` op, each tensor input's index ->
+    the input indices its value is computed from (its list element's and the scalars); None
+    for any other op (what it writes depends on all its inputs)."""
+    if op.attrs.target not in PER_ELEMENT:
+        return None
+    elements, shared, _ = _per_element_args(op)
+    out: dict[int, frozenset[int]] = {i: frozenset(shared) for i in shared}
+    for element in elements:
+        for i in element:
+            out[i] = out.get(i, frozenset()) | frozenset(element) | frozenset(shared)
+    for i in shared:  # a scalar is read by every element
+        out[i] = out[i].union(*elements)
+    return out
+
+
+def per_element_ok(op: Op, batched: list[bool]) -> bool:
+    """Whether a ``PER_ELEMENT`` op runs on the physical tensors (Note [per-element list
+    ops]): every element all stacked or all replica-invariant, every scalar invariant."""
+    elements, _, scalars = _per_element_args(op)
+    if any(batched[i] for i in scalars):
+        return False
+    return all(len({batched[i] for i in e if i not in scalars}) <= 1 for e in elements)
+
+
+def per_element_stacked(fn, *args, **kwargs) -> None:
+    """A ``PER_ELEMENT`` kernel ``fn`` on the physical tensors: stacked ``[R, ...]`` elements as
+    they are, a vmap-batched one as its stacked rows, non-contiguous ones through contiguous
+    copies written back (Note [per-element list ops])."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def physical(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if torch._C._functorch.is_batchedtensor(t):  # under vmap: the rows of every replica
+            bdim = torch._C._functorch.maybe_get_bdim(t)
+            t = torch._C._functorch.get_unwrapped(t).movedim(bdim, 0)
+        if t.is_contiguous():
+            return t
+        copies.append((t, t.contiguous()))
+        return copies[-1][1]
+
+    fn(*pytree.tree_map(physical, args), **pytree.tree_map(physical, kwargs))
+    for t, c in copies:
+        if not _expanded(t):  # torch writes no broadcast operand in place: it was only read
+            t.copy_(c)
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
 # Seeded ops that draw nothing when their dropout probability (this argument) is 0.
 _DROPOUT_P = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: (3, "dropout_p"),
@@ -189,6 +299,8 @@ def _ok_torch(f, a, R: int) -> bool:
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
     if target in _ELEMENTWISE:
         return True  # any ranks: Note [broadcasting on stacked values]
+    if target in PER_ELEMENT:
+        return per_element_ok(f.op, batched)
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
         return True
     if target is aten.addmm.default:
@@ -431,7 +543,7 @@ def emit_torch(em, f, ind: str) -> None:
         call = f"{em.p.literal(stacked_form)}({', '.join(call_args)})"
         em.lines.append(f"{ind}{out} = {call}" if out is not None else f"{ind}{call}")
         return
-    if not any(batched) or target in _ELEMENTWISE or f in a.sum_reads:
+    if not any(batched) or target in _ELEMENTWISE or target in PER_ELEMENT or f in a.sum_reads:
         em._torch_plain(f, ind)
         return
     if target in _NLL:

@@ -350,7 +350,12 @@ class _Pass:
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
         write_b = any_b or (self.R > 1 and _draws_random(f.source))
+        # Note [per-element list ops] (explicit.py): a fused optimizer kernel writes each list
+        # element from that element's inputs only.
+        element_inputs = _explicit.element_inputs(f.source)
         for i in written:
+            if element_inputs is not None:
+                write_b = any(self.b(f.ins[j]) for j in element_inputs[i])
             verdict = self._write(f.ins[i], write_b)
             if verdict is not None:
                 return verdict
@@ -1123,6 +1128,18 @@ class _Emitter:
         if self._passthrough(f, ind):
             return
         args = [self.literal(x, f) for x in f.source.attrs.args]
+        batched = [self.a.b(n) for n in f.ins]
+        if target in _explicit.PER_ELEMENT and self.p.R > 1 and any(batched):
+            # Note [per-element list ops]: on the stacked rows (vmap has no rule for it)
+            if not _explicit.per_element_ok(f.source, batched):
+                raise NotImplementedError(
+                    f"{target} was given a learning rate, step count or other scalar tensor "
+                    "that differs between replicas; the fast executor runs it only with "
+                    "scalars shared by all replicas. Compute them from replica-invariant "
+                    "values, or run with executor='reference'."
+                )
+            args.insert(0, fn)
+            fn = self.p.literal(_explicit.per_element_stacked)
         if f in self.a.sum_adds:
             x = f.ins[self.a.sum_adds[f]]
             if f.presummed:

@@ -37,21 +37,35 @@ def _number(t: Tensor) -> float | int | bool:
     return t.item()
 
 
+# On a GPU, ``.item()`` would wait for the device three times per parameter per step; there
+# the ops compute with the scalar as a tensor (rounding may differ from torch's kernels by an
+# ulp; untested here: no GPU).
+
+
 @torch.library.custom_op("torch_popxl::addcmul_value_", mutates_args=("self",))
 def addcmul_value_(self: Tensor, tensor1: Tensor, tensor2: Tensor, value: Tensor) -> None:
     """``self.addcmul_(tensor1, tensor2, value=value.item())``."""
+    if self.device.type != "cpu":
+        self.add_(tensor1 * tensor2 * value.reshape(()))
+        return
     self.addcmul_(tensor1, tensor2, value=_number(value))
 
 
 @torch.library.custom_op("torch_popxl::addcdiv_value_", mutates_args=("self",))
 def addcdiv_value_(self: Tensor, tensor1: Tensor, tensor2: Tensor, value: Tensor) -> None:
     """``self.addcdiv_(tensor1, tensor2, value=value.item())``."""
+    if self.device.type != "cpu":
+        self.add_(tensor1 / tensor2 * value.reshape(()))
+        return
     self.addcdiv_(tensor1, tensor2, value=_number(value))
 
 
 @torch.library.custom_op("torch_popxl::add_alpha_", mutates_args=("self",))
 def add_alpha_(self: Tensor, other: Tensor, alpha: Tensor) -> None:
     """``self.add_(other, alpha=alpha.item())``."""
+    if self.device.type != "cpu":
+        self.add_(other * alpha.reshape(()))
+        return
     self.add_(other, alpha=_number(alpha))
 
 

@@ -307,7 +307,8 @@ class FastExecutor:
                 return None
             # The same source over OpOverloads: the raw ``_op`` builtins are opaque to dynamo.
             scope: dict[str, Any] = {}
-            names = {**self.program.globals, **self.program.overloads}
+            names = {**self.program.globals, **self.program.overloads,
+                     "COPY_UNLESS_SAME": _copy_always}  # fmt: skip
             exec(compile(fn.source, f"<torch_popxl inductor {fragment}>", "exec"), names, scope)
             self._compiled[fragment] = torch.compile(
                 scope["fn"], backend="inductor", dynamic=False, fullgraph=True
@@ -351,6 +352,13 @@ class FastExecutor:
 #     under vmap always run plain. Compilation costs seconds per fragment (and torch.compile
 #     needs a C++ compiler), which short jobs never win back: the default stays the plain
 #     generated code (README "Benchmarks").
+
+
+def _copy_always(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``COPY_UNLESS_SAME`` for dynamo, which cannot trace data pointers: the copy always
+    runs (Note [RTS updates in place]: where the source is the target's very memory the
+    copy moves nothing new, and inductor's functional graph has no aliasing to keep)."""
+    return target.copy_(source)
 
 
 # ---- the reference executor ---------------------------------------------------------------

@@ -56,27 +56,18 @@ def _train(backend: str, batches, **kw):
 
 @needs_inductor
 @pytest.mark.parametrize(
-    ("layout", "compiled"),
-    [
-        ({}, True),
-        ({"rts_threshold": 100}, True),
-        ({"rts_threshold": 100, "optimizer_state": "remote"}, False),
-    ],
+    "layout",
+    [{}, {"rts_threshold": 100}, {"rts_threshold": 100, "optimizer_state": "remote"}],
     ids=["on_chip", "rts", "remote_rts"],
 )
-def test_inductor_mnist_trainer_matches_default_backend(layout, compiled):
+def test_inductor_mnist_trainer_matches_default_backend(layout):
     batches = _batches(3, 16)
     kw = {"replication_factor": 2, "gradient_accumulation": 2, **layout}
     _, ref_model, ref_opt, ref_losses = _train("default", batches, **kw)
     trainer, model, opt, losses = _train("inductor", batches, **kw)
+    # it really ran compiled: the step did not fall back to the plain function
     reasons = trainer.session._executor.backend_reasons
-    if compiled:  # it really ran compiled: the step did not fall back to the plain function
-        assert reasons["normal"] is None, reasons
-    else:
-        # Known limitation: a remote load that is a view of its slots (remote_slot_view, a
-        # custom op returning an alias) cannot be functionalized, so the step runs the plain
-        # function, and says so.
-        assert reasons["normal"] is not None and "remote_slot_view" in reasons["normal"]
+    assert reasons["normal"] is None, reasons
     np.testing.assert_allclose(losses, ref_losses, **CLOSE)
     # the steps updated the weights (equal weights would be no evidence otherwise)
     assert not torch.equal(model[0].weight.detach(), _mlp()[0].weight)
@@ -127,3 +118,19 @@ def test_backend_is_checked():
         popxl.compile(model, loss, opt, backend="inductor", executor="reference")
     with pytest.raises(ValueError, match="backend must be"):
         popxl.compile(model, backend="inductor_cuda")
+
+
+@needs_inductor
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: the traffic counters count while torch.compile traces a step "
+    "(host IO is counted in Python, collectives in kernels it calls then), not when the compiled "
+    "step runs; the report's measured column is then wrong, its predicted one is right",
+)
+def test_inductor_counts_the_traffic_the_default_backend_counts():
+    batches = _batches(4, 16)  # steps after the ones that compiled (which count while tracing)
+    kw = {"replication_factor": 2, "gradient_accumulation": 2}
+    ref, *_ = _train("default", batches, **kw)
+    trainer, *_ = _train("inductor", batches, **kw)
+    assert trainer.session._executor.backend_reasons["normal"] is None
+    assert trainer.session._last_run_counters == ref.session._last_run_counters

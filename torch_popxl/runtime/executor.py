@@ -308,7 +308,7 @@ class FastExecutor:
             # The same source over OpOverloads: the raw ``_op`` builtins are opaque to dynamo.
             scope: dict[str, Any] = {}
             names = {**self.program.globals, **self.program.overloads,
-                     "COPY_UNLESS_SAME": _copy_always}  # fmt: skip
+                     "COPY_UNLESS_SAME": _copy_always, "REMOTE_VIEW": _slot_view}  # fmt: skip
             exec(compile(fn.source, f"<torch_popxl inductor {fragment}>", "exec"), names, scope)
             self._compiled[fragment] = torch.compile(
                 scope["fn"], backend="inductor", dynamic=False, fullgraph=True
@@ -322,6 +322,9 @@ class FastExecutor:
             return fn(rt, *var_vals)
         try:
             outs = compiled(rt, *var_vals)
+            for bid, slot, runs in fn.slot_views:  # counted as the plain function counts them
+                for _ in range(runs):
+                    torch.ops.torch_popxl.remote_slot_view(rt.buffers[bid], slot, bid)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back (recorded)
             # fullgraph=True: a failure is raised while compiling, before the graph ran, so
             # nothing was updated yet and the plain function can run this step.
@@ -351,7 +354,18 @@ class FastExecutor:
 #     the plain function for good and ``FastExecutor.backend_reasons`` says why; fragments
 #     under vmap always run plain. Compilation costs seconds per fragment (and torch.compile
 #     needs a C++ compiler), which short jobs never win back: the default stays the plain
-#     generated code (README "Benchmarks").
+#     generated code (README "Benchmarks"). The compiled source differs from the plain one in
+#     two names dynamo cannot trace as they are: ``COPY_UNLESS_SAME`` always copies and
+#     ``REMOTE_VIEW`` is a plain view, whose loads the executor counts after the call
+#     (``fn.slot_views``). Known limitation: the traffic counters count while a fragment is
+#     traced, not when its compiled form runs (a strict xfail in tests/test_compile_inductor.py).
+
+
+def _slot_view(buffer: torch.Tensor, slot: int, buffer_id: int) -> torch.Tensor:
+    """``REMOTE_VIEW`` for dynamo: every replica's slot as a plain view of the stacked buffer
+    (the custom op returns an alias, which torch.compile cannot functionalize); the executor
+    counts the loads after the compiled call (``fn.slot_views``)."""
+    return buffer.select(1, slot)
 
 
 def _copy_always(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

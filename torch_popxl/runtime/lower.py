@@ -1015,6 +1015,10 @@ class _Emitter:
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
         self.keep: frozenset[str] = frozenset()  # never released: the fragment's outputs, params
+        # Note [inductor backend]: every REMOTE_VIEW emitted, as (buffer id, slot, runs per
+        # call), so a compiled function can count them outside the graph
+        self.slot_views: list[tuple[int, int | None, int]] = []
+        self.repeats = 1
         self.views: set[FlatOp] = set()  # Note [remote slot views]
         self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
         self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
@@ -1240,10 +1244,12 @@ class _Emitter:
             slot = _constant_offset(f)
             view = f"REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})[0]"
             self.lines.append(f"{ind}{f.outs[0]} = {view}{'' if f in self.views else '.clone()'}")
+            self.slot_views.append((bid, slot, self.repeats))
             return
         if f in self.views:  # Note [remote slot views]
             slot = _constant_offset(f)
             self.lines.append(f"{ind}{f.outs[0]} = REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})")
+            self.slot_views.append((bid, slot, self.repeats))
             return
         if self._remote_explicit(f, ind):
             return
@@ -1287,7 +1293,9 @@ class _Emitter:
                 self.lines.append(f"{ind}{n} = _o_{n}")
             return
         self.lines.append(f"{ind}for _ in range({f.count}):")
+        self.repeats *= f.count
         self.block(f.body, ind + "    ", self._outer_names(f))
+        self.repeats //= f.count
         results = f.results
         if results:
             lhs = "".join(c + ", " for c in f.outs[: len(results)])
@@ -1367,6 +1375,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.vmap_reason = reason
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
+    fn.slot_views = tuple(em.slot_views)
     fn.source = src
     return fn
 

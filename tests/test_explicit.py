@@ -11,6 +11,40 @@ import torch_popxl as popxl
 import torch_popxl.ops as ops
 
 
+def _store_each(named) -> dict:
+    """A d2h stream and ``host_store`` for each ``(name, tensor)``: ``{name: stream}``."""
+    outs = {}
+    for name, t in named:
+        st = popxl.d2h_stream(t.shape, t.dtype, name)
+        ops.host_store(st, t)
+        outs[name] = st
+    return outs
+
+
+def _explicit_matches_reference(build, x, runs=1, rtol=1e-6, atol=1e-6):
+    """Build the program (``build() -> (ir, xs, outs, *variables)``) for each executor, run it
+    ``runs`` times on ``x``: the fast executor's fragment is explicitly batched, and every
+    output of every run and every variable afterwards has the reference executor's shape and
+    values."""
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs, *variables = build()
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            fn = session._executor.fns["normal"]
+            assert fn.explicit, fn.vmap_reason
+        with session:
+            got = {}
+            for i in range(runs):
+                out = session.run({xs: x})
+                got.update({f"{k}{i}": out[st] for k, st in outs.items()})
+            got.update({v.name: session.get_tensor_data(v) for v in variables})
+            results[executor] = got
+    for k, want in results["reference"].items():
+        assert results["fast"][k].shape == want.shape, k
+        np.testing.assert_allclose(results["fast"][k], want, rtol=rtol, atol=atol, err_msg=k)
+
+
 def _build(R):
     rng = np.random.default_rng(0)
     ir = popxl.Ir(replication=R)
@@ -32,12 +66,8 @@ def _build(R):
         v = h.reshape(2, 10).view(20) * 2.0
         g = ops.collectives.replicated_all_reduce(h.sum(dim=0), "mean")
         ops.scaled_add_(b, g, b=-0.1)  # invariant update
-        outs = {}
-        for name, t in (("h", h), ("m", m), ("u", u), ("red", red), ("scattered", scattered),
-                        ("v", v), ("g", g), ("picked", picked)):  # fmt: skip
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("h", h), ("m", m), ("u", u), ("red", red), ("scattered", scattered),
+                        ("v", v), ("g", g), ("picked", picked)))  # fmt: skip
     return ir, xs, ls, outs, b
 
 
@@ -103,14 +133,10 @@ def _build_remote_rts(R, group_size):
         reduced = ops.collectives.replicated_all_reduce(gathered, "mean", group=rg)
         inv_reduced = ops.collectives.replicated_all_reduce(inv, group=rg)
         owned = ops.collectives.replicated_slice(x.reshape((group_size, -1)), group=rg)
-        outs = {}
-        for name, t in (("shard", shard), ("inv_shard", inv_shard), ("summed", summed),
+        outs = _store_each((("shard", shard), ("inv_shard", inv_shard), ("summed", summed),
                         ("gathered", gathered), ("inv_gathered", inv_gathered),
                         ("reduced", reduced), ("inv_reduced", inv_reduced), ("owned", owned),
-                        ("per_replica", per_replica)):  # fmt: skip
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+                        ("per_replica", per_replica)))  # fmt: skip
     return ir, xs, offs, outs, (remote_w, into)
 
 
@@ -478,15 +504,11 @@ def _remote_round_trips(R):
         d = ops.remote_load(rb, 1)
         c += d
         ops.remote_store(rb, 2, c)
-        outs = {}
-        for name, t in (
+        outs = _store_each((
             ("b", b),
             ("slot0", ops.remote_load(rb, 0)),
             ("slot1", ops.remote_load(rb, 1)),
-        ):
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        ))  # fmt: skip
     return ir, xs, outs
 
 
@@ -542,11 +564,7 @@ def _fused_adam_program(R, per_replica_lr=False):
         torch._fused_adam_([w, per], [g, x], [m, m_per], [v, v_per], [], [step, step], lr=lr,
                            beta1=0.9, beta2=0.99, weight_decay=0.01, eps=1e-8, amsgrad=False,
                            maximize=False)  # fmt: skip
-        outs = {}
-        for name, t in (("w", w), ("m", m), ("per", per), ("m_per", m_per), ("v_per", v_per)):
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("w", w), ("m", m), ("per", per), ("m_per", m_per), ("v_per", v_per)))
     return ir, xs, outs
 
 
@@ -654,35 +672,15 @@ def _build_mixed_ranks(R):
         picked = torch.where(x > 0, step, bias)  # [3, R] condition, [] and [R] branches
         m.add_(step)  # in place: [3, R] += [] per replica
         m.div_(bias + 1.0)  # in place: [3, R] /= [R]
-        outs = {}
-        for name, t in (("logits", logits), ("scaled", scaled), ("outer", outer),
-                        ("picked", picked)):  # fmt: skip
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("logits", logits), ("scaled", scaled), ("outer", outer),
+                        ("picked", picked)))  # fmt: skip
     return ir, xs, outs, m
 
 
 @pytest.mark.parametrize("R", [2, 3])
 def test_mixed_rank_elementwise_ops_run_explicitly_and_match_the_reference(R):
     x = np.random.default_rng(5).normal(size=(R, 3, R)).astype(np.float32)
-    results = {}
-    for executor in ("fast", "reference"):
-        ir, xs, outs, m = _build_mixed_ranks(R)
-        session = popxl.Session(ir, "ipu_model", executor=executor)
-        if executor == "fast":
-            fn = session._executor.fns["normal"]
-            assert fn.explicit, fn.vmap_reason
-        with session:
-            got = {}
-            for i in range(2):
-                out = session.run({xs: x})
-                got.update({f"{k}{i}": out[s] for k, s in outs.items()})
-            got["m"] = session.get_tensor_data(m)
-            results[executor] = got
-    for k, want in results["reference"].items():
-        assert results["fast"][k].shape == want.shape, k
-        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+    _explicit_matches_reference(lambda: _build_mixed_ranks(R), x, runs=2, rtol=1e-5)
 
 
 def _build_indexed(R):
@@ -704,32 +702,14 @@ def _build_indexed(R):
         added = torch.index_add(
             table, 1, popxl.constant(np.array([3, 0], np.int32)).long(), x[0].T[:3]
         )
-        outs = {}
-        for name, t in (("picked", picked), ("rows", rows), ("mixed", mixed), ("added", added)):
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("picked", picked), ("rows", rows), ("mixed", mixed), ("added", added)))
     return ir, xs, outs, stash
 
 
 @pytest.mark.parametrize("R", [2, 3])
 def test_indexed_ops_with_a_shared_index_run_explicitly_and_match_the_reference(R):
     x = np.random.default_rng(7).normal(size=(R, 1, 2, 4)).astype(np.float32)
-    results = {}
-    for executor in ("fast", "reference"):
-        ir, xs, outs, stash = _build_indexed(R)
-        session = popxl.Session(ir, "ipu_model", executor=executor)
-        if executor == "fast":
-            fn = session._executor.fns["normal"]
-            assert fn.explicit, fn.vmap_reason
-        with session:
-            out = session.run({xs: x})
-            got = {k: out[s] for k, s in outs.items()}
-            got["stash"] = session.get_tensor_data(stash)
-            results[executor] = got
-    for k, want in results["reference"].items():
-        assert results["fast"][k].shape == want.shape, k
-        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+    _explicit_matches_reference(lambda: _build_indexed(R), x)
 
 
 def _build_pool_and_grads(R, image_shape):
@@ -747,31 +727,15 @@ def _build_pool_and_grads(R, image_shape):
         sig = aten.sigmoid_backward(grad, torch.sigmoid(x))
         tanh = aten.tanh_backward(grad, torch.tanh(x))
         silu = aten.silu_backward(grad, x)
-        outs = {}
-        for name, t in (("pooled", pooled), ("indices", indices), ("grad", grad),
-                        ("picked", picked), ("sig", sig), ("tanh", tanh), ("silu", silu)):  # fmt: skip
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("pooled", pooled), ("indices", indices), ("grad", grad),
+                        ("picked", picked), ("sig", sig), ("tanh", tanh), ("silu", silu)))  # fmt: skip
     return ir, xs, outs
 
 
 @pytest.mark.parametrize("R,image_shape", [(2, (3, 2, 5, 6)), (3, (2, 4, 5))])
 def test_pooling_and_gradient_ops_run_explicitly_and_match_the_reference(R, image_shape):
     x = np.random.default_rng(8).normal(size=(R, *image_shape)).astype(np.float32)
-    results = {}
-    for executor in ("fast", "reference"):
-        ir, xs, outs = _build_pool_and_grads(R, image_shape)
-        session = popxl.Session(ir, "ipu_model", executor=executor)
-        if executor == "fast":
-            fn = session._executor.fns["normal"]
-            assert fn.explicit, fn.vmap_reason
-        with session:
-            out = session.run({xs: x})
-            results[executor] = {k: out[s] for k, s in outs.items()}
-    for k, want in results["reference"].items():
-        assert results["fast"][k].shape == want.shape, k
-        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+    _explicit_matches_reference(lambda: _build_pool_and_grads(R, image_shape), x)
 
 
 def _build_masks_and_reductions(R):
@@ -789,31 +753,15 @@ def _build_masks_and_reductions(R):
         mean = torch.mean(x * inv)
         stacked = torch.stack([x, inv, like], dim=-2)
         stacked0 = torch.stack([inv, x])
-        outs = {}
-        for name, t in (("mask", mask), ("bits", bits), ("rem", rem), ("like", like),
-                        ("mean", mean), ("stacked", stacked), ("stacked0", stacked0)):  # fmt: skip
-            st = popxl.d2h_stream(t.shape, t.dtype, name)
-            ops.host_store(st, t)
-            outs[name] = st
+        outs = _store_each((("mask", mask), ("bits", bits), ("rem", rem), ("like", like),
+                        ("mean", mean), ("stacked", stacked), ("stacked0", stacked0)))  # fmt: skip
     return ir, xs, outs
 
 
 @pytest.mark.parametrize("R", [2, 3])
 def test_masks_likes_means_and_stacks_run_explicitly_and_match_the_reference(R):
     x = np.random.default_rng(9).normal(size=(R, 3, 4)).astype(np.float32)
-    results = {}
-    for executor in ("fast", "reference"):
-        ir, xs, outs = _build_masks_and_reductions(R)
-        session = popxl.Session(ir, "ipu_model", executor=executor)
-        if executor == "fast":
-            fn = session._executor.fns["normal"]
-            assert fn.explicit, fn.vmap_reason
-        with session:
-            out = session.run({xs: x})
-            results[executor] = {k: out[s] for k, s in outs.items()}
-    for k, want in results["reference"].items():
-        assert results["fast"][k].shape == want.shape, k
-        np.testing.assert_allclose(results["fast"][k], want, rtol=1e-6, atol=1e-6, err_msg=k)
+    _explicit_matches_reference(lambda: _build_masks_and_reductions(R), x)
 
 
 def _cnn():

@@ -51,7 +51,7 @@ from .ir.streams import d2h_stream, h2d_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
-from .runtime.session import Session
+from .runtime.session import Session, check_backend
 from .transforms.autodiff import autodiff
 
 __all__ = ["compile", "Trainer", "InferenceProgram"]
@@ -617,7 +617,7 @@ class Trainer:
         self.optimizer_state = optimizer_state
         self.device = device
         self.executor = executor
-        self.backend = _check_backend(backend, executor)
+        self.backend = check_backend(backend, executor)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
@@ -1351,7 +1351,7 @@ class InferenceProgram:
         self.replication_factor = replication_factor
         self.device = device
         self.executor = executor
-        self.backend = _check_backend(backend, executor)
+        self.backend = check_backend(backend, executor)
         self.ir = None
         self.session = None
         self._programs: dict[bool, tuple] = {}  # per train/eval mode: (key, ir, session, ...)
@@ -1481,17 +1481,6 @@ def _mark_eager_step(trainer_ref) -> None:
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")
-
-
-def _check_backend(backend, executor) -> str:
-    if backend not in ("default", "inductor"):
-        raise ValueError(f"backend must be 'default' or 'inductor'; got {backend!r}.")
-    if backend != "default" and executor != "fast":
-        raise ValueError(
-            f"backend={backend!r} needs executor='fast' (the reference executor has no generated "
-            "step function to compile)."
-        )
-    return backend
 
 
 def _check_device(device) -> None:

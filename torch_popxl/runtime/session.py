@@ -56,13 +56,7 @@ class Session:
             )
         if executor not in ("fast", "reference"):
             raise ValueError(f"executor must be 'fast' or 'reference'; got {executor!r}.")
-        if backend not in ("default", "inductor"):
-            raise ValueError(f"backend must be 'default' or 'inductor'; got {backend!r}.")
-        if backend != "default" and executor != "fast":
-            raise ValueError(
-                f"backend={backend!r} needs executor='fast' (the reference executor has no "
-                "generated step function to compile)."
-            )
+        check_backend(backend, executor)
         self._ir = ir
         self._device_desc = device_desc
         self.weights_to_host_on_exit = weights_to_host_on_exit
@@ -560,6 +554,18 @@ class Session:
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+def check_backend(backend, executor) -> str:
+    """``backend`` (Note [inductor backend]) if it is one, and usable with ``executor``."""
+    if backend not in ("default", "inductor"):
+        raise ValueError(f"backend must be 'default' or 'inductor'; got {backend!r}.")
+    if backend != "default" and executor != "fast":
+        raise ValueError(
+            f"backend={backend!r} needs executor='fast' (the reference executor has no "
+            "generated step function to compile)."
+        )
+    return backend
 
 
 def check_host_data(v: Variable, data, who: str) -> np.ndarray:

@@ -23,45 +23,23 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch_popxl as popxl  # noqa: E402
-from mnist_compile import make_model  # noqa: E402
-
-GA, MICRO = 8, 8
-LAYOUTS = {
-    "on-chip": {},
-    "remote+RTS": {"rts_threshold": 512, "optimizer_state": "remote"},
-}
-
-
-def _data(R: int):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
-    return x, rng.integers(0, 10, R * GA * MICRO)
-
-
-def _trainer(R: int, layout: dict):
-    model = make_model()
-    return popxl.compile(model, torch.nn.functional.cross_entropy,
-                         torch.optim.Adam(model.parameters(), 1e-3), replication_factor=R,
-                         gradient_accumulation=GA, **layout)  # fmt: skip
+from seed import GA, LAYOUTS, batch, trainer  # noqa: E402
 
 
 def build_seconds(R: int, layout: dict) -> tuple[float, float]:
     """(build seconds, one steady-state step's seconds)."""
-    x, y = _data(R)
+    x, y = batch(R)
     t0 = time.perf_counter()
-    trainer = _trainer(R, layout)
-    trainer.step(x, y)
+    compiled = trainer(layout, R)
+    compiled.step(x, y)
     first = time.perf_counter() - t0
     steps = []
     for _ in range(3):
         t = time.perf_counter()
-        trainer.step(x, y)
+        compiled.step(x, y)
         steps.append(time.perf_counter() - t)
     step = sorted(steps)[1]
     return first - step, step
@@ -90,14 +68,14 @@ def _held_state_mib(session) -> float:
 def peak_rss_child(layout_name: str, R: int) -> None:
     """Run in a fresh process: train two steps, print as JSON the peak RSS, the RSS the
     process had before training (torch and torch_popxl imported), and the state it holds."""
-    x, y = _data(R)
+    x, y = batch(R)
     before = _rss_mib()
-    trainer = _trainer(R, LAYOUTS[layout_name])
+    compiled = trainer(LAYOUTS[layout_name], R)
     for _ in range(2):
-        trainer.step(x, y)
+        compiled.step(x, y)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    held = _held_state_mib(trainer.session)
-    device = trainer.session.memory_report().to_dict()["memory_per_replica_bytes"]["variables"]
+    held = _held_state_mib(compiled.session)
+    device = compiled.session.memory_report().to_dict()["memory_per_replica_bytes"]["variables"]
     print(json.dumps({"peak_rss_mib": peak, "before_mib": before, "state_mib": held,
                       "device_variables_mib": device * R / 2**20}))  # fmt: skip
 

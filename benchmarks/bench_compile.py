@@ -14,34 +14,18 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-import torch_popxl as popxl  # noqa: E402
-from mnist_compile import make_model  # noqa: E402
+from seed import GA, LAYOUTS, MICRO, R, batch, make_model, trainer  # noqa: E402
 from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
-
-R, GA, MICRO = 4, 8, 8
-LAYOUTS = {
-    "on-chip": {},
-    "remote+RTS": {"rts_threshold": 512, "optimizer_state": "remote"},
-}
 
 
 def main(repeats: int = 10) -> dict[str, float]:
     torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
-    y = rng.integers(0, 10, R * GA * MICRO)
-    trainers = {}
-    for name, layout in LAYOUTS.items():
-        model = make_model()
-        trainers[name] = popxl.compile(model, torch.nn.functional.cross_entropy,
-                                       torch.optim.Adam(model.parameters(), 1e-3),
-                                       replication_factor=R, gradient_accumulation=GA, **layout)  # fmt: skip
+    x, y = batch()
+    trainers = {name: trainer(layout) for name, layout in LAYOUTS.items()}
     eager_model = make_model()
     opt = torch.optim.Adam(eager_model.parameters(), 1e-3)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -65,8 +49,8 @@ def main(repeats: int = 10) -> dict[str, float]:
     print(f"seed MNIST step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), median (min-max):")
     print(f"  eager same schedule   {describe(s['eager_schedule'])}")
     print(f"  eager one batch of 256 {describe(s['eager_batch_256'])}")
-    for name, trainer in trainers.items():
-        fallbacks = vmap_fallbacks(trainer)
+    for name, compiled in trainers.items():
+        fallbacks = vmap_fallbacks(compiled)
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager schedule / simulator "
               f"{ratio(s['eager_schedule'], s[name])}, batch 256 / simulator "
               f"{ratio(s['eager_batch_256'], s[name])}; vmap fallback: "

@@ -25,34 +25,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-import torch_popxl as popxl  # noqa: E402
-from mnist_compile import make_model  # noqa: E402
+from seed import GA, LAYOUTS, MICRO, R, batch, trainer  # noqa: E402
 from timing import describe, interleaved_samples, ratio  # noqa: E402
-
-R, GA, MICRO = 4, 8, 8
-LAYOUTS = {
-    "on-chip": {},
-    "remote+RTS": {"rts_threshold": 512, "optimizer_state": "remote"},
-}
 
 
 def main(repeats: int = 20) -> dict[str, float]:
     torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
-    y = rng.integers(0, 10, R * GA * MICRO)
+    x, y = batch()
     trainers, first = {}, {}
     for layout_name, layout in LAYOUTS.items():
         for backend in ("default", "inductor"):
-            model = make_model()
             name = f"{layout_name} {backend}"
             t0 = time.perf_counter()
-            trainers[name] = popxl.compile(model, torch.nn.functional.cross_entropy,
-                                           torch.optim.Adam(model.parameters(), 1e-3),
-                                           replication_factor=R, gradient_accumulation=GA,
-                                           backend=backend, **layout)  # fmt: skip
+            trainers[name] = trainer(layout, backend=backend)
             trainers[name].step(x, y)
             first[name] = time.perf_counter() - t0
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}

@@ -35,12 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-import numpy as np  # noqa: E402
-
-import torch_popxl as popxl  # noqa: E402
-from mnist_compile import make_model  # noqa: E402
+import seed  # noqa: E402
 from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
 
 SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
@@ -84,27 +79,23 @@ def main(rounds: int = 30) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in s.items()}
 
 
-LAYOUTS = {"": {}, "_remote_rts": {"rts_threshold": 512, "optimizer_state": "remote"}}
+SUFFIXES = {"on-chip": "", "remote+RTS": "_remote_rts"}
 
 
 def compiled(rounds: int = 10) -> dict[str, float]:
     """The compiled seed step with the per-parameter Adam chain and with the fused kernel, on
     chip and with sharded off-chip state."""
-    R, GA, MICRO = 4, 8, 8
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(R * GA * MICRO, 784)).astype(np.float32)
-    y = rng.integers(0, 10, R * GA * MICRO)
+    x, y = seed.batch()
+    R, GA, MICRO = seed.R, seed.GA, seed.MICRO
     trainers = {}
-    for suffix, layout in LAYOUTS.items():
+    for layout_name, layout in seed.LAYOUTS.items():
         for kind, fused in (("chain", False), ("fused", True)):
             torch.manual_seed(0)
-            model = make_model()
-            opt = torch.optim.Adam(model.parameters(), LR, fused=fused)
-            trainers[f"compiled_{kind}{suffix}"] = popxl.compile(
-                model, torch.nn.functional.cross_entropy, opt, replication_factor=R,
-                gradient_accumulation=GA, **layout)  # fmt: skip
+            trainers[f"compiled_{kind}{SUFFIXES[layout_name]}"] = seed.trainer(
+                layout, optimizer=lambda ps, fused=fused: torch.optim.Adam(ps, LR, fused=fused)
+            )
     torch.manual_seed(0)
-    eager_model = make_model()
+    eager_model = seed.make_model()
     eager_opt = torch.optim.Adam(eager_model.parameters(), LR, fused=True)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
 

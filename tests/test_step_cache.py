@@ -47,7 +47,7 @@ def test_a_steady_step_takes_its_large_blocks_from_the_cache():
     assert after["cached_bytes"] > 0
 
 
-def test_outside_a_run_torch_allocates_as_usual():
+def _assert_torch_allocates_outside_runs():
     before = step_cache.stats()
     t = torch.empty(BIG)
     t.fill_(1.0)
@@ -56,6 +56,10 @@ def test_outside_a_run_torch_allocates_as_usual():
     assert (after["hits"], after["misses"], after["live_bytes"]) == (
         before["hits"], before["misses"], before["live_bytes"]
     )  # fmt: skip
+
+
+def test_outside_a_run_torch_allocates_as_usual():
+    _assert_torch_allocates_outside_runs()
 
 
 def test_inside_a_run_large_blocks_are_cached_and_small_ones_are_not():
@@ -131,7 +135,7 @@ def test_concurrent_runs_nest_and_leave_torchs_allocator_installed():
     for t in threads:
         t.join()
     assert not errors
-    test_outside_a_run_torch_allocates_as_usual()
+    _assert_torch_allocates_outside_runs()
 
 
 @pytest.mark.parametrize("bad,error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])

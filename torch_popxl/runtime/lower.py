@@ -1049,6 +1049,11 @@ class _Emitter:
             for n in [*f.outs, *_reads(f)]:
                 last[n] = i
         keep = keep | self.keep
+        dies: dict[int, set[str]] = {}  # op index -> the values defined here it last uses
+        for f in flat:
+            for n in f.outs:
+                if n not in keep:
+                    dies.setdefault(last[n], set()).add(n)
         for i, f in enumerate(flat):
             start = len(self.lines)
             getattr(self, f"_{f.kind}")(f, indent)
@@ -1059,8 +1064,9 @@ class _Emitter:
                         and not self._loads_per_replica(f)):  # fmt: skip
                     self.lines.append(f"{indent}{n} = rt.batch({n})")
                 self.defined.add(n)
-            dead = [n for n in dict.fromkeys(f.outs) if last[n] == i and n not in keep]
-            dead += sorted({n for g in flat[:i] for n in g.outs if last[n] == i} - set(dead) - keep)
+            ending = dies.get(i, set())
+            dead = [n for n in dict.fromkeys(f.outs) if n in ending]
+            dead += sorted(ending - set(f.outs))
             if f.kind != "loop" and any(line.startswith(f"{indent}_r = ")
                                         for line in self.lines[start:]):  # fmt: skip
                 dead.append("_r")

@@ -7,6 +7,7 @@
 // are the case G = R, S = 1 of the stacked kernels: the grouping, the reduction and the
 // traffic all come from collective_common.h, so they count exactly the same bytes.
 #include "collective_common.h"
+#include "gemm.h"
 #include "kernels.h"
 
 namespace torch_popxl {
@@ -45,7 +46,8 @@ at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::
                     std::string(op), "'.");
   const Grouping g = check_grouping(name, a.size(0), a.size(0), 1);
   const int64_t R = g.replicas, M = a.size(1), K = a.size(2), N = b.size(2);
-  at::Tensor folded = at::mm(a.permute({1, 0, 2}).reshape({M, R * K}), b.reshape({R * K, N}));
+  at::Tensor folded =
+      gemm(a.permute({1, 0, 2}).reshape({M, R * K}), b.reshape({R * K, N}), c10::nullopt);
   if (op == "mean") {
     folded.div_(R);
   }

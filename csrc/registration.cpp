@@ -1,7 +1,7 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp, step_cache.cpp) only define functions, declared in kernels.h / traffic.h /
-// step_cache.h; adding an op means one m.def below plus one line in register_kernels.
+// traffic.cpp, step_cache.cpp, gemm.cpp) only define functions, declared in kernels.h /
+// traffic.h / step_cache.h / gemm.h; adding an op means one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
@@ -11,6 +11,7 @@
 // knows where to find them.
 #include <torch/library.h>
 
+#include "gemm.h"
 #include "kernels.h"
 #include "step_cache.h"
 
@@ -29,6 +30,11 @@ TORCH_LIBRARY(torch_popxl, m) {
   // The fused matmul + all-reduce (fused.cpp).
   m.set_python_module("torch_popxl.opdefs.fused");
   m.def("mm_all_reduce_stacked(Tensor a, Tensor b, str op) -> Tensor");
+  // The dense matmul and its kernel setting (gemm.cpp, Note [gemm kernel]).
+  m.set_python_module("torch_popxl.opdefs.gemm");
+  m.def("gemm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
+  m.def("gemm_set_kernel(int kernel) -> ()", TORCH_FN(torch_popxl::gemm_set_kernel));
+  m.def("gemm_kernel() -> int", TORCH_FN(torch_popxl::gemm_kernel));
   // Remote buffers (remote.cpp).
   m.set_python_module("torch_popxl.opdefs.remote");
   m.def("remote_load_stacked(Tensor buffer, Tensor offsets, int buffer_id) -> Tensor");
@@ -62,6 +68,7 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("all_reduce_full", TORCH_FN(torch_popxl::all_reduce_full));
   m.impl("all_gather_full", TORCH_FN(torch_popxl::all_gather_full));
   m.impl("mm_all_reduce_stacked", TORCH_FN(torch_popxl::mm_all_reduce_stacked));
+  m.impl("gemm", TORCH_FN(torch_popxl::gemm));
   m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
   m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
+from ..opdefs.gemm import gemm
 
 __all__ = [
     "ELEMENTWISE",
@@ -393,11 +394,13 @@ def _addmm_stacked(bias, bias_b: bool, x, w, beta=1, alpha=1):
     batched). The common case, batched activations times a replica-invariant weight plus an
     invariant bias, is one ``addmm`` over all replicas' rows."""
     if x.dim() == 3 and w.dim() == 2 and not bias_b:
+        if beta == 1 and alpha == 1 and bias.dim() == 1:  # Note [gemm kernel]
+            return gemm(x, w, bias)
         R, M, K = x.shape
         return torch.addmm(bias, x.reshape(R * M, K), w, beta=beta, alpha=alpha).view(R, M, -1)
     if bias_b and bias.dim() == 2:  # a per-replica row vector broadcasts over the rows
         bias = bias.unsqueeze(1)
-    prod = torch.matmul(x, w)
+    prod = gemm(x, w) if w.dim() == 2 else torch.matmul(x, w)
     if alpha != 1:
         prod = prod * alpha
     return prod + (bias if beta == 1 else bias * beta)
@@ -566,7 +569,8 @@ def emit_torch(em, f, ind: str) -> None:
         call = ", ".join([x, repr(bias_b), *rest])
         em.lines.append(f"{ind}{out} = {em.p.literal(_addmm_stacked)}({call})")
     elif target is aten.mm.default:
-        fn = "torch.bmm" if all(batched) else "torch.matmul"
+        # batched rows times an invariant matrix: one GEMM over all replicas' rows
+        fn = "torch.bmm" if all(batched) else "GEMM" if batched[0] else "torch.matmul"
         em.lines.append(f"{ind}{out} = {fn}({x}, {lit(args[1])})")
     elif target is aten.t.default:
         em.lines.append(f"{ind}{out} = {x}.transpose(-1, -2)")

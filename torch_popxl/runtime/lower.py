@@ -65,6 +65,7 @@ from .. import opdefs  # also registers torch.ops.torch_popxl
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Interpreter, schema_effects
+from ..opdefs.gemm import ATEN_FORMS, gemm
 from ..opdefs.registry import Effect, OpDef
 from . import explicit as _explicit
 
@@ -936,8 +937,8 @@ def _mm_fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     R, M, K = a.shape
     at = a.transpose(1, 2)
     if at.is_contiguous():  # a weight gradient's x^T: fold without copying it
-        return at.reshape(R * K, M).t() @ b.reshape(R * K, b.shape[2])
-    return a.permute(1, 0, 2).reshape(M, R * K) @ b.reshape(R * K, b.shape[2])
+        return gemm(at.reshape(R * K, M).t(), b.reshape(R * K, b.shape[2]))
+    return gemm(a.permute(1, 0, 2).reshape(M, R * K), b.reshape(R * K, b.shape[2]))
 
 
 class Program:
@@ -958,6 +959,7 @@ class Program:
             "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
             "MM_ALL_REDUCE_STACKED": torch.ops.torch_popxl.mm_all_reduce_stacked,
             "MM_FOLD": _mm_fold,
+            "GEMM": torch.ops.torch_popxl.gemm.default._op,
             "STACKED_VIEW": _stacked_view,
             "torch": torch,
             "SCRATCH": _Scratch(),
@@ -971,7 +973,9 @@ class Program:
         self.var_names: dict[str, str] = {}
         # Note [inductor backend] (runtime/executor.py): literal name -> the OpOverload whose
         # raw ``_op`` the generated code calls (faster, but torch.compile cannot trace it).
-        self.overloads: dict[str, torch._ops.OpOverload] = {}
+        self.overloads: dict[str, torch._ops.OpOverload] = {
+            "GEMM": torch.ops.torch_popxl.gemm.default
+        }
 
     def fresh(self) -> str:
         return f"v{next(self._counter)}"
@@ -986,8 +990,10 @@ class Program:
         return self._literals[key]
 
     def aten(self, target: torch._ops.OpOverload) -> str:
-        """The literal for an aten overload's raw ``_op`` (skips the OpOverload dispatch)."""
-        name = self.literal(target._op)
+        """The literal for an aten overload's raw ``_op`` (skips the OpOverload dispatch); a
+        matmul's is its ``gemm`` form (Note [gemm kernel])."""
+        form = ATEN_FORMS.get(target)
+        name = self.literal(target._op if form is None else form)
         self.overloads[name] = target
         return name
 

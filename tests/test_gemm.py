@@ -1,0 +1,151 @@
+"""The simulator's matmul (Note [gemm kernel] in csrc/gemm.cpp; torch_popxl/opdefs/gemm.py):
+both kernels against a float64 reference, the calls that always run ATen's kernel, argument
+errors, the kernel setting, and a compiled trainer under each kernel against eager torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_popxl as popxl
+from torch_popxl.opdefs import gemm as G
+
+ONEDNN = torch.backends.mkldnn.is_available()
+KERNELS = [k for k in G.KERNELS if k == "aten" or ONEDNN]
+
+
+def _operands(case: str, M=96, K=200, N=160):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    a, b = {
+        "plain": (r(M, K), r(K, N)),
+        "a transposed": (r(K, M).t(), r(K, N)),
+        "b transposed": (r(M, K), r(N, K).t()),
+        "both transposed": (r(K, M).t(), r(N, K).t()),
+        "column slices": (r(M, 2 * K)[:, K:], r(K, 3 * N)[:, N : 2 * N]),
+        "strided columns": (r(M, 2 * K)[:, ::2], r(K, N)),
+        "3-D rows": (r(4, M, K), r(K, N)),
+    }[case]
+    return a, b
+
+
+CASES = ["plain", "a transposed", "b transposed", "both transposed", "column slices",
+         "strided columns", "3-D rows"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_float64(kernel, case, with_bias):
+    a, b = _operands(case)
+    bias = torch.randn(b.shape[1]) if with_bias else None
+    expected = a.double() @ b.double() + (0 if bias is None else bias.double())
+    with G.using(kernel):
+        got = G.gemm(a, b, bias)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    # float32 rounding of K=200 products of unit normals: |error| well under 1e-4
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-4)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+def test_onednn_kernel_really_runs():
+    """The two kernels add the K products in different orders: some bits differ (a gemm that
+    silently fell back to ATen would equal torch.mm exactly)."""
+    a, b = _operands("plain", 256, 784, 512)
+    with G.using("onednn"):
+        fast = G.gemm(a, b)
+    with G.using("aten"):
+        slow = G.gemm(a, b)
+    assert torch.equal(slow, a @ b)
+    assert not torch.equal(fast, slow)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=5e-4)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (
+            torch.randn(64, 80, dtype=torch.float64),
+            torch.randn(80, 70, dtype=torch.float64),
+        ),
+        lambda: (torch.randn(4, 8), torch.randn(8, 4)),  # too small to pay
+        lambda: (torch.randn(0, 80), torch.randn(80, 70)),  # empty
+        lambda: (torch.randn(64, 80, requires_grad=True), torch.randn(80, 70)),  # recorded
+    ],
+    ids=["float64", "tiny", "empty", "autograd records it"],
+)
+def test_calls_oneDNN_does_not_take_run_atens_kernel(make):
+    a, b = make()
+    with G.using("onednn"):
+        got = G.gemm(a, b)
+    assert torch.equal(got.detach(), (a @ b).detach())
+
+
+def test_errors_name_the_shapes():
+    with pytest.raises(ValueError, match=r"a's last dim \(5\) must equal b's first \(6\)"):
+        G.gemm(torch.ones(3, 5), torch.ones(6, 2))
+    with pytest.raises(ValueError, match=r"expected a \[..., K\] and b \[K, N\]"):
+        G.gemm(torch.ones(3, 5), torch.ones(5, 2, 2))
+    with pytest.raises(ValueError, match=r"bias must be a scalar or \[N\] \(N = 2\)"):
+        G.gemm(torch.ones(3, 5), torch.ones(5, 2), torch.ones(3))
+
+
+def test_kernel_setting(monkeypatch):
+    before = G.kernel()
+    with G.using("aten"):
+        assert G.kernel() == "aten"
+    assert G.kernel() == before
+    with pytest.raises(ValueError, match="expected one of aten, onednn, got 'blas'"):
+        G.set_kernel("blas")
+    assert G.kernel() == before
+    monkeypatch.setenv(G.ENV, "aten")
+    assert G.default_kernel() == "aten"
+    monkeypatch.setenv(G.ENV, "fast")
+    with pytest.raises(ValueError, match=r"\$TORCH_POPXL_GEMM='fast': expected one of"):
+        G.default_kernel()
+    monkeypatch.delenv(G.ENV)
+    assert G.default_kernel() in G.KERNELS
+
+
+def test_addmm_form_matches_torch():
+    a, b, bias = torch.randn(64, 90), torch.randn(90, 50), torch.randn(50)
+    torch.testing.assert_close(G.addmm(bias, a, b), torch.addmm(bias, a, b))
+    # scaled forms are torch.addmm itself
+    assert torch.equal(
+        G.addmm(bias, a, b, beta=0.5, alpha=2), torch.addmm(bias, a, b, beta=0.5, alpha=2)
+    )
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compiled_trainer_under_each_kernel_trains_as_eager(kernel):
+    """The seed MLP (R=2, GA=2, Adam) for 3 steps under each kernel: losses and weights equal
+    eager torch on the global batch within float32 rounding."""
+    torch.manual_seed(0)
+
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.GELU(),
+                                   torch.nn.Linear(256, 10))  # fmt: skip
+
+    eager, compiled_model = model(), model()
+    opt = torch.optim.Adam(eager.parameters(), 1e-3)
+    rng = np.random.default_rng(0)
+    with G.using(kernel):
+        trainer = popxl.compile(compiled_model, torch.nn.functional.cross_entropy,
+                                torch.optim.Adam(compiled_model.parameters(), 1e-3),
+                                replication_factor=2, gradient_accumulation=2)  # fmt: skip
+        for _ in range(3):
+            x = rng.normal(size=(32, 784)).astype(np.float32)
+            y = rng.integers(0, 10, 32)
+            loss = trainer.step(x, y)
+            opt.zero_grad()
+            ref = torch.nn.functional.cross_entropy(eager(torch.from_numpy(x)), torch.from_numpy(y))
+            ref.backward()
+            opt.step()
+            np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+        trainer.sync_weights()
+    # Adam amplifies rounding where a gradient is near 0 (an update is up to lr = 1e-3 per step)
+    for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5)

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, MICRO, R, batch, make_model, trainer  # noqa: E402
+from torch_popxl.opdefs import gemm  # noqa: E402
 from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
 
 
@@ -43,6 +44,13 @@ def main(repeats: int = 10) -> dict[str, float]:
 
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns |= {"eager_schedule": eager_schedule, "eager_batch_256": eager_big}
+    if gemm.kernel() != "aten":  # the same on-chip program with torch's own matmul kernel
+
+        def aten_kernel():
+            with gemm.using("aten"):
+                trainers["on-chip"].step(x, y)
+
+        fns["on-chip, aten gemm"] = aten_kernel
     cpu: dict[str, list[float]] = {}
     faults: dict[str, list[float]] = {}
     s = interleaved_samples(fns, repeats, cpu=cpu, faults=faults)
@@ -55,6 +63,11 @@ def main(repeats: int = 10) -> dict[str, float]:
               f"{ratio(s['eager_schedule'], s[name])}, batch 256 / simulator "
               f"{ratio(s['eager_batch_256'], s[name])}; vmap fallback: "
               f"{'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
+    print(f"  matmul kernel: {gemm.kernel()!r} (Note [gemm kernel] in csrc/gemm.cpp)")
+    if "on-chip, aten gemm" in s:
+        print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') "
+              f"{describe(s['on-chip, aten gemm'])}: eager schedule / simulator "
+              f"{ratio(s['eager_schedule'], s['on-chip, aten gemm'])}")  # fmt: skip
     print("  CPU time per step (process CPU seconds, not waiting for a core): "
           + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
           + f"; eager schedule / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "

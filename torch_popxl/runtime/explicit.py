@@ -512,6 +512,9 @@ def fold_obstacle(loop, plan) -> str | None:
                 continue
             if _writes(target):
                 return f"{what} writes in place"
+            if f.rows_summed:  # its weight and bias gradients are replica sums
+                sums.update(n for n, p in zip(f.outs, f.op.attrs.out_paths, strict=True) if p[0])
+                continue
         if summed_ins:
             if len(f.ins) != 1 or not (f.kind in ("alias", "clone") or target in _FOLD_VIEWS):
                 return f"{what} uses a replica sum"
@@ -606,7 +609,10 @@ def emit_torch(em, f, ind: str) -> None:
     elif target in _CNN:
         rendered = [lit(v) for v in args]
         flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
-        call = f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r})"
+        summed = ", summed=True" if f.rows_summed else ""
+        call = (
+            f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r}{summed})"
+        )
         _emit_outputs(em, f, ind, call)
     elif target is aten.select_backward.default:
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
@@ -754,10 +760,17 @@ def _conv_stacked(x, w, b, *rest, flags):
     return out.view(x.shape[0], x.shape[1], *out.shape[1:])
 
 
-def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags):
+def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags, summed=False):
     """``aten.convolution_backward`` on stacked rows: the input gradient in one call, the
-    weight and bias gradients per row (Note [convolutions and batch norm on stacked rows])."""
+    weight and bias gradients per row (Note [convolutions and batch norm on stacked rows]),
+    or, ``summed``, their sums over the rows from the same one call (Note [convolution weight
+    gradients summed over replicas] in lower.py)."""
     *conv, mask = rest
+    if summed:
+        grad_x, grad_w, grad_b = aten.convolution_backward(
+            _fold_batch(grad), _fold_batch(x), w, bias_sizes, *conv, mask
+        )
+        return (None if grad_x is None else grad_x.view(x.shape)), grad_w, grad_b
     grad_x = grad_w = grad_b = None
     if mask[0]:
         grad_x = aten.convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,

@@ -97,6 +97,9 @@ class FlatOp:
     # A replica-sum ``add_`` whose addend is already the sum over replicas (a folded matmul,
     # Note [replica-sum accumulators]); set by ``_fold_matmuls``.
     presummed: bool = False
+    # A stacked ``convolution_backward`` whose weight and bias gradients are returned summed
+    # over the replicas (Note [convolution weight gradients summed over replicas]).
+    rows_summed: bool = False
 
     @property
     def source(self) -> Op:
@@ -434,8 +437,11 @@ class _Pass:
         return None
 
 
-def _fold_matmuls(flat: list[FlatOp], plan: Plan, program: Program, R: int) -> list[FlatOp]:
-    """Note [fold replicas into the matmul]."""
+def _fold_matmuls(
+    flat: list[FlatOp], plan: Plan, program: Program, R: int, explicit: bool
+) -> list[FlatOp]:
+    """Note [fold replicas into the matmul]; on stacked values (``explicit``) also Note
+    [convolution weight gradients summed over replicas]."""
     uses: dict[str, int] = {}
 
     def count(ops):
@@ -448,7 +454,41 @@ def _fold_matmuls(flat: list[FlatOp], plan: Plan, program: Program, R: int) -> l
                     uses[n] = uses.get(n, 0) + 1
 
     count(flat)
+    if explicit:
+        _sum_conv_grads(flat, plan, uses)
     return _fold_block(flat, plan, program, R, uses)
+
+
+# Note [convolution weight gradients summed over replicas]
+#     On stacked values a convolution's weight and bias gradients are per replica, one
+#     ``convolution_backward`` per replica (Note [convolutions and batch norm on stacked rows]
+#     in explicit.py), each then added into a replica-sum accumulator as ``acc += g.sum(0)``.
+#     When every weight or bias gradient an op returns is read only by such an add, their sum
+#     over replicas is all the program needs: ONE ``convolution_backward`` over all replicas'
+#     images computes it (the sum over a batch is what a convolution's weight gradient is) and
+#     the add takes it as it is (``presummed``). The same maths as the matmul fold; R calls
+#     and a stack become one call.
+def _sum_conv_grads(flat: list[FlatOp], plan: Plan, uses: dict[str, int]) -> None:
+    for f in flat:
+        if f.kind == "loop":
+            _sum_conv_grads(f.body, plan, uses)
+    adds = {f.ins[plan.sum_adds[f]]: f for f in flat if f.kind == "torch" and f in plan.sum_adds}
+    for f in flat:
+        if f.kind != "torch" or f.source.attrs.target is not _aten.convolution_backward.default:
+            continue
+        readers = []
+        for name, path in zip(f.outs, f.source.attrs.out_paths, strict=True):
+            if path[0] == 0 or uses.get(name, 0) == 0:
+                continue
+            reader = adds.get(name)
+            if uses[name] != 1 or reader is None or reader.presummed:
+                break
+            readers.append(reader)
+        else:
+            if readers:
+                f.rows_summed = True
+                for reader in readers:
+                    reader.presummed = True
 
 
 def _matmul_behind(src: str, producer: dict[str, FlatOp], uses: dict[str, int], plan: Plan):
@@ -1362,9 +1402,9 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
                        replace(plan.assumptions, uniform_buffers=frozenset()))  # fmt: skip
         if program.explicit_ok and program.R > 1:
             reason = _explicit.vmap_reason(flat, plan, program.R)
-    if program.R > 1:
-        flat = _fold_matmuls(flat, plan, program, program.R)
     explicit = program.explicit_ok and program.R > 1 and reason is None
+    if program.R > 1:
+        flat = _fold_matmuls(flat, plan, program, program.R, explicit)
     em = _Emitter(program, plan, param_names, explicit)
     em.inplace = _inplace_rewrites(flat, plan, out_names)
     if explicit:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, MICRO, R, batch, make_model, trainer  # noqa: E402
-from torch_popxl.opdefs import gemm  # noqa: E402
+from torch_popxl.runtime import gemm  # noqa: E402
 from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
 
 

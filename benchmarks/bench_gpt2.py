@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from torch_popxl.opdefs import gemm  # noqa: E402
+from torch_popxl.runtime import gemm  # noqa: E402
 from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
 
 R, GA, MICRO, SEQ = 4, 4, 2, 64

@@ -10,7 +10,7 @@
 // same float32 matmuls 2-2.5x faster there. Both are exact float32 GEMMs; they add the K
 // products in different orders, so results differ in the last bits.
 //
-// The kernel is a process-wide setting (torch_popxl/opdefs/gemm.py chooses it, by a fixed
+// The kernel is a process-wide setting (torch_popxl/runtime/gemm.py chooses it, by a fixed
 // rule: never by timing, so a program gives the same bits on every run and in every process
 // of a launch). With oneDNN chosen, a call goes to oneDNN when it is a CPU float32 matmul of
 // at least kMinProducts multiply-adds that autograd does not record; every other call (other

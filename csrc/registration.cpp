@@ -31,7 +31,7 @@ TORCH_LIBRARY(torch_popxl, m) {
   m.set_python_module("torch_popxl.opdefs.fused");
   m.def("mm_all_reduce_stacked(Tensor a, Tensor b, str op) -> Tensor");
   // The dense matmul and its kernel setting (gemm.cpp, Note [gemm kernel]).
-  m.set_python_module("torch_popxl.opdefs.gemm");
+  m.set_python_module("torch_popxl.runtime.gemm");
   m.def("gemm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
   m.def("gemm_set_kernel(int kernel) -> ()", TORCH_FN(torch_popxl::gemm_set_kernel));
   m.def("gemm_kernel() -> int", TORCH_FN(torch_popxl::gemm_kernel));

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import torch_popxl as popxl
-from torch_popxl.opdefs import gemm, scalar_tensor
+from torch_popxl.opdefs import scalar_tensor
 from torch_popxl.runtime import explicit as _explicit
+from torch_popxl.runtime import gemm
 
 OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, 1e-2),

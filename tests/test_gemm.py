@@ -1,4 +1,4 @@
-"""The simulator's matmul (Note [gemm kernel] in csrc/gemm.cpp; torch_popxl/opdefs/gemm.py):
+"""The simulator's matmul (Note [gemm kernel] in csrc/gemm.cpp; torch_popxl/runtime/gemm.py):
 both kernels against a float64 reference, the calls that always run ATen's kernel, argument
 errors, the kernel setting, and a compiled trainer under each kernel against eager torch."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_popxl as popxl
-from torch_popxl.opdefs import gemm as G
+from torch_popxl.runtime import gemm as G
 
 ONEDNN = torch.backends.mkldnn.is_available()
 KERNELS = [k for k in G.KERNELS if k == "aten" or ONEDNN]

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import re
+import textwrap
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -15,11 +16,12 @@ def test_readme_python_blocks_run_and_print_documented_values():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         for block in blocks[1:]:  # the first block only shows the import lines
-            exec(compile(block, str(README), "exec"), scope)
+            exec(compile(textwrap.dedent(block), str(README), "exec"), scope)  # list items indent
     text = out.getvalue()
     assert "[[5. 7. 9.]\n [5. 7. 9.]]" in text
     assert "[1.5 1.7 1.9]" in text
     assert "aten.gelu.default" in text
+    assert "matmul kernel: aten" in text
     assert "[[0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]]" in text
     assert (
         "['exp_avg', 'exp_avg_sq', 'step'] torch.bfloat16" in text

@@ -6,8 +6,7 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
-stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``gemm`` (the simulator's matmul and
-the choice of its kernel), ``scalar_tensor`` (optimizer updates whose
+stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor) and
 ``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
@@ -25,7 +24,6 @@ from . import (
     backends,
     compute,
     fused,
-    gemm,
     host,
     ipu_copy,
     reduce_scatter,
@@ -48,7 +46,6 @@ __all__ = [
     "backends",
     "compute",
     "fused",
-    "gemm",
     "host",
     "ipu_copy",
     "lookup",

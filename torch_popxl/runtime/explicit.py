@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
-from ..opdefs.gemm import gemm
+from .gemm import gemm
 
 __all__ = [
     "ELEMENTWISE",

@@ -65,9 +65,9 @@ from .. import opdefs  # also registers torch.ops.torch_popxl
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Interpreter, schema_effects
-from ..opdefs.gemm import ATEN_FORMS, gemm
 from ..opdefs.registry import Effect, OpDef
 from . import explicit as _explicit
+from .gemm import ATEN_FORMS, gemm
 
 __all__ = ["Assumptions", "Fragment", "Plan", "Program", "analyse", "lower_fragment"]
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ._common import ops
+from ..opdefs._common import ops
 
 __all__ = [
     "ATEN_FORMS",

@@ -19,8 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, MICRO, R, batch, make_model, trainer  # noqa: E402
-from torch_popxl.runtime import gemm  # noqa: E402
-from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
+from timing import (  # noqa: E402
+    add_aten_kernel_row,
+    describe,
+    interleaved_samples,
+    print_aten_kernel_row,
+    ratio,
+    vmap_fallbacks,
+)
 
 
 def main(repeats: int = 10) -> dict[str, float]:
@@ -44,13 +50,9 @@ def main(repeats: int = 10) -> dict[str, float]:
 
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns |= {"eager_schedule": eager_schedule, "eager_batch_256": eager_big}
-    if gemm.kernel() != "aten":  # the same on-chip program with torch's own matmul kernel
-
-        def aten_kernel():
-            with gemm.using("aten"):
-                trainers["on-chip"].step(x, y)
-
-        fns["on-chip, aten gemm"] = aten_kernel
+    add_aten_kernel_row(
+        fns, lambda: trainers["on-chip"].step(x, y)
+    )  # the same, torch's matmul kernel
     cpu: dict[str, list[float]] = {}
     faults: dict[str, list[float]] = {}
     s = interleaved_samples(fns, repeats, cpu=cpu, faults=faults)
@@ -63,11 +65,7 @@ def main(repeats: int = 10) -> dict[str, float]:
               f"{ratio(s['eager_schedule'], s[name])}, batch 256 / simulator "
               f"{ratio(s['eager_batch_256'], s[name])}; vmap fallback: "
               f"{'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
-    print(f"  matmul kernel: {gemm.kernel()!r} (Note [gemm kernel] in csrc/gemm.cpp)")
-    if "on-chip, aten gemm" in s:
-        print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') "
-              f"{describe(s['on-chip, aten gemm'])}: eager schedule / simulator "
-              f"{ratio(s['eager_schedule'], s['on-chip, aten gemm'])}")  # fmt: skip
+    print_aten_kernel_row(s, "eager_schedule")
     print("  CPU time per step (process CPU seconds, not waiting for a core): "
           + ", ".join(f"{k} {describe(v)}" for k, v in cpu.items())
           + f"; eager schedule / on-chip {ratio(cpu['eager_schedule'], cpu['on-chip'])}, "

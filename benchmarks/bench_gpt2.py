@@ -27,8 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from torch_popxl.runtime import gemm  # noqa: E402
-from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
+from timing import (  # noqa: E402
+    add_aten_kernel_row,
+    describe,
+    interleaved_samples,
+    print_aten_kernel_row,
+    ratio,
+    vmap_fallbacks,
+)
 
 R, GA, MICRO, SEQ = 4, 4, 2, 64
 LAYERS, WIDTH, HEADS, VOCAB = 4, 256, 4, 1024
@@ -134,13 +140,9 @@ def main(repeats: int = 5, inductor: bool = False) -> dict[str, float]:
 
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns["eager_schedule"] = eager_schedule
-    if gemm.kernel() != "aten":  # the same on-chip program with torch's own matmul kernel
-
-        def aten_kernel():
-            with gemm.using("aten"):
-                trainers["on-chip"].step(x, y)
-
-        fns["on-chip, aten gemm"] = aten_kernel
+    add_aten_kernel_row(
+        fns, lambda: trainers["on-chip"].step(x, y)
+    )  # the same, torch's matmul kernel
     cpu: dict[str, list[float]] = {}
     s = interleaved_samples(fns, repeats, warmup=1, cpu=cpu)
     steady = {name: statistics.median(s[name]) for name in trainers}
@@ -153,11 +155,7 @@ def main(repeats: int = 5, inductor: bool = False) -> dict[str, float]:
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager / simulator "
               f"{ratio(s['eager_schedule'], s[name])}; build {builds[name] - steady[name]:.2f} s; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip
-    print(f"  matmul kernel: {gemm.kernel()!r} (Note [gemm kernel] in csrc/gemm.cpp)")
-    if "on-chip, aten gemm" in s:
-        print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') "
-              f"{describe(s['on-chip, aten gemm'])}: eager / simulator "
-              f"{ratio(s['eager_schedule'], s['on-chip, aten gemm'])}")  # fmt: skip
+    print_aten_kernel_row(s, "eager_schedule")
     if inductor:
         saved = steady["on-chip"] - steady["inductor"]
         extra = builds["inductor"] - builds["on-chip"]

@@ -7,6 +7,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from torch_popxl.runtime import gemm
+
 
 def interleaved_samples(
     fns: dict[str, Callable[[], object]],
@@ -72,3 +74,27 @@ def vmap_fallbacks(trainer) -> list[str]:
         if not getattr(fn, "explicit", True) and executor.R > 1:
             found.append(f"{name}: {getattr(fn, 'vmap_reason', None) or 'vmap'}")
     return found
+
+
+ATEN_ROW = "on-chip, aten gemm"
+
+
+def add_aten_kernel_row(fns: dict[str, Callable[[], object]], step: Callable[[], object]) -> None:
+    """Add ``step`` run with torch's own matmul kernel as the row ``ATEN_ROW`` (when the
+    simulator's default kernel is another: Note [gemm kernel] in csrc/gemm.cpp)."""
+    if gemm.kernel() == "aten":
+        return
+
+    def aten_kernel():
+        with gemm.using("aten"):
+            step()
+
+    fns[ATEN_ROW] = aten_kernel
+
+
+def print_aten_kernel_row(s: dict[str, list[float]], eager: str) -> None:
+    """The kernel in use, and the ``ATEN_ROW`` step against ``eager`` when it was timed."""
+    print(f"  matmul kernel: {gemm.kernel()!r} (Note [gemm kernel] in csrc/gemm.cpp)")
+    if ATEN_ROW in s:
+        print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') {describe(s[ATEN_ROW])}: "
+              f"eager / simulator {ratio(s[eager], s[ATEN_ROW])}")  # fmt: skip

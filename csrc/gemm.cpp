@@ -40,11 +40,12 @@ bool use_onednn(const at::Tensor& a, const at::Tensor& b, const c10::optional<at
                         (a.requires_grad() || b.requires_grad() ||
                          (bias.has_value() && bias->requires_grad()));
   if (recorded) return false;
-  if (bias.has_value() && (!bias->device().is_cpu() || bias->scalar_type() != at::kFloat ||
-                           bias->dim() != 1 || bias->layout() != at::kStrided)) {
-    return false;
-  }
   const int64_t K = b.size(0), N = b.size(1);
+  if (bias.has_value() && (!bias->device().is_cpu() || bias->scalar_type() != at::kFloat ||
+                           bias->dim() != 1 || bias->size(0) != N ||
+                           bias->layout() != at::kStrided)) {
+    return false;  // oneDNN takes a full [N] bias; a broadcast one runs ATen's kernel
+  }
   const int64_t rows = K == 0 ? 0 : a.numel() / K;
   return rows > 0 && K > 0 && N > 0 && rows * K * N >= kMinProducts;
 }
@@ -82,7 +83,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at
                       "gemm: bias must be a scalar or [N] (N = ", b.size(1), "), got shape ",
                       bias->sizes(), ".");
   }
-  if (use_onednn(a, b, bias) && (!bias.has_value() || bias->size(0) == b.size(1))) {
+  if (use_onednn(a, b, bias)) {
     return onednn_linear(a, b.t(), bias);
   }
   if (a.dim() == 2) {

@@ -772,32 +772,40 @@ def _cnn():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("R,GA", [(2, 2), (3, 1)])
-def test_cnn_training_runs_explicitly_and_matches_the_reference_executor(R, GA):
-    """Note [convolutions and batch norm on stacked rows]: convolutions (with and without bias),
-    batch norm with per-replica statistics and running statistics, max pooling: the fast
-    executor runs the whole step on stacked values and trains as the reference executor."""
-    rng = np.random.default_rng(10)
+def _cnn_fast_matches_reference(make_model, R: int, GA: int, seed: int) -> dict:
+    """Two SGD-momentum steps of ``make_model()`` on each executor: losses, parameters and
+    running statistics of the fast executor equal the reference executor's; returns the fast
+    executor's generated fragments."""
+    rng = np.random.default_rng(seed)
     batches = [(rng.normal(size=(R * GA * 4, 2, 8, 8)).astype(np.float32),
                 rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
-    results = {}
+    results, fns = {}, {}
     for executor in ("fast", "reference"):
         torch.manual_seed(0)
-        model = _cnn()
+        model = make_model()
         trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
                                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                 replication_factor=R, gradient_accumulation=GA,
                                 executor=executor)  # fmt: skip
         losses = [trainer.step(x, y) for x, y in batches]
         if executor == "fast":
-            for name, fn in trainer.session._executor.fns.items():
-                assert fn.explicit, (name, fn.vmap_reason)
+            fns = dict(trainer.session._executor.fns)
         state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
         results[executor] = (losses, state)
     (fast_losses, fast_state), (ref_losses, ref_state) = results["fast"], results["reference"]
     np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
     for k, want in ref_state.items():  # parameters, running means and variances
         np.testing.assert_allclose(fast_state[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    return fns
+
+
+@pytest.mark.parametrize("R,GA", [(2, 2), (3, 1)])
+def test_cnn_training_runs_explicitly_and_matches_the_reference_executor(R, GA):
+    """Note [convolutions and batch norm on stacked rows]: convolutions (with and without bias),
+    batch norm with per-replica statistics and running statistics, max pooling: the fast
+    executor runs the whole step on stacked values and trains as the reference executor."""
+    for name, fn in _cnn_fast_matches_reference(_cnn, R, GA, seed=10).items():
+        assert fn.explicit, (name, fn.vmap_reason)
 
 
 @pytest.mark.parametrize("batch_norm", [False, True])
@@ -806,36 +814,15 @@ def test_convolution_weight_gradients_are_one_call_over_all_replicas(batch_norm)
     only by its replica-sum accumulator comes from one ``convolution_backward`` over every
     replica's images (and, without batch norm's per-micro-batch statistics, the accumulation
     loop still folds into one pass); training equals the reference executor."""
-    R, GA = 2, 2
-    rng = np.random.default_rng(11)
-    batches = [(rng.normal(size=(R * GA * 4, 2, 8, 8)).astype(np.float32),
-                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
 
     def model():
-        torch.manual_seed(0)
         if batch_norm:
             return _cnn()
         return torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(),
                                    torch.nn.Conv2d(4, 3, 3, stride=2), torch.nn.Flatten(),
                                    torch.nn.Linear(3 * 3 * 3, 5))  # fmt: skip
 
-    results = {}
-    for executor in ("fast", "reference"):
-        m = model()
-        trainer = popxl.compile(m, torch.nn.functional.cross_entropy,
-                                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                replication_factor=R, gradient_accumulation=GA,
-                                executor=executor)  # fmt: skip
-        losses = [trainer.step(x, y) for x, y in batches]
-        if executor == "fast":
-            sources = "".join(fn.source for fn in trainer.session._executor.fns.values())
-            assert sources.count("summed=True") == 2  # both convolutions
-            assert ("iterations folded" in sources) is not batch_norm
-        results[executor] = (
-            losses,
-            {k: v.detach().clone().numpy() for k, v in m.state_dict().items()},
-        )
-    (fast_losses, fast_state), (ref_losses, ref_state) = results["fast"], results["reference"]
-    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for k, want in ref_state.items():
-        np.testing.assert_allclose(fast_state[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    fns = _cnn_fast_matches_reference(model, R=2, GA=2, seed=11)
+    sources = "".join(fn.source for fn in fns.values())
+    assert sources.count("summed=True") == 2  # both convolutions
+    assert ("iterations folded" in sources) is not batch_norm

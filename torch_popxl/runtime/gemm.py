@@ -42,19 +42,20 @@ __all__ = [
 ]
 
 KERNELS = ("aten", "onednn")  # index = the C++ kernel id
+_GEMM = ops.gemm.default  # the overload itself: no resolution per call on the hot path
 ENV = "TORCH_POPXL_GEMM"
 
 
 def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """``a @ b (+ bias)`` for ``a [..., K]``, ``b [K, N]``, ``bias [N]``, through the chosen
     kernel."""
-    return ops.gemm(a, b, bias)
+    return _GEMM(a, b, bias)
 
 
 def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     """``torch.addmm``, through ``gemm`` when it is ``a @ b + bias`` with a vector bias."""
     if beta == 1 and alpha == 1 and bias.dim() == 1 and a.dim() == 2:
-        return ops.gemm(a, b, bias)
+        return _GEMM(a, b, bias)
     return torch.addmm(bias, a, b, beta=beta, alpha=alpha)
 
 

@@ -80,7 +80,7 @@ class MiniGPT2(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(WIDTH)
 
     def forward(self, ids):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for block in self.h:
             x = block(x)
         return self.ln_f(x) @ self.wte.weight.t()  # the LM head tied to the token embedding

@@ -51,7 +51,7 @@ from .ir.streams import d2h_stream, h2d_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
-from .runtime.session import Session, check_backend
+from .runtime.session import Session, check_backend, resolve_device
 from .transforms.autodiff import autodiff
 
 __all__ = ["compile", "Trainer", "InferenceProgram"]
@@ -312,14 +312,14 @@ def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, e
        weight_decay=weight_decay, eps=eps, maximize=False)  # fmt: skip
 
 
-def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device: str):
+def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device):
     """Why a param group keeps the per-parameter update chain, or None when it runs the fused
     kernel (Note [fused optimizer updates])."""
     if spec.fused is None:
         return "the optimizer was not built with fused=True"
     if torch.device(device).type != "cpu":
         # CUDA's fused kernel takes its learning-rate tensor differently; untested here.
-        return f"the fused update is used on the CPU simulator only (device={device!r})"
+        return f"the fused update is used on the CPU simulator only (device={str(device)!r})"
     if dynamic_scaling:
         return "dynamic loss scaling skips steps in the per-parameter update"
     dtypes = {s.var.dtype.name for s in slots}
@@ -583,8 +583,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
-                 device: str = "cpu", executor: str = "fast", max_grad_norm: float | None = None,
-                 loss_scaling=None, backend: str = "default"):  # fmt: skip
+                 device: str | torch.device | None = None, executor: str = "fast",
+                 max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -607,7 +607,7 @@ class Trainer:
             raise ValueError(
                 f"max_grad_norm must be a positive number or None; got {max_grad_norm!r}."
             )
-        _check_device(device)
+        self.device = resolve_device(device)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -615,7 +615,6 @@ class Trainer:
         self.gradient_accumulation = gradient_accumulation
         self.rts_threshold = rts_threshold
         self.optimizer_state = optimizer_state
-        self.device = device
         self.executor = executor
         self.backend = check_backend(backend, executor)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -1343,13 +1342,13 @@ class InferenceProgram:
     torch tensors]), also while a Trainer trains the module.
     """
 
-    def __init__(self, model: torch.nn.Module, replication_factor: int = 1, device: str = "cpu",
-                 executor: str = "fast", backend: str = "default"):  # fmt: skip
+    def __init__(self, model: torch.nn.Module, replication_factor: int = 1,
+                 device: str | torch.device | None = None, executor: str = "fast",
+                 backend: str = "default"):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
-        _check_device(device)
+        self.device = resolve_device(device)
         self.model = model
         self.replication_factor = replication_factor
-        self.device = device
         self.executor = executor
         self.backend = check_backend(backend, executor)
         self.ir = None
@@ -1436,8 +1435,8 @@ class InferenceProgram:
 
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
-            optimizer_state: str = "on_chip", device: str = "cpu", executor: str = "fast",
-            max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
+            optimizer_state: str = "on_chip", device: str | torch.device | None = None,
+            executor: str = "fast", max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
     With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
@@ -1447,7 +1446,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
     ``backend="inductor"`` runs the generated step functions through ``torch.compile`` (CPU;
     seconds of compilation at the first step, see README "Benchmarks"); ``"default"`` runs
-    them as generated. See the README section "popxl.compile".
+    them as generated. ``device`` holds the replicas: ``"cpu"`` or ``"cuda"``; left out,
+    ``$TORCH_POPXL_DEVICE`` or the CPU. See the README section "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -1481,20 +1481,6 @@ def _mark_eager_step(trainer_ref) -> None:
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")
-
-
-def _check_device(device) -> None:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r} ({e}).") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device={device!r}: no CUDA GPU is available to this torch build. Use "
-            "device='cpu' (the default) to run the simulator on the CPU."
-        )
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda'; got {device!r}.")
 
 
 def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:

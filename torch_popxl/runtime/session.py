@@ -9,6 +9,7 @@ every variable on write).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -26,7 +27,11 @@ from . import distributed, remote_io, step_cache
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 from .report import build_report
 
-__all__ = ["Session"]
+__all__ = ["DEVICE_ENV", "Session", "resolve_device"]
+
+# The torch device a Session or popxl.compile uses when its ``device`` argument is left out, so
+# an unchanged PopXL program (which never names a torch device) can run on a GPU.
+DEVICE_ENV = "TORCH_POPXL_DEVICE"
 
 _DEVICES = ("ipu_hw", "ipu_model", "cpu")
 
@@ -35,8 +40,8 @@ class Session:
     """Compile ``ir`` and run it on the simulator.
 
     ``device_desc`` is ``"ipu_hw"``, ``"ipu_model"`` or ``"cpu"`` (all mean the simulator).
-    ``device`` picks the torch device that holds the replicas (``"cpu"`` by default,
-    ``"cuda"`` when available). ``executor="reference"`` runs the plain reference executor.
+    ``device`` picks the torch device that holds the replicas: ``"cpu"`` or ``"cuda"``
+    (``"cuda:N"``); left out, ``$TORCH_POPXL_DEVICE`` or ``"cpu"``. ``executor="reference"`` runs the plain reference executor.
     ``backend="inductor"`` runs the fast executor's generated step functions through
     ``torch.compile`` (CPU; Note [inductor backend]); ``"default"`` runs them as generated.
     """
@@ -60,7 +65,7 @@ class Session:
         self._ir = ir
         self._device_desc = device_desc
         self.weights_to_host_on_exit = weights_to_host_on_exit
-        self._torch_device = torch.device(device) if device is not None else torch.device("cpu")
+        self._torch_device = resolve_device(device)
         R = ir.instance_replication_factor
         self._state = SessionState(R, self._torch_device)
         self._attached = False
@@ -554,6 +559,31 @@ class Session:
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device that holds the replicas: ``device``, or ``$TORCH_POPXL_DEVICE`` when it
+    is None, or the CPU. Only CPU and CUDA devices run the simulator."""
+    where = "device"
+    if device is None:
+        device, where = os.environ.get(DEVICE_ENV) or "cpu", f"${DEVICE_ENV}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{where} must be 'cpu' or 'cuda'; got {device!r} ({e}).") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where} must be 'cpu' or 'cuda'; got {device!r}.")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{where}={str(device)!r}: no CUDA GPU is available to this torch build. Use "
+            "'cpu' (the default) to run the simulator on the CPU."
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"{where}={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
+            "device(s); use 'cuda' or 'cuda:N' with N below that."
+        )
+    return dev
 
 
 def check_backend(backend, executor) -> str:

@@ -1,0 +1,251 @@
+"""The same training step through every peer a user would pick, side by side, on one device.
+
+Peers: eager torch on the same schedule (GA micro-batches of R x micro, loss / GA, one optimizer
+step), ``torch.compile`` of the model and of ``opt.step``, and popxl.compile with everything on
+chip and with sharded (RTS), off-chip optimizer state. Every peer first trains 3 steps from the
+same weights on the same data and is checked equal to eager (weights); then all are timed in
+interleaved rounds (GPU calls synchronised). Prints ms per step, median (min-max), each peer's
+ratio to the fastest non-popxl peer (>= 1: popxl is faster) and the step's achieved matmul
+rate (FLOPs counted by torch's FlopCounterMode on one eager step) against the device's measured
+float32 GEMM rate.
+
+Models: ``mlp`` (the seed MLP 784-512x3-10, Adam, R=4, GA=8, micro-batch 8) and ``gpt``
+(GPT-2, 4 layers, width 256, seq 64, vocab 1024, AdamW, R=4, GA=4, 2 sequences per
+micro-batch; Hugging Face's GPT2LMHeadModel when transformers is installed).
+
+Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
+[--rounds N] [--no-torch-compile]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch_popxl as popxl  # noqa: E402
+from timing import describe  # noqa: E402
+
+LAYOUTS = {
+    "popxl on-chip": {},
+    "popxl remote+RTS": {"rts_threshold": 512, "optimizer_state": "remote"},
+}
+
+
+@dataclass
+class Workload:
+    name: str
+    make_model: Callable[[], torch.nn.Module]
+    loss: Callable
+    optimizer: Callable
+    R: int
+    GA: int
+    micro: int
+    batch: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+
+
+def _mlp() -> Workload:
+    from seed import make_model
+
+    def batch(rng, n):
+        return rng.normal(size=(n, 784)).astype(np.float32), rng.integers(0, 10, n)
+
+    return Workload("seed MLP 784-512x3-10, Adam", make_model, torch.nn.functional.cross_entropy,
+                    lambda ps: torch.optim.Adam(ps, 1e-3), 4, 8, 8, batch)  # fmt: skip
+
+
+def _gpt() -> Workload:
+    import bench_gpt2 as g
+
+    def batch(rng, n):
+        tokens = rng.integers(0, g.VOCAB, (n, g.SEQ + 1))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return Workload(f"GPT-2 {g.LAYERS} layers width {g.WIDTH} seq {g.SEQ}, AdamW", g.make_model,
+                    g.lm_loss, lambda ps: torch.optim.AdamW(ps, 1e-3), g.R, g.GA, g.MICRO, batch)  # fmt: skip
+
+
+WORKLOADS = {"mlp": _mlp, "gpt": _gpt}
+
+
+def gemm_rate(device: torch.device) -> float:
+    """The device's float32 matmul rate (FLOP/s): the best of a few square products through
+    torch's matmul and through the simulator's (Note [gemm kernel]: on some CPUs it is faster)."""
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = 0.0
+    for mm in (torch.mm, torch.ops.torch_popxl.gemm):
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                mm(a, b)
+            _sync(device)
+            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eager_step(model, opt, loss_fn, w: Workload, device, compiled_opt_step=None):
+    """The eager schedule: GA micro-batches of R x micro, loss / GA, one optimizer step."""
+
+    def step(x, y):
+        opt.zero_grad()
+        xt, yt = torch.as_tensor(x).to(device), torch.as_tensor(y).to(device)
+        for xc, yc in zip(xt.split(w.R * w.micro), yt.split(w.R * w.micro), strict=True):
+            (loss_fn(model(xc), yc) / w.GA).backward()
+        (compiled_opt_step or opt.step)()
+
+    return step
+
+
+def peers(w: Workload, device: torch.device, torch_compile: bool):
+    """``{name: (step(x, y), weights())}`` for every peer, each from the same initial model."""
+    torch.manual_seed(0)
+    base = w.make_model()
+    out = {}
+    model = copy.deepcopy(base).to(device)
+    opt = w.optimizer(model.parameters())
+    out["eager"] = (_eager_step(model, opt, w.loss, w, device), model.parameters)
+    if torch_compile:
+        cmodel = copy.deepcopy(base).to(device)
+        copt = w.optimizer(cmodel.parameters())
+        compiled = torch.compile(cmodel)
+        opt_step = torch.compile(copt.step)
+        out["torch.compile"] = (_eager_step(compiled, copt, w.loss, w, device, opt_step),
+                                cmodel.parameters)  # fmt: skip
+    for name, layout in LAYOUTS.items():
+        pmodel = copy.deepcopy(base)
+        trainer = popxl.compile(pmodel, w.loss, w.optimizer(pmodel.parameters()),
+                                replication_factor=w.R, gradient_accumulation=w.GA,
+                                device=device, **layout)  # fmt: skip
+
+        def weights(t=trainer, m=pmodel):
+            t.sync_weights()
+            return m.parameters()
+
+        out[name] = (trainer.step, weights)
+    return out
+
+
+def check_equal(fns, batches, device) -> dict[str, float]:
+    """Train each peer on the same batches; the greatest weight difference to eager's.
+
+    Adam's step lr * m / (sqrt(v) + eps) amplifies float32 rounding where a gradient is near
+    zero (up to one step, lr = 1e-3, per weight), so the check is: no weight further than lr
+    from eager's, and 99.9 % of them within 1e-5."""
+    for step, _ in fns.values():
+        for x, y in batches:
+            step(x, y)
+    _sync(device)
+    ref = torch.cat([p.detach().cpu().flatten() for p in fns["eager"][1]()])
+    diffs = {}
+    for name, (_, weights) in fns.items():
+        got = torch.cat([p.detach().cpu().flatten() for p in weights()])
+        d = (got - ref).abs()
+        diffs[name] = float(d.max())
+        close = float((d <= 1e-5).double().mean())
+        if diffs[name] > 1e-3 or close < 0.999:
+            raise AssertionError(f"{name} trains differently from eager: max |w - eager| "
+                                 f"{diffs[name]:.2e}, {100 * close:.2f} % within 1e-5")  # fmt: skip
+    return diffs
+
+
+def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: float) -> dict:
+    w = WORKLOADS[key]()
+    rng = np.random.default_rng(0)
+    n = w.R * w.GA * w.micro
+    batches = [w.batch(rng, n) for _ in range(3)]
+    t0 = time.perf_counter()
+    fns = peers(w, device, torch_compile)
+    diffs = check_equal(fns, batches, device)
+    setup = time.perf_counter() - t0
+    x, y = batches[0]
+    # FLOPs of one step: one eager forward + backward of the global batch (the optimizer's
+    # elementwise work is not counted).
+    model = w.make_model().to(device)
+    with FlopCounterMode(display=False) as counter:
+        w.loss(model(torch.as_tensor(x).to(device)), torch.as_tensor(y).to(device)).backward()
+    flops = counter.get_total_flops()
+
+    def timed(step):
+        def call():
+            step(x, y)
+            _sync(device)
+
+        return call
+
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for name, (step, _) in fns.items():
+        timed(step)()  # warm-up
+    for _ in range(rounds):
+        for name, (step, _) in fns.items():
+            t0 = time.perf_counter()
+            timed(step)()
+            samples[name].append(time.perf_counter() - t0)
+    meds = {k: statistics.median(v) for k, v in samples.items()}
+    fastest = min((k for k in meds if not k.startswith("popxl")), key=meds.get)
+    print(f"\n{w.name}; R={w.R}, GA={w.GA}, micro-batch {w.micro} ({n} samples per step); "
+          f"{flops / 1e9:.2f} GFLOP of matmul-counted work per step; setup + 3 checked steps "
+          f"{setup:.1f} s")  # fmt: skip
+    print(f"  {'peer':<18} {'ms / step, median (min-max)':<30} {'vs ' + fastest:<22} "
+          f"{'GFLOP/s':>8} {'of GEMM rate':>12}  max |w - eager|")  # fmt: skip
+    for name, s in samples.items():
+        per_round = [a / b for a, b in zip(samples[fastest], s, strict=True)]
+        vs = f"{meds[fastest] / meds[name]:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+        achieved = flops / meds[name]
+        print(f"  {name:<18} {describe(s):<30} {vs:<22} {achieved / 1e9:8.1f} "
+              f"{100 * achieved / rate:11.1f}%  {diffs[name]:.1e}")  # fmt: skip
+    return {"median_ms": {k: v * 1e3 for k, v in meds.items()}, "gflop": flops / 1e9}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--no-torch-compile", action="store_true",
+                        help="leave out the torch.compile peer (its first step compiles)")  # fmt: skip
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 everywhere, as the simulator
+    rate = gemm_rate(device)
+    print(f"device: {device_name(device)} ({device}); torch {torch.__version__}; measured "
+          f"float32 GEMM rate {rate / 1e12:.2f} TFLOP/s")  # fmt: skip
+    return {
+        key: run(key, device, args.rounds, not args.no_torch_compile, rate)
+        for key in args.models.split(",")
+    }
+
+
+if __name__ == "__main__":
+    main()

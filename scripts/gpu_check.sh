@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The checks a machine with a CUDA GPU runs (torch with CUDA already installed there): build the
+# extension in place, run the CUDA tests (tests/test_cuda.py), the peers benchmark on the GPU,
+# and core suites with every Session and popxl.compile holding its replicas on the GPU
+# (TORCH_POPXL_DEVICE=cuda). Logs go to $OUT (default /tmp/gpu_check). Each step has its own
+# time limit so that one slow step still leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+t0=$SECONDS
+MAX_JOBS=${MAX_JOBS:-16} "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "== built in $((SECONDS - t0)) s"
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --tb=short)
+echo "== tests/test_cuda.py"
+timeout "${CUDA_TESTS_S:-180}" "${PYTEST[@]}" tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -40
+echo "== peers benchmark on the GPU"
+timeout "${BENCH_S:-200}" "$PY" benchmarks/bench_peers.py --device cuda --rounds "${ROUNDS:-5}" 2>&1 \
+  | grep -v '^\[transformers\]' | tee "$OUT/bench_peers.log" | tail -25
+echo "== core suites with TORCH_POPXL_DEVICE=cuda"
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${WORKERS:-8}")
+TORCH_POPXL_DEVICE=cuda timeout "${SUITE_S:-150}" "${PYTEST[@]}" "${XDIST[@]}" \
+  tests/test_remote.py tests/test_replication.py tests/test_session.py tests/test_explicit.py \
+  tests/test_compile.py tests/test_compile_semantics.py tests/test_rts_grouped_divisor.py \
+  tests/test_compile_optimizer_exact.py tests/test_addons.py tests/test_random_replicas.py \
+  2>&1 | tee "$OUT/suite_on_cuda.log" | tail -40
+echo "== done in $((SECONDS - t0)) s"

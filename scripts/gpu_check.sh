@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -16,7 +16,16 @@ t0=$SECONDS
 MAX_JOBS=${MAX_JOBS:-16} "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "== built in $((SECONDS - t0)) s"
-PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --tb=short)
+PYTEST=("$PY" -m pytest -p no:cacheprovider -p no:benchmark -q -rfE --tb=short)
+echo "== a C++ argument error on CPU tensors (an exception thrown through the extension)"
+"$PY" -c "
+import torch, torch_popxl
+try:
+    torch.ops.torch_popxl.remote_load_stacked(torch.zeros(2, 3, 4), torch.tensor([5, 0]), 1)
+except ValueError as e:
+    print('ok, ValueError:', str(e)[:80])
+" 2>&1 | tail -3
+g++ --version | head -1
 echo "== tests/test_cuda.py"
 timeout "${CUDA_TESTS_S:-180}" "${PYTEST[@]}" tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -40
 echo "== peers benchmark on the GPU"

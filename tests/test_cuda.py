@@ -99,8 +99,25 @@ def test_remote_kernels_on_cuda_move_the_same_rows():
     _C.remote_store_stacked_(cpu_buf, offsets, value, 1)
     _C.remote_store_stacked_(gpu_buf, offsets, value.cuda(), 1)
     assert torch.equal(gpu_buf.cpu(), cpu_buf)
-    with pytest.raises(ValueError, match="value is on cpu but RemoteBuffer"):
-        _C.remote_store_stacked_(gpu_buf, offsets, value, 1)  # a CPU value, a GPU buffer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_value_on_another_device_is_a_clear_error_never_a_crash(device):
+    # In a child process: a crash there fails this test instead of ending the run.
+    code = (
+        "import torch, torch_popxl\n"
+        f"buf = torch.zeros(2, 3, 4, device={device!r})\n"
+        "other = 'cpu' if buf.is_cuda else 'cuda'\n"
+        "try:\n"
+        "    torch.ops.torch_popxl.remote_store_stacked_(buf, torch.tensor([0, 1]),\n"
+        "                                               torch.ones(2, 4, device=other), 1)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert done.returncode == 0, f"rc={done.returncode}: {done.stderr[-2000:]}"
+    assert "ValueError: remote_store: value is on" in done.stdout, done.stdout
 
 
 # ---- Sessions: replication, RTS, remote buffers ---------------------------------------------

@@ -8,7 +8,8 @@ Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
 stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor) and
-``compute`` (FLOP counts of captured matmuls). Shared infrastructure: ``registry``,
+``compute`` (FLOP counts of captured matmuls), ``attention`` (the CPU flash-attention ops a
+captured program records, on other devices: Note [portable attention]). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
 layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
 (helpers of the reference semantics).
@@ -21,6 +22,7 @@ from . import (
     all_gather,
     all_reduce,
     all_reduce_tp,
+    attention,
     backends,
     compute,
     fused,

@@ -192,7 +192,7 @@ def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: 
         return call
 
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for name, (step, _) in fns.items():
+    for step, _ in fns.values():
         timed(step)()  # warm-up
     for _ in range(rounds):
         for name, (step, _) in fns.items():

@@ -45,6 +45,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_tp",
+    "attention",
     "backends",
     "compute",
     "fused",

@@ -25,7 +25,6 @@ from timing import (  # noqa: E402
     interleaved_samples,
     print_aten_kernel_row,
     ratio,
-    vmap_fallbacks,
 )
 
 
@@ -60,7 +59,7 @@ def main(repeats: int = 10) -> dict[str, float]:
     print(f"  eager same schedule   {describe(s['eager_schedule'])}")
     print(f"  eager one batch of 256 {describe(s['eager_batch_256'])}")
     for name, compiled in trainers.items():
-        fallbacks = vmap_fallbacks(compiled)
+        fallbacks = compiled.explain()
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager schedule / simulator "
               f"{ratio(s['eager_schedule'], s[name])}, batch 256 / simulator "
               f"{ratio(s['eager_batch_256'], s[name])}; vmap fallback: "

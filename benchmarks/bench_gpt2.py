@@ -33,7 +33,6 @@ from timing import (  # noqa: E402
     interleaved_samples,
     print_aten_kernel_row,
     ratio,
-    vmap_fallbacks,
 )
 
 R, GA, MICRO, SEQ = 4, 4, 2, 64
@@ -151,7 +150,7 @@ def main(repeats: int = 5, inductor: bool = False) -> dict[str, float]:
           f"GA={GA}, {MICRO} sequences per micro-batch, AdamW), median (min-max):")  # fmt: skip
     print(f"  eager same schedule      {describe(s['eager_schedule'])}")
     for name, trainer in trainers.items():
-        fallbacks = vmap_fallbacks(trainer)
+        fallbacks = trainer.explain()
         print(f"  popxl.compile {name:<10} {describe(s[name])}: eager / simulator "
               f"{ratio(s['eager_schedule'], s[name])}; build {builds[name] - steady[name]:.2f} s; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip

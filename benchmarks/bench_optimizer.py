@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import seed  # noqa: E402
-from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
+from timing import describe, interleaved_samples, ratio  # noqa: E402
 
 SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
@@ -112,7 +112,7 @@ def compiled(rounds: int = 10) -> dict[str, float]:
           "remote+RTS: rts_threshold=512, off-chip state), median (min-max):")  # fmt: skip
     for name, trainer in trainers.items():
         chain = "compiled_chain" + ("_remote_rts" if name.endswith("_remote_rts") else "")
-        fallbacks = vmap_fallbacks(trainer)
+        fallbacks = trainer.explain()
         print(f"  {name:<26} {describe(s[name])}; chain / {name} "
               f"{ratio(s[chain], s[name])}; fused_reasons {trainer.fused_reasons}; "
               f"vmap fallback: {'; '.join(fallbacks) if fallbacks else 'none'}")  # fmt: skip

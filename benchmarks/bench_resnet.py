@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from timing import describe, interleaved_samples, ratio, vmap_fallbacks  # noqa: E402
+from timing import describe, interleaved_samples, ratio  # noqa: E402
 
 R, GA, MICRO = 2, 2, 8
 
@@ -64,7 +64,7 @@ def main(repeats: int = 5) -> dict[str, float] | None:
     cpu: dict[str, list[float]] = {}
     s = interleaved_samples({"simulator": lambda: trainer.step(x, y), "eager": eager_schedule},
                             repeats, warmup=1, cpu=cpu)  # fmt: skip
-    fallbacks = vmap_fallbacks(trainer)
+    fallbacks = trainer.explain()
     print(f"resnet18 (32x32, R={R}, GA={GA}, micro-batch {MICRO}, SGD momentum), median (min-max):")
     print(f"  eager same schedule      {describe(s['eager'])}")
     print(f"  popxl.compile on-chip    {describe(s['simulator'])}: eager / simulator "

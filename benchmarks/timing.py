@@ -65,17 +65,6 @@ def ratio(eager: list[float], simulator: list[float]) -> str:
     return f"{med:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
 
 
-def vmap_fallbacks(trainer) -> list[str]:
-    """The fragments of a compiled program that run under ``torch.func.vmap`` (Note [explicit
-    batching]) and the first op of each without an explicit-batching rule; empty when none."""
-    executor = trainer.session._executor
-    found = []
-    for name, fn in getattr(executor, "fns", {}).items():
-        if not getattr(fn, "explicit", True) and executor.R > 1:
-            found.append(f"{name}: {getattr(fn, 'vmap_reason', None) or 'vmap'}")
-    return found
-
-
 ATEN_ROW = "on-chip, aten gemm"
 
 

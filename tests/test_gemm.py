@@ -164,3 +164,28 @@ def test_compiled_trainer_under_each_kernel_trains_as_eager(kernel, optimizer):
     # differences leave them within a few ulps of 1.
     for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("a_rows", [False, True], ids=["a-invariant", "a-batched"])
+@pytest.mark.parametrize("b_rows", [False, True], ids=["b-invariant", "b-batched"])
+@pytest.mark.parametrize("bias", ["none", "invariant", "batched"])
+@pytest.mark.parametrize("a_rank", [2, 3])
+def test_gemm_under_vmap_is_a_per_row_matmul(a_rows, b_rows, bias, a_rank, capfd):
+    """gemm's batching rule (a fragment on the per-replica path calls it under vmap): row r
+    is ``a_r @ b_r + bias_r``, with no per-row fallback loop (torch's fallback prints a
+    "performance drop" line to stderr)."""
+    if not (a_rows or b_rows or bias == "batched"):
+        pytest.skip("vmap needs one batched operand")
+    R = 3
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(R, *([4] * (a_rank - 1)), 5, generator=g)
+    b, c = torch.randn(R, 5, 6, generator=g), torch.randn(R, 6, generator=g)
+    args = (a if a_rows else a[0], b if b_rows else b[0], None if bias == "none" else
+            (c if bias == "batched" else c[0]))  # fmt: skip
+    dims = (0 if a_rows else None, 0 if b_rows else None, 0 if bias == "batched" else None)
+    got = torch.func.vmap(G.gemm, in_dims=dims)(*args)
+    for r in range(R):
+        row = [t if d is None else t[r] for t, d in zip(args, dims, strict=True)]
+        want = row[0] @ row[1] + (0 if row[2] is None else row[2])
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+    assert capfd.readouterr().err == ""

@@ -656,6 +656,13 @@ class Trainer:
     def session(self) -> Session | None:
         return None if self._active is None else self._active.session
 
+    def explain(self) -> list[str]:
+        """What of the current program runs on a slow path and why (``Session.explain``); an
+        empty list when all of it runs on the fast path."""
+        if self.session is None:
+            raise ValueError("explain(): no program yet; it is built by the first step().")
+        return self.session.explain()
+
     @property
     def fused_reasons(self) -> tuple[str | None, ...] | None:
         """Per param group of the current program: None where the update runs as one fused
@@ -1390,6 +1397,13 @@ class InferenceProgram:
             if ir._num_instances > 1 or not session._bind_variable(tensors[n], t.detach()):
                 copied.append((tensors[n], t))
         return ir, session, streams, out_streams, spec, copied
+
+    def explain(self) -> list[str]:
+        """What of the program runs on a slow path and why (``Session.explain``); an empty
+        list when all of it runs on the fast path."""
+        if self.session is None:
+            raise ValueError("explain(): no program yet; it is built by the first call.")
+        return self.session.explain()
 
     def __call__(self, inputs):
         args, kwargs = _structured(inputs, "inputs")

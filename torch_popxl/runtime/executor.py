@@ -11,6 +11,7 @@ Both run the same program against the same session state:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -155,6 +156,19 @@ def _uniform_buffers(ir) -> frozenset[int]:
     return frozenset(ids)
 
 
+@contextlib.contextmanager
+def _quiet_vmap_fallback():
+    """No "performance drop" lines on stderr while a fragment runs under vmap: an op without
+    a torch batching rule runs per replica there, which ``Session.explain()`` reports instead
+    of torch printing it at every step. torch has no getter for the setting, so its default
+    (on) is restored afterwards."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+
+
 class FastExecutor:
     """Straight-line generated code, every replica at once under ``torch.func.vmap``."""
 
@@ -213,6 +227,24 @@ class FastExecutor:
             assume = fn.plan.assumptions
             self.fns[fragment] = fn
         return assume
+
+    def explain(self) -> list[str]:
+        """One line per fragment that leaves the fast path, saying why (empty: none does).
+
+        The fast path runs a fragment on the stacked replicas directly (Note [explicit
+        batching]); the slow one runs it under ``torch.func.vmap`` (tens of µs of dispatch
+        per op) when an op has no stacked rule, or when the replicas span several processes.
+        Under ``backend="inductor"`` a fragment that runs the plain generated function says
+        why as well (known from its first run)."""
+        lines = []
+        for name, fn in self.fns.items():
+            if self.global_R > 1 and not getattr(fn, "explicit", True):
+                why = fn.vmap_reason or "its replicas span several processes"
+                lines.append(f"{name}: runs under torch.func.vmap (slower): {why}")
+        for name, why in self.backend_reasons.items():
+            if why is not None:
+                lines.append(f"{name}: not compiled by inductor: {why}")
+        return lines
 
     def allocate(self, state: SessionState, v) -> torch.Tensor:
         """Storage for an on-chip variable: replica-invariant ones are stored once."""
@@ -280,9 +312,10 @@ class FastExecutor:
             ]
             var_dims = [None if t.id in self.uniform else 0 for t in tensors]
             anchor = torch.zeros(R, device=state.device)
-            outs, stored, prints = torch.func.vmap(
-                step, in_dims=(var_dims, 1, 0, 0), randomness="different"
-            )(var_vals, ins, buffers, anchor)
+            with _quiet_vmap_fallback():
+                outs, stored, prints = torch.func.vmap(
+                    step, in_dims=(var_dims, 1, 0, 0), randomness="different"
+                )(var_vals, ins, buffers, anchor)
         if fragment == "weights_from_host":
             for t, value in zip(self.defined, outs, strict=True):
                 state.persistent[t.id] = value
@@ -392,6 +425,11 @@ class ReferenceExecutor:
         self.ir = ir
         self.device = device
         self.on_chip, self.defined = fragment_signature(ir)
+
+    def explain(self) -> list[str]:
+        """Why this is not the fast path (see ``FastExecutor.explain``)."""
+        return ["every fragment: the reference executor runs op by op, one replica at a time "
+                "(executor='reference'; use executor='fast' for speed)"]  # fmt: skip
 
     def allocate(self, state: SessionState, v) -> torch.Tensor:
         return torch.zeros(

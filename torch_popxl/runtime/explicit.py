@@ -44,30 +44,40 @@ __all__ = [
 aten = torch.ops.aten
 _DEBUG = False
 
-ELEMENTWISE = _ELEMENTWISE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar,
-    aten.mul.Scalar, aten.neg.default, aten.log.default, aten.exp.default, aten.sqrt.default,
-    aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.gelu.default,
-    aten.gelu_backward.default, aten.threshold_backward.default, aten.where.self,
-    aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor, aten.mul_.Scalar,
-    aten.div_.Scalar, aten.clone.default, aten._to_copy.default, aten.pow.Tensor_Scalar,
-    aten.rsub.Scalar, aten.reciprocal.default, aten.zero_.default, aten.eq.Scalar, aten.ne.Scalar,
-    # the optimizers' update chains (Adam, AdamW, SGD with momentum, LAMB's norms)
-    aten.lerp.Tensor, aten.lerp.Scalar, aten.lerp_.Tensor, aten.lerp_.Scalar, aten.addcmul.default,
-    aten.addcdiv.default, aten.addcmul_.default, aten.addcdiv_.default, aten.copy_.default,
-    aten.sub.Scalar, aten.div.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.sqrt_.default,
-    aten.maximum.default, aten.minimum.default, aten.abs.default, aten.sign.default,
-    aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.rsqrt.default, aten.clamp.default,
-    aten.clamp_min.default, aten.clamp_max.default, aten.fill_.Scalar, aten.silu.default,
-    aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.gt.Tensor,
-    aten.lt.Tensor, aten.eq.Tensor, aten.logical_not.default, aten.masked_fill.Scalar,
-    # activation gradients (grad_output, and the forward's input or output)
-    aten.sigmoid_backward.default, aten.tanh_backward.default, aten.silu_backward.default,
-    # masks and comparisons, and values shaped like their input
-    aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
-    aten.logical_and.default, aten.logical_or.default, aten.ge.Tensor, aten.le.Tensor,
-    aten.ne.Tensor, aten.remainder.Scalar, aten.remainder.Tensor, aten.zeros_like.default,
-    aten.ones_like.default, aten.relu_.default,
+
+class _Elementwise:
+    """The ops computed element by element with broadcasting: every aten overload torch tags
+    ``pointwise`` (torch enumerates them), plus the ops shaped like their input that it does
+    not tag. On stacked values they broadcast as they do per replica (Note [broadcasting on
+    stacked values])."""
+
+    UNTAGGED = frozenset({
+        aten._to_copy.default, aten.zero_.default, aten.fill_.Scalar, aten.copy_.default,
+        aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+        aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.masked_fill_.Scalar,
+    })  # fmt: skip
+
+    def __contains__(self, target) -> bool:
+        return target in self.UNTAGGED or torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+ELEMENTWISE = _ELEMENTWISE = _Elementwise()
+# Note [random ops on stacked rows]
+#     Random ops whose every output element is an independent draw (given its own element of
+#     the parameters) draw every replica's values in one call on the stacked rows: replicas
+#     draw independently from the same distribution, which is what the reference executor
+#     defines (tests/test_random_replicas.py checks it statistically; the values differ from
+#     a per-replica loop's, as vmap's do). A replica-invariant operand is expanded to the rows
+#     first, so the call draws a value per row. Ops whose draws depend on each other
+#     (multinomial without replacement, randperm) keep the per-replica path.
+_RANDOM_ELEMENTWISE = {
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p,
+    aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.native_dropout.default,
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
+    aten.poisson.default, aten.normal.Tensor_float, aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor, aten.cauchy_.default, aten.geometric_.default,
+    aten.log_normal_.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
@@ -76,9 +86,17 @@ _DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.defaul
 # ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
 # stashes): stacked when the index is the same on every replica
 _INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}
-# 2-d max pooling per replica on [N, C, H, W] or [C, H, W]: the replicas' rows are more images
-# (the indices are positions within each image's plane, so they do not change)
-_POOL = {aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default}
+# 2-d pooling per replica on [N, C, H, W] or [C, H, W]: the replicas' rows are more images
+# (max pooling's indices are positions within each image's plane, so they do not change);
+# each op with the positions of its image-shaped tensor arguments
+_POOL = {
+    aten.max_pool2d_with_indices.default: (0,),
+    aten.max_pool2d_with_indices_backward.default: (0, 1, 7),
+    aten._adaptive_avg_pool2d.default: (0,),
+    aten._adaptive_avg_pool2d_backward.default: (0, 1),
+    aten.avg_pool2d.default: (0,),
+    aten.avg_pool2d_backward.default: (0, 1),
+}
 _SOFTMAX_BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_data.default}
 # nll_loss forward/backward: the position of the ``reduction`` argument
 _NLL = {aten.nll_loss_forward.default: 3, aten.nll_loss_backward.default: 4}
@@ -289,10 +307,8 @@ def _ok_torch(f, a, R: int) -> bool:
         return True  # rt.sum_read finishes it on either layout
     if f in a.sum_adds:  # acc += (sum over replicas of x): x.sum(0) on stacked values
         return target in _ELEMENTWISE
-    if draws_random(f.op):
-        # Each replica draws its own values (vmap's randomness="different"); the stacked form
-        # has no rule for that, so a fragment with a random op runs under vmap.
-        return False
+    if draws_random(f.op):  # Note [random ops on stacked rows]
+        return target in _RANDOM_ELEMENTWISE and "generator" not in f.op.attrs.kwargs
     batched = [a.b(n) for n in f.ins]
     if getattr(target, "namespace", "") == "torch_popxl":
         return opdef_rule(f.op, batched, R) is not None
@@ -549,6 +565,14 @@ def emit_torch(em, f, ind: str) -> None:
         call = f"{em.p.literal(stacked_form)}({', '.join(call_args)})"
         em.lines.append(f"{ind}{out} = {call}" if out is not None else f"{ind}{call}")
         return
+    if draws_random(f.op):  # Note [random ops on stacked rows]
+        rendered = [lit(v) for v in args]
+        for i, v in enumerate(args):
+            if isinstance(v, Slot) and not batched[v.index]:
+                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
+        rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
+        return
     if not any(batched) or target in _ELEMENTWISE or target in PER_ELEMENT or f in a.sum_reads:
         em._torch_plain(f, ind)
         return
@@ -588,8 +612,15 @@ def emit_torch(em, f, ind: str) -> None:
         dims = args[1] if len(args) > 1 else kwargs.pop("dim", None)
         if dims is None or dims == [] or target in _FULL_REDUCTIONS:
             dims = list(range(per_replica_dims))
-        dims = [_shift(d % per_replica_dims) for d in dims]
         keep = args[2] if len(args) > 2 else kwargs.pop("keepdim", False)
+        if per_replica_dims == 0:
+            # A 0-d value reduces to itself (dim 0 / -1 name it; keepdim keeps it 0-d). An
+            # empty dims tuple would reduce the replica dim too: reduce a unit dim instead,
+            # which keeps the op's dtype rule (a sum of ints is int64).
+            x, dims, keep = f"{x}.unsqueeze(1)", [0], False
+        else:
+            dims = [d % per_replica_dims for d in dims]
+        dims = [_shift(d) for d in dims]
         extra = "".join(f", {k}={lit(v)}" for k, v in kwargs.items())
         fn = {aten.amax.default: "torch.amax", aten.mean.dim: "torch.mean",
               aten.mean.default: "torch.mean"}.get(target, "torch.sum")  # fmt: skip
@@ -620,7 +651,7 @@ def emit_torch(em, f, ind: str) -> None:
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({call})")
     elif target in _POOL:
         rendered = [lit(v) for v in args]
-        tensors = (0,) if target is aten.max_pool2d_with_indices.default else (0, 1, 7)
+        tensors = _POOL[target]
         for i in tensors:  # every tensor argument with its rows (the op's own batch dim)
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"

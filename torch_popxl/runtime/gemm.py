@@ -68,6 +68,28 @@ def _(a, b, bias=None):
     return a.new_empty((*a.shape[:-1], b.shape[1]))
 
 
+@torch.library.register_vmap("torch_popxl::gemm")
+def _(info, in_dims, a, b, bias=None):
+    """``gemm`` under ``vmap`` (a fragment on the per-replica path): per row ``a_r @ b_r +
+    bias_r``. With only ``a`` batched the rows are more rows of one GEMM; otherwise a batched
+    matmul over the rows."""
+    a_dim, b_dim = in_dims[:2]
+    bias_dim = in_dims[2] if len(in_dims) > 2 else None  # bias not passed: two dims only
+    if a_dim is not None:
+        a = a.movedim(a_dim, 0)
+    if b_dim is None and bias_dim is None:
+        return _GEMM(a, b, bias), 0 if a_dim is not None else None
+    rows = info.batch_size
+    if a_dim is None:
+        a = a.expand(rows, *a.shape)
+    b = b.movedim(b_dim, 0) if b_dim is not None else b.expand(rows, *b.shape)
+    out = torch.matmul(a.reshape(rows, -1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+    if bias is not None:
+        bias = bias.movedim(bias_dim, 0) if bias_dim is not None else bias.expand(rows, *bias.shape)
+        out = out + bias.view(rows, *([1] * (out.dim() - 2)), -1)
+    return out, 0
+
+
 def _cpu_vendor() -> str:
     """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or "" if unknown."""
     try:

@@ -554,6 +554,12 @@ class Session:
 
         return build_report(self, cost_model)
 
+    def explain(self) -> list[str]:
+        """What of this program runs on a slow path, one line per fragment with the reason
+        (the first op without a stacked rule, say); an empty list when everything runs on
+        the fast path. Nothing is printed while a program runs: this is where to look."""
+        return self._executor.explain()
+
     def generated_code(self) -> str:
         """The Python the fast executor generated for this Ir."""
         if not isinstance(self._executor, FastExecutor):

@@ -1,0 +1,110 @@
+"""What runs on the slow path is reported by an API, never printed: ``Session.explain()``,
+``Trainer.explain()``, ``InferenceProgram.explain()``; and the ops that used to leave the fast
+path in ordinary CNN training (dropout, label smoothing, adaptive average pooling, the matmul
+under vmap) no longer do, with nothing written to stderr."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import torch_popxl as popxl
+from torch_popxl import ops
+
+
+def _program(build, replicas=2):
+    ir = popxl.Ir(replication=replicas)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((4, 3), popxl.float32, "x")
+        y = build(ops.host_load(xs))
+        out = popxl.d2h_stream(y.shape, y.dtype, "y")
+        ops.host_store(out, y)
+    return ir, xs, out
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_session_explain_names_the_op_that_leaves_the_fast_path(executor):
+    x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+    ir, xs, out = _program(lambda t: torch.cumsum(t, 0))  # no stacked rule for cumsum
+    with popxl.Session(ir, executor=executor) as session:
+        got = session.run({xs: x})[out]
+        lines = session.explain()
+    np.testing.assert_array_equal(got, np.cumsum(x, axis=1))  # per replica, along its dim 0
+    if executor == "fast":
+        assert lines == ["normal: runs under torch.func.vmap (slower): no explicit rule for "
+                         "aten.cumsum.default"]  # fmt: skip
+    else:
+        assert len(lines) == 1 and "reference executor" in lines[0]
+
+
+def test_session_explain_is_empty_on_the_fast_path():
+    ir, xs, _ = _program(lambda t: torch.relu(t) * 2.0)
+    with popxl.Session(ir) as session:
+        session.run({xs: np.ones((2, 4, 3), np.float32)})
+        assert session.explain() == []
+
+
+class _CNN(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(2),
+            torch.nn.Flatten(), torch.nn.Dropout(p), torch.nn.Linear(16, 10),
+        )  # fmt: skip
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _batches(n=3, rows=8):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(rows, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, rows))
+            for _ in range(n)]  # fmt: skip
+
+
+def test_cnn_with_label_smoothing_and_adaptive_pooling_trains_as_eager_on_the_fast_path(capfd):
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    eager = _CNN(0.0)
+    model = copy.deepcopy(eager)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    trainer = popxl.compile(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    for x, y in _batches():
+        loss = trainer.step(x, y)
+        opt.zero_grad()
+        ref = loss_fn(eager(torch.from_numpy(x)), torch.from_numpy(y))
+        ref.backward()
+        opt.step()
+        np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+    trainer.sync_weights()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert trainer.explain() == []
+    assert capfd.readouterr().err == ""
+
+
+def test_dropout_training_runs_on_the_fast_path_with_nothing_on_stderr(capfd):
+    model = _CNN(0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1), replication_factor=2)  # fmt: skip
+    losses = [trainer.step(x, y) for x, y in _batches()]
+    assert all(np.isfinite(losses))
+    assert trainer.explain() == []
+    assert capfd.readouterr().err == ""
+    trainer.sync_weights()
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_explain_before_the_first_step_says_how_to_get_a_program():
+    model = _CNN(0.0)
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
+    with pytest.raises(ValueError, match="built by the first step"):
+        trainer.explain()
+    with pytest.raises(ValueError, match="built by the first call"):
+        popxl.compile(model).explain()

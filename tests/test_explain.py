@@ -1,7 +1,8 @@
 """What runs on the slow path is reported by an API, never printed: ``Session.explain()``,
-``Trainer.explain()``, ``InferenceProgram.explain()``; and the ops that used to leave the fast
-path in ordinary CNN training (dropout, label smoothing, adaptive average pooling, the matmul
-under vmap) no longer do, with nothing written to stderr."""
+``Trainer.explain()``, ``InferenceProgram.explain()``; fragments with ops the project has no
+stacked rule for are traced once under vmap (Note [vmap traced once] in runtime/executor.py);
+and ordinary CNN training (dropout, label smoothing, adaptive average pooling) runs on the
+fast path with nothing written to stderr."""
 
 from __future__ import annotations
 
@@ -25,19 +26,54 @@ def _program(build, replicas=2):
     return ir, xs, out
 
 
-@pytest.mark.parametrize("executor", ["fast", "reference"])
-def test_session_explain_names_the_op_that_leaves_the_fast_path(executor):
-    x = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
-    ir, xs, out = _program(lambda t: torch.cumsum(t, 0))  # no stacked rule for cumsum
-    with popxl.Session(ir, executor=executor) as session:
-        got = session.run({xs: x})[out]
-        lines = session.explain()
-    np.testing.assert_array_equal(got, np.cumsum(x, axis=1))  # per replica, along its dim 0
-    if executor == "fast":
-        assert lines == ["normal: runs under torch.func.vmap (slower): no explicit rule for "
-                         "aten.cumsum.default"]  # fmt: skip
-    else:
-        assert len(lines) == 1 and "reference executor" in lines[0]
+def _run(build, x, executor="fast", **session_kw):
+    ir, xs, out = _program(build)
+    with popxl.Session(ir, executor=executor, **session_kw) as session:
+        got = [session.run({xs: x})[out] for _ in range(2)]  # the first run traces
+        return got, session.explain(), session
+
+
+X = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+
+
+def test_an_op_without_a_stacked_rule_runs_traced_on_the_fast_path():
+    # cumsum has no stacked rule of this project: its fragment is traced once under vmap
+    # (Note [vmap traced once]) and runs as the stacked ops torch's batching rule gives
+    got, lines, session = _run(lambda t: torch.cumsum(t, 0), X)
+    for g in got:
+        np.testing.assert_array_equal(g, np.cumsum(X, axis=1))  # per replica, its dim 0
+    assert lines == []
+    assert session._executor.trace_failures == {}
+
+
+def test_an_op_torch_cannot_batch_is_reported_as_a_per_replica_loop():
+    got, lines, _ = _run(lambda t: torch.isin(t, t[0]), X)
+    want = np.stack([np.isin(X[r], X[r, 0]) for r in range(2)])
+    for g in got:
+        np.testing.assert_array_equal(g, want)
+    assert lines == ["normal: torch has no batching rule for aten.isin.Tensor_Tensor: run "
+                     "once per replica"]  # fmt: skip
+
+
+def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch):
+    from torch_popxl.runtime import executor
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("tracing refused for this test")
+
+    monkeypatch.setattr(executor, "make_fx", refuse)
+    got, lines, _ = _run(lambda t: torch.cumsum(t, 0), X)
+    for g in got:
+        np.testing.assert_array_equal(g, np.cumsum(X, axis=1))
+    assert lines == ["normal: runs under torch.func.vmap at every step (slower): no explicit "
+                     "rule for aten.cumsum.default, and tracing it failed: RuntimeError: "
+                     "tracing refused for this test"]  # fmt: skip
+
+
+def test_the_reference_executor_says_it_is_the_reference():
+    got, lines, _ = _run(lambda t: torch.cumsum(t, 0), X, executor="reference")
+    np.testing.assert_array_equal(got[0], np.cumsum(X, axis=1))
+    assert len(lines) == 1 and "reference executor" in lines[0]
 
 
 def test_session_explain_is_empty_on_the_fast_path():

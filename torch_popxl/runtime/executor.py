@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import opdefs
 from ..ir.attrs import PrintOptions
@@ -169,6 +171,77 @@ def _quiet_vmap_fallback():
         torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
+# Note [vmap traced once]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A fragment with an op that has no stacked rule of this project (Note [explicit batching])
+# runs its per-replica code under ``torch.func.vmap``, and vmap costs tens of µs of dispatch
+# per op at every step. The program is static, so the first run traces the vmapped fragment
+# with fake tensors (``make_fx``): what is recorded are the ops torch's own batching rules
+# produce on the stacked ``[R, ...]`` values, in-place updates of variables and buffers
+# included, and later runs call that graph with no vmap at all. torch thus enumerates the
+# batched forms of its ops; the project keeps rules only for its own ops (their vmap rules
+# run while tracing) and its whole-program rewrites. Nothing runs for real while tracing
+# (fake tensors), so no variable, buffer or traffic counter is touched (the counters' calls
+# are ops recorded in the graph: they count when it runs). A fragment that cannot be traced
+# (a value read in Python, a collective across processes) runs under vmap at every step, as
+# before; ``explain()`` says which and why. Ops torch has no batching rule for run once per
+# replica inside the traced graph, which ``explain()`` lists as well.
+
+
+@dataclass
+class _Traced:
+    graph: Any  # the fx GraphModule: (var_vals, ins, buffers, anchor) -> (outs, stored, prints)
+    titles: list  # the print attributes of the fragment (static)
+    # Traffic the fragment counts in Python (host bytes, shortcut collectives): counted while
+    # tracing instead of recorded, so counted again by every run of the graph.
+    host_bytes: int
+    collective: tuple[int, int]  # bytes, calls
+    loops: tuple[str, ...]  # ops torch ran once per replica (no batching rule)
+
+    def __call__(self, *args):
+        out = self.graph(*args)
+        if self.host_bytes:
+            backends.add_host_bytes(self.host_bytes)
+        if self.collective != (0, 0):
+            backends.add_collective_traffic(*self.collective)
+        return out
+
+
+def _trace_vmap(batched, args, titles: list) -> _Traced | str:
+    """``batched`` traced on fake tensors (Note [vmap traced once]), or why it could not be."""
+    with backends.traffic_scope() as counted:
+        try:
+            with _quiet_vmap_fallback():
+                graph = make_fx(batched, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        except Exception as e:  # noqa: BLE001 - any failure keeps the vmap path (reported)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            graph, reason = None, f"{type(e).__name__}: {first[:200]}"
+    # What tracing counted is this run's share (the run that traces calls the bare graph).
+    host, coll = counted["host_bytes"], (counted["collective_bytes"], counted["num_collectives"])
+    if graph is None:
+        return reason
+    if counted["num_remote_loads"] or counted["num_remote_stores"]:
+        return "remote-buffer traffic is counted outside its kernels here"
+    return _Traced(graph, list(titles), host, coll, _per_replica_loops(graph, args[-1].shape[0]))
+
+
+def _per_replica_loops(graph, R: int) -> tuple[str, ...]:
+    """The aten ops of a traced fragment that torch ran once per replica: ops without a
+    batching rule (vmap's fallback loops over the rows), seen at least R times."""
+    seen: dict[Any, int] = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            seen[node.target] = seen.get(node.target, 0) + 1
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+
+    def looped(t) -> bool:  # a factory (no tensor argument) never reaches the fallback
+        takes_tensor = any(isinstance(a.type, torch.TensorType) for a in t._schema.arguments)
+        return (takes_tensor and t.namespace == "aten" and not has(t.name(), "FuncTorchBatched")
+                and not has(t.name(), "CompositeImplicitAutograd"))  # fmt: skip
+
+    return tuple(sorted(str(t) for t, n in seen.items() if n >= R and looped(t)))
+
+
 class FastExecutor:
     """Straight-line generated code, every replica at once under ``torch.func.vmap``."""
 
@@ -181,6 +254,10 @@ class FastExecutor:
         self.backend = backend
         self.backend_reasons: dict[str, str | None] = {}
         self._compiled: dict[str, Any] = {}
+        # Note [vmap traced once]: (fragment, input signature) -> the traced graph, or why
+        # tracing failed; fragment -> that reason while the fragment runs under vmap
+        self._traced: dict[tuple, _Traced | str] = {}
+        self.trace_failures: dict[str, str] = {}
         # The program is compiled for the GLOBAL replica count (full-group collectives span
         # every instance); it runs under vmap over this process's R local replicas.
         self.global_R = ir.replication_factor
@@ -231,16 +308,29 @@ class FastExecutor:
     def explain(self) -> list[str]:
         """One line per fragment that leaves the fast path, saying why (empty: none does).
 
-        The fast path runs a fragment on the stacked replicas directly (Note [explicit
-        batching]); the slow one runs it under ``torch.func.vmap`` (tens of µs of dispatch
-        per op) when an op has no stacked rule, or when the replicas span several processes.
-        Under ``backend="inductor"`` a fragment that runs the plain generated function says
-        why as well (known from its first run)."""
+        The fast path runs a fragment on the stacked replicas: by the project's own stacked
+        rules (Note [explicit batching]) or, for a fragment with an op they do not cover, by
+        the stacked ops torch's batching rules produced when it was traced at its first run
+        (Note [vmap traced once]). Off it: a fragment that could not be traced runs under
+        ``torch.func.vmap`` at every step (tens of µs of dispatch per op), as do fragments
+        whose replicas span several processes; ops torch has no batching rule for run once
+        per replica. Under ``backend="inductor"`` a fragment that runs the plain generated
+        function says why as well (known from its first run)."""
         lines = []
         for name, fn in self.fns.items():
-            if self.global_R > 1 and not getattr(fn, "explicit", True):
-                why = fn.vmap_reason or "its replicas span several processes"
-                lines.append(f"{name}: runs under torch.func.vmap (slower): {why}")
+            if self.global_R == 1 or getattr(fn, "explicit", True):
+                continue
+            slow = f"{name}: runs under torch.func.vmap at every step (slower)"
+            if self.global_R != self.R:
+                lines.append(f"{slow}: its replicas span several processes")
+            elif name in self.trace_failures:
+                lines.append(f"{slow}: {fn.vmap_reason}, and tracing it failed: "
+                             f"{self.trace_failures[name]}")  # fmt: skip
+            else:
+                for key, found in self._traced.items():
+                    if key[0] == name and isinstance(found, _Traced) and found.loops:
+                        lines.append(f"{name}: torch has no batching rule for "
+                                     f"{', '.join(found.loops)}: run once per replica")  # fmt: skip
         for name, why in self.backend_reasons.items():
             if why is not None:
                 lines.append(f"{name}: not compiled by inductor: {why}")
@@ -312,15 +402,38 @@ class FastExecutor:
             ]
             var_dims = [None if t.id in self.uniform else 0 for t in tensors]
             anchor = torch.zeros(R, device=state.device)
-            with _quiet_vmap_fallback():
-                outs, stored, prints = torch.func.vmap(
-                    step, in_dims=(var_dims, 1, 0, 0), randomness="different"
-                )(var_vals, ins, buffers, anchor)
+            batched = torch.func.vmap(step, in_dims=(var_dims, 1, 0, 0), randomness="different")
+            args = (var_vals, ins, buffers, anchor)
+            traced = (
+                self._traced_vmap(fragment, batched, args, titles) if self.global_R == R else None
+            )
+            if traced is not None:
+                outs, stored, prints = traced(*args)
+            else:
+                with _quiet_vmap_fallback():
+                    outs, stored, prints = batched(*args)
         if fragment == "weights_from_host":
             for t, value in zip(self.defined, outs, strict=True):
                 state.persistent[t.id] = value
         _emit_prints(list(zip(titles, prints, strict=True)), R)
         return {k: torch.stack(ts) for k, ts in stored.items()}
+
+    def _traced_vmap(self, fragment: str, batched, args, titles: list):
+        """``batched`` (a fragment under vmap) traced once into the stacked ops torch's
+        batching rules produce, or None where it cannot be (Note [vmap traced once])."""
+        flat, _ = pytree.tree_flatten(args)
+        key = (fragment, tuple((tuple(t.shape), t.dtype, t.device) for t in flat))
+        fresh = key not in self._traced
+        if fresh:
+            self._traced[key] = _trace_vmap(batched, args, titles)
+        found = self._traced[key]
+        if isinstance(found, str):
+            self.trace_failures[fragment] = found
+            return None
+        self.trace_failures.pop(fragment, None)
+        titles[:] = found.titles
+        # the run that traced counted the Python-side traffic while tracing
+        return found.graph if fresh else found
 
     def _row(self, tid: str, stacked: torch.Tensor) -> torch.Tensor:
         """Row 0 of a replica-invariant variable's storage, the view made once per storage

@@ -76,7 +76,13 @@ def _unsupported(op, sample) -> str | None:
     return None
 
 
-def _run_case(op, sample) -> Outcome:
+def _seed(t: torch.Tensor, r: int) -> torch.Tensor:
+    """Replica ``r``'s gradient seed for an output shaped like ``t``."""
+    g = torch.Generator().manual_seed(99 + 7 * r + t.numel())
+    return torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+
+def _run_case(op, sample, backward: bool = False) -> Outcome:
     name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
     why = _unsupported(op, sample)
     if why is not None:
@@ -84,16 +90,34 @@ def _run_case(op, sample) -> Outcome:
     leaves, spec = _leaves(sample)
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     per_replica = {i: [_replica_data(leaves[i], r) for r in range(R)] for i in positions}
+    # backward: the float inputs get gradients
+    wrt = [i for i in positions if leaves[i].dtype.is_floating_point] if backward else []
 
     def eager(r: int):
         vals = list(leaves)
         for i in positions:
-            vals[i] = per_replica[i][r].clone()
+            vals[i] = per_replica[i][r].clone().requires_grad_(i in wrt)
         inp, args, kwargs = pytree.tree_unflatten(vals, spec)
-        return op.op(inp, *args, **kwargs)
+        out = op.op(inp, *args, **kwargs)
+        if not backward:
+            return out
+        outs = [o for o in pytree.tree_flatten(out)[0]
+                if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
+        if not outs:
+            raise _NotDifferentiable
+        grads = torch.autograd.grad(outs, [vals[i] for i in wrt], [_seed(o, r) for o in outs],
+                                    allow_unused=True)  # fmt: skip
+        # inputs the outputs do not depend on get no gradient (autodiff refuses to give one)
+        used[:] = [i for i, g in zip(wrt, grads, strict=True) if g is not None]
+        return [g for g in grads if g is not None]
 
+    if backward and not wrt:
+        return Outcome(name, 0, "skip", "no float input")
+    used: list[int] = []
     try:
         want = [eager(r) for r in range(R)]
+    except _NotDifferentiable:
+        return Outcome(name, 0, "skip", "no differentiable output")
     except Exception as e:  # noqa: BLE001 - the replica-1 data left the op's domain
         return Outcome(name, 0, "skip", f"eager torch raises on replica data: {type(e).__name__}")
     out_leaves = [pytree.tree_flatten(w)[0] for w in want]
@@ -102,13 +126,18 @@ def _run_case(op, sample) -> Outcome:
     if any(x.dtype not in _DTYPES or x.layout != torch.strided for x in out_leaves[0]):
         return Outcome(name, 0, "skip", "an output dtype or layout a stream does not carry")
     try:
-        got, slow, random = _simulate(op, leaves, spec, positions, per_replica)
+        if backward:
+            if not used:
+                return Outcome(name, 0, "skip", "no input gets a gradient")
+            got, slow, random = _simulate_backward(op, leaves, spec, positions, per_replica, used)
+        else:
+            got, slow, random = _simulate(op, leaves, spec, positions, per_replica)
     except Exception as e:  # noqa: BLE001 - the sweep records every failure
         return Outcome(name, 0, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     uninitialised = op.name in _UNINITIALISED
     for k in range(len(out_leaves[0])):
         for r in range(R):
-            g, e = got[k][r], out_leaves[r][k].detach().numpy()
+            g, e = got[k][r], out_leaves[r][k].detach().numpy(force=True)
             if g.shape != e.shape or g.dtype != e.dtype:
                 return Outcome(name, 0, "wrong", f"output {k} replica {r}: {g.shape} {g.dtype} "
                                f"against eager's {e.shape} {e.dtype}")  # fmt: skip
@@ -122,40 +151,103 @@ def _run_case(op, sample) -> Outcome:
     return Outcome(name, 0, "slow" if slow else "pass", "; ".join(slow))
 
 
+class _NotDifferentiable(Exception):
+    pass
+
+
 # ops whose outputs hold whatever memory they were given
 _UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
 
 
-def _simulate(op, leaves, spec, positions, per_replica):
-    ir = popxl.Ir(replication=R)
-    streams = {}
-    with ir.main_graph:
-        vals = list(leaves)
-        for i in positions:
-            t = leaves[i]
-            s = popxl.h2d_stream(tuple(t.shape), _dt.dtype.as_dtype(t.dtype), f"in{i}")
-            streams[i] = s
-            vals[i] = ops.host_load(s)
-        inp, args, kwargs = pytree.tree_unflatten(vals, spec)
-        # as captured torch code: the op sees torch tensors (some OpInfo variants are unbound
-        # torch.Tensor methods, which take nothing else)
-        result = capture.call_torch(op.op, (inp, *args), kwargs)
-        outs = []
-        for y in pytree.tree_flatten(result)[0]:
-            d = popxl.d2h_stream(y.shape, y.dtype)
-            ops.host_store(d, y)
-            outs.append(d)
-    feed = {streams[i]: np.stack([v.numpy() for v in per_replica[i]]) for i in positions}
+def _load_inputs(leaves, positions):
+    """Host streams and their loads for the sample's tensors, in the current graph."""
+    streams, vals = {}, list(leaves)
+    for i in positions:
+        t = leaves[i]
+        streams[i] = popxl.h2d_stream(tuple(t.shape), _dt.dtype.as_dtype(t.dtype), f"in{i}")
+        vals[i] = ops.host_load(streams[i])
+    return streams, vals
+
+
+def _call(op, vals, spec):
+    inp, args, kwargs = pytree.tree_unflatten(vals, spec)
+    # as captured torch code: the op sees torch tensors (some OpInfo variants are unbound
+    # torch.Tensor methods, which take nothing else)
+    return capture.call_torch(op.op, (inp, *args), kwargs)
+
+
+def _store(ys) -> list:
+    outs = []
+    for y in ys:
+        d = popxl.d2h_stream(y.shape, y.dtype)
+        ops.host_store(d, y)
+        outs.append(d)
+    return outs
+
+
+def _execute(ir, outs, feed):
     # values drawn at random are compared by shape and dtype only (tests/test_random_replicas.py
     # checks their distributions)
-    random = any(op.kind is OpKind.TORCH and explicit.draws_random(op) for op in ir.main_graph.ops)
+    graphs = [ir.main_graph, *ir.main_graph.called_graphs]
+    random = any(
+        op.kind is OpKind.TORCH and explicit.draws_random(op) for g in graphs for op in g.ops
+    )
     with popxl.Session(ir) as session:
         got = session.run(feed)
         slow = session.explain()
     return [got[d].reshape(R, *tuple(d.shape)) for d in outs], slow, random
 
 
-def sweep(ops_filter=None) -> list[Outcome]:
+def _feed(streams, per_replica, extra=()):
+    feed = {streams[i]: np.stack([v.numpy() for v in per_replica[i]]) for i in streams}
+    feed.update(extra)
+    return feed
+
+
+def _simulate(op, leaves, spec, positions, per_replica):
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        streams, vals = _load_inputs(leaves, positions)
+        outs = _store(pytree.tree_flatten(_call(op, vals, spec))[0])
+    return _execute(ir, outs, _feed(streams, per_replica))
+
+
+def _simulate_backward(op, leaves, spec, positions, per_replica, wrt):
+    """The op in a subgraph, its gradient graph from ``popxl.transforms.autodiff`` (allowing
+    in-place updates of values that carry no gradient, as ``popxl.compile`` does), called with
+    per-replica seeds for the float outputs; the gradients of the inputs ``wrt``."""
+    from torch_popxl.transforms.autodiff import ExpectedConnectionType
+
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        streams, vals = _load_inputs(leaves, positions)
+
+        def forward(*tensors):
+            inner = list(vals)
+            for i, t in zip(positions, tensors, strict=True):
+                inner[i] = t
+            out = pytree.tree_flatten(_call(op, inner, spec))[0]
+            return tuple(o for o in out if o.dtype.is_floating_point)
+
+        fwd = ir.create_graph(forward, *[vals[i] for i in positions])
+        required = [fwd.inputs[positions.index(i)] for i in wrt]
+        bwd = popxl.transforms.autodiff(fwd, grads_required=required, _allow_modifying=True)
+        info = ops.call_with_info(fwd, *[vals[i] for i in positions])
+        seeds = {o: popxl.h2d_stream(o.shape, o.dtype, f"seed{k}")
+                 for k, o in enumerate(fwd.outputs)}  # fmt: skip
+        connect = bwd.inputs_dict(info)
+        for grad_in, expected in zip(bwd.graph.inputs, bwd.expected_inputs, strict=True):
+            if expected.connection_type is ExpectedConnectionType.FwdGrad:
+                connect[grad_in] = ops.host_load(seeds[expected.fwd_tensor])
+        grads = ops.call(bwd.graph, inputs_dict=connect)
+        outs = _store(grads if isinstance(grads, (list, tuple)) else [grads])
+    extra = {s: np.stack([_seed(torch.empty(o.shape, dtype=o.dtype.as_torch()), r).numpy() for r in range(R)])
+             for o, s in seeds.items()}  # fmt: skip
+    return _execute(ir, outs, _feed(streams, per_replica, extra))
+
+
+def sweep(ops_filter=None, backward: bool = False) -> list[Outcome]:
+    """Every OpInfo op's first samples (forward, or gradients of the float inputs)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     results = []
@@ -164,6 +256,8 @@ def sweep(ops_filter=None) -> list[Outcome]:
             continue
         if torch.float32 not in op.supported_dtypes("cpu"):
             continue
+        if backward and not op.supports_autograd:
+            continue
         try:
             samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
         except Exception:  # noqa: BLE001 - a broken sample generator is torch's, not ours
@@ -171,7 +265,7 @@ def sweep(ops_filter=None) -> list[Outcome]:
         for k, sample in enumerate(samples[:SAMPLES_PER_OP]):
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
-                o = _run_case(op, sample)
+                o = _run_case(op, sample, backward)
             results.append(Outcome(o.op, k, o.kind, o.detail))
     return results
 
@@ -184,7 +278,7 @@ def summary(results: list[Outcome]) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    res = sweep()
+    res = sweep(backward="--backward" in sys.argv)
     print(summary(res), "ops:", len({o.op for o in res}))
     for o in res:
         if o.kind not in ("pass", "skip") or "-v" in sys.argv:

@@ -26,6 +26,7 @@ from .gemm import gemm
 
 __all__ = [
     "ELEMENTWISE",
+    "SAFE_FORMS",
     "PER_ELEMENT",
     "batchable",
     "draws_random",
@@ -672,6 +673,23 @@ def emit_torch(em, f, ind: str) -> None:
         _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R)
     else:  # pragma: no cover - batchable() admits nothing else
         raise AssertionError(f"no explicit rule for {target}")
+
+
+def _index_fill_tensor(x, dim: int, index, value):
+    """``aten.index_fill.int_Tensor`` as an ``index_copy`` of the expanded value: the same
+    result, and under vmap a batched 0-d value fills each row with its own value (torch
+    2.14's batching rule for ``index_fill.int_Tensor`` fills every row with the last row's;
+    trace's gradient is one such fill)."""
+    if x.dim() == 0:
+        return aten.index_fill.int_Tensor(x, dim, index, value)
+    index = index.reshape(-1)
+    shape = list(x.shape)
+    shape[dim % x.dim()] = index.numel()
+    return x.index_copy(dim % x.dim(), index, value.to(x.dtype).expand(shape))
+
+
+# aten overloads the generated code calls through another form (``Program.aten``)
+SAFE_FORMS = {aten.index_fill.int_Tensor: _index_fill_tensor}
 
 
 def _emit_outputs(em, f, ind: str, call: str) -> None:

@@ -1031,8 +1031,9 @@ class Program:
 
     def aten(self, target: torch._ops.OpOverload) -> str:
         """The literal for an aten overload's raw ``_op`` (skips the OpOverload dispatch); a
-        matmul's is its ``gemm`` form (Note [gemm kernel])."""
-        form = ATEN_FORMS.get(target)
+        matmul's is its ``gemm`` form (Note [gemm kernel]), an op torch batches wrongly its
+        ``SAFE_FORMS`` one (runtime/explicit.py)."""
+        form = ATEN_FORMS.get(target) or _explicit.SAFE_FORMS.get(target)
         name = self.literal(target._op if form is None else form)
         self.overloads[name] = target
         return name

@@ -233,16 +233,17 @@ def _simulate_backward(op, leaves, spec, positions, per_replica, wrt):
         required = [fwd.inputs[positions.index(i)] for i in wrt]
         bwd = popxl.transforms.autodiff(fwd, grads_required=required, _allow_modifying=True)
         info = ops.call_with_info(fwd, *[vals[i] for i in positions])
-        seeds = {o: popxl.h2d_stream(o.shape, o.dtype, f"seed{k}")
-                 for k, o in enumerate(fwd.outputs)}  # fmt: skip
         connect = bwd.inputs_dict(info)
+        extra = {}  # seed stream -> per-replica seeds (eager's, for the same output)
         for grad_in, expected in zip(bwd.graph.inputs, bwd.expected_inputs, strict=True):
             if expected.connection_type is ExpectedConnectionType.FwdGrad:
-                connect[grad_in] = ops.host_load(seeds[expected.fwd_tensor])
+                o = expected.fwd_tensor
+                stream = popxl.h2d_stream(o.shape, o.dtype, f"seed{len(extra)}")
+                like = torch.empty(o.shape, dtype=o.dtype.as_torch())
+                extra[stream] = np.stack([_seed(like, r).numpy() for r in range(R)])
+                connect[grad_in] = ops.host_load(stream)
         grads = ops.call(bwd.graph, inputs_dict=connect)
         outs = _store(grads if isinstance(grads, (list, tuple)) else [grads])
-    extra = {s: np.stack([_seed(torch.empty(o.shape, dtype=o.dtype.as_torch()), r).numpy() for r in range(R)])
-             for o, s in seeds.items()}  # fmt: skip
     return _execute(ir, outs, _feed(streams, per_replica, extra))
 
 

@@ -15,6 +15,7 @@ from .graph import Graph
 from .instances import layout_for
 from .module import Module
 from .replica_grouping import ReplicaGrouping
+from .session_options import PbIr
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
 from .verify import verify_ir
 
@@ -58,6 +59,7 @@ class Ir:
         self._instance_index = 0
         self._num_instances = 1
         self._popdist = replication == "popdist"
+        self._pb = PbIr(self)
         if self._popdist:
             self._set_layout(layout_for("popdist"))
         else:
@@ -87,6 +89,12 @@ class Ir:
         return hash(self._id)
 
     # ---- settings -------------------------------------------------------------------------
+
+    @property
+    def _pb_ir(self) -> PbIr:
+        """Upstream's handle on PopART's internal Ir, as far as programs use it:
+        ``ir._pb_ir.getSessionOptions()`` (Note [session options])."""
+        return self._pb
 
     @property
     def main_graph(self) -> Graph:

@@ -89,3 +89,116 @@ def test_autodiff_reads_values_computed_inside_called_graphs(executor, autodiff_
     np.testing.assert_allclose(out[streams[0]], y.detach().numpy(), rtol=1e-5)
     for s, ref in zip(streams[1:], xs, strict=True):
         np.testing.assert_allclose(out[s], ref.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ---- (b) reshape / reshape_ of a transposed tensor --------------------------------------------
+# Upstream's reshape and reshape_ (popart python/popxl/popxl/ops/reshape.py) accept any input
+# layout: Poplar views are tensor expressions, so a transposed tensor reshapes like any other.
+# BERT / GPT attention folds transposed heads this way.
+
+
+@pytest.mark.parametrize(
+    "method", ["ops.reshape", "ops.reshape_", "Tensor.reshape", "Tensor.reshape_"]
+)
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_reshape_of_a_transposed_tensor_matches_numpy(executor, method):
+    data = np.arange(2 * 4 * 2 * 16, dtype=np.float32).reshape(2, 4, 2, 16)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(data)
+        t = ops.transpose_(x, (0, 2, 1, 3))  # (2, 2, 4, 16), not contiguous
+        shape = (4, 4, 16)
+        r = {
+            "ops.reshape": lambda: ops.reshape(t, shape),
+            "ops.reshape_": lambda: ops.reshape_(t, shape),
+            "Tensor.reshape": lambda: t.reshape(shape),
+            "Tensor.reshape_": lambda: t.reshape_(shape),
+        }[method]()
+        s = _store(r)
+    np.testing.assert_array_equal(_run(ir, executor)[s], data.transpose(0, 2, 1, 3).reshape(shape))
+
+
+def test_reshape_of_a_contiguous_tensor_still_aliases():
+    # reshape_ of a contiguous tensor stays a view: an in-place update through it reaches x.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        v = ops.reshape_(x, (6,))
+        ops.add_(v, popxl.constant(np.arange(6, dtype=np.float32)))
+        s = _store(x)
+    np.testing.assert_array_equal(_run(ir, "fast")[s], np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_reshape_names_the_shapes_it_cannot_reconcile():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        for fn in (ops.reshape, ops.reshape_):
+            with pytest.raises(ValueError, match=r"\(2, 3\) \(6 elements\) to \(4, 2\)"):
+                fn(x, (4, 2))
+
+
+# ---- (c) in-place Tensor methods upstream's popxl.Tensor has ---------------------------------
+# popart python/popxl/popxl/tensor.py: transpose_, T_, reshape_, flatten_, detach_.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_inplace_tensor_methods_match_numpy(executor):
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        streams = {
+            "flatten_": _store(popxl.variable(data).flatten_()),
+            "flatten_ of a transpose": _store(popxl.variable(data).T.flatten_()),
+            "transpose_": _store(popxl.variable(data).transpose_((1, 0))),
+            "T_": _store(popxl.variable(data).T_),
+            "reshape_": _store(popxl.variable(data).reshape_((2, 6))),
+            "detach_": _store(popxl.variable(data).detach_()),
+        }
+    out = _run(ir, executor)
+    want = {
+        "flatten_": data.reshape(-1),
+        "flatten_ of a transpose": data.T.reshape(-1),
+        "transpose_": data.T,
+        "T_": data.T,
+        "reshape_": data.reshape(2, 6),
+        "detach_": data,
+    }
+    for name, s in streams.items():
+        np.testing.assert_array_equal(out[s], want[name], err_msg=name)
+
+
+def test_flatten_inplace_aliases_its_input():
+    # ops.flatten_ is the in-place version: an update through the result changes the input.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.zeros((2, 2), np.float32))
+        ops.add_(x.flatten_(), popxl.constant(np.array([1, 2, 3, 4], np.float32)))
+        s = _store(x)
+    np.testing.assert_array_equal(_run(ir, "fast")[s], [[1, 2], [3, 4]])
+
+
+# ---- (d) errors name the value given -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [2.5, "3", True])
+def test_repeat_count_error_names_the_value(count):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(2, np.float32))
+        g = ir.create_graph(lambda a: a + 1, x)
+        with pytest.raises(
+            TypeError, match=rf"repeat_count must be an int.*got {type(count).__name__} {count!r}"
+        ):
+            ops.repeat(g, count, x)
+
+
+def test_type_errors_name_the_value_given():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with pytest.raises(TypeError, match=r"got float 2\.5"):
+            ops.relu(2.5)
+        with pytest.raises(TypeError, match=r"got str 'main'"):
+            ops.call("main")
+        with pytest.raises(TypeError, match=r"got list \[1, 2\]"):
+            autodiff([1, 2])

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import ops
+from ..errors import given
 from ..ir.context import current_ipu, current_tile_set, gcg
 from ..ir.graph import Graph
 from ..ir.module import Module
@@ -150,7 +151,7 @@ def named_tensors_function(
         if not isinstance(named, NamedTensors):
             raise TypeError(
                 f"{getattr(fn, '__qualname__', fn)}: a named_tensors_function takes one "
-                f"NamedTensors, got {type(named).__name__}."
+                f"NamedTensors, got {given(named)}."
             )
         keys, tensors = named.unpack()
 

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ..errors import given
 from ..ir.context import gcg, name_scope
 from ..ir.graph import Graph
 from ..ir.module import Module as _PopXLModule
@@ -404,7 +405,7 @@ class Module(_PopXLModule):
                 f"{autodiff!r}."
             )
         if not isinstance(module, Module):
-            raise TypeError(f"call_module expects an addons.Module; got {type(module).__name__}.")
+            raise TypeError(f"call_module expects an addons.Module; got {given(module)}.")
         return _CallModule(self, module, name or type(module).__name__, autodiff)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..errors import given
 from ..ir.ir import Ir
 from ..ir.tensor import Tensor, Variable
 from ..runtime.session import Session
@@ -73,7 +74,7 @@ class TaskSession(Session):
         if not isinstance(state, NamedTensors):
             raise TypeError(
                 f"TaskSession: state must be NamedTensors (the variables a checkpoint holds), "
-                f"got {type(state).__name__}."
+                f"got {given(state)}."
             )
         if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int):
             hint = (
@@ -241,7 +242,7 @@ class TaskSession(Session):
         with open(path) as f:
             loaded = json.load(f)
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(loaded).__name__}.")
+            raise ValueError(f"{path}: expected a JSON object, got {given(loaded)}.")
         self._report_missing(loaded.keys(), self.session_state.keys(), report_missing)
         return loaded
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import given
 from . import context as _ctx
 from .attrs import CallSite, HostTransfer, PrintOptions, RemoteTransfer, TorchCall
 from .fake import fake_mode
@@ -267,7 +268,7 @@ class Graph:
 
     def __contains__(self, t) -> bool:
         if not isinstance(t, Tensor):
-            raise TypeError(f"`in graph` expects a popxl Tensor; got {type(t).__name__}.")
+            raise TypeError(f"`in graph` expects a popxl Tensor; got {given(t)}.")
         return t._graph is self and t.id in self._tensors
 
     def is_input_by_ref(self, t: Tensor) -> bool:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import given
 from .graph import Graph
 from .instances import layout_for
 from .module import Module
@@ -156,7 +157,7 @@ class Ir:
         if rg is None:
             return self.replica_grouping()
         if not isinstance(rg, ReplicaGrouping):
-            raise TypeError(f"Expected a ReplicaGrouping; got {type(rg).__name__}.")
+            raise TypeError(f"Expected a ReplicaGrouping; got {given(rg)}.")
         if rg.ir is not self:
             raise ValueError(
                 f"{rg!r} was created by {rg.ir!r}, not {self!r}. Create the grouping with "

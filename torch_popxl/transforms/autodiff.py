@@ -20,6 +20,7 @@ import torch
 from .. import opdefs
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
+from ..errors import given as _given
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import (
     Constant,
@@ -374,7 +375,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
     carry no gradient, such as BatchNorm running statistics.
     """
     if not isinstance(graph, Graph):
-        raise TypeError(f"autodiff expects a popxl Graph; got {type(graph).__name__}.")
+        raise TypeError(f"autodiff expects a popxl Graph; got {_given(graph)}.")
     if not _allow_modifying:
         _check_differentiable(graph)
         for callee in graph.called_graphs:

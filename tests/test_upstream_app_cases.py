@@ -202,3 +202,29 @@ def test_type_errors_name_the_value_given():
             ops.call("main")
         with pytest.raises(TypeError, match=r"got list \[1, 2\]"):
             autodiff([1, 2])
+
+
+# ---- repeat with count 0 ------------------------------------------------------------------------
+# popart python/popxl/popxl/ops/repeat.py raises only for repeat_count < 0: a count of 0 runs the
+# body no times and the loop-carried results are the inputs.
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_repeat_zero_times_returns_the_carried_inputs(executor, replication):
+    x0 = np.array([1.0, 2.0], np.float32)
+    ir = popxl.Ir(replication=replication)
+    with ir.main_graph:
+        x = popxl.variable(x0, name="x")
+        w = popxl.variable(np.array([10.0, 20.0], np.float32), name="w")
+        g = ir.create_graph(lambda a, b: a * b + 1, x, w)
+        (y0,) = ops.repeat(g, 0, x, w)
+        (y3,) = ops.repeat(g, 3, x, w)
+        s0, s3 = _store(y0), _store(y3)
+    out = _run(ir, executor)
+    want3 = x0
+    for _ in range(3):
+        want3 = want3 * np.array([10.0, 20.0], np.float32) + 1
+    reps = (replication,) if replication > 1 else ()
+    np.testing.assert_array_equal(out[s0], np.broadcast_to(x0, (*reps, 2)))
+    np.testing.assert_allclose(out[s3], np.broadcast_to(want3, (*reps, 2)))

@@ -228,3 +228,59 @@ def test_repeat_zero_times_returns_the_carried_inputs(executor, replication):
     reps = (replication,) if replication > 1 else ()
     np.testing.assert_array_equal(out[s0], np.broadcast_to(x0, (*reps, 2)))
     np.testing.assert_allclose(out[s3], np.broadcast_to(want3, (*reps, 2)))
+
+
+# ---- rotary_pos_embed on upstream's layout ------------------------------------------------------
+# popxl-addons ops/rotary_pos_embed: t is (batch, seq, heads, head_dim) and the sin / cos tables
+# (seq, rotary_dim // 2) or (1 or batch, seq, rotary_dim // 2) broadcast over the heads
+# (rotary_pos_embedx.cpp; its test compares with Hugging Face GPT-J's apply_rotary_pos_emb).
+
+
+def _gptj_rope(q: np.ndarray, sin: np.ndarray, cos: np.ndarray, rotary_dim: int) -> np.ndarray:
+    # Hugging Face GPT-J's formula: tables interleaved to (.., seq, 1, rotary_dim); x * cos plus
+    # rotate_every_two(x) * sin, where rotate_every_two maps (a, b) pairs to (-b, a).
+    sin = np.repeat(sin, 2, axis=-1)[..., None, :]
+    cos = np.repeat(cos, 2, axis=-1)[..., None, :]
+    rot, rest = q[..., :rotary_dim], q[..., rotary_dim:]
+    swapped = np.stack([-rot[..., 1::2], rot[..., ::2]], axis=-1).reshape(rot.shape)
+    return np.concatenate([rot * cos + swapped * sin, rest], axis=-1)
+
+
+@pytest.mark.parametrize("table_rank", [2, 3, "batch"])
+@pytest.mark.parametrize("rotary_dim", [None, 4, 16])
+def test_rotary_pos_embed_matches_gptj_on_upstreams_layout(rotary_dim, table_rank):
+    from torch_popxl.addons.ops.rotary_pos_embed import rotary_pos_embed, trig_tables
+
+    batch, seq, heads, hdim = 3, 8, 2, 32  # upstream's test shapes: seq != heads
+    q = RNG.normal(size=(batch, seq, heads, hdim)).astype(np.float32)
+    r = rotary_dim or hdim
+    sin, cos = trig_tables(seq, r)
+    if table_rank == 3:
+        sin, cos = sin[None], cos[None]
+    elif table_rank == "batch":  # one table per batch row (positions offset by the row)
+        tables = [trig_tables(seq + b, r) for b in range(batch)]
+        sin = np.stack([s[b:] for b, (s, _) in enumerate(tables)])
+        cos = np.stack([c[b:] for b, (_, c) in enumerate(tables)])
+    ir = popxl.Ir()
+    with ir.main_graph:
+        y = rotary_pos_embed(
+            popxl.variable(q), popxl.constant(sin), popxl.constant(cos), rotary_dim
+        )
+        s = _store(y)
+    want = _gptj_rope(
+        q, sin if sin.ndim == 3 else sin[None], cos if cos.ndim == 3 else cos[None], r
+    )
+    np.testing.assert_allclose(_run(ir, "fast")[s], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_pos_embed_names_the_table_shape_it_expects():
+    from torch_popxl.addons.ops.rotary_pos_embed import rotary_pos_embed, trig_table_constants
+
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((3, 8, 2, 32), np.float32))
+        sin, cos = trig_table_constants(2, 32)  # tables for 2 positions, not seq = 8
+        with pytest.raises(
+            ValueError, match=r"sin must be \(seq, rotary_dim // 2\) = \(8, 16\).*got \(1, 2, 16\)"
+        ):
+            rotary_pos_embed(q, sin, cos)

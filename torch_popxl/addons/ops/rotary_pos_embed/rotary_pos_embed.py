@@ -68,7 +68,11 @@ def rotary_pos_embed(t: Tensor, sin: Tensor, cos: Tensor, rotary_dim: int | None
     batch, seq = t.shape[0], t.shape[1]
     want = (seq, rotary_dim // 2)
     for name, table in (("sin", sin), ("cos", cos)):
-        if len(table.shape) != 3 or tuple(table.shape[1:]) != want or table.shape[0] not in (1, batch):
+        if (
+            len(table.shape) != 3
+            or tuple(table.shape[1:]) != want
+            or table.shape[0] not in (1, batch)
+        ):
             raise ValueError(
                 f"rotary_pos_embed: {name} must be (seq, rotary_dim // 2) = {want} (from "
                 f"trig_tables), or that with a leading axis of 1 or batch={batch}, for t of shape "

@@ -182,6 +182,14 @@ class SessionOptions(_Struct):
     (``torch_popxl/ir/session_options.py``)."""
 
     _NAME = "SessionOptions"
+    _ir: Ir
+    # The fields the package itself reads (the rest are set from _FIELDS in __init__).
+    numIOTiles: int
+    enableStochasticRounding: bool
+    enableInplaceAmbiguityChecking: bool
+    enableEngineCaching: bool
+    cachePath: str
+    engineOptions: dict[str, str]
     # PopART's defaults, with the ones popxl.Ir sets at construction (manual virtual graphs,
     # host copy ops, alias zero copy, explicit main loops and recomputation, ambiguity checks).
     _FIELDS = {

@@ -207,7 +207,7 @@ class _Replay(Interpreter[torch.Tensor]):
         self._depth = 0  # > 0 inside a callee, whose values are not the graph's own
         # Values computed inside called graphs (Note [callee values in gradients]):
         # id(fake) -> (call sites from ``graph`` inwards as (graph, op index), callee tensor).
-        self._sites: list[tuple[Graph, int]] = []
+        self._sites: list[tuple[Op, int]] = []  # the calls being entered, with their indices
         self.inner_of: dict[int, tuple[tuple[tuple[Graph, int], ...], Tensor]] = {}
         required_ids = {t.id for t in required}
         with fake_mode():

@@ -284,3 +284,39 @@ def test_rotary_pos_embed_names_the_table_shape_it_expects():
             ValueError, match=r"sin must be \(seq, rotary_dim // 2\) = \(8, 16\).*got \(1, 2, 16\)"
         ):
             rotary_pos_embed(q, sin, cos)
+
+
+# ---- CallSiteInfo._op.modifiesIndex ---------------------------------------------------------------
+# popart tests/popxl/ops/call_test.py and repeat_test.py (test_by_ref, test_not_by_ref,
+# test_repeat_by_ref_implicit / _explicit): a call site modifies input i iff the callee's input i
+# is a TensorByRef (whether or not the callee writes it); a repeat's indices start at 2 (the
+# loop's trip count and condition come first).
+
+
+def _by_ref_first(x: popxl.TensorByRef, y: popxl.Tensor):
+    return x + y  # reads only: by-ref is a permission, not a write
+
+
+def _by_ref_second(x: popxl.Tensor, y: popxl.TensorByRef):
+    ops.var_updates.accumulate_(y, x)
+    return x
+
+
+def _by_value(x: popxl.Tensor, y: popxl.Tensor):
+    return ops.var_updates.accumulate_(x, y), y
+
+
+@pytest.mark.parametrize(
+    "fn, by_ref",
+    [(_by_ref_first, [True, False]), (_by_ref_second, [False, True]), (_by_value, [False, False])],
+)
+def test_call_and_repeat_sites_report_modified_inputs_as_upstream(fn, by_ref):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v1 = popxl.variable(np.float32(1))
+        v2 = popxl.variable(np.float32(2))
+        g = ir.create_graph(fn, v1, v2)
+        call = ops.call_with_info(g, v1, v2)
+        loop = ops.repeat_with_info(g, 3, v1, v2)
+    assert [call._op.modifiesIndex(i) for i in (0, 1)] == by_ref
+    assert [loop._op.modifiesIndex(i) for i in (0, 1, 2, 3)] == [False, False, *by_ref]

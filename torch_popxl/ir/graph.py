@@ -97,6 +97,21 @@ class Op:
         assert isinstance(slot, Slot), f"{self.name}: argument {position} is not a tensor"
         return self.inputs[slot.index]
 
+    def modifiesIndex(self, index: int) -> bool:  # noqa: N802 - upstream's (pybind) name
+        """Whether this call or repeat lets its callee write input ``index`` (the callee's input
+        is a ``TensorByRef``), as upstream's ``CallSiteInfo._op.modifiesIndex``. A repeat counts
+        its inputs from 2, as PopART's loop op, whose inputs 0 and 1 are the trip count and the
+        loop condition."""
+        if self.kind not in (OpKind.CALL, OpKind.REPEAT):
+            raise TypeError(
+                f"modifiesIndex answers for call and repeat ops; {self.name!r} is a "
+                f"{self.kind.name} op."
+            )
+        offset = 2 if self.kind == OpKind.REPEAT else 0
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"modifiesIndex: index must be an int >= 0; got {index!r}.")
+        return index - offset in self.attrs.modified
+
 
 _ATTRS: dict[OpKind, type] = {
     OpKind.TORCH: TorchCall,

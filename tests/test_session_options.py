@@ -175,5 +175,24 @@ def test_inplace_ambiguity_checking_can_be_turned_off_as_upstream():
 
 
 def test_pb_ir_names_what_it_lacks():
-    with pytest.raises(AttributeError, match="setPatterns.*getSessionOptions"):
+    with pytest.raises(AttributeError, match="setPatterns.*getSessionOptions.*getMainGraph"):
         popxl.Ir()._pb_ir.setPatterns(None)
+
+
+def test_stream_ids_are_main_graph_tensors_as_upstream():
+    # graphcore/popart tests/popxl/ir_test.py test_get_all_d2h_streams / _h2d_streams: only the
+    # streams with a host_store / host_load are returned, and each stream's tensor_id is a tensor
+    # of the internal main graph.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.float32(1))
+        d, e, f = (popxl.d2h_stream(v.shape, v.dtype) for _ in range(3))
+        h = popxl.h2d_stream(v.shape, v.dtype)
+        a = ops.host_load(h)
+        ops.host_store(d, v)
+        ops.host_store(e, v + a)
+    main = ir._pb_ir.getMainGraph()
+    assert {s.tensor_id for s in ir.get_all_d2h_streams()} == {d.tensor_id, e.tensor_id}
+    assert {s.tensor_id for s in ir.get_all_h2d_streams()} == {h.tensor_id}
+    assert all(s.tensor_id in main for s in (d, e, f, h)) and v.id in main
+    assert "no_such_tensor" not in main and "no_such_tensor" not in popxl.Ir()._pb_ir.getMainGraph()

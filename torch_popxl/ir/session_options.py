@@ -321,9 +321,23 @@ class SessionOptions(_Struct):
         return self._ir.replication_factor
 
 
+class PbMainGraph:
+    """``ir._pb_ir.getMainGraph()``: answers ``tensor_id in graph`` as upstream's pybind graph
+    does, where host streams are tensors of the main graph (upstream's
+    tests/popxl/ir_test.py checks ``d2h.tensor_id in ir._pb_ir.getMainGraph()``)."""
+
+    def __init__(self, ir: Ir) -> None:
+        self._ir = ir
+
+    def __contains__(self, tensor_id: object) -> bool:
+        ir = self._ir
+        streams = (*ir._h2d_streams, *ir._d2h_streams)
+        return tensor_id in ir.main_graph._tensors or any(s.tensor_id == tensor_id for s in streams)
+
+
 class PbIr:
-    """What ``Ir._pb_ir`` offers of upstream's pybind ``_ir.Ir``: the session options, the id
-    and whether a Session has been built from the Ir."""
+    """What ``Ir._pb_ir`` offers of upstream's pybind ``_ir.Ir``: the session options, the id,
+    the main graph's tensor ids and whether a Session has been built from the Ir."""
 
     def __init__(self, ir: Ir) -> None:
         self._ir = ir
@@ -339,8 +353,12 @@ class PbIr:
     def isPrepared(self) -> bool:
         return self._ir._sessions > 0
 
+    def getMainGraph(self) -> PbMainGraph:
+        return PbMainGraph(self._ir)
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
-            f"Ir._pb_ir has no {name!r}: torch_popxl provides only getSessionOptions(), getId() "
-            "and isPrepared() of upstream's internal Ir; use the public popxl.Ir API for the rest."
+            f"Ir._pb_ir has no {name!r}: torch_popxl provides only getSessionOptions(), getId(), "
+            "getMainGraph() and isPrepared() of upstream's internal Ir; use the public popxl.Ir "
+            "API for the rest."
         )

@@ -241,6 +241,9 @@ class Graphs:
 
 def train_program(opts: Options, executor: str = "fast"):
     ir = popxl.Ir(replication=opts.data_parallel)
+    # As the tutorial: loads and stores of the batch-serialised loops run on IO tiles
+    # (io_mode="io" below), so the program reserves some.
+    ir._pb_ir.getSessionOptions().numIOTiles = 32
     steps, micro = opts.gradient_accumulation, opts.micro_batch_size
     with ir.main_graph, popxl.in_sequence(True):
         img_stream = popxl.h2d_stream((micro, 784), popxl.float32, "image")

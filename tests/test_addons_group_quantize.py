@@ -84,3 +84,71 @@ def test_linear_gq_matches_torch_on_the_dequantised_weight():
     np.testing.assert_allclose(got_dx, tx.grad.numpy(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 4"):
         LinearGQ(16, group_size=6)
+
+
+# ---- dim: which axis the groups run along (popxl-addons 3.4's group_quantize_decompress.py and
+# layers/linear_gq.py: compression moves dim last; decompression moves the last axis to dim) ----
+
+
+def _dequantise_by_hand(t: np.ndarray, group_size: int, axis: int) -> np.ndarray:
+    """Groups of ``group_size`` consecutive values along ``axis``: code = round((x - min) / s)
+    with s = (max - min) / 15, back as code * s + min, all in float16 as upstream's numpy."""
+    moved = np.moveaxis(t.astype(np.float16), axis, -1)
+    g = moved.reshape(*moved.shape[:-1], -1, group_size)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    s = (hi - lo) / np.float16(15)
+    q = np.round((g - lo) / s).astype(np.float16) * s + lo
+    return np.moveaxis(q.reshape(moved.shape), -1, axis)
+
+
+@pytest.mark.parametrize("shape, dim", [((32, 6), 0), ((6, 32), -1), ((6, 32), 1), ((3, 16, 5), 1)])
+def test_compress_along_dim_round_trips_to_the_grouped_quantisation(shape, dim):
+    t = np.random.default_rng(5).normal(size=shape).astype(np.float16)
+    packed, scale, bias = group_quantize_compress_numpy(t, 8, dim=dim)
+    axis = dim % t.ndim
+    others = tuple(n for i, n in enumerate(shape) if i != axis)
+    assert packed.shape == (*others, shape[axis] // 8, 2) and scale.shape == (
+        *others,
+        shape[axis] // 8,
+        1,
+    )
+    back = group_quantize_decompress_numpy(packed, scale, bias, dim)
+    assert back.shape == t.shape
+    np.testing.assert_array_equal(back, _dequantise_by_hand(t, 8, axis))
+    with pytest.raises(ValueError, match=r"dim must be an axis .*got 3"):
+        group_quantize_compress_numpy(t, 8, dim=3)
+
+
+def test_decompress_op_moves_the_decompressed_axis_to_dim():
+    t = np.random.default_rng(6).normal(size=(16, 4)).astype(np.float16)  # grouped along axis 0
+    packed, scale, bias = group_quantize_compress_numpy(t, 8, dim=0)  # (4, 2, 2)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        w = group_quantize_decompress(popxl.variable(packed, popxl.uint16), popxl.variable(scale, popxl.float16),
+                                      popxl.variable(bias, popxl.float16), dim=0)  # fmt: skip
+        assert w.shape == (16, 4)
+        out = addons.host_store(w)
+    with popxl.Session(ir, "ipu_model") as session:
+        got = session.run()[out]
+    np.testing.assert_array_equal(got, group_quantize_decompress_numpy(packed, scale, bias, 0))
+
+
+def test_linear_gq_grouped_along_the_inputs_matches_the_dequantised_weight():
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(16, 4)  # W (in=16, out=4): dim=0 groups 8 inputs at a time
+    x = np.random.default_rng(7).normal(size=(3, 16)).astype(np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xv = popxl.variable(x, popxl.float32)
+        facts, fwd = LinearGQ(4, group_size=8, dim=0).create_graph(xv.spec)
+        variables = facts.init()
+        (y,) = fwd.bind(variables).call(xv)
+        out = addons.host_store(y)
+    assert variables.weight_compressed.shape == (4, 2, 2)
+    with popxl.Session(ir, "ipu_model") as session:
+        session.write_variables_data(LinearGQ.torch_mapping(variables, lin, group_size=8, dim=0))
+        got = session.run()[out]
+    w = _dequantise_by_hand(lin.weight.detach().numpy().T.astype(np.float16), 8, 0)
+    np.testing.assert_allclose(got, x @ w + lin.bias.detach().numpy(), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="dim must be -1, 0 or 1"):
+        LinearGQ(4, group_size=8, dim=2)

@@ -323,6 +323,36 @@ def test_create_grad_graph_errors_name_the_mistake(module, error, match):
         assert len(fwd.graph.outputs) == n_outputs and len(m.aux) == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"grads_provided": "input"}, r"grads_provided entry .* is not an output"),
+        ({"grads_required": "output"}, r"grads_required entry .* is not an input"),
+        ({"grads_provided": "str"}, r"grads_provided entries must be Tensors .*got str 'y'"),
+        ({"grads_required": "twice"}, r"grads_required lists .* more than once"),
+    ],
+    ids=["provided-not-output", "required-not-input", "not-a-tensor", "duplicate"],
+)
+def test_create_grad_graph_argument_errors_are_value_errors_as_upstream(kwargs, match):
+    # popxl-addons module.py _create_grad_graph_pre_validation raises ValueError for a
+    # grads_provided entry that is not a forward output (or not a Tensor), a grads_required
+    # entry that is not a forward input, and for duplicates.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32))
+        m = Scale3()
+        _, fwd = m.create_graph(x)
+        pick = {
+            "input": [fwd.graph.inputs[0]],
+            "output": [fwd.graph.outputs[0]],
+            "str": ["y"],
+            "twice": [fwd.graph.inputs[0], fwd.graph.inputs[0]],
+        }
+        args = {k: pick[v] for k, v in kwargs.items()}
+        with pytest.raises(ValueError, match=match):
+            m.create_grad_graph(fwd, **args)
+
+
 def test_aux_and_var_grad_outside_build_grad_and_misuse_of_autodiff():
     ir = popxl.Ir()
     with ir.main_graph:
@@ -333,7 +363,7 @@ def test_aux_and_var_grad_outside_build_grad_and_misuse_of_autodiff():
             fwd.aux["s"]
         with pytest.raises(RuntimeError, match="only be used inside build_grad"):
             m.var_grad["s"] = x
-        with pytest.raises(TypeError, match="grads_provided entry"):
+        with pytest.raises(ValueError, match="grads_provided entry .* is not an output"):
             m.create_grad_graph(fwd, grads_provided=[x])
         fwd.autodiff()
         with pytest.raises(ValueError, match="already been differentiated"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -146,10 +147,58 @@ def test_load_from_session_copies_state_by_key_and_reads_upstream_pickled_checkp
         np.savez(
             legacy, ckpt={"fwd.weight": np.full((3, 2), 5, np.float32)}
         )  # popxl-addons' layout
-        dst.load_checkpoint(legacy, report_missing="none")
+        # Unpickling runs code, so it is opt-in (test_pickled_checkpoint_... below).
+        dst.load_checkpoint(legacy, report_missing="none", allow_pickle=True)
         np.testing.assert_array_equal(
             dst.get_tensor_data(dst.model.fwd.weight), np.full((3, 2), 5, np.float32)
         )
+
+
+class _Payload:
+    """Unpickling this creates the directory ``marker``: proof that loading ran code."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _crafted_checkpoint(tmp_path, layout: str) -> tuple[str, str]:
+    marker = str(tmp_path / "payload_ran")
+    path = str(tmp_path / f"crafted_{layout}.npz")
+    payload = np.array(_Payload(marker), dtype=object)
+    if layout == "ckpt":  # popxl-addons' layout: one pickled dict under "ckpt"
+        np.savez(path, ckpt={"fwd.weight": payload})
+    else:  # an object array under a state key
+        np.savez(path, **{"fwd.weight": payload})
+    return path, marker
+
+
+@pytest.mark.parametrize("layout", ["ckpt", "state_key"])
+@pytest.mark.parametrize("api", ["load_checkpoint", "load_checkpoint_from_file"])
+def test_pickled_checkpoint_is_refused_without_allow_pickle_and_runs_nothing(tmp_path, layout, api):
+    # popxl-addons' TaskSession.load_checkpoint_from_file (task_session.py) calls
+    # np.load(file_path, allow_pickle=True): a crafted file runs code when loaded. Here loading
+    # is safe by default, as torch.load(weights_only=True) is torch's default.
+    path, marker = _crafted_checkpoint(tmp_path, layout)
+    with build_training_session(seed=5) as s:
+        before = {k: s.get_tensor_data(t).copy() for k, t in s.state.to_dict().items()}
+        with pytest.raises(ValueError, match=r"pickled.*pass allow_pickle=True"):
+            getattr(s, api)(path, report_missing="none")
+        assert not os.path.exists(marker), "loading ran code from the file"
+        for k, t in s.state.to_dict().items():  # nothing was written
+            np.testing.assert_array_equal(s.get_tensor_data(t), before[k])
+
+
+def test_allow_pickle_opts_in_to_popxl_addons_pickled_format(tmp_path):
+    path, marker = _crafted_checkpoint(tmp_path, "ckpt")
+    with build_training_session(seed=5) as s:
+        # Opting in unpickles (the payload runs: the caller said the file is trusted); the
+        # resulting value is not a float32 array of the variable's shape, so nothing is written.
+        with pytest.raises(TypeError, match="dtype"):
+            s.load_checkpoint(path, report_missing="none", allow_pickle=True)
+    assert os.path.exists(marker)
 
 
 # ---- memmap-backed model state ---------------------------------------------------------------

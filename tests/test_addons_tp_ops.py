@@ -170,11 +170,12 @@ def test_layer_norm_distributed_layer_shards_its_variables_over_the_transposed_g
 
 
 def rope_reference(t: np.ndarray, rotary_dim: int, base: int = 10000) -> torch.Tensor:
-    """RoPE as a complex multiplication: pair k at position m times exp(i m base^(-2k/r))."""
+    """RoPE as a complex multiplication: pair k at position m times exp(i m base^(-2k/r)), for
+    ``t`` in upstream's layout (batch, seq, heads, head_dim)."""
     tt = torch.tensor(t, dtype=torch.float64)
-    seq = t.shape[2]
+    seq = t.shape[1]
     theta = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    angle = torch.outer(torch.arange(seq, dtype=torch.float64), theta)
+    angle = torch.outer(torch.arange(seq, dtype=torch.float64), theta)[:, None, :]  # over heads
     z = torch.view_as_complex(
         tt[..., :rotary_dim].reshape(*t.shape[:-1], rotary_dim // 2, 2).contiguous()
     )
@@ -187,7 +188,7 @@ def rope_reference(t: np.ndarray, rotary_dim: int, base: int = 10000) -> torch.T
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 def test_rotary_pos_embed_is_a_complex_rotation_and_its_gradient_the_inverse(rotary_dim):
     rng = np.random.default_rng(4)
-    t = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
+    t = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)  # (batch, seq, heads, head_dim)
     r = rotary_dim or 8
     y, dt = run_fwd_bwd(
         lambda ir, x: rotary_pos_embed(x, *trig_table_constants(5, r), rotary_dim=rotary_dim),
@@ -197,8 +198,8 @@ def test_rotary_pos_embed_is_a_complex_rotation_and_its_gradient_the_inverse(rot
     # Gradient: torch autograd through the rotation written with the sin / cos tables.
     tt = torch.tensor(t, dtype=torch.float64, requires_grad=True)
     tx = tt.clone()
-    seq = t.shape[2]
-    sin, cos = (torch.tensor(a) for a in trig_tables(seq, r, np_dtype="float64"))
+    seq = t.shape[1]
+    sin, cos = (torch.tensor(a)[:, None, :] for a in trig_tables(seq, r, np_dtype="float64"))
     pairs = tx[..., :r].reshape(*t.shape[:-1], r // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = torch.cat([torch.stack([re * cos - im * sin, re * sin + im * cos], -1).reshape(*t.shape[:-1], r),
@@ -213,7 +214,7 @@ def test_trig_tables_and_rotary_argument_checks():
     np.testing.assert_allclose(sin[2, 1], np.sin(2 * 10000 ** (-2 / 6)), rtol=1e-6)
     ir = popxl.Ir()
     with ir.main_graph:
-        x = popxl.variable(np.zeros((1, 1, 4, 6), np.float32))
+        x = popxl.variable(np.zeros((1, 4, 1, 6), np.float32))
         s, c = trig_table_constants(4, 6)
         with pytest.raises(ValueError, match="must be even"):
             rotary_pos_embed(x, s, c, rotary_dim=5)

@@ -22,3 +22,12 @@ class DataDependentError(PopXLError):
 
 class IrVerificationError(PopXLError):
     """``Ir.verify()`` found a malformed graph (a torch_popxl bug or a hand-edited graph)."""
+
+
+def given(value: object, limit: int = 80) -> str:
+    """``value`` as an error message names what was given: its type and (shortened) repr,
+    e.g. ``float 2.5``."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"

@@ -77,6 +77,10 @@ class _TensorMethods:
             return self._torch_method("flatten", *args)
         return ops.flatten(_this(self))
 
+    def flatten_(self) -> Tensor:
+        """In-place flatten (aliases ``self`` where the layout allows; ``ops.reshape_``)."""
+        return ops.flatten_(_this(self))
+
     def detach(self) -> Tensor:
         return ops.detach(_this(self))
 

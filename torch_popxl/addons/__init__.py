@@ -26,7 +26,15 @@ from . import (  # noqa: F401
 )
 from .dot_tree import DotTree
 from .graph import BoundGraph, GraphWithNamedArgs
-from .graph_cache import GraphCache, argument_hash, function, get_function_hash
+from .graph_cache import (
+    GraphCache,
+    argument_hash,
+    bound_arguments,
+    function,
+    get_function_hash,
+    named_tensors_function,
+    tensor_hash,
+)
 from .module import Module, create_grad_graph_info
 from .named_replica_grouping import NamedReplicaGrouping
 from .named_tensors import NamedTensorData, NamedTensors, print_named_tensors
@@ -52,6 +60,7 @@ from .rts import (
 # shadows the submodule of the same name (``torch_popxl.addons.seed_variable`` still imports).
 from .seed_variable import seed_variable
 from .streams import InputStreams, OutputStreams
+from .task_session import TaskSession, write_variables_pb
 from .transforms import (
     RemoteHandle,
     autodiff,
@@ -59,12 +68,23 @@ from .transforms import (
     batch_serial_buffer,
     batch_serialise,
     batch_serialise_fwd_and_grad,
+    disable_fc_pass,
+    enable_fc_pass,
     pipelined_execution,
     recompute_graph,
     set_available_memory_proportion_by_ipu,
     set_graph_available_memory_proportion_by_ipu,
 )
-from .utils import OrderedDict, WeightsDict, null_context, suffix_graph_name, timer
+from .utils import (
+    WANDB_IMPORTED,
+    OrderedDict,
+    WeightsDict,
+    duplicate_items,
+    null_context,
+    overrides,
+    suffix_graph_name,
+    timer,
+)
 from .variable_factory import (
     NamedVariableFactories,
     VariableFactory,
@@ -94,17 +114,18 @@ __all__ = [
     "array_munging", "named_replica_grouping", "route_tensor", "task_session",
     "Module", "create_grad_graph_info", "GraphWithNamedArgs", "BoundGraph", "GraphCache", "function",
     "get_function_hash",
-    "argument_hash", "DotTree", "NamedTensors", "NamedTensorData", "NamedVariableFactories",
+    "argument_hash", "bound_arguments", "tensor_hash", "named_tensors_function", "DotTree", "NamedTensors", "NamedTensorData", "NamedVariableFactories",
     "NamedReplicaGrouping", "NamedRemoteBuffers", "VariableFactory", "add_variable_input",
     "add_replica_sharded_variable_input", "print_named_tensors",
     "autodiff", "autodiff_with_accumulation",
     "recompute_graph", "batch_serialise", "batch_serialise_fwd_and_grad", "batch_serial_buffer",
-    "RemoteHandle", "pipelined_execution",
+    "RemoteHandle", "pipelined_execution", "disable_fc_pass", "enable_fc_pass",
     "cross_entropy", "cross_entropy_with_grad", "fp8_amax_scale", "host_load", "host_store",
     "InputStreams", "OutputStreams",
     "load_remote_graph", "store_remote_graph", "named_buffers", "named_variable_buffers",
     "create_remote_buffer",
-    "OrderedDict", "WeightsDict", "timer",
+    "OrderedDict", "WeightsDict", "timer", "overrides", "duplicate_items", "WANDB_IMPORTED",
+    "TaskSession", "write_variables_pb",
     "dot_tree", "graph", "graph_cache", "layers", "named_tensors", "ops", "optimizers", "rts",
     "transforms", "patterns",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from ..errors import given
 from .utils import OrderedDict
 
 __all__ = ["DotTree"]
@@ -51,7 +52,7 @@ def _segment(key: Any) -> str:
             f"Invalid DotTree key segment {key!r}: each segment must be a non-negative integer "
             "or a Python identifier (letters, digits, '_'; not starting with a digit)."
         )
-    raise TypeError(f"DotTree keys must be str or int; got {type(key).__name__} {key!r}.")
+    raise TypeError(f"DotTree keys must be str or int; got {given(key)}.")
 
 
 def _split(key: Any) -> list[str]:

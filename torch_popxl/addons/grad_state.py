@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..errors import given
 from ..ir.tensor import Tensor, graph_input
 from .utils import OrderedDict
 
@@ -149,9 +150,7 @@ class VarGrads:
     def __setitem__(self, key: str, tensor: Tensor) -> None:
         self._check_context()
         if not isinstance(tensor, Tensor):
-            raise TypeError(
-                f"var_grad[{key!r}] must be a popxl Tensor; got {type(tensor).__name__}."
-            )
+            raise TypeError(f"var_grad[{key!r}] must be a popxl Tensor; got {given(tensor)}.")
         assert self._vars is not None
         if key not in self._vars:
             raise KeyError(

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import opdefs, ops
+from ..errors import given
 from ..ir.attrs import CallSite
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
@@ -32,7 +33,7 @@ class BoundGraph:
 
     def __init__(self, graph: Graph, args: TensorMap | None = None):
         if not isinstance(graph, Graph):
-            raise TypeError(f"BoundGraph expects a popxl Graph; got {type(graph).__name__}.")
+            raise TypeError(f"BoundGraph expects a popxl Graph; got {given(graph)}.")
         self.graph = graph
         self.args: dict[Tensor, Tensor] = dict(args or {})
 
@@ -87,9 +88,7 @@ class GraphWithNamedArgs:
                  aux: Aux | Mapping | None = None,
                  called_graphs_grad_info: Mapping | None = None):  # fmt: skip
         if not isinstance(graph, Graph):
-            raise TypeError(
-                f"GraphWithNamedArgs expects a popxl Graph; got {type(graph).__name__}."
-            )
+            raise TypeError(f"GraphWithNamedArgs expects a popxl Graph; got {given(graph)}.")
         self.graph = graph
         self.args = args if args is not None else NamedTensors()
         self._grad_graph_info = grad_graph_info

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ..errors import given
 from ..ir.context import gcg, name_scope
 from ..ir.graph import Graph
 from ..ir.module import Module as _PopXLModule
@@ -404,7 +405,7 @@ class Module(_PopXLModule):
                 f"{autodiff!r}."
             )
         if not isinstance(module, Module):
-            raise TypeError(f"call_module expects an addons.Module; got {type(module).__name__}.")
+            raise TypeError(f"call_module expects an addons.Module; got {given(module)}.")
         return _CallModule(self, module, name or type(module).__name__, autodiff)
 
 
@@ -446,20 +447,26 @@ def _check_grad_args(module: Module, graph: Graph, grads_provided, grads_require
                 f"parameters (one gradient per provided output); {p.name!r} is {p.kind.description}."
             )
 
-    def check(given, pool, what, where):
-        if given is None:
+    def check(entries, pool, what, where):
+        if entries is None:
             return list(pool)
-        given = list(given)
-        for t in given:
-            if not isinstance(t, Tensor) or t not in pool:
-                raise TypeError(
-                    f"create_grad_graph: {what} entry {getattr(t, 'id', t)!r} is not {where} of "
-                    f"{graph.id!r}."
+        entries = list(entries)
+        for t in entries:
+            # ValueError for both, as upstream's _create_grad_graph_pre_validation.
+            if not isinstance(t, Tensor):
+                raise ValueError(
+                    f"create_grad_graph: {what} entries must be Tensors of {graph.id!r}; got "
+                    f"{given(t)}."
                 )
-        dups = sorted({t.id for t in given if given.count(t) > 1})
+            if t not in pool:
+                raise ValueError(
+                    f"create_grad_graph: {what} entry {t.id!r} is not {where} of {graph.id!r} "
+                    f"({[p.id for p in pool]})."
+                )
+        dups = sorted({t.id for t in entries if entries.count(t) > 1})
         if dups:
             raise ValueError(f"create_grad_graph: {what} lists {dups} more than once.")
-        return given
+        return entries
 
     provided = check(grads_provided, graph.outputs, "grads_provided", "an output")
     required = check(grads_required, graph.inputs, "grads_required", "an input")

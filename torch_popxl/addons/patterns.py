@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Literal
 
+from ..errors import given
 from ..ir.ir import Ir
 
 __all__ = ["apply_pre_alias_patterns", "patterns_level", "PATTERNS_LEVELS"]
@@ -33,7 +34,7 @@ def apply_pre_alias_patterns(
     simulator's graphs need no rewrite, so results are unchanged)."""
     if not isinstance(ir, Ir):
         raise TypeError(
-            f"apply_pre_alias_patterns expects a popxl Ir; got {type(ir).__name__}. Pass the "
+            f"apply_pre_alias_patterns expects a popxl Ir; got {given(ir)}. Pass the "
             "program's Ir (graph.ir for a graph)."
         )
     if level not in PATTERNS_LEVELS:

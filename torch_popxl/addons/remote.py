@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import dtypes as _dtypes
 from .. import ops
+from ..errors import given
 from ..ir.context import gcg
 from ..ir.remote_buffer import RemoteBuffer, remote_buffer
 from ..ir.replica_grouping import ReplicaGrouping
@@ -88,7 +89,7 @@ def _resolve_shard_over(key: str, f: VariableFactory, shard_over_dict: Any) -> i
             )
         return shard_over_dict
     raise ValueError(
-        f"shard_over_dict must be a bool, an int or a mapping key -> int; got {type(shard_over_dict).__name__}."
+        f"shard_over_dict must be a bool, an int or a mapping key -> int; got {given(shard_over_dict)}."
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import given
 from ..ir.context import gcg
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor, graph_input
@@ -50,9 +51,7 @@ def route_tensor_into_graph(
         TypeError: ``modified`` is not a bool (upstream's region lists are PopART objects).
     """
     if not isinstance(tensor, Tensor):
-        raise TypeError(
-            f"route_tensor_into_graph expects a popxl Tensor; got {type(tensor).__name__}."
-        )
+        raise TypeError(f"route_tensor_into_graph expects a popxl Tensor; got {given(tensor)}.")
     if not isinstance(modified, bool):
         raise TypeError(
             "route_tensor_into_graph: modified must be True or False (the whole tensor); got "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import given
 from ..ir.context import gcg, io_tiles
 from ..ir.replica_grouping import ReplicaGrouping
 from ..ir.tensor import Tensor, TensorSpec, graph_input, graph_output
@@ -79,7 +80,7 @@ def replica_sharded_spec(t: Tensor | TensorSpec, shard_over: ReplicaGrouping | i
         shard_over = shard_group_for_threshold(t, threshold, replica_grouping)
     if not isinstance(shard_over, ReplicaGrouping):
         raise TypeError(
-            f"replica_sharded_spec: shard_over must be a ReplicaGrouping; got {type(shard_over).__name__}."
+            f"replica_sharded_spec: shard_over must be a ReplicaGrouping; got {given(shard_over)}."
         )
     g, n = shard_over.group_size, _nelms(t)
     if t.meta_shape or g == 1 or n % g:

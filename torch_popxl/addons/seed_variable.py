@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import dtypes as _dtypes
 from .. import ops
+from ..errors import given
 from ..ir.context import _execution_context, gcg, gmg
 from ..ir.remote_buffer import remote_buffer
 from ..ir.replica_grouping import ReplicaGrouping
@@ -27,7 +28,7 @@ def seed_variable(
     ``weights_to_host``, so a seed advanced in place on device survives a save and restore.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed_variable: seed must be an int; got {type(seed).__name__}.")
+        raise TypeError(f"seed_variable: seed must be an int; got {given(seed)}.")
     ir = gcg().ir
     replica_grouping = replica_grouping or ir.replica_grouping(group_size=1)
     values = create_seeds(seed, replicas=replica_grouping.num_groups)

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..errors import given
 from ..ir.ir import Ir
 from ..ir.tensor import Tensor, Variable
 from ..runtime.session import Session
@@ -73,7 +74,7 @@ class TaskSession(Session):
         if not isinstance(state, NamedTensors):
             raise TypeError(
                 f"TaskSession: state must be NamedTensors (the variables a checkpoint holds), "
-                f"got {type(state).__name__}."
+                f"got {given(state)}."
             )
         if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int):
             hint = (
@@ -187,7 +188,7 @@ class TaskSession(Session):
         return written
 
     def load_checkpoint(self, checkpoint_dir: str, report_missing: ReportMissingMethods = "warn",
-                        skip_memmap: bool = False) -> None:  # fmt: skip
+                        skip_memmap: bool = False, *, allow_pickle: bool = False) -> None:  # fmt: skip
         """Restore ``state``, ``session_state`` and the dataloader from ``checkpoint_dir``.
 
         Keys present on one side only are reported (``report_missing``: 'none', 'warn' or
@@ -195,13 +196,15 @@ class TaskSession(Session):
         held in np.memmap files as they are (restore those files with
         ``initialise_memmap_dir_from_checkpoint`` before building the session). Nothing is
         written unless every array fits its variable. An ``.npz`` file (the pre-3.4 format)
-        is loaded as one.
+        is loaded as one; ``allow_pickle``: see ``load_checkpoint_from_file``.
         """
         _check_report(report_missing)
         _no_wandb(checkpoint_dir, "load_checkpoint")
         checkpoint_dir = os.path.expanduser(checkpoint_dir)
         if os.path.isfile(checkpoint_dir):
-            self.load_checkpoint_from_file(checkpoint_dir, report_missing)
+            self.load_checkpoint_from_file(
+                checkpoint_dir, report_missing, allow_pickle=allow_pickle
+            )
             return
         if not os.path.isdir(checkpoint_dir):
             raise FileNotFoundError(
@@ -239,17 +242,22 @@ class TaskSession(Session):
         with open(path) as f:
             loaded = json.load(f)
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(loaded).__name__}.")
+            raise ValueError(f"{path}: expected a JSON object, got {given(loaded)}.")
         self._report_missing(loaded.keys(), self.session_state.keys(), report_missing)
         return loaded
 
-    def load_checkpoint_from_file(
-        self, file_path: str, report_missing: ReportMissingMethods = "warn"
-    ) -> None:
-        """Restore ``state`` from one ``.npz`` file keyed by flat key (the pre-3.4 format, also
-        popxl-addons' single pickled ``ckpt`` dict). All-or-nothing, as ``load_checkpoint``."""
+    def load_checkpoint_from_file(self, file_path: str, report_missing: ReportMissingMethods = "warn",
+                                  *, allow_pickle: bool = False) -> None:  # fmt: skip
+        """Restore ``state`` from one ``.npz`` file keyed by flat key (the pre-3.4 format).
+        All-or-nothing, as ``load_checkpoint``.
+
+        popxl-addons' own files hold one pickled ``ckpt`` dict. Unpickling runs whatever code
+        the file names, so it happens only with ``allow_pickle=True`` (for files you trust; as
+        ``torch.load(weights_only=True)`` is torch's default); otherwise such a file raises
+        ``ValueError`` before anything is read from it.
+        """
         _check_report(report_missing)
-        ckpt = _read_npz(file_path)
+        ckpt = _read_npz(file_path, allow_pickle)
         variables = self.state.to_dict()
         self._report_missing(ckpt.keys(), variables.keys(), report_missing)
         self.write_variables_data({variables[k]: ckpt[k] for k in variables.keys() & ckpt.keys()})
@@ -372,13 +380,48 @@ def _remove_checkpoint(folder: str, files: list[str]) -> None:
             pass  # not empty: it holds files this session did not write
 
 
-def _read_npz(file_path: str) -> dict[str, np.ndarray]:
+def _read_npz(file_path: str, allow_pickle: bool) -> dict[str, np.ndarray]:
+    """``{key: array}`` of an ``.npz`` file; popxl-addons' pickled ``{"ckpt": dict}`` only with
+    ``allow_pickle`` (Note [safe loading])."""
     with np.load(file_path, allow_pickle=False) as f:
-        if f.files == ["ckpt"]:
-            try:
-                f["ckpt"]
-            except ValueError:
-                # popxl-addons' format: one pickled dict under "ckpt" (only files you trust).
-                with np.load(file_path, allow_pickle=True) as legacy:
-                    return {k: np.asarray(v) for k, v in legacy["ckpt"].item().items()}
-        return {k: f[k] for k in f.files}
+        pickled = [k for k in f.files if _holds_pickle(f, k)]
+        if not pickled:
+            return {k: f[k] for k in f.files}
+    if not allow_pickle:
+        raise ValueError(
+            f"TaskSession: {file_path!r} holds pickled Python objects under {pickled} "
+            "(popxl-addons' pickled checkpoint format). Unpickling runs whatever code the file "
+            "names, so it is not loaded by default. If you trust the file, pass "
+            "allow_pickle=True to load_checkpoint / load_checkpoint_from_file; then save it "
+            "again with save_checkpoint, whose files hold plain arrays."
+        )
+    with np.load(file_path, allow_pickle=True) as legacy:
+        if legacy.files != ["ckpt"]:
+            raise ValueError(
+                f"TaskSession: {file_path!r} holds pickled objects under {legacy.files}; "
+                "expected popxl-addons' format, one dict of arrays under 'ckpt'."
+            )
+        ckpt = legacy["ckpt"].item()
+    if not isinstance(ckpt, dict):
+        raise ValueError(
+            f"TaskSession: {file_path!r}: 'ckpt' holds a {type(ckpt).__name__}; expected a dict "
+            "{flat key: array} (popxl-addons' format)."
+        )
+    return {k: np.asarray(v) for k, v in ckpt.items()}
+
+
+# Note [safe loading]
+# ~~~~~~~~~~~~~~~~~~~
+# ``np.load(..., allow_pickle=True)`` unpickles object arrays, and unpickling calls whatever
+# callables the file names: a crafted checkpoint runs code. Every read here uses
+# allow_pickle=False; an object array shows as numpy's ValueError when its member is read,
+# which only tells us that it is pickled (nothing is unpickled by that read). Only an explicit
+# ``allow_pickle=True`` from the caller reopens the file with unpickling.
+
+
+def _holds_pickle(f, key: str) -> bool:
+    try:
+        f[key]
+    except ValueError:  # numpy: "Object arrays cannot be loaded when allow_pickle=False"
+        return True
+    return False

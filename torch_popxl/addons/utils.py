@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import logging
 import re
 import time
@@ -14,7 +15,11 @@ from typing import Any
 from ..runtime.session import check_host_data
 
 __all__ = ["OrderedDict", "WeightsDict", "null_context", "suffix_graph_name", "timer", "overrides",
-           "duplicate_items"]  # fmt: skip
+           "duplicate_items", "WANDB_IMPORTED"]  # fmt: skip
+
+# Upstream imports wandb here and says whether it could; nothing here logs to W&B, and importing
+# it would slow every import, so this only says whether it is installed.
+WANDB_IMPORTED = importlib.util.find_spec("wandb") is not None
 
 
 class OrderedDict(collections.OrderedDict):

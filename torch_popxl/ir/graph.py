@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import given
 from . import context as _ctx
 from .attrs import CallSite, HostTransfer, PrintOptions, RemoteTransfer, TorchCall
 from .fake import fake_mode
@@ -95,6 +96,21 @@ class Op:
         slot = self.attrs.args[position]
         assert isinstance(slot, Slot), f"{self.name}: argument {position} is not a tensor"
         return self.inputs[slot.index]
+
+    def modifiesIndex(self, index: int) -> bool:  # noqa: N802 - upstream's (pybind) name
+        """Whether this call or repeat lets its callee write input ``index`` (the callee's input
+        is a ``TensorByRef``), as upstream's ``CallSiteInfo._op.modifiesIndex``. A repeat counts
+        its inputs from 2, as PopART's loop op, whose inputs 0 and 1 are the trip count and the
+        loop condition."""
+        if self.kind not in (OpKind.CALL, OpKind.REPEAT):
+            raise TypeError(
+                f"modifiesIndex answers for call and repeat ops; {self.name!r} is a "
+                f"{self.kind.name} op."
+            )
+        offset = 2 if self.kind == OpKind.REPEAT else 0
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"modifiesIndex: index must be an int >= 0; got {index!r}.")
+        return index - offset in self.attrs.modified
 
 
 _ATTRS: dict[OpKind, type] = {
@@ -267,7 +283,7 @@ class Graph:
 
     def __contains__(self, t) -> bool:
         if not isinstance(t, Tensor):
-            raise TypeError(f"`in graph` expects a popxl Tensor; got {type(t).__name__}.")
+            raise TypeError(f"`in graph` expects a popxl Tensor; got {given(t)}.")
         return t._graph is self and t.id in self._tensors
 
     def is_input_by_ref(self, t: Tensor) -> bool:

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import given
 from .graph import Graph
 from .instances import layout_for
 from .module import Module
 from .replica_grouping import ReplicaGrouping
+from .session_options import PbIr
 from .tensor import Tensor, TensorByRef, TensorSpec, graph_input, graph_output
 from .verify import verify_ir
 
@@ -58,6 +60,7 @@ class Ir:
         self._instance_index = 0
         self._num_instances = 1
         self._popdist = replication == "popdist"
+        self._pb = PbIr(self)
         if self._popdist:
             self._set_layout(layout_for("popdist"))
         else:
@@ -87,6 +90,12 @@ class Ir:
         return hash(self._id)
 
     # ---- settings -------------------------------------------------------------------------
+
+    @property
+    def _pb_ir(self) -> PbIr:
+        """Upstream's handle on PopART's internal Ir, as far as programs use it:
+        ``ir._pb_ir.getSessionOptions()`` (Note [session options])."""
+        return self._pb
 
     @property
     def main_graph(self) -> Graph:
@@ -148,7 +157,7 @@ class Ir:
         if rg is None:
             return self.replica_grouping()
         if not isinstance(rg, ReplicaGrouping):
-            raise TypeError(f"Expected a ReplicaGrouping; got {type(rg).__name__}.")
+            raise TypeError(f"Expected a ReplicaGrouping; got {given(rg)}.")
         if rg.ir is not self:
             raise ValueError(
                 f"{rg!r} was created by {rg.ir!r}, not {self!r}. Create the grouping with "

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dtypes
-from ..errors import DataDependentError, UndefinedValue
+from ..errors import DataDependentError, UndefinedValue, given
 from .context import current_ipu, current_tile_set, gcg
 from .fake import fake_like
 
@@ -551,7 +551,7 @@ def graph_input(
 def graph_output(t: Tensor) -> None:
     """Mark ``t`` as the next output of the current graph."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"graph_output expects a popxl Tensor; got {type(t).__name__}.")
+        raise TypeError(f"graph_output expects a popxl Tensor; got {given(t)}.")
     graph = gcg()
     if t._graph is not graph:
         raise ValueError(

@@ -15,6 +15,7 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..errors import given
 from ..ir.attrs import FLOAT_FORMATS, PrintOptions
 from ..ir.context import gcg
 from ..ir.graph import Op, OpKind
@@ -137,7 +138,7 @@ def _coerce(t: Tensor, other) -> Tensor:
 
 def _check_tensor(t, op: str) -> Tensor:
     if not isinstance(t, Tensor):
-        raise TypeError(f"ops.{op} expects a popxl Tensor; got {type(t).__name__}.")
+        raise TypeError(f"ops.{op} expects a popxl Tensor; got {given(t)}.")
     return t
 
 
@@ -323,18 +324,48 @@ def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise
     return out
 
 
-def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
+def _reshape_target(t: Tensor, shape: Sequence[int], name: str) -> tuple[int, ...]:
     shape = tuple(int(s) for s in shape)
     if builtins.sum(1 for s in shape if s == -1) > 1:
-        raise ValueError(f"reshape: at most one -1 is allowed in the shape; got {shape}.")
+        raise ValueError(f"{name}: at most one -1 is allowed in the shape; got {shape}.")
     known = math.prod(s for s in shape if s != -1)
     if -1 not in shape and known != t.nelms or (-1 in shape and (known == 0 or t.nelms % known)):
-        raise ValueError(f"reshape: cannot reshape {t.id!r} of shape {t.shape} to {shape}.")
-    return call_torch(torch.reshape, (t, shape), {})
+        raise ValueError(
+            f"{name}: cannot reshape {t.id!r} of shape {t.shape} ({t.nelms} elements) to "
+            f"{shape}; the new shape must hold the same number of elements."
+        )
+    return shape
+
+
+def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
+    return call_torch(torch.reshape, (t, _reshape_target(t, shape, "reshape")), {})
 
 
 def reshape_(t: Tensor, shape: Sequence[int]) -> Tensor:
-    return call_torch(torch.Tensor.view, (t, tuple(shape)), {})
+    """The in-place (aliasing) reshape; see Note [reshape_ of a permuted tensor]."""
+    shape = _reshape_target(t, shape, "reshape_")
+    if _is_viewable(t, shape):
+        return call_torch(torch.Tensor.view, (t, shape), {})
+    return call_torch(torch.reshape, (t, shape), {})
+
+
+# Note [reshape_ of a permuted tensor]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Upstream's reshape_ aliases its input whatever the input's layout: Poplar tensors are
+# expressions over tile memory, so a reshape of a transposed tensor is still a view. A torch
+# view needs strides, which a permuted tensor folded into fewer axes may not have (torch's
+# "Cannot view a tensor with shape ... and strides ..."). There the result is a reshaped copy:
+# the values are upstream's; in-place writes through the result do not reach the input (GPT-3
+# and BERT's attention reshape transposed heads and only read the result).
+
+
+def _is_viewable(t: Tensor, shape: tuple[int, ...]) -> bool:
+    probe = torch.empty_strided(t._fake.shape, t._fake.stride(), device="meta")
+    try:
+        probe.view(shape)
+    except (RuntimeError, ValueError):  # meta tensors raise one, torch's refs the other
+        return False
+    return True
 
 
 def transpose(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
@@ -354,7 +385,9 @@ def flatten(t: Tensor) -> Tensor:
     return reshape(t, (t.nelms,))
 
 
-flatten_ = flatten
+def flatten_(t: Tensor) -> Tensor:
+    """The in-place (aliasing) flatten: ``reshape_(t, (t.nelms,))``."""
+    return reshape_(t, (t.nelms,))
 
 
 def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..errors import given
 from ..ir.tensor import Tensor
 
 __all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish_",
@@ -32,7 +33,7 @@ _FLOAT8 = (_dtypes.float8_143, _dtypes.float8_152)
 
 def _tensor(t, op: str, what: str = "t") -> Tensor:
     if not isinstance(t, Tensor):
-        raise TypeError(f"ops.{op}: {what} must be a popxl Tensor; got {type(t).__name__}.")
+        raise TypeError(f"ops.{op}: {what} must be a popxl Tensor; got {given(t)}.")
     return t
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PopXLError
+from ..errors import PopXLError, given
 from ..ir.attrs import CallSite
 from ..ir.context import gcg
 from ..ir.graph import Graph, Op, OpKind
@@ -199,7 +199,7 @@ def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Mapping | None = Non
                    check_inputs: bool = True) -> CallSiteInfo:  # fmt: skip
     """Call ``graph`` and return the ``CallSiteInfo`` of the call site."""
     if not isinstance(graph, Graph):
-        raise TypeError(f"call expects a popxl Graph; got {type(graph).__name__}.")
+        raise TypeError(f"call expects a popxl Graph; got {given(graph)}.")
     parent = gcg()
     connected = _connect(graph, inputs, inputs_dict, check_inputs)
     outputs = _new_outputs(parent, graph)
@@ -219,9 +219,11 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any, inputs_dict:
                      check_inputs: bool = True) -> CallSiteInfo:  # fmt: skip
     """Call ``graph`` ``repeat_count`` times; output i feeds input i of the next iteration."""
     if not isinstance(graph, Graph):
-        raise TypeError(f"repeat expects a popxl Graph; got {type(graph).__name__}.")
+        raise TypeError(f"repeat expects a popxl Graph; got {given(graph)}.")
     if isinstance(repeat_count, bool) or not isinstance(repeat_count, int | np.integer):
-        raise TypeError(f"repeat_count must be an int; got {type(repeat_count).__name__}.")
+        raise TypeError(
+            f"repeat_count must be an int (the number of iterations); got {given(repeat_count)}."
+        )
     repeat_count = int(repeat_count)
     if repeat_count < 0:
         raise ValueError(

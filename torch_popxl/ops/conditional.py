@@ -20,6 +20,7 @@ import torch
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..errors import given
 from ..ir.context import gcg
 from ..ir.graph import Graph, OpKind
 from ..ir.tensor import Tensor
@@ -161,7 +162,7 @@ def conditional_with_info(
     """
     parent = gcg()
     if not isinstance(cond, Tensor):
-        raise TypeError(f"conditional: cond must be a popxl Tensor; got {type(cond).__name__}.")
+        raise TypeError(f"conditional: cond must be a popxl Tensor; got {given(cond)}.")
     if cond._graph is not parent:
         raise ValueError(
             f"conditional: cond {cond.id!r} is not in the current graph {parent.id!r}."
@@ -177,7 +178,7 @@ def conditional_with_info(
         )
     for role, g in (("then_branch", then_branch), ("else_branch", else_branch)):
         if not isinstance(g, Graph):
-            raise TypeError(f"conditional: {role} must be a popxl Graph; got {type(g).__name__}.")
+            raise TypeError(f"conditional: {role} must be a popxl Graph; got {given(g)}.")
     n_then, n_else = len(then_branch._outputs), len(else_branch._outputs)
     if n_then != n_else:
         raise ValueError(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
 from ..capture import call_torch
+from ..errors import given
 from ..ir.context import gcg
 from ..ir.graph import Graph
 from ..ir.tensor import Tensor, constant
@@ -41,7 +42,7 @@ PadType = Literal["not_set", "same_upper", "same_lower", "valid"]
 
 def _check(t, op: str) -> Tensor:
     if not isinstance(t, Tensor):
-        raise TypeError(f"ops.{op} expects a popxl Tensor; got {type(t).__name__}.")
+        raise TypeError(f"ops.{op} expects a popxl Tensor; got {given(t)}.")
     return t
 
 
@@ -451,7 +452,7 @@ def _dynamic_check(op, t: Tensor, index: Tensor, axes, sizes) -> tuple[list[int]
     if len(axes) != len(sizes):
         raise ValueError(f"{op}: axes {axes} and sizes {sizes} must have the same length.")
     if not isinstance(index, Tensor):
-        raise TypeError(f"{op}: index must be a popxl Tensor; got {type(index).__name__}.")
+        raise TypeError(f"{op}: index must be a popxl Tensor; got {given(index)}.")
     if index.nelms != len(axes):
         raise ValueError(f"{op}: index {index.id!r} needs {len(axes)} elements (one per axis); "
                          f"it has shape {index.shape}.")  # fmt: skip
@@ -607,9 +608,7 @@ def remote_code_load(graph: Graph, destination: str) -> None:
     the graph's code as kept in streaming memory and loaded on demand (``Code location``).
     """
     if not isinstance(graph, Graph):
-        raise TypeError(
-            f"remote_code_load: graph must be a popxl Graph; got {type(graph).__name__}."
-        )
+        raise TypeError(f"remote_code_load: graph must be a popxl Graph; got {given(graph)}.")
     if destination not in _CODE_LOCATIONS:
         raise ValueError(
             f"Not a valid location: {destination!r}. Must choose from: "

@@ -1332,7 +1332,9 @@ class _Emitter:
             self.lines.append(f"{ind}{carried} = {arg}")
             if carried in self.a.force_batched:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
-        if self.explicit and self.fold == 1 and _explicit.foldable(f, self.a):
+        # A repeat of count 0 runs nothing: the carried values are its results (upstream allows
+        # count 0, ops/repeat.py); only the general loop below handles it.
+        if self.explicit and self.fold == 1 and f.count > 0 and _explicit.foldable(f, self.a):
             # Note [fold the accumulation loop]: every iteration in one pass
             self.lines.append(f"{ind}# {f.count} iterations folded into the leading dim")
             outside = _explicit.outside_rows(f, self.a)
@@ -1346,9 +1348,10 @@ class _Emitter:
                 self.lines.append(f"{ind}{n} = _o_{n}")
             return
         self.lines.append(f"{ind}for _ in range({f.count}):")
+        outer_repeats = self.repeats
         self.repeats *= f.count
         self.block(f.body, ind + "    ", self._outer_names(f))
-        self.repeats //= f.count
+        self.repeats = outer_repeats
         results = f.results
         if results:
             lhs = "".join(c + ", " for c in f.outs[: len(results)])

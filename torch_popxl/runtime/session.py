@@ -52,8 +52,10 @@ class Session:
         if not isinstance(ir, Ir):
             raise TypeError(f"Session expects a popxl Ir; got {type(ir).__name__}.")
         ir.verify()
-        # Upstream builds every Ir with enableInplaceAmbiguityChecking (Note [in-place ambiguity]).
-        check_inplace_ambiguity(ir)
+        # Upstream builds every Ir with enableInplaceAmbiguityChecking (Note [in-place ambiguity]);
+        # a program may turn it off through the session options, as upstream.
+        if ir._pb_ir.getSessionOptions().enableInplaceAmbiguityChecking:
+            check_inplace_ambiguity(ir)
         if device_desc not in _DEVICES:
             raise ValueError(
                 f"Incorrect device type provided {device_desc!r}: expected one of {_DEVICES} (all "

@@ -20,6 +20,7 @@ import torch
 from .. import opdefs
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
+from ..errors import given as _given
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import (
     Constant,
@@ -176,6 +177,18 @@ class _PrintGradient(torch.autograd.Function):
         return out._fake, None, None
 
 
+# Note [callee values in gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The replay enters called graphs, so torch's autograd differentiates through their ops and may
+# save a value computed inside a callee (an activation of a layer graph, say). The gradient graph
+# can only read tensors of the graph being differentiated, so such a value is brought out as
+# upstream's autodiff does for the callee's own gradient: it becomes an output of the callee
+# (every call site gets the matching output), then of each enclosing callee, and the outermost
+# call's new output is an ordinary intermediate of ``graph``, which the gradient graph takes as a
+# Fwd input. ``enter`` records where each callee value was computed (the chain of call sites);
+# ``surface`` does the stitching, on first use.
+
+
 class _Replay(Interpreter[torch.Tensor]):
     """The forward graph re-run on fake tensors that track gradients (``ir.walk.Interpreter``
     over fake tensors). Calls are entered; a repeat, like a host or remote load, yields fresh
@@ -192,6 +205,10 @@ class _Replay(Interpreter[torch.Tensor]):
         self.fwd_of: dict[int, Tensor] = {}
         self._alive: list[torch.Tensor] = []  # keeps ids in fwd_of from being reused
         self._depth = 0  # > 0 inside a callee, whose values are not the graph's own
+        # Values computed inside called graphs (Note [callee values in gradients]):
+        # id(fake) -> (call sites from ``graph`` inwards as (graph, op index), callee tensor).
+        self._sites: list[tuple[Op, int]] = []  # the calls being entered, with their indices
+        self.inner_of: dict[int, tuple[tuple[tuple[Graph, int], ...], Tensor]] = {}
         required_ids = {t.id for t in required}
         with fake_mode():
             for t in graph._inputs:
@@ -266,6 +283,43 @@ class _Replay(Interpreter[torch.Tensor]):
         self._note_outputs(op, outs)
         return outs
 
+    def enter(self, op: Op, args) -> list[torch.Tensor]:
+        callee: Graph = op.attrs.graph
+        parent = self._sites[-1][0].attrs.graph if self._sites else self.graph
+        index = next(i for i, o in enumerate(parent._ops) if o is op)
+        self._sites.append((op, index))
+        try:
+            env = self.run(callee._ops, self.bind(callee, args))
+            sites = tuple((self._parent_of(k), i) for k, (_, i) in enumerate(self._sites))
+        finally:
+            self._sites.pop()
+        # Inner calls finished first: assigning (not setdefault) keeps the shallowest site.
+        for tid, value in env.items():
+            if isinstance(value, torch.Tensor):
+                self.inner_of[id(value)] = (sites, callee._tensors[tid])
+                self._alive.append(value)
+        return self.results(callee, env)
+
+    def _parent_of(self, k: int) -> Graph:
+        return self._sites[k - 1][0].attrs.graph if k else self.graph
+
+    def surface(self, fake: torch.Tensor) -> Tensor | None:
+        """The tensor of ``graph`` holding ``fake``, a value computed inside a called graph:
+        that value is made an output of each callee on the way out (Note [callee values in
+        gradients]). None if ``fake`` is no such value."""
+        entry = self.inner_of.get(id(fake))
+        if entry is None:
+            return None
+        sites, t = entry
+        for parent, index in reversed(sites):
+            callee: Graph = parent._ops[index].attrs.graph
+            if t not in callee._outputs:
+                _stitch_output(callee, t)
+            # _stitch_output replaced the call op: read the op at the same index again.
+            t = parent._ops[index].outputs[callee._outputs.index(t)]
+        self.fwd_of[id(fake)] = t
+        return t
+
     def repeat(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         return self._no_gradient_path(op)
 
@@ -321,7 +375,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
     carry no gradient, such as BatchNorm running statistics.
     """
     if not isinstance(graph, Graph):
-        raise TypeError(f"autodiff expects a popxl Graph; got {type(graph).__name__}.")
+        raise TypeError(f"autodiff expects a popxl Graph; got {_given(graph)}.")
     if not _allow_modifying:
         _check_differentiable(graph)
         for callee in graph.called_graphs:
@@ -358,6 +412,8 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
 
     def resolve(fake: torch.Tensor) -> Tensor | None:
         ft = replay.fwd_of.get(id(fake))
+        if ft is None:
+            ft = replay.surface(fake)
         if ft is None:
             return None
         if isinstance(ft, Constant):

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from .. import ops
+from ..errors import given
 from ..ir.graph import Graph, Op, OpKind
 
 __all__ = ["given_grad_graphs", "call_with_given_grad", "with_intermediate_grads"]
@@ -41,7 +42,7 @@ def given_grad_graphs(called_graphs_grad_info: Mapping | None) -> dict[Graph, An
         if not isinstance(fwd, Graph) or not hasattr(info, "expected_inputs"):
             raise TypeError(
                 "called_graphs_grad_info maps forward graphs to GradGraphInfo objects (or "
-                f"graphs with a grad_graph_info); got {type(fwd).__name__} -> "
+                f"graphs with a grad_graph_info); got {given(fwd)} -> "
                 f"{type(grad).__name__}."
             )
         if info.forward_graph is not fwd:

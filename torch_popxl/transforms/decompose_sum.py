@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import given
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
 from ..ops import add as _add
@@ -49,7 +50,7 @@ def decompose_sum(graph: Graph) -> Graph:
     for liveness (Note [decompose sum]); returns ``graph`` (changed in place, as upstream)."""
     if not isinstance(graph, Graph):
         raise TypeError(
-            f"decompose_sum expects a popxl Graph; got {type(graph).__name__}. Pass e.g. "
+            f"decompose_sum expects a popxl Graph; got {given(graph)}. Pass e.g. "
             "ir.main_graph or a graph from ir.create_graph."
         )
     graph.ir._check_mutable()

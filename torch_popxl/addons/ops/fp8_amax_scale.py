@@ -7,6 +7,7 @@ import torch
 
 from ... import dtypes as _dtypes
 from ...capture import call_torch
+from ...errors import given
 from ...ir.tensor import Tensor
 
 __all__ = ["fp8_amax_scale"]
@@ -34,7 +35,7 @@ def fp8_amax_scale(src: Tensor, dtype: _dtypes.dtype = _dtypes.float8_143) -> Te
         TypeError: ``src`` is not float16 / float32, or ``dtype`` is not a float8 type.
     """
     if not isinstance(src, Tensor):
-        raise TypeError(f"fp8_amax_scale expects a popxl Tensor; got {type(src).__name__}.")
+        raise TypeError(f"fp8_amax_scale expects a popxl Tensor; got {given(src)}.")
     if src.dtype not in (_dtypes.float16, _dtypes.float32):
         raise TypeError(
             f"fp8_amax_scale: src must be float16 or float32; got {src.dtype.name}. Cast it first."

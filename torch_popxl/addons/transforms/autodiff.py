@@ -22,6 +22,7 @@ import numpy as np
 
 from ... import dtypes as _dtypes
 from ... import ops
+from ...errors import given
 from ...ir.context import in_sequence
 from ...ir.graph import Graph, OpKind
 from ...ir.tensor import Tensor, constant
@@ -40,9 +41,7 @@ def _as_graph(graph: GraphWithNamedArgs | Graph) -> tuple[Graph, GraphWithNamedA
         return graph.graph, graph
     if isinstance(graph, Graph):
         return graph, None
-    raise TypeError(
-        f"autodiff expects a GraphWithNamedArgs or a popxl Graph; got {type(graph).__name__}."
-    )
+    raise TypeError(f"autodiff expects a GraphWithNamedArgs or a popxl Graph; got {given(graph)}.")
 
 
 def _merged_grad_info(named: GraphWithNamedArgs | None, given: Mapping | None) -> dict:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ... import dtypes as _dtypes
+from ...errors import given
 from ...ir.context import in_sequence, io_tiles
 from ...ir.remote_buffer import RemoteBuffer
 from ...ir.replica_grouping import ReplicaGrouping
@@ -102,7 +103,7 @@ def batch_serial_buffer(t: Tensor, steps: int = 1, rows: int = 1,
 
 def _as_handle(t: Any, h: Any, what: str, streams_ok: bool) -> HostToDeviceStream | RemoteHandle:
     if not isinstance(t, Tensor):
-        raise TypeError(f"{what}: keys must be popxl Tensors; got {type(t).__name__}.")
+        raise TypeError(f"{what}: keys must be popxl Tensors; got {given(t)}.")
     if isinstance(h, RemoteHandle):
         return h
     if streams_ok and isinstance(h, HostToDeviceStream):
@@ -141,9 +142,7 @@ def _check_streams(d: Mapping | None) -> dict[Tensor, DeviceToHostStream]:
 
 def _check_common(graph: Any, steps: Any, rows: Any, io_mode: Any) -> None:
     if not isinstance(graph, GraphWithNamedArgs):
-        raise TypeError(
-            f"batch_serialise expects a GraphWithNamedArgs; got {type(graph).__name__}."
-        )
+        raise TypeError(f"batch_serialise expects a GraphWithNamedArgs; got {given(graph)}.")
     for name, v in (("steps", steps), ("rows", rows)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"batch_serialise: {name} must be a positive int; got {v!r}.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ...errors import given
 from ...ir.context import in_sequence
 from ...ir.graph import Graph, Op
 from ...ir.tensor import Tensor, _fake_like, graph_input
@@ -30,7 +31,7 @@ def repeat_graph(graph: Graph, repeat_count: int) -> Graph:
     changes and ``graph`` itself is returned (as in popxl-addons). See Note [repeat_graph].
     """
     if not isinstance(graph, Graph):
-        raise TypeError(f"repeat_graph expects a popxl Graph; got {type(graph).__name__}.")
+        raise TypeError(f"repeat_graph expects a popxl Graph; got {given(graph)}.")
     if isinstance(repeat_count, bool) or not isinstance(repeat_count, int):
         raise TypeError(f"repeat_count must be an int; got {repeat_count!r}.")
     if repeat_count <= 1:

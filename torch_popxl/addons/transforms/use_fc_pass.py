@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 
+from ...errors import given
 from ...ir.graph import Op
 from ...ir.ir import Ir
 from ...opdefs.compute import matmul_flops
@@ -24,7 +25,7 @@ _SETTINGS: weakref.WeakKeyDictionary[Ir, dict[int, bool]] = weakref.WeakKeyDicti
 
 def _matmuls(ir: Ir, fn: str) -> list[Op]:
     if not isinstance(ir, Ir):
-        raise TypeError(f"{fn} expects a popxl Ir; got {type(ir).__name__}. Pass the program's Ir.")
+        raise TypeError(f"{fn} expects a popxl Ir; got {given(ir)}. Pass the program's Ir.")
     return [op for g in ir.graphs for op in g.ops if matmul_flops(op) is not None]
 
 

@@ -2,6 +2,10 @@
 ``group_size`` values; a group stores ``round((x - min) / scale)`` in 4 bits with
 ``scale = (max - min) / 15``, four codes packed per uint16, first code in the high nibble.
 Decompression is ``code * scale + bias`` with ``bias = min``.
+
+``dim`` (popxl-addons 3.4) names the axis the groups run along: compression moves it last, so
+the packed tensor is ``(*other axes, groups, group_size // 4)``, and decompression moves it back
+from last to ``dim``.
 """
 
 from __future__ import annotations
@@ -23,21 +27,42 @@ __all__ = [
 _SHIFTS = (12, 8, 4, 0)  # nibble k of a packed word is code 4 * i + k
 
 
-def group_quantize_compress_numpy(
-    t: np.ndarray, group_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Compress float16 ``t`` ``(rows, cols)`` into ``(packed uint16 (rows, groups,
-    group_size // 4), scale (rows, groups, 1), bias (rows, groups, 1))``, float16 statistics."""
-    t = np.asarray(t)
-    if t.ndim != 2 or group_size <= 0 or group_size % 4 or t.shape[1] % group_size:
+def _check_dim(dim: Any, ndim: int, fn: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or not -ndim <= dim < ndim:
         raise ValueError(
-            f"group_quantize_compress_numpy: t must be 2-D with columns divisible by group_size, and "
-            f"group_size a positive multiple of 4; got shape {t.shape}, group_size={group_size}"
+            f"{fn}: dim must be an axis of the {ndim}-D uncompressed tensor (-1 for the last); "
+            f"got {dim!r}."
+        )
+    return int(dim) % ndim
+
+
+def _last_to(ndim: int, dim: int) -> list[int]:
+    """The permutation moving the last axis to ``dim`` (upstream's ``perm.insert(dim, -1)``)."""
+    perm = list(range(ndim - 1))
+    perm.insert(dim, ndim - 1)
+    return perm
+
+
+def group_quantize_compress_numpy(
+    t: np.ndarray, group_size: int, dim: int = -1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compress float16 ``t`` in groups of ``group_size`` along ``dim`` into ``(packed uint16
+    (*other axes, groups, group_size // 4), scale (*other axes, groups, 1), bias (..., 1))``
+    with float16 statistics."""
+    t = np.asarray(t)
+    if t.ndim < 1:
+        raise ValueError(f"group_quantize_compress_numpy: t must have an axis; got shape {t.shape}")
+    dim = _check_dim(dim, t.ndim, "group_quantize_compress_numpy")
+    t = np.moveaxis(t, dim, -1)
+    if group_size <= 0 or group_size % 4 or t.shape[-1] % group_size:
+        raise ValueError(
+            f"group_quantize_compress_numpy: the grouped axis ({t.shape[-1]} long) must divide into "
+            f"groups of group_size, a positive multiple of 4; got group_size={group_size}"
         )
     if not np.isfinite(t).all():
         raise ValueError("group_quantize_compress_numpy: t contains non-finite values")
-    rows, cols = t.shape
-    grouped = t.reshape(rows, cols // group_size, group_size)
+    lead, n = t.shape[:-1], t.shape[-1]
+    grouped = t.reshape(*lead, n // group_size, group_size)
     hi = grouped.max(-1, keepdims=True).astype(np.float16)
     lo = grouped.min(-1, keepdims=True).astype(np.float16)
     scale = (hi - lo) / np.float16(15)
@@ -46,19 +71,21 @@ def group_quantize_compress_numpy(
     codes = (
         np.nan_to_num(codes, nan=0.0, posinf=0.0).clip(0, 15).astype(np.uint16)
     )  # constant groups: 0
-    quads = codes.reshape(rows, cols // group_size, group_size // 4, 4)
+    quads = codes.reshape(*lead, n // group_size, group_size // 4, 4)
     packed = sum(quads[..., k] << np.uint16(s) for k, s in enumerate(_SHIFTS)).astype(np.uint16)
     return packed, scale, lo
 
 
 def group_quantize_decompress_numpy(
-    t: np.ndarray, group_scale: np.ndarray, group_bias: np.ndarray
+    t: np.ndarray, group_scale: np.ndarray, group_bias: np.ndarray, dim: int = -1
 ) -> np.ndarray:
-    """Inverse of ``group_quantize_compress_numpy``: float16 ``(rows, groups * ids * 4)``."""
-    rows, groups, ids = t.shape
-    codes = np.stack([(t >> s) & 15 for s in _SHIFTS], axis=-1).reshape(rows, groups, ids * 4)
-    out = codes.astype(np.float16) * group_scale + group_bias
-    return out.reshape(rows, groups * ids * 4)
+    """Inverse of ``group_quantize_compress_numpy``: float16 ``(*other axes, groups * ids * 4)``
+    with that last axis moved to ``dim``."""
+    *lead, groups, ids = t.shape
+    codes = np.stack([(t >> s) & 15 for s in _SHIFTS], axis=-1).reshape(*lead, groups, ids * 4)
+    out = (codes.astype(np.float16) * group_scale + group_bias).reshape(*lead, groups * ids * 4)
+    dim = _check_dim(dim, out.ndim, "group_quantize_decompress_numpy")
+    return out.transpose(_last_to(out.ndim, dim))
 
 
 def _decompress(t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -68,14 +95,17 @@ def _decompress(t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> tor
     return (codes.to(scale.dtype) * scale + bias).reshape(rows, groups * ids * 4)
 
 
-def group_quantize_decompress(t: Tensor, group_scale: Tensor, group_bias: Tensor) -> Tensor:
+def group_quantize_decompress(
+    t: Tensor, group_scale: Tensor, group_bias: Tensor, dim: int = -1
+) -> Tensor:
     """Decompress packed ``t`` (uint16 ``(rows, groups, ids)``) with ``group_scale`` and
     ``group_bias`` (``(rows, groups[, 1])``) into ``(rows, groups * ids * 4)`` of the scale's
-    dtype. Differentiable in the scale and bias."""
+    dtype, with the decompressed axis moved to ``dim``. Differentiable in the scale and bias."""
     if len(t.shape) != 3:
         raise NotImplementedError(
             f"group_quantize_decompress: packed tensors of rank 3 only (rows, groups, ids); got {tuple(t.shape)}"
         )
+    dim = _check_dim(dim, 2, "group_quantize_decompress")
     fixed: list[Any] = []
     for name, s in (("group_scale", group_scale), ("group_bias", group_bias)):
         if len(s.shape) == 2:
@@ -86,4 +116,5 @@ def group_quantize_decompress(t: Tensor, group_scale: Tensor, group_bias: Tensor
                 f"{(*t.shape[:2], 1)} to match t {tuple(t.shape)}; got {tuple(s.shape)}"
             )
         fixed.append(s)
-    return call_torch(_decompress, (t, fixed[0], fixed[1]), {})
+    out = call_torch(_decompress, (t, fixed[0], fixed[1]), {})
+    return out if dim == 1 else out.transpose(_last_to(2, dim))

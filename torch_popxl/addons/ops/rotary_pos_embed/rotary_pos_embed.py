@@ -3,6 +3,11 @@
 The last axis is read as complex numbers ``(x[2k], x[2k+1])``; pair ``k`` at sequence position
 ``m`` is rotated by ``m * theta_k`` with ``theta_k = base ** (-2k / rotary_dim)``. Elements at
 and beyond ``rotary_dim`` pass through unchanged.
+
+The layout is upstream's: ``t`` is ``(batch, seq, heads, head_dim)`` (the attention's
+activations before the heads are transposed; popxl-addons' rotary_pos_embedx.cpp broadcasts the
+``(1 or batch, seq, rotary_dim // 2)`` tables over the heads axis, and its test compares with
+Hugging Face GPT-J's ``apply_rotary_pos_emb`` on that layout).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ def trig_table_constants(seq_len: int, rotary_dim: int, base: int = 10000, dtype
 
 
 def _rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    # Tables broadcast over the batch and head axes: (seq, r/2) -> (1, 1, seq, r/2).
-    sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)
+    # Tables broadcast over the heads axis: (1 or batch, seq, r/2) -> (1 or batch, seq, 1, r/2).
+    sin, cos = sin.unsqueeze(2), cos.unsqueeze(2)
     rot, rest = t[..., :rotary_dim], t[..., rotary_dim:]
     pairs = rot.reshape(*rot.shape[:-1], rotary_dim // 2, 2)
     real, imag = pairs[..., 0], pairs[..., 1]
@@ -44,13 +49,13 @@ def _rope(t: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, rotary_dim: int
 
 
 def rotary_pos_embed(t: Tensor, sin: Tensor, cos: Tensor, rotary_dim: int | None = None) -> Tensor:
-    """Rotate ``t`` ``(batch, heads, seq, head_dim)`` by the ``trig_tables`` ``sin`` / ``cos``
-    (``(seq, rotary_dim // 2)``, or with a leading batch axis of 1); ``rotary_dim`` defaults to
-    ``head_dim``. Differentiable."""
+    """Rotate ``t`` ``(batch, seq, heads, head_dim)`` by the ``trig_tables`` ``sin`` / ``cos``
+    (``(seq, rotary_dim // 2)``, or ``(1 or batch, seq, rotary_dim // 2)``); ``rotary_dim``
+    defaults to ``head_dim``. Differentiable."""
     rotary_dim = rotary_dim or t.shape[-1]
     if len(t.shape) != 4:
         raise ValueError(
-            f"rotary_pos_embed: t must be (batch, heads, seq, head_dim), got {tuple(t.shape)}"
+            f"rotary_pos_embed: t must be (batch, seq, heads, head_dim), got {tuple(t.shape)}"
         )
     if rotary_dim % 2 or rotary_dim > t.shape[-1]:
         raise ValueError(
@@ -60,10 +65,17 @@ def rotary_pos_embed(t: Tensor, sin: Tensor, cos: Tensor, rotary_dim: int | None
         sin = sin.reshape((1, *sin.shape))
     if len(cos.shape) == 2:
         cos = cos.reshape((1, *cos.shape))
-    want = (t.shape[2], rotary_dim // 2)
-    if tuple(sin.shape[1:]) != want or tuple(cos.shape[1:]) != want:
-        raise ValueError(
-            f"rotary_pos_embed: sin and cos must be (seq, rotary_dim // 2) = {want} (from trig_tables); "
-            f"got {tuple(sin.shape)} and {tuple(cos.shape)}"
-        )
+    batch, seq = t.shape[0], t.shape[1]
+    want = (seq, rotary_dim // 2)
+    for name, table in (("sin", sin), ("cos", cos)):
+        if (
+            len(table.shape) != 3
+            or tuple(table.shape[1:]) != want
+            or table.shape[0] not in (1, batch)
+        ):
+            raise ValueError(
+                f"rotary_pos_embed: {name} must be (seq, rotary_dim // 2) = {want} (from "
+                f"trig_tables), or that with a leading axis of 1 or batch={batch}, for t of shape "
+                f"{tuple(t.shape)} (batch, seq, heads, head_dim); got {tuple(table.shape)}."
+            )
     return call_torch(_rope, (t, sin, cos, rotary_dim), {})

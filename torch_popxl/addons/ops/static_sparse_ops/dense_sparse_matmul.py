@@ -15,6 +15,7 @@ import numpy as np
 
 from .... import dtypes as _dtypes
 from .... import ops
+from ....errors import given
 from ....ir.tensor import Tensor, constant
 
 __all__ = ["dense_const_sparse_matmul", "random_sparse"]
@@ -41,7 +42,7 @@ def _csr_to_dense(rhs: Any, output_cols: int) -> np.ndarray:
     except AttributeError:
         raise TypeError(
             "dense_const_sparse_matmul: rhs must be a CSR matrix (e.g. scipy.sparse.csr_matrix) "
-            f"with data, indices and indptr; got {type(rhs).__name__}."
+            f"with data, indices and indptr; got {given(rhs)}."
         ) from None
     rows = len(indptr) - 1
     if rows < 0 or len(data) != len(indices) or (len(indptr) and indptr[-1] != len(data)):
@@ -71,9 +72,7 @@ def dense_const_sparse_matmul(lhs: Tensor, rhs: Any, output_cols: int) -> Tensor
         ValueError: the CSR arrays are inconsistent, or ``k`` does not match ``lhs``.
     """
     if not isinstance(lhs, Tensor):
-        raise TypeError(
-            f"dense_const_sparse_matmul expects a popxl Tensor; got {type(lhs).__name__}."
-        )
+        raise TypeError(f"dense_const_sparse_matmul expects a popxl Tensor; got {given(lhs)}.")
     if lhs.dtype not in (_dtypes.float16, _dtypes.float32):
         raise TypeError(
             f"dense_const_sparse_matmul: lhs must be float16 or float32; got {lhs.dtype.name}."

@@ -1,0 +1,322 @@
+"""Capture and autodiff cases Graphcore's PopXL applications rely on (nlp/gpt3_2.7B TP, BERT,
+GPT-3 175B), each as upstream PopXL defines it, checked against eager torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_popxl as popxl
+from torch_popxl import ops
+from torch_popxl.transforms import autodiff
+
+RNG = np.random.default_rng(0)
+
+
+def _run(ir, executor):
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
+        return session.run()
+
+
+def _store(t):
+    s = popxl.d2h_stream(t.shape, t.dtype)
+    ops.host_store(s, t)
+    return s
+
+
+# ---- (a) autodiff of a graph whose calls compute values the gradient needs -----------------
+# Upstream (popart python/popxl/popxl/transforms/autodiff.py, PopART's Autodiff) differentiates
+# a called graph along with its caller: values computed inside the callee that the gradient
+# needs become callee outputs (and so call outputs) that the gradient graph takes as Fwd inputs.
+# GPT-3 2.7B TP's model graph calls its layer graphs this way.
+
+
+def _inner(x: popxl.Tensor, w: popxl.Tensor) -> popxl.Tensor:
+    return ops.gelu(x @ w)
+
+
+def _nested(x: popxl.Tensor, w: popxl.Tensor) -> popxl.Tensor:
+    g = popxl.gcg().ir.create_graph(_inner, x, w)
+    (y,) = ops.call(g, x, w)
+    return ops.tanh(y) * y
+
+
+def _outer(x: popxl.Tensor, w: popxl.Tensor, v: popxl.Tensor) -> popxl.Tensor:
+    ir = popxl.gcg().ir
+    inner = ir.create_graph(_inner, x, w)
+    (h,) = ops.call(inner, x, w)  # one call site ...
+    (h2,) = ops.call(inner, h, v)  # ... and a second of the same graph
+    nested = ir.create_graph(_nested, h2, v)  # and a callee two levels deep
+    (y,) = ops.call(nested, h2, v)
+    return ops.reduce_sum(ops.gelu(y) * h)
+
+
+def _torch_outer(x, w, v):
+    gelu = lambda t: torch.nn.functional.gelu(t, approximate="tanh")  # noqa: E731  (popxl gelu)
+    h = gelu(x @ w)
+    h2 = gelu(h @ v)
+    z = gelu(h2 @ v)
+    y = torch.tanh(z) * z
+    return (gelu(y) * h).sum()
+
+
+@pytest.mark.parametrize(
+    "autodiff_first", [True, False], ids=["autodiff-then-call", "call-then-autodiff"]
+)
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_autodiff_reads_values_computed_inside_called_graphs(executor, autodiff_first):
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    w = RNG.normal(size=(8, 8)).astype(np.float32) * 0.3
+    v = RNG.normal(size=(8, 8)).astype(np.float32) * 0.3
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        ts = [popxl.variable(a, name=n) for a, n in ((x, "x"), (w, "w"), (v, "v"))]
+        fwd = ir.create_graph(_outer, *[t.spec for t in ts])
+        if autodiff_first:  # as the apps: create_graph, autodiff, then the calls
+            bwd = autodiff(fwd)
+            info = ops.call_with_info(fwd, *ts)
+        else:  # the call site gets the new outputs when autodiff adds them
+            info = ops.call_with_info(fwd, *ts)
+            bwd = autodiff(fwd)
+        grads = ops.call(bwd.graph, popxl.constant(1.0), inputs_dict=bwd.inputs_dict(info))
+        streams = [_store(t) for t in (info.outputs[0], *grads)]
+    out = _run(ir, executor)
+
+    xs = [torch.tensor(a, requires_grad=True) for a in (x, w, v)]
+    y = _torch_outer(*xs)
+    y.backward()
+    np.testing.assert_allclose(out[streams[0]], y.detach().numpy(), rtol=1e-5)
+    for s, ref in zip(streams[1:], xs, strict=True):
+        np.testing.assert_allclose(out[s], ref.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ---- (b) reshape / reshape_ of a transposed tensor --------------------------------------------
+# Upstream's reshape and reshape_ (popart python/popxl/popxl/ops/reshape.py) accept any input
+# layout: Poplar views are tensor expressions, so a transposed tensor reshapes like any other.
+# BERT / GPT attention folds transposed heads this way.
+
+
+@pytest.mark.parametrize(
+    "method", ["ops.reshape", "ops.reshape_", "Tensor.reshape", "Tensor.reshape_"]
+)
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_reshape_of_a_transposed_tensor_matches_numpy(executor, method):
+    data = np.arange(2 * 4 * 2 * 16, dtype=np.float32).reshape(2, 4, 2, 16)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(data)
+        t = ops.transpose_(x, (0, 2, 1, 3))  # (2, 2, 4, 16), not contiguous
+        shape = (4, 4, 16)
+        r = {
+            "ops.reshape": lambda: ops.reshape(t, shape),
+            "ops.reshape_": lambda: ops.reshape_(t, shape),
+            "Tensor.reshape": lambda: t.reshape(shape),
+            "Tensor.reshape_": lambda: t.reshape_(shape),
+        }[method]()
+        s = _store(r)
+    np.testing.assert_array_equal(_run(ir, executor)[s], data.transpose(0, 2, 1, 3).reshape(shape))
+
+
+def test_reshape_of_a_contiguous_tensor_still_aliases():
+    # reshape_ of a contiguous tensor stays a view: an in-place update through it reaches x.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        v = ops.reshape_(x, (6,))
+        ops.add_(v, popxl.constant(np.arange(6, dtype=np.float32)))
+        s = _store(x)
+    np.testing.assert_array_equal(_run(ir, "fast")[s], np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_reshape_names_the_shapes_it_cannot_reconcile():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        for fn in (ops.reshape, ops.reshape_):
+            with pytest.raises(ValueError, match=r"\(2, 3\) \(6 elements\) to \(4, 2\)"):
+                fn(x, (4, 2))
+
+
+# ---- (c) in-place Tensor methods upstream's popxl.Tensor has ---------------------------------
+# popart python/popxl/popxl/tensor.py: transpose_, T_, reshape_, flatten_, detach_.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_inplace_tensor_methods_match_numpy(executor):
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        streams = {
+            "flatten_": _store(popxl.variable(data).flatten_()),
+            "flatten_ of a transpose": _store(popxl.variable(data).T.flatten_()),
+            "transpose_": _store(popxl.variable(data).transpose_((1, 0))),
+            "T_": _store(popxl.variable(data).T_),
+            "reshape_": _store(popxl.variable(data).reshape_((2, 6))),
+            "detach_": _store(popxl.variable(data).detach_()),
+        }
+    out = _run(ir, executor)
+    want = {
+        "flatten_": data.reshape(-1),
+        "flatten_ of a transpose": data.T.reshape(-1),
+        "transpose_": data.T,
+        "T_": data.T,
+        "reshape_": data.reshape(2, 6),
+        "detach_": data,
+    }
+    for name, s in streams.items():
+        np.testing.assert_array_equal(out[s], want[name], err_msg=name)
+
+
+def test_flatten_inplace_aliases_its_input():
+    # ops.flatten_ is the in-place version: an update through the result changes the input.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.zeros((2, 2), np.float32))
+        ops.add_(x.flatten_(), popxl.constant(np.array([1, 2, 3, 4], np.float32)))
+        s = _store(x)
+    np.testing.assert_array_equal(_run(ir, "fast")[s], [[1, 2], [3, 4]])
+
+
+# ---- (d) errors name the value given -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [2.5, "3", True])
+def test_repeat_count_error_names_the_value(count):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(2, np.float32))
+        g = ir.create_graph(lambda a: a + 1, x)
+        with pytest.raises(
+            TypeError, match=rf"repeat_count must be an int.*got {type(count).__name__} {count!r}"
+        ):
+            ops.repeat(g, count, x)
+
+
+def test_type_errors_name_the_value_given():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with pytest.raises(TypeError, match=r"got float 2\.5"):
+            ops.relu(2.5)
+        with pytest.raises(TypeError, match=r"got str 'main'"):
+            ops.call("main")
+        with pytest.raises(TypeError, match=r"got list \[1, 2\]"):
+            autodiff([1, 2])
+
+
+# ---- repeat with count 0 ------------------------------------------------------------------------
+# popart python/popxl/popxl/ops/repeat.py raises only for repeat_count < 0: a count of 0 runs the
+# body no times and the loop-carried results are the inputs.
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_repeat_zero_times_returns_the_carried_inputs(executor, replication):
+    x0 = np.array([1.0, 2.0], np.float32)
+    ir = popxl.Ir(replication=replication)
+    with ir.main_graph:
+        x = popxl.variable(x0, name="x")
+        w = popxl.variable(np.array([10.0, 20.0], np.float32), name="w")
+        g = ir.create_graph(lambda a, b: a * b + 1, x, w)
+        (y0,) = ops.repeat(g, 0, x, w)
+        (y3,) = ops.repeat(g, 3, x, w)
+        s0, s3 = _store(y0), _store(y3)
+    out = _run(ir, executor)
+    want3 = x0
+    for _ in range(3):
+        want3 = want3 * np.array([10.0, 20.0], np.float32) + 1
+    reps = (replication,) if replication > 1 else ()
+    np.testing.assert_array_equal(out[s0], np.broadcast_to(x0, (*reps, 2)))
+    np.testing.assert_allclose(out[s3], np.broadcast_to(want3, (*reps, 2)))
+
+
+# ---- rotary_pos_embed on upstream's layout ------------------------------------------------------
+# popxl-addons ops/rotary_pos_embed: t is (batch, seq, heads, head_dim) and the sin / cos tables
+# (seq, rotary_dim // 2) or (1 or batch, seq, rotary_dim // 2) broadcast over the heads
+# (rotary_pos_embedx.cpp; its test compares with Hugging Face GPT-J's apply_rotary_pos_emb).
+
+
+def _gptj_rope(q: np.ndarray, sin: np.ndarray, cos: np.ndarray, rotary_dim: int) -> np.ndarray:
+    # Hugging Face GPT-J's formula: tables interleaved to (.., seq, 1, rotary_dim); x * cos plus
+    # rotate_every_two(x) * sin, where rotate_every_two maps (a, b) pairs to (-b, a).
+    sin = np.repeat(sin, 2, axis=-1)[..., None, :]
+    cos = np.repeat(cos, 2, axis=-1)[..., None, :]
+    rot, rest = q[..., :rotary_dim], q[..., rotary_dim:]
+    swapped = np.stack([-rot[..., 1::2], rot[..., ::2]], axis=-1).reshape(rot.shape)
+    return np.concatenate([rot * cos + swapped * sin, rest], axis=-1)
+
+
+@pytest.mark.parametrize("table_rank", [2, 3, "batch"])
+@pytest.mark.parametrize("rotary_dim", [None, 4, 16])
+def test_rotary_pos_embed_matches_gptj_on_upstreams_layout(rotary_dim, table_rank):
+    from torch_popxl.addons.ops.rotary_pos_embed import rotary_pos_embed, trig_tables
+
+    batch, seq, heads, hdim = 3, 8, 2, 32  # upstream's test shapes: seq != heads
+    q = RNG.normal(size=(batch, seq, heads, hdim)).astype(np.float32)
+    r = rotary_dim or hdim
+    sin, cos = trig_tables(seq, r)
+    if table_rank == 3:
+        sin, cos = sin[None], cos[None]
+    elif table_rank == "batch":  # one table per batch row (positions offset by the row)
+        tables = [trig_tables(seq + b, r) for b in range(batch)]
+        sin = np.stack([s[b:] for b, (s, _) in enumerate(tables)])
+        cos = np.stack([c[b:] for b, (_, c) in enumerate(tables)])
+    ir = popxl.Ir()
+    with ir.main_graph:
+        y = rotary_pos_embed(
+            popxl.variable(q), popxl.constant(sin), popxl.constant(cos), rotary_dim
+        )
+        s = _store(y)
+    want = _gptj_rope(
+        q, sin if sin.ndim == 3 else sin[None], cos if cos.ndim == 3 else cos[None], r
+    )
+    np.testing.assert_allclose(_run(ir, "fast")[s], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_pos_embed_names_the_table_shape_it_expects():
+    from torch_popxl.addons.ops.rotary_pos_embed import rotary_pos_embed, trig_table_constants
+
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((3, 8, 2, 32), np.float32))
+        sin, cos = trig_table_constants(2, 32)  # tables for 2 positions, not seq = 8
+        with pytest.raises(
+            ValueError, match=r"sin must be \(seq, rotary_dim // 2\) = \(8, 16\).*got \(1, 2, 16\)"
+        ):
+            rotary_pos_embed(q, sin, cos)
+
+
+# ---- CallSiteInfo._op.modifiesIndex ---------------------------------------------------------------
+# popart tests/popxl/ops/call_test.py and repeat_test.py (test_by_ref, test_not_by_ref,
+# test_repeat_by_ref_implicit / _explicit): a call site modifies input i iff the callee's input i
+# is a TensorByRef (whether or not the callee writes it); a repeat's indices start at 2 (the
+# loop's trip count and condition come first).
+
+
+def _by_ref_first(x: popxl.TensorByRef, y: popxl.Tensor):
+    return x + y  # reads only: by-ref is a permission, not a write
+
+
+def _by_ref_second(x: popxl.Tensor, y: popxl.TensorByRef):
+    ops.var_updates.accumulate_(y, x)
+    return x
+
+
+def _by_value(x: popxl.Tensor, y: popxl.Tensor):
+    return ops.var_updates.accumulate_(x, y), y
+
+
+@pytest.mark.parametrize(
+    "fn, by_ref",
+    [(_by_ref_first, [True, False]), (_by_ref_second, [False, True]), (_by_value, [False, False])],
+)
+def test_call_and_repeat_sites_report_modified_inputs_as_upstream(fn, by_ref):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v1 = popxl.variable(np.float32(1))
+        v2 = popxl.variable(np.float32(2))
+        g = ir.create_graph(fn, v1, v2)
+        call = ops.call_with_info(g, v1, v2)
+        loop = ops.repeat_with_info(g, 3, v1, v2)
+    assert [call._op.modifiesIndex(i) for i in (0, 1)] == by_ref
+    assert [loop._op.modifiesIndex(i) for i in (0, 1, 2, 3)] == [False, False, *by_ref]

@@ -103,8 +103,8 @@ def _run_case(op, sample, backward: bool = False) -> Outcome:
             return out
         outs = [o for o in pytree.tree_flatten(out)[0]
                 if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
-        if not outs:
-            raise _NotDifferentiable
+        if not outs or any(not o.dtype.is_floating_point for o in outs):
+            raise _NotDifferentiable  # none, or a complex one (streams carry real dtypes)
         grads = torch.autograd.grad(outs, [vals[i] for i in wrt], [_seed(o, r) for o in outs],
                                     allow_unused=True)  # fmt: skip
         # inputs the outputs do not depend on get no gradient (autodiff refuses to give one)
@@ -117,7 +117,7 @@ def _run_case(op, sample, backward: bool = False) -> Outcome:
     try:
         want = [eager(r) for r in range(R)]
     except _NotDifferentiable:
-        return Outcome(name, 0, "skip", "no differentiable output")
+        return Outcome(name, 0, "skip", "no differentiable output, or a complex one")
     except Exception as e:  # noqa: BLE001 - the replica-1 data left the op's domain
         return Outcome(name, 0, "skip", f"eager torch raises on replica data: {type(e).__name__}")
     out_leaves = [pytree.tree_flatten(w)[0] for w in want]

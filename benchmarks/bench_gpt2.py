@@ -92,7 +92,8 @@ def make_model() -> torch.nn.Module:
         return MiniGPT2()
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH,
                                      n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                     bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)  # fmt: skip
 
     class HFLogits(torch.nn.Module):
         def __init__(self):

@@ -1,7 +1,8 @@
 """The same training step through every peer a user would pick, side by side, on one device.
 
 Peers: eager torch on the same schedule (GA micro-batches of R x micro, loss / GA, one optimizer
-step), ``torch.compile`` of the model and of ``opt.step``, and popxl.compile with everything on
+step), ``torch.compile`` of the model and of ``opt.step``, with ``--local-tensor`` DDP on R
+ranks simulated by torch's ``LocalTensorMode`` (CPU), and popxl.compile with everything on
 chip and with sharded (RTS), off-chip optimizer state. Every peer first trains 3 steps from the
 same weights on the same data and is checked equal to eager (weights); then all are timed in
 interleaved rounds (GPU calls synchronised). Prints ms per step, median (min-max), each peer's
@@ -23,6 +24,7 @@ Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import statistics
@@ -159,7 +161,57 @@ def _eager_step(model, opt, loss_fn, w: Workload, device, compiled_opt_step=None
     return step
 
 
-def peers(w: Workload, device: torch.device, torch_compile: bool):
+def _local_tensor_ddp(base: torch.nn.Module, w: Workload):
+    """DDP on ``w.R`` ranks simulated in this process by torch's ``LocalTensorMode`` (over a
+    fake process group): every rank holds the parameters, runs its share of each micro-batch,
+    and the gradients are averaged by an all-reduce before each rank's optimizer step."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    @contextlib.contextmanager
+    def fake_group():
+        # Only while this peer runs: an initialised process group would make popxl.compile
+        # split its replicas over "processes" (a few ms per step, counted in this peer).
+        dist.init_process_group("fake", rank=0, world_size=w.R, store=FakeStore())
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    mode = LocalTensorMode(w.R)
+    model = copy.deepcopy(base)
+    with mode:
+        for m in model.modules():
+            for name, p in list(m.named_parameters(recurse=False)):
+                local = mode.rank_map(lambda r, p=p: p.detach().clone())
+                setattr(m, name, torch.nn.Parameter(local))
+        opt = w.optimizer(model.parameters())
+
+    def step(x, y):
+        xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+        with fake_group(), mode:
+            opt.zero_grad()
+            for k in range(w.GA):
+
+                def rows(t, k=k):
+                    return mode.rank_map(
+                        lambda r: t[(k * w.R + r) * w.micro : (k * w.R + r + 1) * w.micro]
+                    )
+
+                (w.loss(model(rows(xt)), rows(yt)) / w.GA).backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            opt.step()
+
+    def weights():
+        with mode:
+            return [p.reconcile() for p in model.parameters()]
+
+    return step, weights
+
+
+def peers(w: Workload, device: torch.device, torch_compile: bool, local_tensor: bool = False):
     """``{name: (step(x, y), weights())}`` for every peer, each from the same initial model."""
     torch.manual_seed(0)
     base = w.make_model()
@@ -174,6 +226,8 @@ def peers(w: Workload, device: torch.device, torch_compile: bool):
         opt_step = torch.compile(copt.step)
         out["torch.compile"] = (_eager_step(compiled, copt, w.loss, w, device, opt_step),
                                 cmodel.parameters)  # fmt: skip
+    if local_tensor and device.type == "cpu":
+        out["LocalTensorMode DDP"] = _local_tensor_ddp(base, w)
     for name, layout in LAYOUTS.items():
         pmodel = copy.deepcopy(base)
         trainer = popxl.compile(pmodel, w.loss, w.optimizer(pmodel.parameters()),
@@ -213,13 +267,14 @@ def check_equal(fns, batches, device, exact: bool = True) -> dict[str, float]:
     return diffs
 
 
-def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: float) -> dict:
+def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: float,
+        local_tensor: bool = False) -> dict:  # fmt: skip
     w = WORKLOADS[key]()
     rng = np.random.default_rng(0)
     n = w.R * w.GA * w.micro
     batches = [w.batch(rng, n) for _ in range(3)]
     t0 = time.perf_counter()
-    fns = peers(w, device, torch_compile)
+    fns = peers(w, device, torch_compile, local_tensor)
     diffs = check_equal(fns, batches, device, exact=key not in _NOT_EQUAL_TO_EAGER)
     setup = time.perf_counter() - t0
     x, y = batches[0]
@@ -281,6 +336,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--no-torch-compile", action="store_true",
                         help="leave out the torch.compile peer (its first step compiles)")  # fmt: skip
+    parser.add_argument("--local-tensor", action="store_true",
+                        help="add DDP simulated by torch's LocalTensorMode (CPU; slow)")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -289,7 +346,7 @@ def main(argv=None) -> dict:
     print(f"device: {device_name(device)} ({device}); torch {torch.__version__}; measured "
           f"float32 GEMM rate {rate / 1e12:.2f} TFLOP/s")  # fmt: skip
     return {
-        key: run(key, device, args.rounds, not args.no_torch_compile, rate)
+        key: run(key, device, args.rounds, not args.no_torch_compile, rate, args.local_tensor)
         for key in args.models.split(",")
     }
 

@@ -189,3 +189,11 @@ def test_gemm_under_vmap_is_a_per_row_matmul(a_rows, b_rows, bias, a_rank, capfd
         want = row[0] @ row[1] + (0 if row[2] is None else row[2])
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
     assert capfd.readouterr().err == ""
+
+
+def test_gemm_under_vmap_with_an_empty_contraction_is_zero():
+    # K = 0 (linalg ops on empty matrices): every product is the empty sum
+    a, b = torch.randn(2, 0, 0), torch.randn(2, 0, 3)
+    torch.testing.assert_close(torch.func.vmap(G.gemm)(a, b), torch.zeros(2, 0, 3))
+    a, b = torch.randn(2, 4, 0), torch.randn(2, 0, 3)
+    torch.testing.assert_close(torch.func.vmap(G.gemm)(a, b), torch.zeros(2, 4, 3))

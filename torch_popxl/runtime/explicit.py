@@ -63,6 +63,7 @@ class _Elementwise:
 
 
 ELEMENTWISE = _ELEMENTWISE = _Elementwise()
+_MASKED_FILL_TENSOR = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
 # Note [random ops on stacked rows]
 #     Random ops whose every output element is an independent draw (given its own element of
 #     the parameters) draw every replica's values in one call on the stacked rows: replicas
@@ -315,6 +316,9 @@ def _ok_torch(f, a, R: int) -> bool:
         return opdef_rule(f.op, batched, R) is not None
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
+    if target in _MASKED_FILL_TENSOR:  # the fill value must stay 0-d: shared, not per replica
+        value = f.op.attrs.args[2]
+        return not (isinstance(value, Slot) and batched[value.index])
     if target in _ELEMENTWISE:
         return True  # any ranks: Note [broadcasting on stacked values]
     if target in PER_ELEMENT:

@@ -22,6 +22,7 @@ pay run ATen's kernel under either choice.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 
@@ -83,7 +84,8 @@ def _(info, in_dims, a, b, bias=None):
     if a_dim is None:
         a = a.expand(rows, *a.shape)
     b = b.movedim(b_dim, 0) if b_dim is not None else b.expand(rows, *b.shape)
-    out = torch.matmul(a.reshape(rows, -1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+    m = math.prod(a.shape[1:-1])  # not -1: ambiguous when K is 0
+    out = torch.matmul(a.reshape(rows, m, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
     if bias is not None:
         bias = bias.movedim(bias_dim, 0) if bias_dim is not None else bias.expand(rows, *bias.shape)
         out = out + bias.view(rows, *([1] * (out.dim() - 2)), -1)

@@ -554,7 +554,7 @@ class Session:
         """Per-replica memory, per-run traffic (IR and runtime counters) and a step-time
         estimate; see ``torch_popxl.runtime.report.MemoryReport``. ``print()`` it for a table."""
 
-        return build_report(self, cost_model)
+        return build_report(self.ir, self._executor.facts, self._last_run_counters, cost_model)
 
     def explain(self) -> list[str]:
         """What of this program runs on a slow path, one line per fragment with the reason

@@ -84,7 +84,7 @@ def _unary(fn, t, op, **kwargs):
     return call_torch(int_safe(fn), (_check_tensor(t, op),), kwargs)
 
 
-# ---- arithmetic ---------------------------------------------------------------------------------
+# ---- arithmetic ---------------------------------------------------------------------------
 
 
 def add(lhs: _TensorLike, rhs: _TensorLike) -> Tensor:
@@ -183,7 +183,7 @@ def increment_mod(t: Tensor, increment: float, modulus: float) -> Tensor:
     return fmod(add(t, increment), modulus)
 
 
-# ---- activations --------------------------------------------------------------------------------
+# ---- activations --------------------------------------------------------------------------
 
 
 def relu(t: Tensor) -> Tensor:
@@ -220,7 +220,7 @@ def log_softmax(t: Tensor, axis: int) -> Tensor:
     return _unary(torch.log_softmax, t, "log_softmax", dim=axis)
 
 
-# ---- logic and comparisons ----------------------------------------------------------------------
+# ---- logic and comparisons ----------------------------------------------------------------
 
 
 def logical_and(lhs: Tensor, rhs: Tensor) -> Tensor:
@@ -267,7 +267,7 @@ def isnan(t: Tensor) -> Tensor:
     return call_torch(torch.isnan, (_check_tensor(t, "isnan"),), {})
 
 
-# ---- rounding and copies ------------------------------------------------------------------------
+# ---- rounding and copies ------------------------------------------------------------------
 
 
 def ceil(t: Tensor) -> Tensor:
@@ -292,7 +292,7 @@ def io_tile_copy(t: Tensor) -> Tensor:
     return call_torch(torch.clone, (_check_tensor(t, "io_tile_copy"),), {})
 
 
-# ---- in-place variants --------------------------------------------------------------------------
+# ---- in-place variants --------------------------------------------------------------------
 
 
 def add_(lhs: Tensor, rhs) -> Tensor:

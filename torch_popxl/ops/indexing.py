@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-# ---- slicing ------------------------------------------------------------------------------------
+# ---- slicing ------------------------------------------------------------------------------
 
 
 def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
@@ -112,7 +112,7 @@ def _positive_steps(t: Tensor, key):
     return call_torch(torch.flip, (t, flips), {}), tuple(out)
 
 
-# ---- gather and one-hot -------------------------------------------------------------------------
+# ---- gather and one-hot -------------------------------------------------------------------
 
 
 def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion=None,
@@ -210,7 +210,7 @@ def _onehot_torch(t, values, n, axis):
     return torch.where(hot, values[1], values[0]).movedim(-1, axis)
 
 
-# ---- dynamic slicing and scatter ----------------------------------------------------------------
+# ---- dynamic slicing and scatter ----------------------------------------------------------
 
 
 def _dynamic_check(op, t: Tensor, index: Tensor, axes, sizes) -> tuple[list[int], list[int]]:

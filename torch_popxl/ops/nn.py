@@ -33,7 +33,7 @@ __all__ = [
 PadType = Literal["not_set", "same_upper", "same_lower", "valid"]
 
 
-# ---- matmul -------------------------------------------------------------------------------------
+# ---- matmul -------------------------------------------------------------------------------
 
 
 def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise_mode=None,
@@ -44,7 +44,7 @@ def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise
     return out
 
 
-# ---- normalisation and dropout ------------------------------------------------------------------
+# ---- normalisation and dropout ------------------------------------------------------------
 
 
 def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -80,7 +80,7 @@ def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Ten
     return call_torch(torch.nn.functional.dropout, (t,), {"p": p, "training": True})
 
 
-# ---- pooling and convolution --------------------------------------------------------------------
+# ---- pooling and convolution --------------------------------------------------------------
 
 
 def _spatial(t: Tensor, op: str) -> int:

@@ -17,7 +17,7 @@ __all__ = [
 ]
 
 
-# ---- printing -----------------------------------------------------------------------------------
+# ---- printing -----------------------------------------------------------------------------
 
 
 def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
@@ -73,7 +73,7 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
     return out
 
 
-# ---- code loading -------------------------------------------------------------------------------
+# ---- code loading -------------------------------------------------------------------------
 
 
 # Upstream's code locations (popxl/ops/remote_code_load.py, CODE_LOCATION); only

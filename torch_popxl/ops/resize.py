@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-# ---- interpolate --------------------------------------------------------------------------------
+# ---- interpolate --------------------------------------------------------------------------
 
 
 _NEAREST_ROUNDING: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -167,7 +167,7 @@ def _resize_taps(mode: str, nearest_mode: str, src: np.ndarray, length: int):
     return [(clamp(base + k - 1), c) for k, c in enumerate(coeffs)]
 
 
-# ---- region-of-interest pooling -----------------------------------------------------------------
+# ---- region-of-interest pooling -----------------------------------------------------------
 
 
 def roi_align(t: Tensor, rois: Tensor, batch_index: Tensor, output_size: tuple[int, int],

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-# ---- reshape and transpose ----------------------------------------------------------------------
+# ---- reshape and transpose ----------------------------------------------------------------
 
 
 def _reshape_target(t: Tensor, shape: Sequence[int], name: str) -> tuple[int, ...]:
@@ -103,7 +103,7 @@ def flatten_(t: Tensor) -> Tensor:
     return reshape_(t, (t.nelms,))
 
 
-# ---- concat and split ---------------------------------------------------------------------------
+# ---- concat and split ---------------------------------------------------------------------
 
 
 def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
@@ -155,7 +155,7 @@ def unsqueeze(t: Tensor, axes: Sequence[int]) -> Tensor:
     return t
 
 
-# ---- dtype, detach, new tensors -----------------------------------------------------------------
+# ---- dtype, detach, new tensors -----------------------------------------------------------
 
 
 def cast(t: Tensor, data_type) -> Tensor:

@@ -231,6 +231,12 @@ def _components(layout: InstanceLayout, group_size: int, stride: int) -> list[tu
     return sorted(tuple(s) for s in sets.values())
 
 
+def _canonical(group_size: int, stride: int) -> tuple[int, int]:
+    """The key of a grouping: PopXL forces the stride of singleton groups to 1, so
+    ``(1, s)`` for every ``s`` is one grouping (and one set of process groups)."""
+    return group_size, 1 if group_size == 1 else stride
+
+
 def _ir_groupings(ir) -> list[tuple[int, int]]:
     """Every ``(group_size, stride)`` a collective of the Ir uses, in a fixed order."""
     found: set[tuple[int, int]] = set()
@@ -239,7 +245,7 @@ def _ir_groupings(ir) -> list[tuple[int, int]]:
             opdef = opdefs.lookup(op)
             if opdef is not None and Effect.COLLECTIVE in opdef.effects:
                 group_size, stride = op.attrs.argument("group_size"), op.attrs.argument("stride")
-                found.add((group_size, 1 if group_size == 1 else stride))
+                found.add(_canonical(group_size, stride))
     return sorted(found)
 
 
@@ -325,7 +331,7 @@ class TorchDistributedCollectives:
         return mine
 
     def _link_for(self, group_size: int, stride: int):
-        stride = 1 if group_size == 1 else stride
+        group_size, stride = _canonical(group_size, stride)
         if (group_size, stride) not in self._links:
             # Not seen when the Session was built: the world group always works (all instances
             # run the same program) at the price of gathering every instance's rows.

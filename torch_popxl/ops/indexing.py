@@ -18,17 +18,9 @@ from ._common import _check_tensor
 from .elementwise import where
 
 __all__ = [
-    "slice",
-    "slice_",
-    "subsample",
-    "gather",
-    "tied_gather",
-    "onehot",
-    "dynamic_slice",
-    "dynamic_update",
-    "dynamic_update_",
-    "scatter",
-]
+    "slice", "slice_", "subsample", "gather", "tied_gather", "onehot", "dynamic_slice",
+    "dynamic_update", "dynamic_update_", "scatter"
+]  # fmt: skip
 
 
 # ---- slicing ------------------------------------------------------------------------------

@@ -13,10 +13,7 @@ from .elementwise import add, div, log, mul, neg, sub, where
 from .reductions import reduce_sum
 from .shape import cast, reshape
 
-__all__ = [
-    "nll_loss",
-    "nll_loss_with_softmax_grad",
-]
+__all__ = ["nll_loss", "nll_loss_with_softmax_grad"]
 
 
 def _label_rows(probs: Tensor, labels: Tensor):

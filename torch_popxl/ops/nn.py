@@ -18,16 +18,9 @@ from .elementwise import _binary
 from .shape import cast
 
 __all__ = [
-    "matmul",
-    "layer_norm",
-    "group_norm",
-    "batch_norm_inference",
-    "dropout",
-    "average_pool",
-    "max_pool",
-    "conv",
-    "PadType",
-]
+    "matmul", "layer_norm", "group_norm", "batch_norm_inference", "dropout", "average_pool",
+    "max_pool", "conv", "PadType"
+]  # fmt: skip
 
 
 PadType = Literal["not_set", "same_upper", "same_lower", "valid"]

@@ -11,10 +11,7 @@ from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor, _fake_like
 from ._common import _check_tensor
 
-__all__ = [
-    "print_tensor",
-    "remote_code_load",
-]
+__all__ = ["print_tensor", "remote_code_load"]
 
 
 # ---- printing -----------------------------------------------------------------------------

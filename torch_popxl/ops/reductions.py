@@ -37,28 +37,10 @@ from ._intsafe import NARROW_UNSIGNED, int_safe
 from .shape import cast
 
 __all__ = [
-    "reduce_sum",
-    "reduce_mean",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_sum_square",
-    "reduce_median",
-    "sum",
-    "mean",
-    "sumsquare",
-    "prod",
-    "median",
-    "l1",
-    "l2",
-    "logsum",
-    "logsumexp",
-    "argmax",
-    "argmin",
-    "topk",
-    "cumsum",
-    "histogram",
-]
+    "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod",
+    "reduce_sum_square", "reduce_median", "sum", "mean", "sumsquare", "prod", "median", "l1",
+    "l2", "logsum", "logsumexp", "argmax", "argmin", "topk", "cumsum", "histogram"
+]  # fmt: skip
 
 _Axis = int | Iterable[int] | None
 

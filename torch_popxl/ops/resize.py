@@ -16,10 +16,7 @@ from ..capture import call_torch
 from ..ir.tensor import Tensor
 from ._common import _check_tensor
 
-__all__ = [
-    "interpolate",
-    "roi_align",
-]
+__all__ = ["interpolate", "roi_align"]
 
 
 # ---- interpolate --------------------------------------------------------------------------

@@ -12,12 +12,7 @@ from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..ir.tensor import Tensor, constant
 
-__all__ = [
-    "random_uniform",
-    "random_normal",
-    "split_random_seed",
-    "create_random_seed",
-]
+__all__ = ["random_uniform", "random_normal", "split_random_seed", "create_random_seed"]
 
 
 def _check_seed(seed: Tensor, op: str) -> None:

@@ -16,22 +16,9 @@ from ..ir.tensor import Tensor
 from ._common import _check_tensor
 
 __all__ = [
-    "reshape",
-    "reshape_",
-    "transpose",
-    "transpose_",
-    "flatten",
-    "flatten_",
-    "concat",
-    "concat_",
-    "split",
-    "squeeze",
-    "unsqueeze",
-    "cast",
-    "detach",
-    "detach_",
-    "init",
-]
+    "reshape", "reshape_", "transpose", "transpose_", "flatten", "flatten_", "concat",
+    "concat_", "split", "squeeze", "unsqueeze", "cast", "detach", "detach_", "init"
+]  # fmt: skip
 
 
 # ---- reshape and transpose ----------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 
 import torch_popxl as popxl
 from torch_popxl import ops
-from torch_popxl.runtime.report import TRAFFIC_KINDS, CostModel
+from torch_popxl.runtime.executor import ExecutorFacts, fragment_signature
+from torch_popxl.runtime.report import TRAFFIC_KINDS, CostModel, build_report
 
 F32 = 4
 
@@ -104,6 +105,29 @@ def test_measured_counters_are_none_before_a_run_and_with_the_reference_executor
         report = s.memory_report()
     assert report.measured_counters is None
     assert dict(report.traffic) == EXPECTED_BYTES  # the IR side does not depend on the executor
+
+
+def test_build_report_reads_the_ir_the_executor_facts_and_the_counters_not_a_session():
+    ir, in_stream = build_traffic_program()
+    s = popxl.Session(ir, "ipu_model")
+    with s:
+        s.run({in_stream: np.ones((4, 8), np.float32)})
+        via_session = s.memory_report()
+    facts = fragment_facts(ir)
+    counters = dict(via_session.measured_counters)
+    report = build_report(ir, facts, counters)
+    assert dict(report.measured_counters) == counters
+    assert dict(report.traffic) == dict(via_session.traffic) == EXPECTED_BYTES
+    assert report.variable_bytes == via_session.variable_bytes
+    assert report.rts_shard_bytes == via_session.rts_shard_bytes
+    # an executor whose kernels count nothing (the reference) gives no measured counters
+    unmeasured = dataclasses.replace(facts, measures_traffic=False)
+    assert build_report(ir, unmeasured, counters).measured_counters is None
+
+
+def fragment_facts(ir) -> ExecutorFacts:
+    on_chip, defined = fragment_signature(ir)
+    return ExecutorFacts(tuple(on_chip), tuple(defined), measures_traffic=True)
 
 
 def test_weights_transfers_are_not_counted_as_run_traffic():

@@ -20,6 +20,8 @@ from . import capture, ops
 from . import dtypes as _dtypes
 from .ir.tensor import Tensor, _data_dependent, constant
 from .ops._intsafe import int_safe, int_safe_inplace
+from .ops.elementwise import _div
+from .ops.indexing import _getitem
 
 __all__ = ["install"]
 
@@ -130,10 +132,10 @@ class _TensorMethods:
         return self._binary(torch.mul, o, True)
 
     def __truediv__(self, o) -> Tensor:
-        return self._binary(ops._div, o)
+        return self._binary(_div, o)
 
     def __rtruediv__(self, o) -> Tensor:
-        return self._binary(ops._div, o, True)
+        return self._binary(_div, o, True)
 
     def __mod__(self, o) -> Tensor:
         return self._binary(torch.fmod, o)
@@ -186,7 +188,7 @@ class _TensorMethods:
         return capture.call_torch(torch.neg, (self,), {})
 
     def __getitem__(self, key) -> Tensor:
-        return ops._getitem(_this(self), key)
+        return _getitem(_this(self), key)
 
     # ---- torch interop --------------------------------------------------------------------
 

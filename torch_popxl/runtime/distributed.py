@@ -231,6 +231,12 @@ def _components(layout: InstanceLayout, group_size: int, stride: int) -> list[tu
     return sorted(tuple(s) for s in sets.values())
 
 
+def _canonical(group_size: int, stride: int) -> tuple[int, int]:
+    """The key of a grouping: PopXL forces the stride of singleton groups to 1, so
+    ``(1, s)`` for every ``s`` is one grouping (and one set of process groups)."""
+    return group_size, 1 if group_size == 1 else stride
+
+
 def _ir_groupings(ir) -> list[tuple[int, int]]:
     """Every ``(group_size, stride)`` a collective of the Ir uses, in a fixed order."""
     found: set[tuple[int, int]] = set()
@@ -239,7 +245,7 @@ def _ir_groupings(ir) -> list[tuple[int, int]]:
             opdef = opdefs.lookup(op)
             if opdef is not None and Effect.COLLECTIVE in opdef.effects:
                 group_size, stride = op.attrs.argument("group_size"), op.attrs.argument("stride")
-                found.add((group_size, 1 if group_size == 1 else stride))
+                found.add(_canonical(group_size, stride))
     return sorted(found)
 
 
@@ -308,8 +314,13 @@ class TorchDistributedCollectives:
     def offset(self) -> int:
         return self.layout.replica_offset
 
+    def _within_instance(self, group_size: int, stride: int) -> bool:
+        """Whether every group of ``(group_size, stride)`` lies inside one instance: the
+        groups tile each instance's ``local`` consecutive replicas (popxl.md §2.1)."""
+        return group_size == 1 or self.local % (group_size * stride) == 0
+
     def _link(self, group_size: int, stride: int):
-        if group_size == 1 or self.local % (group_size * stride) == 0:
+        if self._within_instance(group_size, stride):
             return None
         mine = None
         for component in _components(self.layout, group_size, stride):
@@ -320,21 +331,18 @@ class TorchDistributedCollectives:
         return mine
 
     def _link_for(self, group_size: int, stride: int):
-        stride = 1 if group_size == 1 else stride
+        group_size, stride = _canonical(group_size, stride)
         if (group_size, stride) not in self._links:
             # Not seen when the Session was built: the world group always works (all instances
             # run the same program) at the price of gathering every instance's rows.
-            local = group_size == 1 or self.local % (group_size * stride) == 0
+            local = self._within_instance(group_size, stride)
             world = tuple(range(self.layout.num_instances))
             self._links[(group_size, stride)] = None if local else (self._world, world)
         return self._links[(group_size, stride)]
 
     def member_index(self, group_size: int, stride: int) -> torch.Tensor:
         """``i(r)`` of every local replica r, from its global index (popxl.md §2.1)."""
-        rows = [
-            0 if group_size == 1 else ((self.offset + r) % (stride * group_size)) // stride
-            for r in range(self.local)
-        ]
+        rows = [refc.index_in_group(self.offset + r, group_size, stride) for r in range(self.local)]
         return torch.tensor(rows, device=self.device)
 
     # -- moving rows

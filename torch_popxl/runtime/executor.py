@@ -32,7 +32,13 @@ from .lower import Assumptions, Program, lower_fragment
 if TYPE_CHECKING:
     from ..ir.ir import Ir
 
-__all__ = ["SessionState", "FastExecutor", "ReferenceExecutor", "fragment_signature"]
+__all__ = [
+    "ExecutorFacts",
+    "SessionState",
+    "FastExecutor",
+    "ReferenceExecutor",
+    "fragment_signature",
+]
 
 
 @dataclass
@@ -42,6 +48,23 @@ class SessionState:
     vars: dict[str, torch.Tensor] = field(default_factory=dict)
     persistent: dict[str, torch.Tensor] = field(default_factory=dict)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecutorFacts:
+    """What an executor says about the program it runs, for the memory report
+    (``runtime/report.py``), which then needs neither the executor nor the ``Session``.
+
+    ``on_chip``: the variables held on chip for the whole session; ``defined``: the tensors
+    WeightsFromHost defines and later fragments read (RTS shards); ``measures_traffic``:
+    whether a run's traffic counters come from this executor's kernels. The reference
+    executor runs each op's per-replica ``reference`` rule, which counts nothing, so its
+    counters would read as zero traffic rather than "not measured".
+    """
+
+    on_chip: tuple[Variable, ...]
+    defined: tuple[Tensor, ...]
+    measures_traffic: bool
 
 
 def fragment_signature(ir: Ir) -> tuple[list[Variable], list[Tensor]]:
@@ -262,6 +285,7 @@ class FastExecutor:
         # every instance); it runs under vmap over this process's R local replicas.
         self.global_R = ir.replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
+        self.facts = ExecutorFacts(tuple(self.on_chip), tuple(self.defined), measures_traffic=True)
         uniform = (
             {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1}
             if self.global_R > 1
@@ -538,6 +562,7 @@ class ReferenceExecutor:
         self.ir = ir
         self.device = device
         self.on_chip, self.defined = fragment_signature(ir)
+        self.facts = ExecutorFacts(tuple(self.on_chip), tuple(self.defined), measures_traffic=False)
 
     def explain(self) -> list[str]:
         """Why this is not the fast path (see ``FastExecutor.explain``)."""

@@ -11,6 +11,7 @@ import torch
 from .. import dtypes as _dtypes
 from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import RtsLayout, Variable, _torch_from_numpy
+from .grouped_values import by_group, first_members, from_groups
 
 __all__ = ["download_remote_variables", "upload_remote_variables"]
 
@@ -61,11 +62,8 @@ def _slot_check(v: Variable, rb: RemoteBuffer, offset: int) -> None:
 def _per_replica_values(session, v: Variable) -> torch.Tensor:
     """``[R, *slot_shape]``: what replica r's slot holds after the upload of ``v``."""
     rb, _ = _slot_of(v)
-    host = session._host[v.id]
-    groups = list(v.replica_grouping.assignment)
-    data = _torch_from_numpy(np.asarray(host), v.dtype)
-    if v.replica_grouping.num_groups == 1:
-        data = data.unsqueeze(0)
+    groups = v.replica_grouping.assignment
+    data = by_group(v, _torch_from_numpy(np.asarray(session._host[v.id]), v.dtype))
     per_group = data.reshape(data.shape[0], -1)  # [num_user_groups, n]
     if v.info.shard is not None:
         rows = _shards_of(per_group, v)
@@ -122,15 +120,13 @@ def _store_sharded(session, v: Variable, rows: torch.Tensor) -> None:
     layout = _layout_of(v)
     rg = v.replica_grouping
     const = rg.const_rg
-    assignment = rg.assignment
     full = []
-    for u in range(rg.num_groups):
-        first_const_group = const.assignment[assignment.index(u)]
-        members = const._members(first_const_group)[: layout.shard_over]
+    for first in first_members(v):
+        members = const._members(const.assignment[first])[: layout.shard_over]
         flat = torch.cat([rows[m] for m in members])[: layout.num_elements]
         full.append(flat.reshape(v.shape))
     groups = torch.stack(full)  # [num_user_groups, *shape]
     host = _dtypes.torch_to_numpy(groups, v.dtype)
-    session._set_host(v, host if rg.num_groups > 1 else host[0])
+    session._set_host(v, from_groups(v, host))
     # all_replicas: the reconstructed group value is copied to every member (§4.5).
-    session._host_all[v.id] = host[assignment]
+    session._host_all[v.id] = host[rg.assignment]

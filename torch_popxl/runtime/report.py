@@ -1,4 +1,9 @@
-"""Memory and traffic report of a ``Session`` (``session.memory_report()``).
+"""Memory and traffic report of a program (``Session.memory_report()``).
+
+``build_report`` takes what it reads explicitly: the program (``Ir``), what the executor says
+about it (``executor.ExecutorFacts``: on-chip variables, RTS shards defined by
+WeightsFromHost, whether traffic is measured) and the last run's counters; it never looks
+inside a ``Session``.
 
 Everything is computed from the IR, per replica for memory and per ``run`` for traffic, and
 set next to what the runtime counted during the last ``run`` (``backends.traffic_counters``),
@@ -44,10 +49,10 @@ from .cost_model import (
     workload,
     workload_of_ops,
 )
-from .executor import ReferenceExecutor
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ..ir.ir import Ir
+    from .executor import ExecutorFacts
 
 __all__ = [
     "CostModel",
@@ -454,12 +459,18 @@ class MemoryReport:
 # ---- building the report ------------------------------------------------------------------
 
 
-def build_report(session: Session, cost_model: CostModel | None = None) -> MemoryReport:
-    """The report for ``session`` (see ``Session.memory_report``)."""
+def build_report(
+    ir: Ir,
+    facts: ExecutorFacts,
+    last_run_counters: Mapping[str, int] | None,
+    cost_model: CostModel | None = None,
+) -> MemoryReport:
+    """The report for ``ir`` run by an executor that says ``facts``; ``last_run_counters``
+    are the traffic counters of the last run (None before the first). See
+    ``Session.memory_report``."""
 
-    ir = session.ir
     R = ir.instance_replication_factor
-    on_chip, defined = session._executor.on_chip, session._executor.defined
+    on_chip, defined = facts.on_chip, facts.defined
     main = ir.main_graph
     persistent = {t.id for t in defined}
     constants = {id(c): c for g in ir.graphs for c in g.constants}
@@ -486,9 +497,7 @@ def build_report(session: Session, cost_model: CostModel | None = None) -> Memor
     }
     placement = _buffer_placement(ir, main)
     phases = _phases(ir, main._ops_in_context("normal"), persistent, cost_model or CostModel())
-    measured = getattr(session, "_last_run_counters", None)
-    if isinstance(session._executor, ReferenceExecutor):
-        measured = None
+    measured = last_run_counters if facts.measures_traffic else None
     return MemoryReport(
         num_replicas=R,
         variable_bytes=sum(_dtypes.nbytes(v.shape, v.dtype) for v in on_chip),

@@ -23,7 +23,7 @@ from ..ir.ir import Ir
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Constant, Tensor, Variable
 from ..opdefs import backends
-from . import distributed, remote_io, step_cache
+from . import distributed, grouped_values, remote_io, step_cache
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 from .report import build_report
 
@@ -211,12 +211,9 @@ class Session:
         self._run_fragment("weights_from_host", [], 1)
 
     def _per_replica(self, v: Variable, host: np.ndarray) -> torch.Tensor:
-        groups = self._replica_groups(v)
         # numpy_to_torch reads structured float8 / bfloat16 host arrays as their bits.
         data = _dtypes.numpy_to_torch(host, v.dtype).to(self._torch_device)
-        if v.replica_grouping.num_groups == 1:
-            return data.unsqueeze(0).expand(len(groups), *data.shape)
-        return data[torch.tensor(groups, device=self._torch_device)]
+        return grouped_values.replica_values(v, data, self._replica_groups(v))
 
     def weights_to_host(self) -> None:
         """Read every variable back into its host copy (after running WeightsToHost)."""
@@ -238,11 +235,9 @@ class Session:
 
     def _store_host(self, v: Variable, value: torch.Tensor) -> None:
         """``value`` is ``[R, *shape]``: keep the first member of each group (and all rows)."""
-        rg = v.replica_grouping
-        firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
         rows = value.detach().cpu()
-        host = _dtypes.torch_to_numpy(rows[firsts], v.dtype)
-        self._set_host(v, host if rg.num_groups > 1 else host[0, ...])  # an ndarray, even 0-d
+        host = _dtypes.torch_to_numpy(rows[grouped_values.first_members(v)], v.dtype)
+        self._set_host(v, grouped_values.from_groups(v, host))
         self._host_all[v.id] = _dtypes.torch_to_numpy(rows, v.dtype)
 
     def _set_host(self, v: Variable, host: np.ndarray) -> None:
@@ -286,11 +281,8 @@ class Session:
         return out
 
     def _all_from_host(self, v: Variable) -> np.ndarray:
-        host = self._host[v.id]
-        groups = list(v.replica_grouping.assignment)  # every global replica
-        if v.replica_grouping.num_groups == 1:
-            return np.stack([host] * len(groups))
-        return host[groups]
+        # every global replica's row (a copy: fancy indexing)
+        return grouped_values.by_group(v, self._host[v.id])[v.replica_grouping.assignment]
 
     def write_variable_data(self, tensor: Variable, data) -> None:
         self.write_variables_data({tensor: data})
@@ -554,7 +546,7 @@ class Session:
         """Per-replica memory, per-run traffic (IR and runtime counters) and a step-time
         estimate; see ``torch_popxl.runtime.report.MemoryReport``. ``print()`` it for a table."""
 
-        return build_report(self, cost_model)
+        return build_report(self.ir, self._executor.facts, self._last_run_counters, cost_model)
 
     def explain(self) -> list[str]:
         """What of this program runs on a slow path, one line per fragment with the reason

@@ -1,0 +1,72 @@
+"""Random numbers and seeds: ``random_uniform``, ``random_normal`` and the (2,) uint32 seed ops.
+Replicas draw different samples (vmap randomness); ``dropout`` is in ``nn.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import dtypes as _dtypes
+from ..capture import call_torch
+from ..ir.tensor import Tensor, constant
+
+__all__ = ["random_uniform", "random_normal", "split_random_seed", "create_random_seed"]
+
+
+def _check_seed(seed: Tensor, op: str) -> None:
+    if not isinstance(seed, Tensor) or tuple(seed.shape) != (2,) or seed.dtype != _dtypes.uint32:
+        raise ValueError(f"seed Tensor must be shape=(2,) dtype=uint32. Provided {seed}")
+
+
+def random_uniform(seed_tensor: Tensor, shape: Sequence[int], low: float = 0.0,
+                   high: float = 1.0, dtype=_dtypes.float32) -> Tensor:  # fmt: skip
+    """Uniform samples in ``[low, high)``; replicas draw different samples."""
+    _check_seed(seed_tensor, "random_uniform")
+    dt = _dtypes.dtype.as_dtype(dtype)
+    if not dt.is_floating_point:
+        raise ValueError(f"random_uniform: dtype must be a float type; got {dt}.")
+
+    def run(seed):
+        # The seed is an input so the sample depends on it in the IR (as upstream).
+        u = torch.rand(tuple(shape), dtype=dt.as_torch(), device=seed.device)
+        return u * (high - low) + low
+
+    return call_torch(run, (seed_tensor,), {})
+
+
+def random_normal(seed_tensor: Tensor, shape: Sequence[int], mean: float = 0.0,
+                  std: float = 1.0, dtype=_dtypes.float32) -> Tensor:  # fmt: skip
+    """Normal samples with ``mean`` and ``std``; replicas draw different samples."""
+    _check_seed(seed_tensor, "random_normal")
+    dt = _dtypes.dtype.as_dtype(dtype)
+    if not dt.is_floating_point:
+        raise ValueError(f"random_normal: dtype must be a float type; got {dt}.")
+
+    def run(seed):
+        return torch.randn(tuple(shape), dtype=dt.as_torch(), device=seed.device) * std + mean
+
+    return call_torch(run, (seed_tensor,), {})
+
+
+def create_random_seed(seed: Tensor, modifier: Tensor) -> Tensor:
+    """A new (2,) uint32 seed derived from ``seed`` and a scalar ``modifier``."""
+    _check_seed(seed, "create_random_seed")
+
+    def run(s, m):
+        # An affine mix modulo 2**32 (a bijection of the low word for each modifier) so
+        # different modifiers give different seeds; computed in int64 (see ops/_intsafe.py).
+        w = s.to(torch.int64)
+        m = m.to(torch.int64)
+        hi = (w[0] * 69069 + m * 2654435761 + 1) % (1 << 32)
+        lo = (w[1] * 1664525 + m * 40503 + 1013904223) % (1 << 32)
+        return torch.stack([hi, lo]).to(torch.uint32)
+
+    return call_torch(run, (seed, modifier), {})
+
+
+def split_random_seed(seed: Tensor, n: int = 2) -> tuple[Tensor, ...]:
+    """``n`` new seeds from ``seed``: ``seed, s1 = ops.split_random_seed(seed)``."""
+    _check_seed(seed, "split_random_seed")
+    return tuple(create_random_seed(seed, constant(i, _dtypes.uint32)) for i in range(n))

@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from . import ops
 from . import remote as _remote
 from .capture import call_torch
+from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
 from .dtypes import dtype as _dtype
 from .dtypes import float32 as _float32
 from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
@@ -119,7 +120,8 @@ def _group_specs(
                     "popxl.compile: the optimizer holds a parameter that is not a parameter of the "
                     "model. Build the optimizer from model.parameters()."
                 )
-            names.append(by_id[id(p)])
+            if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
+                names.append(by_id[id(p)])
         seen.update(names)
         if group.get("maximize"):
             raise ValueError("popxl.compile does not support maximize=True.")
@@ -141,11 +143,9 @@ def _group_specs(
                 fused = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
             specs.append(_GroupSpec(kind, tuple(names), weight_decay=float(group["weight_decay"]) != 0,
                                     fused=fused))  # fmt: skip
-    missing = [n for n in params if n not in seen]
-    if missing:
-        raise ValueError(
-            f"popxl.compile: parameters {missing} are not in the optimizer; they would never train."
-        )
+    # Note [frozen parameters]: a parameter outside the optimizer or with requires_grad=False
+    # is an input of the program, as a buffer is: no gradient, accumulator or optimizer state,
+    # never written. Freezing or unfreezing one changes the specs, so the program is rebuilt.
     return tuple(specs)
 
 
@@ -426,6 +426,67 @@ def _scale(g, coef):
     return g * coef.to(g.dtype)
 
 
+def _count_factor(total, *, bound: int):
+    # float64, rounded once (Note [exact losses over micro-batches])
+    return (float(bound) / total.double()).float()
+
+
+def _rescale(g, factor):
+    return (g.float() * factor).to(g.dtype)
+
+
+# ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
+
+
+def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss_fn,
+                      chunks: int):  # fmt: skip
+    """The module on one micro-batch and the part of the loss it contributes: (objective,
+    count or None, count bound, number of host counts, model outputs)."""
+    if chunks == 1:  # the micro-batch is the global batch: the loss as written
+        out = torch.func.functional_call(model, tensors, args, kwargs)
+        return _scalar_loss(loss_fn(out, targets)), None, 1, 0, out
+    # The model too: a forward may reduce the batch itself (a model that returns its loss).
+    splitter = LossSplitter((args, kwargs, targets))
+    with splitter:
+        out = torch.func.functional_call(model, tensors, args, kwargs)
+        loss = loss_fn(out, targets)
+    split = splitter.split(_scalar_loss(loss), chunks)
+    obj, count = split.objective(chunks, inv_counts)
+    counted = split.counted
+    if split.deferred:
+        return obj, count, counted[0].bound, 0, out
+    return obj, count, 1, len(counted), out
+
+
+def _torch_targets(batch: _Batch):
+    """The batch's targets as torch tensors, as ``loss_fn`` gets them; None for bf16 bit
+    patterns and the like."""
+    if any(a.dtype.kind not in "iub" and a.dtype != np.float32 for a in batch.targets):
+        return None
+    ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
+    ts = [t.long() if t.dtype == torch.int32 else t for t in ts]
+    return tuple(ts) if batch.targets_tuple else ts[0]
+
+
+def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int) -> None:
+    """``check_decomposition`` on the captured outputs' shapes and this batch's targets, and
+    host counts where the step needs them (so a loss they cannot count fails at build)."""
+    targets = _torch_targets(batch)
+    if targets is not None:
+        check_decomposition(loss_fn, metas, targets, chunks)
+        if n_host:
+            host_counts(loss_fn, metas, targets, chunks, n_host)
+
+
+def _scalar_loss(loss):
+    if not isinstance(loss, torch.Tensor) or loss.shape != ():
+        raise ValueError(
+            f"popxl.compile: loss_fn must return a scalar tensor; got "
+            f"{getattr(loss, 'shape', type(loss).__name__)}."
+        )
+    return loss
+
+
 # ---- the trainer --------------------------------------------------------------------------
 
 
@@ -509,6 +570,12 @@ class _Program:
     storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
     scale_vars: list = field(default_factory=list)  # Note [loss scaling]
     overflow_t: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    # the count of a counted-mean loss over the step (Note [exact losses over micro-batches])
+    count_var: Any = None
+    count_bound: int = 1
+    inv_vars: list = field(default_factory=list)
+    frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
+    host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
 
 
 class _LiveState(collections.defaultdict):
@@ -693,7 +760,15 @@ class Trainer:
                 variable(np.zeros(_N_HYPER, np.float64), downcast=False, name=f"hyper/{i}")
                 for i in range(len(specs))
             ]
-            slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]
+            # Note [frozen parameters]: only the optimizer's trainable parameters get slots.
+            slots = [
+                self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items() if n in spec_of
+            ]
+            frozen_vars = {
+                n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n)
+                for n, p in self._params.items()
+                if n not in spec_of
+            }
             buffer_vars = {
                 n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n)
                 for n, b in self._buffers.items()
@@ -707,7 +782,12 @@ class Trainer:
                     scale_vars.append(variable(np.float32(0), name="loss_scale/growth_tracker"))
                     scale_vars.append(variable(np.float32(0), name="loss_scale/overflow"))
 
-            fwd = self._forward_graph(ir, batch, in_streams)
+            fwd = self._forward_graph(ir, batch, in_streams, frozen_vars)
+            counted = self._loss_bound is not None
+            count_var = variable(np.float32(0), name="loss/count") if counted else None
+            inv_vars = []  # one over each host-counted mean's count (Note [exact losses ...])
+            if R * GA > 1:
+                inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             bwd = autodiff(
@@ -724,29 +804,47 @@ class Trainer:
                     for s in slots
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
+                fs = [graph_input(v.shape, v.dtype, n) for n, v in frozen_vars.items()]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
                 sc = graph_input((), _float32, "loss_scale") if scale_vars else None
                 loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
-                info = ops.call_with_info(fwd, *loaded, *ps, *bs)
+                cnt = graph_input((), _float32, "loss/count", by_ref=True) if counted else None
+                inv = (
+                    [graph_input((MAX_COUNTS,), _float32, "loss/inv_counts")] if GA * R > 1 else []
+                )
+                info = ops.call_with_info(fwd, *loaded, *ps, *fs, *bs, *inv)
                 loss = info.outputs[0]
-                # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
-                if sc is not None:  # GradScaler: scaler.scale(loss / GA).backward()
-                    seed = call_torch(_seed, (sc,), {"ga": GA, "dtype": loss.dtype.as_torch()})
+                # The loss is this micro-batch's part of the global loss (Note [exact losses
+                # over micro-batches]): seeded with 1, the parts' gradients add up.
+                if sc is not None:  # GradScaler: scaler.scale(loss).backward()
+                    seed = call_torch(_seed, (sc,), {"ga": 1, "dtype": loss.dtype.as_torch()})
                 else:
-                    seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
+                    seed = constant(np.float32(1.0), loss.dtype, "loss_grad")
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
                 for acc, g in zip(accs, grads, strict=True):
                     ops.var_updates.accumulate_(acc, g)
+                if cnt is not None:
+                    ops.var_updates.accumulate_(cnt, info.outputs[1])
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
+            if count_var is not None:
+                ops.var_updates.accumulator_zero_(count_var)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
-                       *buffer_vars.values(), *scale_vars[:1])  # fmt: skip
+                       *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
+                       *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
             scalars = [
                 call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
+            if count_var is not None:  # divide once by the count over the whole batch
+                total = count_var
+                if R > 1:
+                    total = ops.collectives.replicated_all_reduce(count_var, "add")
+                    ops.var_updates.copy_var_update_(count_var, total)
+                factor = call_torch(_count_factor, (total,), {"bound": self._loss_bound})
+                reduced = [call_torch(_rescale, (g, factor), {}) for g in reduced]
             found = None
             if scale_vars:
                 reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
@@ -782,7 +880,9 @@ class Trainer:
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
             [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
-            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons),
+            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=count_var,
+            count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
+            frozen_vars=frozen_vars,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -809,6 +909,12 @@ class Trainer:
                     t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
+        for n, v in prog.frozen_vars.items():
+            p = self._params[n]
+            if bind(v, p.detach()):
+                prog.storages.append((n, p, p.data_ptr()))
+            else:
+                prog.copied.append([v, p, None])
         for n, v in prog.buffer_vars.items():
             if bind(v, self._buffers[n].detach()):
                 prog.storages.append((n, self._buffers[n], self._buffers[n].data_ptr()))
@@ -856,7 +962,7 @@ class Trainer:
                 state[sname] = variable(zeros, dt, name=vname)
         return _Slot(name, group, var, accum, spec, sharded, state, shards, buffers)
 
-    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams):
+    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams, frozen_vars: dict):
         graph = ir.create_empty_graph("forward")
         with graph:
             io = [graph_input(st.shape, st.dtype, st.tensor_id) for st in in_streams]
@@ -870,34 +976,48 @@ class Trainer:
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
+                if n not in frozen_vars
             }
+            params.update({n: graph_input(v.shape, v.dtype, n) for n, v in frozen_vars.items()})
             bufs = {
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
                 for n, b in self._buffers.items()
             }
-            out = call_torch(
-                torch.func.functional_call, (self.model, {**params, **bufs}, args, kwargs), {}
+            chunks = self.replication_factor * self.gradient_accumulation
+            inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
+            captured = call_torch(
+                _forward_and_loss,
+                (self.model, {**params, **bufs}, args, kwargs, t, inv),
+                {"loss_fn": self.loss_fn, "chunks": chunks},
             )
-            loss = call_torch(self.loss_fn, (out, t), {})
-            if not isinstance(loss, Tensor) or loss.shape != ():
-                raise ValueError(
-                    f"popxl.compile: loss_fn must return a scalar tensor; got "
-                    f"{getattr(loss, 'shape', type(loss).__name__)}."
-                )
-            graph_output(loss)
+            obj, count, bound, n_host, outputs = captured
+            graph_output(obj)
+            if count is not None:
+                graph_output(count)
+        metas = pytree.tree_map(
+            lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
+            if isinstance(h, Tensor) else h, outputs)  # fmt: skip
+        if chunks > 1:
+            _check_split(self.loss_fn, metas, batch, chunks, n_host)
+        # Note [exact losses over micro-batches]: with a counted mean alone, the summed
+        # gradients are multiplied by bound * chunks / (the count over micro-batches and
+        # replicas); counted means among other terms are counted on the host at every step.
+        self._loss_bound = None if count is None else bound * chunks
+        self._loss_host = (n_host, metas)
         return graph
 
     def _reduce(self, s: _Slot, R: int):
-        """The gradient mean over replicas: a shard of it when the state is sharded."""
+        """The gradient sum over replicas (each replica's loss is its part of the global loss:
+        Note [exact losses over micro-batches]): a shard of it when the state is sharded."""
         if R == 1 and not s.sharded:
             return s.accum
         # PopXL collectives take no bfloat16: reduce in float32 and round the mean once.
         g = ops.cast(s.accum, _float32) if s.accum.dtype.name == "bfloat16" else s.accum
         if s.sharded:
             g = ops.collectives.replicated_reduce_scatter(
-                g, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
+                g, "add", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
         else:
-            g = ops.collectives.replicated_all_reduce(g, "mean")
+            g = ops.collectives.replicated_all_reduce(g, "add")
         return ops.cast(g, s.accum.dtype) if g.dtype != s.accum.dtype else g
 
     def _overflow(self, slots: list[_Slot], grads: list[Tensor]) -> Tensor:
@@ -1087,11 +1207,14 @@ class Trainer:
                     "example model.to(...), .half() or `.data = ...`); the program would no "
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
+        inv = self._inverse_counts(prog, batch)  # may raise: before anything changes
         if self.optimizer.state is not self._live or self._eager_stepped:
             # optimizer.load_state_dict, a state set before compiling or an eager
             # optimizer.step() (Note [eager optimizer steps]): applied now.
             self._import_torch_state(prog)
         self._push(prog)
+        if inv is not None:
+            prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
@@ -1102,8 +1225,43 @@ class Trainer:
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        loss = numpy_to_torch(out[loss_stream], loss_stream.dtype).double().mean()
-        return _distributed.mean_over_instances(float(loss), self.replication_factor)
+        return self._loss_value(prog, out[loss_stream])
+
+    def _inverse_counts(self, prog: _Program, batch: _Batch) -> torch.Tensor | None:
+        """One over the global count of every counted mean that the step combines with other
+        terms, counted on the host (Note [exact losses over micro-batches])."""
+        n, metas = prog.host_counts
+        if not n:
+            return None
+        targets = _torch_targets(batch)
+        if targets is None:
+            raise ValueError(
+                "popxl.compile: this loss combines a mean over counted elements with other "
+                "terms, which needs its targets as float32 or integer tensors to count them."
+            )
+        R = self.replication_factor
+        counts = host_counts(self.loss_fn, metas, targets, R * self.gradient_accumulation, n)
+        instances = R // _distributed.local_replicas(R)
+        counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
+        inv = torch.ones(MAX_COUNTS, dtype=torch.float32)
+        inv[: len(counts)] = 1.0 / torch.tensor(counts, dtype=torch.float64)
+        return inv
+
+    def _loss_value(self, prog: _Program, parts: np.ndarray) -> float:
+        """The global batch's loss: the sum of the micro-batch parts over this instance's
+        replicas and over the instances, divided once by a counted mean's count (Note [exact
+        losses over micro-batches])."""
+        R = self.replication_factor
+        local = float(numpy_to_torch(parts, prog.streams[1].dtype).double().sum())
+        instances = R // _distributed.local_replicas(R)
+        total = _distributed.mean_over_instances(local, R) * instances
+        if prog.count_var is None:
+            return total
+        if prog.ir._num_instances > 1:
+            count = prog.session.get_tensors_data([prog.count_var])[prog.count_var]
+        else:
+            count = prog.session._device_rows(prog.count_var)[0]
+        return total * prog.count_bound / float(count)
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
@@ -1169,6 +1327,8 @@ class Trainer:
             return
         state = self._state_by_name(prog)
         for name, p in self._params.items():
+            if name not in state:  # frozen: no state, as torch keeps none
+                continue
             entry = {}
             if self._kind != "sgd":  # torch's Adam keeps a float32 step per parameter
                 entry["step"] = torch.tensor(float(self._step_count))
@@ -1225,6 +1385,8 @@ class Trainer:
         specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
         by_name, steps = {}, set()
         for name, p in self._params.items():
+            if name not in specs:  # frozen (Note [frozen parameters])
+                continue
             entry = raw.get(id(p))
             want = specs[name].state_names
             if not entry or not want:
@@ -1299,6 +1461,7 @@ class Trainer:
             expected = {
                 f"{n}.{k}": self._params[n].detach()
                 for n in self._params
+                if n in specs
                 for k in specs[n].state_names
             }
             given = {}

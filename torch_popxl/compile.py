@@ -1409,10 +1409,14 @@ class Trainer:
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
         steps.discard(-1)  # torch's SGD keeps no step count
         if by_name and (len(steps) > 1 or 0 in steps):
+            fresh = sorted(n for n in specs if n not in by_name)
             raise ValueError(
-                "popxl.compile keeps one step count for all parameters; this optimizer state has "
-                f"{len(by_name)} of {len(self._params)} parameters stepped (steps "
-                f"{sorted(steps)}). Load a checkpoint where every parameter stepped equally."
+                "popxl.compile keeps one step count for all trained parameters; this optimizer "
+                f"state has {len(by_name)} of {len(specs)} of them stepped (steps "
+                f"{sorted(steps)}; without state: {fresh}). A parameter unfrozen or added to the "
+                "optimizer after the first step starts without state while the others have "
+                "some: unfreeze before the first step, or build a new optimizer and compile "
+                "again. A checkpoint must have every parameter stepped equally."
             )
         return by_name, (steps.pop() if steps else 0)
 

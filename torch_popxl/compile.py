@@ -58,6 +58,20 @@ from .transforms.autodiff import autodiff
 __all__ = ["compile", "Trainer", "InferenceProgram"]
 
 _STATE = ("on_chip", "remote")
+_MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatures x modes)
+
+# Note [a program per input signature]
+#     A program has static shapes, eager torch has none. So a Trainer or InferenceProgram
+#     keeps one program per (train/eval mode, input shapes and dtypes), built when that
+#     signature is first seen (a DataLoader's short last batch, an evaluation batch) and kept
+#     for the next time; beyond ``max_programs`` the least recently used one is dropped and
+#     rebuilt if seen again. ``programs`` lists them. Switching between training programs
+#     hands the optimizer state over through torch's ``optimizer.state`` (as a change of
+#     structure does), so every program trains the same state. A training batch must split
+#     into R x GA equal micro-batches (the loss parts add up to the global batch's loss:
+#     Note [exact losses over micro-batches]); one that does not is refused before anything
+#     changes. An eval-mode inference batch that does not split over the replicas is padded
+#     with copies of its last row, whose outputs are dropped (its rows are independent).
 
 
 # ---- optimizers: torch's formulas, written as in-place torch ops ------------------------
@@ -695,7 +709,9 @@ class Trainer:
         self._buffers = dict(model.named_buffers())
         self._kind = _optimizer_kind(optimizer)
         _group_specs(optimizer, self._params)  # validate now, not at the first step
-        self._programs: dict[bool, _Program] = {}
+        # (training, input signature) -> program, least recently used first
+        self._programs: dict[tuple, _Program] = {}
+        self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
         self._step_count = 0
         self._opt_stale = False
@@ -707,6 +723,13 @@ class Trainer:
         self._eager_stepped = False
         ref = weakref.ref(self)
         optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    @property
+    def programs(self) -> tuple[tuple[bool, str], ...]:
+        """The programs built and kept, least recently used first: (training mode, the
+        (inputs, targets) shapes it runs); at most ``max_programs`` (Note [a program per
+        input signature])."""
+        return tuple((training, _describe(key)) for training, key in self._programs)
 
     @property
     def loss_scale(self) -> float | None:
@@ -1135,10 +1158,7 @@ class Trainer:
                 f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s)."
             )
         if batch.size == 0 or batch.size % (R * GA):
-            raise ValueError(
-                f"The global batch of {batch.size} samples must be a positive multiple of "
-                f"replication_factor * gradient_accumulation = {R} * {GA} = {R * GA}."
-            )
+            raise ValueError(_split_advice(batch.size, R, GA))
         return batch
 
     def _check_module_tensors(self) -> None:
@@ -1164,18 +1184,19 @@ class Trainer:
         rebuilt as needed, with the torch-side state it must start from."""
         self._check_module_tensors()
         specs = _group_specs(self.optimizer, self._params)
-        training = self.model.training
-        prog = self._programs.get(training)
+        # Note [a program per input signature]: one program per train/eval mode and input
+        # shapes, built when first seen (a DataLoader's short last batch, eval batches) and
+        # kept, the least recently used dropped beyond ``max_programs``.
+        key = (self.model.training, batch.key)
+        prog = self._programs.pop(key, None)
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
         if prog is None:
             prog = self._build(batch, specs)
-            self._programs[training] = prog
-        elif batch.key != prog.shapes:
-            raise ValueError(
-                f"popxl.compile programs have static shapes: the first step used (inputs, "
-                f"targets) {_describe(prog.shapes)}; this step got {_describe(batch.key)}."
-            )
+        self._programs[key] = prog  # the most recently used last
+        while len(self._programs) > max(self.max_programs, 1):
+            # (a dropped active program still hands its state over below)
+            del self._programs[next(iter(self._programs))]
         if prog is not self._active:
             if self._active is not None and self._live is self.optimizer.state:
                 self._publish_optimizer_state()
@@ -1520,7 +1541,19 @@ class InferenceProgram:
         self.backend = check_backend(backend, executor)
         self.ir = None
         self.session = None
-        self._programs: dict[bool, tuple] = {}  # per train/eval mode: (key, ir, session, ...)
+        # (training, input signature) -> (ir, session, ...), least recently used first
+        self._programs: dict[tuple, tuple] = {}
+        self.max_programs = _MAX_PROGRAMS
+
+    @property
+    def programs(self) -> tuple[tuple[bool, str], ...]:
+        """The programs built and kept, least recently used first: (training mode, input
+        shapes); at most ``max_programs``."""
+        return tuple(
+            (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
+                f", {n}={tuple(s)} {d}" for n, s, d in k[2]))
+            for k in self._programs
+        )  # fmt: skip
 
     def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
         R = _distributed.local_replicas(self.replication_factor)
@@ -1567,22 +1600,34 @@ class InferenceProgram:
             raise ValueError(
                 f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
             )
-        if n == 0 or n % R:
-            raise ValueError(
-                f"The batch of {n} samples must be a positive multiple of replication_factor={R}."
-            )
+        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
+        if n == 0:
+            raise ValueError("popxl.compile: an inference batch needs at least one sample.")
+        padded = -(-n // R) * R
+        if padded != n:
+            if training:  # padding rows would join the batch statistics (BatchNorm)
+                raise ValueError(
+                    f"popxl.compile: a batch of {n} samples does not split over "
+                    f"replication_factor={R} replicas in train mode; give a multiple of {R} "
+                    "(in eval mode any batch size runs). Nothing was changed."
+                )
+            # eval mode: rows are independent; copies of the last row fill the replicas and
+            # their outputs are dropped (Note [a program per input signature])
+            args = [_pad_rows(a, padded) for a in args]
+            kwargs = {k: _pad_rows(a, padded) for k, a in kwargs.items()}
+            arrays = [*args, *kwargs.values()]
         key = (
+            training,
             tuple((a.shape, a.dtype) for a in args),
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
         )
-        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
-        if training not in self._programs:
-            self._programs[training] = (key, *self._build(args, kwargs))
-        built_key, ir, session, streams, out_streams, spec, copied = self._programs[training]
-        if key != built_key:
-            raise ValueError(
-                f"popxl.compile programs have static shapes: built for inputs {built_key}, got {key}."
-            )
+        built = self._programs.pop(key, None)
+        if built is None:
+            built = self._build(args, kwargs)
+        self._programs[key] = built  # the most recently used last
+        while len(self._programs) > max(self.max_programs, 1):
+            del self._programs[next(iter(self._programs))]
+        ir, session, streams, out_streams, spec, copied = built
         self.ir, self.session = ir, session
         for var, t in copied:  # not bound: the module's current values, every call
             session._set_device_value(var, t.detach())
@@ -1595,7 +1640,9 @@ class InferenceProgram:
         for st in out_streams:
             o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
-                o = o.reshape(n, *o.shape[2:])
+                o = o.reshape(padded, *o.shape[2:])
+            if padded != n and o.ndim and o.shape[0] == padded:
+                o = o[:n]
             leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
 
@@ -1701,6 +1748,28 @@ def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
         return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
     return [_array(x, what)], {}
+
+
+def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` with copies of its last row up to ``n`` rows."""
+    return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])
+
+
+def _split_advice(n: int, R: int, GA: int) -> str:
+    """Why ``n`` samples do not split into ``R x GA`` micro-batches, and what would."""
+    chunks = R * GA
+    lower, upper = n // chunks * chunks, (n // chunks + 1) * chunks
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    msg = (
+        f"popxl.compile: a global batch of {n} samples does not split into "
+        f"replication_factor * gradient_accumulation = {R} * {GA} = {chunks} equal "
+        f"micro-batches. Give a multiple of {chunks} (such as {sizes}) or drop a short last "
+        "batch (DataLoader(..., drop_last=True))"
+    )
+    if n and n % R == 0:
+        gas = [g for g in range(1, n // R + 1) if (n // R) % g == 0]
+        msg += f", or compile with a gradient_accumulation that divides {n // R} ({gas})"
+    return msg + ". Nothing was changed."
 
 
 def _describe(key: tuple) -> str:

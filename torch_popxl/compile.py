@@ -475,7 +475,9 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss
 def _torch_targets(batch: _Batch):
     """The batch's targets as torch tensors, as ``loss_fn`` gets them; None for bf16 bit
     patterns and the like."""
-    if any(a.dtype.kind not in "iub" and a.dtype != np.float32 for a in batch.targets):
+    if not batch.targets or any(
+        a.dtype.kind not in "iub" and a.dtype != np.float32 for a in batch.targets
+    ):
         return None
     ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
     ts = [t.long() if t.dtype == torch.int32 else t for t in ts]
@@ -589,6 +591,10 @@ class _Program:
     count_bound: int = 1
     inv_vars: list = field(default_factory=list)
     frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
+    grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
+    grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    out_streams: list = field(default_factory=list)  # return_outputs=True
+    out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
     host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
 
 
@@ -665,7 +671,8 @@ class Trainer:
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
                  device: str | torch.device | None = None, executor: str = "fast",
-                 max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
+                 max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default",
+                 keep_grads: bool = True, return_outputs: bool = False):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -699,6 +706,9 @@ class Trainer:
         self.executor = executor
         self.backend = check_backend(backend, executor)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.keep_grads = bool(keep_grads)
+        self.return_outputs = bool(return_outputs)
+        self._out_spec: Any = None
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
         # modes (bound to their variables, or copied: Note [live torch tensors]).
@@ -777,6 +787,7 @@ class Trainer:
                 for n, a in zip(names, batch.arrays, strict=True)
             ]
             loss_stream = None
+            out_streams: list = []  # the model's outputs (return_outputs=True)
             hyper_vars = [
                 # float64, as torch's Python-float hyperparameters (no downcast: Note
                 # [optimizer arithmetic as torch rounds it])
@@ -850,6 +861,9 @@ class Trainer:
                     ops.var_updates.accumulate_(cnt, info.outputs[1])
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
+                for i, v in enumerate(info.outputs[1 + int(cnt is not None) :]):
+                    out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
+                    ops.host_store(out_streams[-1], v)
             if count_var is not None:
                 ops.var_updates.accumulator_zero_(count_var)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
@@ -875,6 +889,12 @@ class Trainer:
                     found = self._overflow(slots, reduced)
             if self.max_grad_norm is not None:
                 reduced = self._clip(slots, reduced)
+            grad_vars = {}
+            if self.keep_grads:  # Note [p.grad after a step]
+                for s, g in zip(slots, reduced, strict=True):
+                    zeros = np.zeros_like(_host(self._params[s.name]))
+                    grad_vars[s.name] = variable(zeros, s.var.dtype, name=f"grad/{s.name}")
+                    ops.var_updates.copy_var_update_(grad_vars[s.name], self._gather(s, g))
             fused_reasons = []
             for i, spec in enumerate(specs):
                 members = [(s, g) for s, g in zip(slots, reduced, strict=True) if s.group == i]
@@ -905,7 +925,8 @@ class Trainer:
             [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
             scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=count_var,
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
-            frozen_vars=frozen_vars,
+            out_streams=out_streams, out_spec=self._out_spec,
+            frozen_vars=frozen_vars, grad_vars=grad_vars,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -932,6 +953,10 @@ class Trainer:
                     t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
+        for n, v in prog.grad_vars.items():
+            t = torch.zeros_like(self._params[n].detach(), memory_format=torch.contiguous_format)
+            if bind(v, t):
+                prog.grad_t[n] = t
         for n, v in prog.frozen_vars.items():
             p = self._params[n]
             if bind(v, p.detach()):
@@ -995,7 +1020,7 @@ class Trainer:
             n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
             args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
             targets = io[n_in:]
-            t = tuple(targets) if batch.targets_tuple else targets[0]
+            t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -1017,9 +1042,15 @@ class Trainer:
             graph_output(obj)
             if count is not None:
                 graph_output(count)
+            if self.return_outputs:  # the model's outputs, streamed to the host
+                for v in pytree.tree_leaves(outputs):
+                    if isinstance(v, Tensor):
+                        graph_output(v)
         metas = pytree.tree_map(
             lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
             if isinstance(h, Tensor) else h, outputs)  # fmt: skip
+        leaves, spec = pytree.tree_flatten(outputs)
+        self._out_spec = (spec, [None if isinstance(v, Tensor) else v for v in leaves])
         if chunks > 1:
             _check_split(self.loss_fn, metas, batch, chunks, n_host)
         # Note [exact losses over micro-batches]: with a counted mean alone, the summed
@@ -1099,17 +1130,26 @@ class Trainer:
             return ops.cast(p32, s.var.dtype)
         return ops.collectives.replica_sharded_slice(s.var)
 
+    @staticmethod
+    def _gather(s: _Slot, g: Tensor) -> Tensor:
+        """The full tensor of a sharded slot's shard ``g`` (``g`` itself when unsharded)."""
+        if not s.sharded:
+            return g
+        bf16 = g.dtype.name == "bfloat16"  # exact: float32 holds every bf16 value
+        flat = ops.collectives.replicated_all_gather(
+            ops.cast(g, _float32) if bf16 else g, output_shape="concat"
+        )
+        full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
+        return ops.cast(full, g.dtype) if bf16 else full
+
     def _finish_update(self, s: _Slot, p: Tensor, state: list[Tensor]) -> None:
         """Stores off-chip state, all-gathers an updated shard into the parameter and zeroes
         the gradient accumulator."""
         self._store_state(s, state)
         if s.sharded:
-            if p.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
-                flat = ops.collectives.replicated_all_gather(
-                    ops.cast(p, _float32), output_shape="concat")  # fmt: skip
-                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
-                full = ops.cast(full, p.dtype)
-            else:
+            if p.dtype.name == "bfloat16":
+                full = self._gather(s, p)
+            else:  # the slice knows its parameter's shape
                 full = ops.collectives.replicated_all_gather(p)
             ops.var_updates.copy_var_update_(s.var, full)
         ops.var_updates.accumulator_zero_(s.accum)
@@ -1147,6 +1187,8 @@ class Trainer:
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
             t = [_array(v, f"targets[{i}]") for i, v in enumerate(targets)]
+        elif targets is None:  # a model that returns its loss may take no targets
+            t = []
         else:
             t = [_array(targets, "targets")]
         batch = _Batch(args, kwargs, t, targets_tuple)
@@ -1208,12 +1250,12 @@ class Trainer:
             self._active = prog
         return prog
 
-    def plan(self, inputs, targets) -> None:
+    def plan(self, inputs, targets=None) -> None:
         """Build the program for this batch shape without running it (the memory report is
         then available, as PopVision is before going to hardware)."""
         self._prepare(self._check_batch(inputs, targets))
 
-    def step(self, inputs, targets) -> float:
+    def step(self, inputs, targets=None):
         """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
 
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
@@ -1240,13 +1282,33 @@ class Trainer:
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
         self._pull(prog)
+        self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
         self._opt_stale = True
         # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return self._loss_value(prog, out[loss_stream])
+        loss = self._loss_value(prog, out[loss_stream])
+        if not self.return_outputs:
+            return loss
+        return loss, self._outputs(prog, out, batch.size)
+
+    def _outputs(self, prog: _Program, out: dict, n: int):
+        """The model's outputs of the global batch, in its rows' order: every micro-batch's
+        output rows where dim 0 holds them, else the micro-batches' values stacked."""
+        local_R = _distributed.local_replicas(self.replication_factor)
+        GA = self.gradient_accumulation
+        values = []
+        for st in prog.out_streams:
+            o = numpy_to_torch(out[st], st.dtype)
+            o = o.reshape(GA * local_R, *st.shape)  # [GA, R, ...] with R, GA squeezed when 1
+            if st.shape and st.shape[0] * GA * local_R == n:
+                o = o.reshape(n, *st.shape[1:])
+            values.append(o)
+        spec, leaves = prog.out_spec
+        it = iter(values)
+        return pytree.tree_unflatten([next(it) if v is None else v for v in leaves], spec)
 
     def _inverse_counts(self, prog: _Program, batch: _Batch) -> torch.Tensor | None:
         """One over the global count of every counted mean that the step combines with other
@@ -1283,6 +1345,25 @@ class Trainer:
         else:
             count = prog.session._device_rows(prog.count_var)[0]
         return total * prog.count_bound / float(count)
+
+    def _set_grads(self, prog: _Program) -> None:
+        """Note [p.grad after a step]: every trained parameter's ``.grad`` is the gradient
+        its update used, as after eager's backward (and unscale / clipping)."""
+        if not prog.grad_vars:
+            return
+        unbound = [v for n, v in prog.grad_vars.items() if n not in prog.grad_t]
+        if unbound and prog.ir._num_instances > 1:
+            data = prog.session.get_tensors_data(unbound)
+            values = {v.id: numpy_to_torch(data[v], v.dtype) for v in unbound}
+        else:
+            values = {v.id: prog.session._device_rows(v)[0] for v in unbound}
+        with torch.no_grad():
+            for n, v in prog.grad_vars.items():
+                p = self._params[n]
+                g = prog.grad_t.get(n)
+                if g is None:
+                    g = values[v.id].clone().to(p.device)
+                p.grad = g
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
@@ -1650,11 +1731,17 @@ class InferenceProgram:
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str | torch.device | None = None,
-            executor: str = "fast", max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
+            executor: str = "fast", max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default",
+            keep_grads: bool = True, return_outputs: bool = False):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
-    With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
-    :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
+    With an ``optimizer`` the result is a :class:`Trainer`: ``step(inputs, targets)`` trains
+    on ``loss_fn(model(inputs), targets)``, or with ``loss_fn=None`` on the loss the model
+    returns (a scalar tensor, or an output with ``.loss`` / ``["loss"]``; targets optional).
+    Without ``loss_fn`` and ``optimizer``: an :class:`InferenceProgram`. After a step every
+    trained parameter's ``.grad`` holds its gradient (``keep_grads=False``: not kept, less
+    memory); ``return_outputs=True`` makes ``step`` return ``(loss, outputs)``, the model's
+    outputs of the global batch. ``max_grad_norm`` clips the global gradient norm as
     ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
     training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
     its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
@@ -1665,25 +1752,47 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
-    if (loss_fn is None) != (optimizer is None):
+    if optimizer is None and loss_fn is not None:
         raise ValueError(
-            "popxl.compile: give both loss_fn and optimizer for training, or neither for inference."
+            "popxl.compile: a loss_fn without an optimizer; give an optimizer for training "
+            "(loss_fn=None: the model returns its loss), or neither for inference."
         )
     if optimizer is None:
         if (gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip"
                 or max_grad_norm is not None or loss_scaling is not None):  # fmt: skip
             raise ValueError(
                 "gradient_accumulation, rts_threshold, optimizer_state, max_grad_norm and "
-                "loss_scaling only "
-                "apply to training."
+                "loss_scaling only apply to training (give an optimizer)."
             )
         return InferenceProgram(model, replication_factor, device, executor, backend)
-    assert loss_fn is not None  # checked above: both or neither
-    return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor, max_grad_norm, loss_scaling, backend)  # fmt: skip
+    return Trainer(model, loss_fn if loss_fn is not None else model_loss, optimizer,
+                   replication_factor, gradient_accumulation, rts_threshold, optimizer_state,
+                   device, executor, max_grad_norm, loss_scaling, backend, keep_grads,
+                   return_outputs)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def model_loss(output, targets=None):
+    """The loss a model returns from ``forward`` (``loss_fn=None``): the output itself when it
+    is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` entry (Hugging Face
+    ``ModelOutput``, PopTorch-style models)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, tuple | list) and output:
+        loss = output[0]  # (loss, logits, ...) as PopTorch's models return
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "popxl.compile(loss_fn=None): the model must return its loss (a scalar tensor, an "
+            f"output with .loss, or a tuple whose first element is the loss); got "
+            f"{type(output).__name__}. Pass the targets the model needs in the inputs (for "
+            "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
+        )
+    return loss
 
 
 def _mark_eager_step(trainer_ref) -> None:

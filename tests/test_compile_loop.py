@@ -182,3 +182,33 @@ def test_a_model_without_a_loss_says_how_to_give_one():
     x, _ = batches(1)[0]
     with pytest.raises(ValueError, match="scalar tensor"):
         trainer.step(x)
+
+
+def test_a_step_prints_nothing_to_stderr(capfd):
+    """An op without a batching rule runs per replica under vmap; torch's C++ warning about it
+    ("There is a performance drop ...") must not reach the user's stderr, step after step."""
+    torch.manual_seed(0)
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(7, 8)
+            self.head = torch.nn.Linear(8, 7)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    m = Tokens()
+
+    def token_loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    trainer = popxl.compile(m, token_loss, sgd(m), replication_factor=2, gradient_accumulation=2)
+    infer = popxl.compile(m, replication_factor=2)
+    x = torch.randint(0, 7, (8, 5))
+    capfd.readouterr()
+    for _ in range(3):
+        trainer.step(x, torch.randint(0, 7, (8, 5)))
+        infer(x)
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""

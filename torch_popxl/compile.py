@@ -10,8 +10,10 @@ write it by hand:
   ``torch.autograd``;
 * a ``repeat`` over ``gradient_accumulation`` micro-batches loads each micro-batch from the
   host, runs forward and backward and accumulates the gradients;
-* the gradients are then mean-reduced over the replicas (all-reduce, or reduce-scatter when
-  the optimizer state is sharded) and the optimizer update runs with exactly the torch
+* each micro-batch's loss is its part of the global batch's loss (Note [exact losses over
+  micro-batches] in compile_loss.py), so the gradients are then summed over the replicas
+  (all-reduce, or reduce-scatter when the optimizer state is sharded) and the optimizer
+  update runs with exactly the torch
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
@@ -27,6 +29,7 @@ own tensors and ``optimizer.state`` hold the program's values (Note [live torch 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import weakref
@@ -1280,7 +1283,8 @@ class Trainer:
             prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
-        out = prog.session.run(feed)
+        with _quiet():
+            out = prog.session.run(feed)
         self._pull(prog)
         self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
@@ -1347,8 +1351,19 @@ class Trainer:
         return total * prog.count_bound / float(count)
 
     def _set_grads(self, prog: _Program) -> None:
-        """Note [p.grad after a step]: every trained parameter's ``.grad`` is the gradient
-        its update used, as after eager's backward (and unscale / clipping)."""
+        """Every trained parameter's ``.grad`` is the gradient its update used.
+
+        Note [p.grad after a step]
+            Eager loops read ``p.grad`` after ``backward()`` (gradient norms for logging,
+            clipping and inspecting), so after a step it holds what eager's would: the
+            gradient of the global batch's loss, unscaled and clipped where the step unscales
+            and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
+            parameter. The program copies the gradient its update uses into a ``grad/<name>``
+            variable (a sharded one all-gathered first), which is the ``.grad`` tensor itself
+            where the simulator keeps one copy for all replicas (Note [live torch tensors])
+            and is copied into ``.grad`` otherwise. It costs a parameter's size per
+            parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.
+        """
         if not prog.grad_vars:
             return
         unbound = [v for n, v in prog.grad_vars.items() if n not in prog.grad_t]
@@ -1716,7 +1731,8 @@ class InferenceProgram:
             st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
             for st, a in zip(streams, arrays, strict=True)
         }
-        out = session.run(feed)
+        with _quiet():
+            out = session.run(feed)
         leaves = []
         for st in out_streams:
             o = numpy_to_torch(out[st], st.dtype)
@@ -1793,6 +1809,18 @@ def model_loss(output, targets=None):
             "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
         )
     return loss
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A step prints nothing: functorch's C++ "performance drop ... batching rule" warning for
+    an op that runs per replica under vmap is switched off while the program runs (it would
+    print dozens of lines per epoch to stderr; the slow path is the runtime's business)."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:  # torch's default (it keeps no getter to restore a user's setting from)
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
 def _mark_eager_step(trainer_ref) -> None:

@@ -17,17 +17,22 @@ Note [exact losses over micro-batches]
     * a sum: ``w = 1`` (the global sum is the sum of the parts),
     * a mean over a fixed number of elements, or a term that does not depend on the batch
       (a weight penalty): ``w = 1 / (R * GA)``,
-    * a mean over a counted number of elements ``n`` (``total_weight``, ``mask.sum()``):
-      ``w = n / K`` with the static bound ``K`` (elements per micro-batch times ``R * GA``);
-      the summed gradients are multiplied by ``K / N`` once, ``N`` the count summed over
-      micro-batches and replicas (reduce both, divide once). Only one such count may appear,
-      alone: the factor applies to the whole gradient.
+    * a mean over a counted number of elements (``total_weight``, ``mask.sum()``): its
+      numerator (the sum) with ``w = 1 / N``, ``N`` the count over the whole global batch
+      (reduce both, divide once). Where it is the whole loss (a cross-entropy, a model that
+      returns its loss) ``N`` is summed in the step: the numerators are weighted by the
+      static bound ``1 / K`` (elements per micro-batch times ``R * GA``, so the summed
+      gradients keep a mean's magnitude) and the summed gradients multiplied by ``K / N``
+      once. Among other terms (``label_smoothing``, ``ce + 0.1 * mse``) the counts are
+      counted on the host before the step (``host_counts``: ``loss_fn`` run eagerly on the
+      targets and synthetic outputs, twice, to check that the counts do not depend on the
+      outputs) and ``1 / N`` is written to the program.
 
     The backward is seeded with 1 per micro-batch, the replicas' gradients are summed, and
     the reported loss is the sum of the objectives (times ``K / N``), so the value and the
     gradients are eager's on the global batch up to summation order. A loss that is not such
-    a combination (``sqrt(mse)``, a product of two means, a mean mixed with a counted mean)
-    is refused when the program is built. With ``R * GA == 1`` the micro-batch is the global
+    a combination (``sqrt(mse)``, a product of two means, ``max`` over the batch) is refused
+    when the program is built. With ``R * GA == 1`` the micro-batch is the global
     batch and the loss is used as captured. ``check_decomposition`` also evaluates a separate
     ``loss_fn`` eagerly on the first batch's targets, whole and in parts, so a division by
     the micro-batch's size hidden in a number (``kl_div(reduction='batchmean')``) is an
@@ -341,9 +346,8 @@ def _explain(why: str, chunks: int) -> str:
         f"(replication_factor * gradient_accumulation): {why}. The compiled step equals the "
         "eager loop when the loss is a sum of means and sums of the batch with number "
         "coefficients (for example `F.cross_entropy(out, y)`, `bce_sum + kl_sum`, "
-        "`mse + 0.1 * l1`); a mean over counted elements (cross-entropy, ignore_index, "
-        "`x.sum() / mask.sum()`) must be the whole loss. Rewrite the loss in that form, or use "
-        "replication_factor=1 and gradient_accumulation=1."
+        "`mse + 0.1 * l1`, `(x * mask).sum() / mask.sum()`). Rewrite the loss in that form, "
+        "or use replication_factor=1 and gradient_accumulation=1."
     )
 
 

@@ -712,6 +712,9 @@ class Trainer:
         self.keep_grads = bool(keep_grads)
         self.return_outputs = bool(return_outputs)
         self._out_spec: Any = None
+        # the loss split of the program being built (Note [exact losses over micro-batches])
+        self._loss_bound: int | None = None
+        self._loss_host: tuple = (0, None)
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
         # modes (bound to their variables, or copied: Note [live torch tensors]).
@@ -1054,8 +1057,11 @@ class Trainer:
             if isinstance(h, Tensor) else h, outputs)  # fmt: skip
         leaves, spec = pytree.tree_flatten(outputs)
         self._out_spec = (spec, [None if isinstance(v, Tensor) else v for v in leaves])
-        if chunks > 1:
-            _check_split(self.loss_fn, metas, batch, chunks, n_host)
+        if chunks > 1:  # this instance's share of the batch (all of it in one process)
+            local = (
+                _distributed.local_replicas(self.replication_factor) * self.gradient_accumulation
+            )
+            _check_split(self.loss_fn, metas, batch, local, n_host)
         # Note [exact losses over micro-batches]: with a counted mean alone, the summed
         # gradients are multiplied by bound * chunks / (the count over micro-batches and
         # replicas); counted means among other terms are counted on the host at every step.
@@ -1327,7 +1333,8 @@ class Trainer:
                 "terms, which needs its targets as float32 or integer tensors to count them."
             )
         R = self.replication_factor
-        counts = host_counts(self.loss_fn, metas, targets, R * self.gradient_accumulation, n)
+        local = _distributed.local_replicas(R) * self.gradient_accumulation
+        counts = host_counts(self.loss_fn, metas, targets, local, n)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
         inv = torch.ones(MAX_COUNTS, dtype=torch.float32)

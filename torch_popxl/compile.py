@@ -882,7 +882,7 @@ class Trainer:
             ]
             reduced = [self._reduce(s, R) for s in slots]
             if count_var is not None:  # divide once by the count over the whole batch
-                total = count_var
+                total: Any = count_var
                 if R > 1:
                     total = ops.collectives.replicated_all_reduce(count_var, "add")
                     ops.var_updates.copy_var_update_(count_var, total)
@@ -1264,7 +1264,7 @@ class Trainer:
         then available, as PopVision is before going to hardware)."""
         self._prepare(self._check_batch(inputs, targets))
 
-    def step(self, inputs, targets=None):
+    def step(self, inputs, targets=None) -> float | tuple[float, Any]:
         """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
 
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
@@ -1351,6 +1351,7 @@ class Trainer:
         total = _distributed.mean_over_instances(local, R) * instances
         if prog.count_var is None:
             return total
+        count: Any
         if prog.ir._num_instances > 1:
             count = prog.session.get_tensors_data([prog.count_var])[prog.count_var]
         else:

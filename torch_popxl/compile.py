@@ -715,6 +715,7 @@ class Trainer:
         # the loss split of the program being built (Note [exact losses over micro-batches])
         self._loss_bound: int | None = None
         self._loss_host: tuple = (0, None)
+        self._n_outputs = 0
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
         # modes (bound to their variables, or copied: Note [live torch tensors]).
@@ -824,7 +825,14 @@ class Trainer:
 
             fwd = self._forward_graph(ir, batch, in_streams, frozen_vars)
             counted = self._loss_bound is not None
-            count_var = variable(np.float32(0), name="loss/count") if counted else None
+            count_var = total_var = None
+            if counted:
+                # summed in the loop and then over the replicas, as a gradient accumulator
+                # (Note [replica-sum accumulators] in runtime/lower.py); the step's total is
+                # kept in ``total_var`` for the host
+                count_var = variable(np.float32(0), name="loss/count")
+                count_var._set_hints(replica_sum=True)
+                total_var = variable(np.float32(0), name="loss/total_count")
             inv_vars = []  # one over each host-counted mean's count (Note [exact losses ...])
             if R * GA > 1:
                 inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
@@ -867,11 +875,10 @@ class Trainer:
                     ops.var_updates.accumulate_(cnt, info.outputs[1])
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
-                for i, v in enumerate(info.outputs[1 + int(cnt is not None) :]):
+                first = 1 + int(cnt is not None)
+                for i, v in enumerate(info.outputs[first : first + self._n_outputs]):
                     out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                     ops.host_store(out_streams[-1], v)
-            if count_var is not None:
-                ops.var_updates.accumulator_zero_(count_var)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
@@ -885,9 +892,10 @@ class Trainer:
                 total: Any = count_var
                 if R > 1:
                     total = ops.collectives.replicated_all_reduce(count_var, "add")
-                    ops.var_updates.copy_var_update_(count_var, total)
+                ops.var_updates.copy_var_update_(total_var, total)
                 factor = call_torch(_count_factor, (total,), {"bound": self._loss_bound})
                 reduced = [call_torch(_rescale, (g, factor), {}) for g in reduced]
+                ops.var_updates.accumulator_zero_(count_var)
             found = None
             if scale_vars:
                 reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
@@ -929,7 +937,7 @@ class Trainer:
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
             [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
-            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=count_var,
+            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=total_var,
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
             out_streams=out_streams, out_spec=self._out_spec,
             frozen_vars=frozen_vars, grad_vars=grad_vars,
@@ -1048,10 +1056,13 @@ class Trainer:
             graph_output(obj)
             if count is not None:
                 graph_output(count)
+            n_out = 0
             if self.return_outputs:  # the model's outputs, streamed to the host
                 for v in pytree.tree_leaves(outputs):
                     if isinstance(v, Tensor):
                         graph_output(v)
+                        n_out += 1
+        self._n_outputs = n_out  # (autodiff appends the saved activations after them)
         metas = pytree.tree_map(
             lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
             if isinstance(h, Tensor) else h, outputs)  # fmt: skip

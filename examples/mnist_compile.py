@@ -84,6 +84,7 @@ def main(argv=None) -> float:
         rts_threshold=args.rts_threshold or None,
         optimizer_state=args.optimizer_state,
         device=args.device,
+        keep_grads=False,  # the loop never reads p.grad: no full gradients kept (or gathered)
     )
     batch = args.replication_factor * args.gradient_accumulation * args.micro_batch_size
     steps = len(x_train) // batch

@@ -48,9 +48,10 @@ def build(threshold, state, x, y):
     """The compiled trainer of one row, after one step (the program is built then)."""
     torch.manual_seed(0)
     model = make_model()
+    # keep_grads=False: as the published programs, no full gradients are kept after a step
     trainer = popxl.compile(model, torch.nn.functional.cross_entropy, torch.optim.Adam(model.parameters(), 1e-3),
                             replication_factor=R, gradient_accumulation=GA, rts_threshold=threshold,
-                            optimizer_state=state)  # fmt: skip
+                            optimizer_state=state, keep_grads=False)  # fmt: skip
     trainer.step(x[:BATCH], y[:BATCH])
     return trainer
 

@@ -79,15 +79,18 @@ FUSED = {
 
 
 def _eager(model, loss_fn, opt, batches, chunks, between):
-    """Eager torch on the compiled schedule: the mean of ``chunks`` chunk gradients per step."""
+    """Eager torch on the whole batch, chunk by chunk as the compiled schedule sums it: the
+    mean of ``chunks`` chunk gradients for the cross-entropy mean, their sum for
+    ``Elementwise``, whose loss sums over the batch."""
     losses = []
+    weight = 1.0 if loss_fn is _identity_loss else 1.0 / chunks
     for x, y in batches:
         opt.zero_grad()
         total = 0.0
         for xc, yc in zip(x.chunk(chunks), y.chunk(chunks), strict=True):
             loss = loss_fn(model(xc), yc)
-            (loss / chunks).backward()
-            total += loss.item() / chunks
+            (loss * weight).backward()
+            total += loss.item() * weight
         opt.step()
         losses.append(total)
         between()

@@ -42,7 +42,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("transforms", ("torch_popxl.transforms",)),
     ("runtime", ("torch_popxl.runtime", "torch_popxl.session")),
-    ("top", ("torch_popxl.compile", "torch_popxl.addons", "torch_popxl.__main__")),
+    (
+        "top",
+        (
+            "torch_popxl.compile",
+            "torch_popxl.compile_loss",
+            "torch_popxl.addons",
+            "torch_popxl.__main__",
+        ),
+    ),
 ]
 
 

@@ -22,6 +22,8 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "[1.5 1.7 1.9]" in text
     assert "aten.gelu.default" in text
     assert "matmul kernel: aten" in text
+    assert "True (3, 32) (64, 3)\n2\n" in text  # compile: fine-tuning, p.grad, outputs
+    assert "float True" in text  # compile: a model that returns its loss
     assert "[[0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]\n [0.5 0.5 0.5 0.5]]" in text
     assert (
         "['exp_avg', 'exp_avg_sq', 'step'] torch.bfloat16" in text

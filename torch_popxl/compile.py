@@ -10,8 +10,10 @@ write it by hand:
   ``torch.autograd``;
 * a ``repeat`` over ``gradient_accumulation`` micro-batches loads each micro-batch from the
   host, runs forward and backward and accumulates the gradients;
-* the gradients are then mean-reduced over the replicas (all-reduce, or reduce-scatter when
-  the optimizer state is sharded) and the optimizer update runs with exactly the torch
+* each micro-batch's loss is its part of the global batch's loss (Note [exact losses over
+  micro-batches] in compile_loss.py), so the gradients are then summed over the replicas
+  (all-reduce, or reduce-scatter when the optimizer state is sharded) and the optimizer
+  update runs with exactly the torch
   optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
@@ -27,6 +29,7 @@ own tensors and ``optimizer.state`` hold the program's values (Note [live torch 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import weakref
@@ -41,6 +44,7 @@ import torch.utils._pytree as pytree
 from . import ops
 from . import remote as _remote
 from .capture import call_torch
+from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
 from .dtypes import dtype as _dtype
 from .dtypes import float32 as _float32
 from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
@@ -57,6 +61,20 @@ from .transforms.autodiff import autodiff
 __all__ = ["compile", "Trainer", "InferenceProgram"]
 
 _STATE = ("on_chip", "remote")
+_MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatures x modes)
+
+# Note [a program per input signature]
+#     A program has static shapes, eager torch has none. So a Trainer or InferenceProgram
+#     keeps one program per (train/eval mode, input shapes and dtypes), built when that
+#     signature is first seen (a DataLoader's short last batch, an evaluation batch) and kept
+#     for the next time; beyond ``max_programs`` the least recently used one is dropped and
+#     rebuilt if seen again. ``programs`` lists them. Switching between training programs
+#     hands the optimizer state over through torch's ``optimizer.state`` (as a change of
+#     structure does), so every program trains the same state. A training batch must split
+#     into R x GA equal micro-batches (the loss parts add up to the global batch's loss:
+#     Note [exact losses over micro-batches]); one that does not is refused before anything
+#     changes. An eval-mode inference batch that does not split over the replicas is padded
+#     with copies of its last row, whose outputs are dropped (its rows are independent).
 
 
 # ---- optimizers: torch's formulas, written as in-place torch ops ------------------------
@@ -119,7 +137,8 @@ def _group_specs(
                     "popxl.compile: the optimizer holds a parameter that is not a parameter of the "
                     "model. Build the optimizer from model.parameters()."
                 )
-            names.append(by_id[id(p)])
+            if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
+                names.append(by_id[id(p)])
         seen.update(names)
         if group.get("maximize"):
             raise ValueError("popxl.compile does not support maximize=True.")
@@ -141,11 +160,9 @@ def _group_specs(
                 fused = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
             specs.append(_GroupSpec(kind, tuple(names), weight_decay=float(group["weight_decay"]) != 0,
                                     fused=fused))  # fmt: skip
-    missing = [n for n in params if n not in seen]
-    if missing:
-        raise ValueError(
-            f"popxl.compile: parameters {missing} are not in the optimizer; they would never train."
-        )
+    # Note [frozen parameters]: a parameter outside the optimizer or with requires_grad=False
+    # is an input of the program, as a buffer is: no gradient, accumulator or optimizer state,
+    # never written. Freezing or unfreezing one changes the specs, so the program is rebuilt.
     return tuple(specs)
 
 
@@ -426,6 +443,69 @@ def _scale(g, coef):
     return g * coef.to(g.dtype)
 
 
+def _count_factor(total, *, bound: int):
+    # float64, rounded once (Note [exact losses over micro-batches])
+    return (float(bound) / total.double()).float()
+
+
+def _rescale(g, factor):
+    return (g.float() * factor).to(g.dtype)
+
+
+# ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
+
+
+def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss_fn,
+                      chunks: int):  # fmt: skip
+    """The module on one micro-batch and the part of the loss it contributes: (objective,
+    count or None, count bound, number of host counts, model outputs)."""
+    if chunks == 1:  # the micro-batch is the global batch: the loss as written
+        out = torch.func.functional_call(model, tensors, args, kwargs)
+        return _scalar_loss(loss_fn(out, targets)), None, 1, 0, out
+    # The model too: a forward may reduce the batch itself (a model that returns its loss).
+    splitter = LossSplitter((args, kwargs, targets))
+    with splitter:
+        out = torch.func.functional_call(model, tensors, args, kwargs)
+        loss = loss_fn(out, targets)
+    split = splitter.split(_scalar_loss(loss), chunks)
+    obj, count = split.objective(chunks, inv_counts)
+    counted = split.counted
+    if split.deferred:
+        return obj, count, counted[0].bound, 0, out
+    return obj, count, 1, len(counted), out
+
+
+def _torch_targets(batch: _Batch):
+    """The batch's targets as torch tensors, as ``loss_fn`` gets them; None for bf16 bit
+    patterns and the like."""
+    if not batch.targets or any(
+        a.dtype.kind not in "iub" and a.dtype != np.float32 for a in batch.targets
+    ):
+        return None
+    ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
+    ts = [t.long() if t.dtype == torch.int32 else t for t in ts]
+    return tuple(ts) if batch.targets_tuple else ts[0]
+
+
+def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int) -> None:
+    """``check_decomposition`` on the captured outputs' shapes and this batch's targets, and
+    host counts where the step needs them (so a loss they cannot count fails at build)."""
+    targets = _torch_targets(batch)
+    if targets is not None:
+        check_decomposition(loss_fn, metas, targets, chunks)
+        if n_host:
+            host_counts(loss_fn, metas, targets, chunks, n_host)
+
+
+def _scalar_loss(loss):
+    if not isinstance(loss, torch.Tensor) or loss.shape != ():
+        raise ValueError(
+            f"popxl.compile: loss_fn must return a scalar tensor; got "
+            f"{getattr(loss, 'shape', type(loss).__name__)}."
+        )
+    return loss
+
+
 # ---- the trainer --------------------------------------------------------------------------
 
 
@@ -509,6 +589,16 @@ class _Program:
     storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
     scale_vars: list = field(default_factory=list)  # Note [loss scaling]
     overflow_t: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    # the count of a counted-mean loss over the step (Note [exact losses over micro-batches])
+    count_var: Any = None
+    count_bound: int = 1
+    inv_vars: list = field(default_factory=list)
+    frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
+    grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
+    grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    out_streams: list = field(default_factory=list)  # return_outputs=True
+    out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
+    host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
 
 
 class _LiveState(collections.defaultdict):
@@ -584,7 +674,8 @@ class Trainer:
                  replication_factor: int = 1, gradient_accumulation: int = 1,
                  rts_threshold: int | None = None, optimizer_state: str = "on_chip",
                  device: str | torch.device | None = None, executor: str = "fast",
-                 max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
+                 max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default",
+                 keep_grads: bool = True, return_outputs: bool = False):  # fmt: skip
         _check_positive("replication_factor", replication_factor)
         _check_positive("gradient_accumulation", gradient_accumulation)
         if optimizer_state not in _STATE:
@@ -618,6 +709,13 @@ class Trainer:
         self.executor = executor
         self.backend = check_backend(backend, executor)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.keep_grads = bool(keep_grads)
+        self.return_outputs = bool(return_outputs)
+        self._out_spec: Any = None
+        # the loss split of the program being built (Note [exact losses over micro-batches])
+        self._loss_bound: int | None = None
+        self._loss_host: tuple = (0, None)
+        self._n_outputs = 0
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
         # modes (bound to their variables, or copied: Note [live torch tensors]).
@@ -628,7 +726,9 @@ class Trainer:
         self._buffers = dict(model.named_buffers())
         self._kind = _optimizer_kind(optimizer)
         _group_specs(optimizer, self._params)  # validate now, not at the first step
-        self._programs: dict[bool, _Program] = {}
+        # (training, input signature) -> program, least recently used first
+        self._programs: dict[tuple, _Program] = {}
+        self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
         self._step_count = 0
         self._opt_stale = False
@@ -640,6 +740,13 @@ class Trainer:
         self._eager_stepped = False
         ref = weakref.ref(self)
         optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    @property
+    def programs(self) -> tuple[tuple[bool, str], ...]:
+        """The programs built and kept, least recently used first: (training mode, the
+        (inputs, targets) shapes it runs); at most ``max_programs`` (Note [a program per
+        input signature])."""
+        return tuple((training, _describe(key)) for training, key in self._programs)
 
     @property
     def loss_scale(self) -> float | None:
@@ -694,13 +801,22 @@ class Trainer:
                 for n, a in zip(names, batch.arrays, strict=True)
             ]
             loss_stream = None
+            out_streams: list = []  # the model's outputs (return_outputs=True)
             hyper_vars = [
                 # float64, as torch's Python-float hyperparameters (no downcast: Note
                 # [optimizer arithmetic as torch rounds it])
                 variable(np.zeros(_N_HYPER, np.float64), downcast=False, name=f"hyper/{i}")
                 for i in range(len(specs))
             ]
-            slots = [self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items()]
+            # Note [frozen parameters]: only the optimizer's trainable parameters get slots.
+            slots = [
+                self._make_slot(n, p, *spec_of[n]) for n, p in self._params.items() if n in spec_of
+            ]
+            frozen_vars = {
+                n: variable(_host(p), _dtype.as_dtype(p.dtype), name=n)
+                for n, p in self._params.items()
+                if n not in spec_of
+            }
             buffer_vars = {
                 n: variable(_host(b), _dtype.as_dtype(b.dtype), name=n)
                 for n, b in self._buffers.items()
@@ -714,7 +830,19 @@ class Trainer:
                     scale_vars.append(variable(np.float32(0), name="loss_scale/growth_tracker"))
                     scale_vars.append(variable(np.float32(0), name="loss_scale/overflow"))
 
-            fwd = self._forward_graph(ir, batch, in_streams)
+            fwd = self._forward_graph(ir, batch, in_streams, frozen_vars)
+            counted = self._loss_bound is not None
+            count_var = total_var = None
+            if counted:
+                # summed in the loop and then over the replicas, as a gradient accumulator
+                # (Note [replica-sum accumulators] in runtime/lower.py); the step's total is
+                # kept in ``total_var`` for the host
+                count_var = variable(np.float32(0), name="loss/count")
+                count_var._set_hints(replica_sum=True)
+                total_var = variable(np.float32(0), name="loss/total_count")
+            inv_vars = []  # one over each host-counted mean's count (Note [exact losses ...])
+            if R * GA > 1:
+                inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             bwd = autodiff(
@@ -731,29 +859,50 @@ class Trainer:
                     for s in slots
                 ]
                 ps = [graph_input(s.var.shape, s.var.dtype, s.name) for s in slots]
+                fs = [graph_input(v.shape, v.dtype, n) for n, v in frozen_vars.items()]
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
                 sc = graph_input((), _float32, "loss_scale") if scale_vars else None
                 loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
-                info = ops.call_with_info(fwd, *loaded, *ps, *bs)
+                cnt = graph_input((), _float32, "loss/count", by_ref=True) if counted else None
+                inv = (
+                    [graph_input((MAX_COUNTS,), _float32, "loss/inv_counts")] if GA * R > 1 else []
+                )
+                info = ops.call_with_info(fwd, *loaded, *ps, *fs, *bs, *inv)
                 loss = info.outputs[0]
-                # d(loss / GA): accumulating GA micro-batch gradients gives their mean.
-                if sc is not None:  # GradScaler: scaler.scale(loss / GA).backward()
-                    seed = call_torch(_seed, (sc,), {"ga": GA, "dtype": loss.dtype.as_torch()})
+                # The loss is this micro-batch's part of the global loss (Note [exact losses
+                # over micro-batches]): seeded with 1, the parts' gradients add up.
+                if sc is not None:  # GradScaler: scaler.scale(loss).backward()
+                    seed = call_torch(_seed, (sc,), {"ga": 1, "dtype": loss.dtype.as_torch()})
                 else:
-                    seed = constant(np.float32(1.0 / GA), loss.dtype, "loss_grad")
+                    seed = constant(np.float32(1.0), loss.dtype, "loss_grad")
                 grads = ops.call(bwd.graph, seed, inputs_dict=bwd.inputs_dict(info))
                 for acc, g in zip(accs, grads, strict=True):
                     ops.var_updates.accumulate_(acc, g)
+                if cnt is not None:
+                    ops.var_updates.accumulate_(cnt, info.outputs[1])
                 loss_stream = d2h_stream(loss.shape, loss.dtype, "loss")
                 ops.host_store(loss_stream, loss)
+                first = 1 + int(cnt is not None)
+                for i, v in enumerate(info.outputs[first : first + self._n_outputs]):
+                    out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
+                    ops.host_store(out_streams[-1], v)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
-                       *buffer_vars.values(), *scale_vars[:1])  # fmt: skip
+                       *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
+                       *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
             scalars = [
                 call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
+            if count_var is not None and total_var is not None:  # divide once by the count
+                total: Any = count_var
+                if R > 1:
+                    total = ops.collectives.replicated_all_reduce(count_var, "add")
+                ops.var_updates.copy_var_update_(total_var, total)
+                factor = call_torch(_count_factor, (total,), {"bound": self._loss_bound})
+                reduced = [call_torch(_rescale, (g, factor), {}) for g in reduced]
+                ops.var_updates.accumulator_zero_(count_var)
             found = None
             if scale_vars:
                 reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
@@ -761,6 +910,12 @@ class Trainer:
                     found = self._overflow(slots, reduced)
             if self.max_grad_norm is not None:
                 reduced = self._clip(slots, reduced)
+            grad_vars = {}
+            if self.keep_grads:  # Note [p.grad after a step]
+                for s, g in zip(slots, reduced, strict=True):
+                    zeros = np.zeros_like(_host(self._params[s.name]))
+                    grad_vars[s.name] = variable(zeros, s.var.dtype, name=f"grad/{s.name}")
+                    ops.var_updates.copy_var_update_(grad_vars[s.name], self._gather(s, g))
             fused_reasons = []
             for i, spec in enumerate(specs):
                 members = [(s, g) for s, g in zip(slots, reduced, strict=True) if s.group == i]
@@ -789,7 +944,10 @@ class Trainer:
         prog = _Program(
             ir, session, self.model.training, specs, batch.key, (in_streams, loss_stream), slots, buffer_vars, step, hyper_vars,
             [torch.zeros(_N_HYPER, dtype=torch.float64) for _ in specs], torch.zeros(()),
-            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons),
+            scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=total_var,
+            count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
+            out_streams=out_streams, out_spec=self._out_spec,
+            frozen_vars=frozen_vars, grad_vars=grad_vars,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -816,6 +974,16 @@ class Trainer:
                     t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
+        for n, v in prog.grad_vars.items():
+            t = torch.zeros_like(self._params[n].detach(), memory_format=torch.contiguous_format)
+            if bind(v, t):
+                prog.grad_t[n] = t
+        for n, v in prog.frozen_vars.items():
+            p = self._params[n]
+            if bind(v, p.detach()):
+                prog.storages.append((n, p, p.data_ptr()))
+            else:
+                prog.copied.append([v, p, None])
         for n, v in prog.buffer_vars.items():
             if bind(v, self._buffers[n].detach()):
                 prog.storages.append((n, self._buffers[n], self._buffers[n].data_ptr()))
@@ -863,7 +1031,7 @@ class Trainer:
                 state[sname] = variable(zeros, dt, name=vname)
         return _Slot(name, group, var, accum, spec, sharded, state, shards, buffers)
 
-    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams):
+    def _forward_graph(self, ir: Ir, batch: _Batch, in_streams, frozen_vars: dict):
         graph = ir.create_empty_graph("forward")
         with graph:
             io = [graph_input(st.shape, st.dtype, st.tensor_id) for st in in_streams]
@@ -873,38 +1041,64 @@ class Trainer:
             n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
             args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
             targets = io[n_in:]
-            t = tuple(targets) if batch.targets_tuple else targets[0]
+            t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
+                if n not in frozen_vars
             }
+            params.update({n: graph_input(v.shape, v.dtype, n) for n, v in frozen_vars.items()})
             bufs = {
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
                 for n, b in self._buffers.items()
             }
-            out = call_torch(
-                torch.func.functional_call, (self.model, {**params, **bufs}, args, kwargs), {}
+            chunks = self.replication_factor * self.gradient_accumulation
+            inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
+            captured = call_torch(
+                _forward_and_loss,
+                (self.model, {**params, **bufs}, args, kwargs, t, inv),
+                {"loss_fn": self.loss_fn, "chunks": chunks},
             )
-            loss = call_torch(self.loss_fn, (out, t), {})
-            if not isinstance(loss, Tensor) or loss.shape != ():
-                raise ValueError(
-                    f"popxl.compile: loss_fn must return a scalar tensor; got "
-                    f"{getattr(loss, 'shape', type(loss).__name__)}."
-                )
-            graph_output(loss)
+            obj, count, bound, n_host, outputs = captured
+            graph_output(obj)
+            if count is not None:
+                graph_output(count)
+            n_out = 0
+            if self.return_outputs:  # the model's outputs, streamed to the host
+                for v in pytree.tree_leaves(outputs):
+                    if isinstance(v, Tensor):
+                        graph_output(v)
+                        n_out += 1
+        self._n_outputs = n_out  # (autodiff appends the saved activations after them)
+        metas = pytree.tree_map(
+            lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
+            if isinstance(h, Tensor) else h, outputs)  # fmt: skip
+        leaves, spec = pytree.tree_flatten(outputs)
+        self._out_spec = (spec, [None if isinstance(v, Tensor) else v for v in leaves])
+        if chunks > 1:  # this instance's share of the batch (all of it in one process)
+            local = (
+                _distributed.local_replicas(self.replication_factor) * self.gradient_accumulation
+            )
+            _check_split(self.loss_fn, metas, batch, local, n_host)
+        # Note [exact losses over micro-batches]: with a counted mean alone, the summed
+        # gradients are multiplied by bound * chunks / (the count over micro-batches and
+        # replicas); counted means among other terms are counted on the host at every step.
+        self._loss_bound = None if count is None else bound * chunks
+        self._loss_host = (n_host, metas)
         return graph
 
     def _reduce(self, s: _Slot, R: int):
-        """The gradient mean over replicas: a shard of it when the state is sharded."""
+        """The gradient sum over replicas (each replica's loss is its part of the global loss:
+        Note [exact losses over micro-batches]): a shard of it when the state is sharded."""
         if R == 1 and not s.sharded:
             return s.accum
         # PopXL collectives take no bfloat16: reduce in float32 and round the mean once.
         g = ops.cast(s.accum, _float32) if s.accum.dtype.name == "bfloat16" else s.accum
         if s.sharded:
             g = ops.collectives.replicated_reduce_scatter(
-                g, "mean", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
+                g, "add", configure_output_for_replicated_tensor_sharding=True)  # fmt: skip
         else:
-            g = ops.collectives.replicated_all_reduce(g, "mean")
+            g = ops.collectives.replicated_all_reduce(g, "add")
         return ops.cast(g, s.accum.dtype) if g.dtype != s.accum.dtype else g
 
     def _overflow(self, slots: list[_Slot], grads: list[Tensor]) -> Tensor:
@@ -963,17 +1157,26 @@ class Trainer:
             return ops.cast(p32, s.var.dtype)
         return ops.collectives.replica_sharded_slice(s.var)
 
+    @staticmethod
+    def _gather(s: _Slot, g: Tensor) -> Tensor:
+        """The full tensor of a sharded slot's shard ``g`` (``g`` itself when unsharded)."""
+        if not s.sharded:
+            return g
+        bf16 = g.dtype.name == "bfloat16"  # exact: float32 holds every bf16 value
+        flat = ops.collectives.replicated_all_gather(
+            ops.cast(g, _float32) if bf16 else g, output_shape="concat"
+        )
+        full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
+        return ops.cast(full, g.dtype) if bf16 else full
+
     def _finish_update(self, s: _Slot, p: Tensor, state: list[Tensor]) -> None:
         """Stores off-chip state, all-gathers an updated shard into the parameter and zeroes
         the gradient accumulator."""
         self._store_state(s, state)
         if s.sharded:
-            if p.dtype.name == "bfloat16":  # exact: float32 holds every bf16 value
-                flat = ops.collectives.replicated_all_gather(
-                    ops.cast(p, _float32), output_shape="concat")  # fmt: skip
-                full = call_torch(_unpad, (flat,), {"shape": tuple(s.var.shape)})
-                full = ops.cast(full, p.dtype)
-            else:
+            if p.dtype.name == "bfloat16":
+                full = self._gather(s, p)
+            else:  # the slice knows its parameter's shape
                 full = ops.collectives.replicated_all_gather(p)
             ops.var_updates.copy_var_update_(s.var, full)
         ops.var_updates.accumulator_zero_(s.accum)
@@ -1011,6 +1214,8 @@ class Trainer:
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
             t = [_array(v, f"targets[{i}]") for i, v in enumerate(targets)]
+        elif targets is None:  # a model that returns its loss may take no targets
+            t = []
         else:
             t = [_array(targets, "targets")]
         batch = _Batch(args, kwargs, t, targets_tuple)
@@ -1022,10 +1227,7 @@ class Trainer:
                 f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s)."
             )
         if batch.size == 0 or batch.size % (R * GA):
-            raise ValueError(
-                f"The global batch of {batch.size} samples must be a positive multiple of "
-                f"replication_factor * gradient_accumulation = {R} * {GA} = {R * GA}."
-            )
+            raise ValueError(_split_advice(batch.size, R, GA))
         return batch
 
     def _check_module_tensors(self) -> None:
@@ -1051,18 +1253,19 @@ class Trainer:
         rebuilt as needed, with the torch-side state it must start from."""
         self._check_module_tensors()
         specs = _group_specs(self.optimizer, self._params)
-        training = self.model.training
-        prog = self._programs.get(training)
+        # Note [a program per input signature]: one program per train/eval mode and input
+        # shapes, built when first seen (a DataLoader's short last batch, eval batches) and
+        # kept, the least recently used dropped beyond ``max_programs``.
+        key = (self.model.training, batch.key)
+        prog = self._programs.pop(key, None)
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
         if prog is None:
             prog = self._build(batch, specs)
-            self._programs[training] = prog
-        elif batch.key != prog.shapes:
-            raise ValueError(
-                f"popxl.compile programs have static shapes: the first step used (inputs, "
-                f"targets) {_describe(prog.shapes)}; this step got {_describe(batch.key)}."
-            )
+        self._programs[key] = prog  # the most recently used last
+        while len(self._programs) > max(self.max_programs, 1):
+            # (a dropped active program still hands its state over below)
+            del self._programs[next(iter(self._programs))]
         if prog is not self._active:
             if self._active is not None and self._live is self.optimizer.state:
                 self._publish_optimizer_state()
@@ -1074,12 +1277,12 @@ class Trainer:
             self._active = prog
         return prog
 
-    def plan(self, inputs, targets) -> None:
+    def plan(self, inputs, targets=None) -> None:
         """Build the program for this batch shape without running it (the memory report is
         then available, as PopVision is before going to hardware)."""
         self._prepare(self._check_batch(inputs, targets))
 
-    def step(self, inputs, targets) -> float:
+    def step(self, inputs, targets=None) -> float | tuple[float, Any]:
         """One optimizer step on a global batch of ``R * GA * micro`` samples; returns the loss.
 
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
@@ -1094,23 +1297,114 @@ class Trainer:
                     "example model.to(...), .half() or `.data = ...`); the program would no "
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
+        inv = self._inverse_counts(prog, batch)  # may raise: before anything changes
         if self.optimizer.state is not self._live or self._eager_stepped:
             # optimizer.load_state_dict, a state set before compiling or an eager
             # optimizer.step() (Note [eager optimizer steps]): applied now.
             self._import_torch_state(prog)
         self._push(prog)
+        if inv is not None:
+            prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
-        out = prog.session.run(feed)
+        with _quiet():
+            out = prog.session.run(feed)
         self._pull(prog)
+        self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
         self._opt_stale = True
         # This step is the optimizer's step: tell torch's LR schedulers, which otherwise warn
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        loss = numpy_to_torch(out[loss_stream], loss_stream.dtype).double().mean()
-        return _distributed.mean_over_instances(float(loss), self.replication_factor)
+        loss = self._loss_value(prog, out[loss_stream])
+        if not self.return_outputs:
+            return loss
+        return loss, self._outputs(prog, out, batch.size)
+
+    def _outputs(self, prog: _Program, out: dict, n: int):
+        """The model's outputs of the global batch, in its rows' order: every micro-batch's
+        output rows where dim 0 holds them, else the micro-batches' values stacked."""
+        local_R = _distributed.local_replicas(self.replication_factor)
+        GA = self.gradient_accumulation
+        values = []
+        for st in prog.out_streams:
+            o = numpy_to_torch(out[st], st.dtype)
+            o = o.reshape(GA * local_R, *st.shape)  # [GA, R, ...] with R, GA squeezed when 1
+            if st.shape and st.shape[0] * GA * local_R == n:
+                o = o.reshape(n, *st.shape[1:])
+            values.append(o)
+        spec, leaves = prog.out_spec
+        it = iter(values)
+        return pytree.tree_unflatten([next(it) if v is None else v for v in leaves], spec)
+
+    def _inverse_counts(self, prog: _Program, batch: _Batch) -> torch.Tensor | None:
+        """One over the global count of every counted mean that the step combines with other
+        terms, counted on the host (Note [exact losses over micro-batches])."""
+        n, metas = prog.host_counts
+        if not n:
+            return None
+        targets = _torch_targets(batch)
+        if targets is None:
+            raise ValueError(
+                "popxl.compile: this loss combines a mean over counted elements with other "
+                "terms, which needs its targets as float32 or integer tensors to count them."
+            )
+        R = self.replication_factor
+        local = _distributed.local_replicas(R) * self.gradient_accumulation
+        counts = host_counts(self.loss_fn, metas, targets, local, n, verify=False)
+        instances = R // _distributed.local_replicas(R)
+        counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
+        inv = torch.ones(MAX_COUNTS, dtype=torch.float32)
+        inv[: len(counts)] = 1.0 / torch.tensor(counts, dtype=torch.float64)
+        return inv
+
+    def _loss_value(self, prog: _Program, parts: np.ndarray) -> float:
+        """The global batch's loss: the sum of the micro-batch parts over this instance's
+        replicas and over the instances, divided once by a counted mean's count (Note [exact
+        losses over micro-batches])."""
+        R = self.replication_factor
+        local = float(numpy_to_torch(parts, prog.streams[1].dtype).double().sum())
+        instances = R // _distributed.local_replicas(R)
+        total = _distributed.mean_over_instances(local, R) * instances
+        if prog.count_var is None:
+            return total
+        count: Any
+        if prog.ir._num_instances > 1:
+            count = prog.session.get_tensors_data([prog.count_var])[prog.count_var]
+        else:
+            count = prog.session._device_rows(prog.count_var)[0]
+        return total * prog.count_bound / float(count)
+
+    def _set_grads(self, prog: _Program) -> None:
+        """Every trained parameter's ``.grad`` is the gradient its update used.
+
+        Note [p.grad after a step]
+            Eager loops read ``p.grad`` after ``backward()`` (gradient norms for logging,
+            clipping and inspecting), so after a step it holds what eager's would: the
+            gradient of the global batch's loss, unscaled and clipped where the step unscales
+            and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
+            parameter. The program copies the gradient its update uses into a ``grad/<name>``
+            variable (a sharded one all-gathered first), which is the ``.grad`` tensor itself
+            where the simulator keeps one copy for all replicas (Note [live torch tensors])
+            and is copied into ``.grad`` otherwise. It costs a parameter's size per
+            parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.
+        """
+        if not prog.grad_vars:
+            return
+        unbound = [v for n, v in prog.grad_vars.items() if n not in prog.grad_t]
+        if unbound and prog.ir._num_instances > 1:
+            data = prog.session.get_tensors_data(unbound)
+            values = {v.id: numpy_to_torch(data[v], v.dtype) for v in unbound}
+        else:
+            values = {v.id: prog.session._device_rows(v)[0] for v in unbound}
+        with torch.no_grad():
+            for n, v in prog.grad_vars.items():
+                p = self._params[n]
+                g = prog.grad_t.get(n)
+                if g is None:
+                    g = values[v.id].clone().to(p.device)
+                p.grad = g
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
@@ -1176,6 +1470,8 @@ class Trainer:
             return
         state = self._state_by_name(prog)
         for name, p in self._params.items():
+            if name not in state:  # frozen: no state, as torch keeps none
+                continue
             entry = {}
             if self._kind != "sgd":  # torch's Adam keeps a float32 step per parameter
                 entry["step"] = torch.tensor(float(self._step_count))
@@ -1232,6 +1528,8 @@ class Trainer:
         specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
         by_name, steps = {}, set()
         for name, p in self._params.items():
+            if name not in specs:  # frozen (Note [frozen parameters])
+                continue
             entry = raw.get(id(p))
             want = specs[name].state_names
             if not entry or not want:
@@ -1254,10 +1552,14 @@ class Trainer:
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
         steps.discard(-1)  # torch's SGD keeps no step count
         if by_name and (len(steps) > 1 or 0 in steps):
+            fresh = sorted(n for n in specs if n not in by_name)
             raise ValueError(
-                "popxl.compile keeps one step count for all parameters; this optimizer state has "
-                f"{len(by_name)} of {len(self._params)} parameters stepped (steps "
-                f"{sorted(steps)}). Load a checkpoint where every parameter stepped equally."
+                "popxl.compile keeps one step count for all trained parameters; this optimizer "
+                f"state has {len(by_name)} of {len(specs)} of them stepped (steps "
+                f"{sorted(steps)}; without state: {fresh}). A parameter unfrozen or added to the "
+                "optimizer after the first step starts without state while the others have "
+                "some: unfreeze before the first step, or build a new optimizer and compile "
+                "again. A checkpoint must have every parameter stepped equally."
             )
         return by_name, (steps.pop() if steps else 0)
 
@@ -1306,6 +1608,7 @@ class Trainer:
             expected = {
                 f"{n}.{k}": self._params[n].detach()
                 for n in self._params
+                if n in specs
                 for k in specs[n].state_names
             }
             given = {}
@@ -1360,7 +1663,19 @@ class InferenceProgram:
         self.backend = check_backend(backend, executor)
         self.ir = None
         self.session = None
-        self._programs: dict[bool, tuple] = {}  # per train/eval mode: (key, ir, session, ...)
+        # (training, input signature) -> (ir, session, ...), least recently used first
+        self._programs: dict[tuple, tuple] = {}
+        self.max_programs = _MAX_PROGRAMS
+
+    @property
+    def programs(self) -> tuple[tuple[bool, str], ...]:
+        """The programs built and kept, least recently used first: (training mode, input
+        shapes); at most ``max_programs``."""
+        return tuple(
+            (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
+                f", {n}={tuple(s)} {d}" for n, s, d in k[2]))
+            for k in self._programs
+        )  # fmt: skip
 
     def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
         R = _distributed.local_replicas(self.replication_factor)
@@ -1414,22 +1729,34 @@ class InferenceProgram:
             raise ValueError(
                 f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
             )
-        if n == 0 or n % R:
-            raise ValueError(
-                f"The batch of {n} samples must be a positive multiple of replication_factor={R}."
-            )
+        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
+        if n == 0:
+            raise ValueError("popxl.compile: an inference batch needs at least one sample.")
+        padded = -(-n // R) * R
+        if padded != n:
+            if training:  # padding rows would join the batch statistics (BatchNorm)
+                raise ValueError(
+                    f"popxl.compile: a batch of {n} samples does not split over "
+                    f"replication_factor={R} replicas in train mode; give a multiple of {R} "
+                    "(in eval mode any batch size runs). Nothing was changed."
+                )
+            # eval mode: rows are independent; copies of the last row fill the replicas and
+            # their outputs are dropped (Note [a program per input signature])
+            args = [_pad_rows(a, padded) for a in args]
+            kwargs = {k: _pad_rows(a, padded) for k, a in kwargs.items()}
+            arrays = [*args, *kwargs.values()]
         key = (
+            training,
             tuple((a.shape, a.dtype) for a in args),
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
         )
-        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
-        if training not in self._programs:
-            self._programs[training] = (key, *self._build(args, kwargs))
-        built_key, ir, session, streams, out_streams, spec, copied = self._programs[training]
-        if key != built_key:
-            raise ValueError(
-                f"popxl.compile programs have static shapes: built for inputs {built_key}, got {key}."
-            )
+        built = self._programs.pop(key, None)
+        if built is None:
+            built = self._build(args, kwargs)
+        self._programs[key] = built  # the most recently used last
+        while len(self._programs) > max(self.max_programs, 1):
+            del self._programs[next(iter(self._programs))]
+        ir, session, streams, out_streams, spec, copied = built
         self.ir, self.session = ir, session
         for var, t in copied:  # not bound: the module's current values, every call
             session._set_device_value(var, t.detach())
@@ -1437,12 +1764,15 @@ class InferenceProgram:
             st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
             for st, a in zip(streams, arrays, strict=True)
         }
-        out = session.run(feed)
+        with _quiet():
+            out = session.run(feed)
         leaves = []
         for st in out_streams:
             o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
-                o = o.reshape(n, *o.shape[2:])
+                o = o.reshape(padded, *o.shape[2:])
+            if padded != n and o.ndim and o.shape[0] == padded:
+                o = o[:n]
             leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
 
@@ -1450,11 +1780,17 @@ class InferenceProgram:
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str | torch.device | None = None,
-            executor: str = "fast", max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default"):  # fmt: skip
+            executor: str = "fast", max_grad_norm: float | None = None, loss_scaling=None, backend: str = "default",
+            keep_grads: bool = True, return_outputs: bool = False):  # fmt: skip
     """Compile ``model`` into a PopXL program.
 
-    With ``loss_fn`` and ``optimizer`` the result is a :class:`Trainer`; without them an
-    :class:`InferenceProgram`. ``max_grad_norm`` clips the global gradient norm as
+    With an ``optimizer`` the result is a :class:`Trainer`: ``step(inputs, targets)`` trains
+    on ``loss_fn(model(inputs), targets)``, or with ``loss_fn=None`` on the loss the model
+    returns (a scalar tensor, or an output with ``.loss`` / ``["loss"]``; targets optional).
+    Without ``loss_fn`` and ``optimizer``: an :class:`InferenceProgram`. After a step every
+    trained parameter's ``.grad`` holds its gradient (``keep_grads=False``: not kept, less
+    memory); ``return_outputs=True`` makes ``step`` return ``(loss, outputs)``, the model's
+    outputs of the global batch. ``max_grad_norm`` clips the global gradient norm as
     ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
     training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
     its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
@@ -1465,25 +1801,59 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
-    if (loss_fn is None) != (optimizer is None):
+    if optimizer is None and loss_fn is not None:
         raise ValueError(
-            "popxl.compile: give both loss_fn and optimizer for training, or neither for inference."
+            "popxl.compile: a loss_fn without an optimizer; give an optimizer for training "
+            "(loss_fn=None: the model returns its loss), or neither for inference."
         )
     if optimizer is None:
         if (gradient_accumulation != 1 or rts_threshold is not None or optimizer_state != "on_chip"
                 or max_grad_norm is not None or loss_scaling is not None):  # fmt: skip
             raise ValueError(
                 "gradient_accumulation, rts_threshold, optimizer_state, max_grad_norm and "
-                "loss_scaling only "
-                "apply to training."
+                "loss_scaling only apply to training (give an optimizer)."
             )
         return InferenceProgram(model, replication_factor, device, executor, backend)
-    assert loss_fn is not None  # checked above: both or neither
-    return Trainer(model, loss_fn, optimizer, replication_factor, gradient_accumulation, rts_threshold,
-                   optimizer_state, device, executor, max_grad_norm, loss_scaling, backend)  # fmt: skip
+    return Trainer(model, loss_fn if loss_fn is not None else model_loss, optimizer,
+                   replication_factor, gradient_accumulation, rts_threshold, optimizer_state,
+                   device, executor, max_grad_norm, loss_scaling, backend, keep_grads,
+                   return_outputs)  # fmt: skip
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def model_loss(output, targets=None):
+    """The loss a model returns from ``forward`` (``loss_fn=None``): the output itself when it
+    is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` entry (Hugging Face
+    ``ModelOutput``, PopTorch-style models)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, tuple | list) and output:
+        loss = output[0]  # (loss, logits, ...) as PopTorch's models return
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "popxl.compile(loss_fn=None): the model must return its loss (a scalar tensor, an "
+            f"output with .loss, or a tuple whose first element is the loss); got "
+            f"{type(output).__name__}. Pass the targets the model needs in the inputs (for "
+            "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
+        )
+    return loss
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A step prints nothing: functorch's C++ "performance drop ... batching rule" warning for
+    an op that runs per replica under vmap is switched off while the program runs (it would
+    print dozens of lines per epoch to stderr; the slow path is the runtime's business)."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:  # torch's default (it keeps no getter to restore a user's setting from)
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
 def _mark_eager_step(trainer_ref) -> None:
@@ -1548,6 +1918,28 @@ def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
         return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
     return [_array(x, what)], {}
+
+
+def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` with copies of its last row up to ``n`` rows."""
+    return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])
+
+
+def _split_advice(n: int, R: int, GA: int) -> str:
+    """Why ``n`` samples do not split into ``R x GA`` micro-batches, and what would."""
+    chunks = R * GA
+    lower, upper = n // chunks * chunks, (n // chunks + 1) * chunks
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    msg = (
+        f"popxl.compile: a global batch of {n} samples does not split into "
+        f"replication_factor * gradient_accumulation = {R} * {GA} = {chunks} equal "
+        f"micro-batches. Give a multiple of {chunks} (such as {sizes}) or drop a short last "
+        "batch (DataLoader(..., drop_last=True))"
+    )
+    if n and n % R == 0:
+        gas = [g for g in range(1, n // R + 1) if (n // R) % g == 0]
+        msg += f", or compile with a gradient_accumulation that divides {n // R} ({gas})"
+    return msg + ". Nothing was changed."
 
 
 def _describe(key: tuple) -> str:

@@ -1,0 +1,127 @@
+"""Fine-tuning with popxl.compile: frozen parameters stay untouched, the rest trains as eager.
+
+A parameter with ``requires_grad=False`` or outside the optimizer gets no gradient, no
+accumulator and no optimizer state (torch's optimizers skip a parameter whose grad is None);
+the compiled step must do the same and train the others as the eager loop on the global batch.
+
+Tolerance: float32 sums in another order (per replica, per micro-batch): rtol 1e-5 / atol 1e-6
+after 3 steps of SGD with momentum (Adam would amplify rounding where a gradient is about 0).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_popxl as popxl
+
+RTOL, ATOL = 1e-5, 1e-6
+LAYOUTS = [(1, 1, False, "on_chip"), (2, 2, True, "remote"), (4, 1, True, "on_chip"),
+           (1, 4, False, "remote")]  # fmt: skip
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def freeze(m, how):
+    """Freezes the first layer (a backbone) the way fine-tuning scripts do; the optimizer."""
+    if how == "requires_grad_false":  # frozen, yet still in the optimizer
+        m[0].requires_grad_(False)
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    if how == "not_in_optimizer":  # trainable, but the optimizer never steps it
+        return torch.optim.SGD(list(m[2:].parameters()), lr=0.05, momentum=0.9)
+    assert how == "both"
+    m[0].requires_grad_(False)
+    return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+
+def batches(n=3, size=16):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(n)]  # fmt: skip
+
+
+def eager_step(m, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(m(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("how", ["requires_grad_false", "not_in_optimizer", "both"])
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS)
+def test_frozen_parameters_stay_untouched_and_the_rest_trains_as_eager(how, R, GA, rts, state):
+    m, ref = model(), model()
+    opt, ref_opt = freeze(m, how), freeze(ref, how)
+    frozen = {n: p.detach().clone() for n, p in m.named_parameters() if n.startswith("0.")}
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=64 if rts else None, optimizer_state=state)  # fmt: skip
+    for x, y in batches():
+        assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)
+    for n, p in m.named_parameters():
+        if n in frozen:
+            assert torch.equal(p.detach(), frozen[n]), n
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, err_msg=n)
+    # optimizer state: none for the frozen layer, eager's momentum for the others
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert sorted(names[id(p)] for p in opt.state) == ["2.bias", "2.weight", "4.bias", "4.weight"]
+    ref_params = dict(ref.named_parameters())
+    for p, st in opt.state.items():
+        want = ref_opt.state[ref_params[names[id(p)]]]["momentum_buffer"]
+        np.testing.assert_allclose(st["momentum_buffer"], want, rtol=RTOL, atol=ATOL)
+    # no accumulator or state for the frozen layer in the program
+    assert [s.name for s in trainer._active.slots] == ["2.weight", "2.bias", "4.weight", "4.bias"]
+    assert not any(v.name.startswith(("accum/0.", "momentum_buffer/0."))
+                   for v in trainer.ir.main_graph.variables)  # fmt: skip
+
+
+def test_the_memory_report_holds_no_accumulator_or_state_for_frozen_parameters():
+    def report(how):
+        m = model()
+        opt = freeze(m, how) if how else torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        t = popxl.compile(m, F.cross_entropy, opt, replication_factor=2, gradient_accumulation=2)
+        t.plan(*batches(1)[0])
+        return t.memory_report()
+
+    full, frozen = report(None), report("requires_grad_false")
+    first_layer = (12 * 32 + 32) * 4  # float32 bytes
+    # its accumulator, momentum buffer and .grad are gone, its weights stay; no gradient
+    # intermediates for it either
+    assert full.variable_bytes - frozen.variable_bytes == 3 * first_layer
+    assert frozen.peak_intermediate_bytes < full.peak_intermediate_bytes
+
+
+def test_unfreezing_after_steps_is_refused_with_nothing_changed_and_a_new_optimizer_trains():
+    m, ref = model(), model()
+    opt, ref_opt = freeze(m, "requires_grad_false"), freeze(ref, "requires_grad_false")
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=2, gradient_accumulation=2)
+    data = batches(4)
+    for x, y in data[:2]:
+        trainer.step(x, y)
+        eager_step(ref, ref_opt, x, y)
+    # Unfreeze the backbone: torch would start its momentum fresh while the others go on,
+    # which one step count for all parameters cannot express.
+    m[0].requires_grad_(True)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(ValueError, match=r"without state: \['0.bias', '0.weight'\]"):
+        trainer.step(*data[2])
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # The way out the error names: a new optimizer, compiled again, trains as eager does.
+    ref[0].requires_grad_(True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=2, gradient_accumulation=2)
+    for x, y in data[2:]:
+        assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, err_msg=n)

@@ -1,0 +1,215 @@
+"""popxl.compile gives eager's loss and gradients on the global batch for any loss reduction.
+
+The reference is the plain eager loop on the whole batch: ``opt.zero_grad();
+loss_fn(model(x), y).backward(); opt.step()``. Sums, means, token means with ``ignore_index``
+(micro-batches count different numbers of tokens), masked means and linear compositions must
+match it at every replication / accumulation layout; losses that cannot be split into
+micro-batch parts are refused when the program is built, with nothing changed.
+
+Tolerance: float32 sums in another order (per replica, per micro-batch): rtol 1e-5 on losses,
+rtol 1e-5 / atol 1e-6 on weights and momentum buffers after 3 steps. SGD with momentum, not
+Adam: Adam divides by sqrt(v), which amplifies rounding where a gradient is about 0.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_popxl as popxl
+
+RTOL, ATOL = 1e-5, 1e-6
+# (R, GA, rts, state): replication 1/2/4, accumulation 1/2/4, RTS on/off, on-chip/remote.
+LAYOUTS = [(1, 4, False, "on_chip"), (2, 2, True, "remote"), (4, 1, True, "on_chip"),
+           (4, 4, False, "remote"), (2, 1, False, "on_chip")]  # fmt: skip
+
+
+def mlp(out=4):
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.Linear(16, out))
+
+
+class TokenModel(torch.nn.Module):
+    """(batch, seq) token ids -> (batch, seq, vocab) logits."""
+
+    def __init__(self, vocab=7, d=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.proj = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.emb(x)))
+
+
+class VAE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Linear(12, 8)
+        self.mu, self.logvar = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+        self.dec = torch.nn.Linear(3, 12)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + 0.1 * torch.tanh(logvar)  # deterministic: no sampling, eager-comparable
+        return torch.sigmoid(self.dec(z)), mu, logvar
+
+
+def vae_loss(out, x):
+    recon, mu, logvar = out
+    bce = F.binary_cross_entropy(recon, x, reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def token_ce(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+
+
+def masked_mse(out, target):
+    y, mask = target
+    per = ((out - y) ** 2).mean(dim=1)
+    return (per * mask).sum() / (mask > 0).sum()
+
+
+def smoothed_token_ce_plus_penalty(logits, y):
+    # two counted means (the smoothing term counts non-ignored tokens itself) and a mean
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), label_smoothing=0.1)
+    return ce + 0.01 * logits.pow(2).mean()
+
+
+def mean_plus_sum(out, y):
+    return F.mse_loss(out, y) + 0.5 * F.l1_loss(out, y, reduction="sum") / 8 - 1.0
+
+
+def _data(kind, n_steps=3, batch=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        if kind == "tokens":
+            x = torch.randint(0, 7, (batch, 5), generator=g)
+            y = torch.randint(0, 7, (batch, 5), generator=g)
+            # uneven ignored tokens: some micro-batches count 0-5 tokens per row
+            y[torch.rand(batch, 5, generator=g) < 0.4] = -100
+            y[1] = -100  # a micro-batch of one row may count nothing at all
+            out.append((x, y))
+        elif kind == "classes":
+            out.append(
+                (torch.randn(batch, 12, generator=g), torch.randint(0, 4, (batch,), generator=g))
+            )
+        elif kind == "vae":
+            x = torch.rand(batch, 12, generator=g)
+            out.append((x, x))
+        elif kind == "masked":
+            x, y = torch.randn(batch, 12, generator=g), torch.randn(batch, 4, generator=g)
+            mask = (torch.rand(batch, generator=g) < 0.6).float()
+            mask[0] = 1.0
+            out.append((x, (y, mask)))
+        else:
+            out.append((torch.randn(batch, 12, generator=g), torch.randn(batch, 4, generator=g)))
+    return out
+
+
+CASES = {
+    "ce_sum": (mlp, torch.nn.CrossEntropyLoss(reduction="sum"), "classes"),
+    "ce_mean": (mlp, torch.nn.CrossEntropyLoss(), "classes"),
+    "token_mean_ignore_index": (TokenModel, token_ce, "tokens"),
+    "vae_bce_sum_plus_kl": (VAE, vae_loss, "vae"),
+    "masked_mean": (mlp, masked_mse, "masked"),
+    "counted_means_plus_a_mean": (TokenModel, smoothed_token_ce_plus_penalty, "tokens"),
+    "mean_plus_scaled_sum_minus_number": (mlp, mean_plus_sum, "regression"),
+}
+
+
+def _train_both(make, loss_fn, kind, R, GA, rts, state, n_steps=3):
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    trainer = popxl.compile(model, loss_fn, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=32 if rts else None, optimizer_state=state)  # fmt: skip
+    losses, ref_losses = [], []
+    for x, y in _data(kind, n_steps):
+        losses.append(trainer.step(x, y))
+        ref_opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    trainer._publish_optimizer_state()  # optimizer.state as of now, while the trainer lives
+    return model, ref, opt, ref_opt, losses, ref_losses
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS)
+def test_every_reduction_matches_the_eager_loop_on_the_global_batch(case, R, GA, rts, state):
+    model, ref, opt, ref_opt, losses, ref_losses = _train_both(*CASES[case], R, GA, rts, state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, err_msg=n)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(opt.state[p]["momentum_buffer"],
+                                   ref_opt.state[q]["momentum_buffer"], rtol=RTOL, atol=ATOL)  # fmt: skip
+
+
+def test_a_summed_loss_is_not_divided_by_the_number_of_micro_batches():
+    # The figure a mean over micro-batches would give: eager's / (R * GA).
+    *_, losses, ref_losses = _train_both(*CASES["ce_sum"], 2, 2, False, "on_chip", n_steps=1)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=RTOL)
+    assert losses[0] > 3 * ref_losses[0] / 4
+
+
+NOT_SPLITTABLE = {
+    "sqrt_of_a_mean": (lambda out, y: torch.sqrt(F.mse_loss(out, y)), "aten.sqrt"),
+    "product_of_means": (lambda out, y: F.mse_loss(out, y) * F.l1_loss(out, y), "aten.mul"),
+    "count_depending_on_the_outputs": (
+        lambda out, y: (out * (out > 0.5)).sum() / (out > 0.5).sum() + F.mse_loss(out, y),
+        "count of elements depends on the model's outputs",
+    ),
+    "batchmean": (
+        lambda out, y: F.kl_div(out.log_softmax(1), y.softmax(1), reduction="batchmean"),
+        "divides by the micro-batch's size",
+    ),
+    "max_over_the_batch": (lambda out, y: (out - y).abs().max(), "reduces the batch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_SPLITTABLE))
+def test_a_loss_that_cannot_be_split_is_refused_at_build_with_nothing_changed(case):
+    loss_fn, says = NOT_SPLITTABLE[case]
+    torch.manual_seed(0)
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = popxl.compile(model, loss_fn, opt, replication_factor=2, gradient_accumulation=2)
+    x, y = _data("regression", 1)[0]
+    with pytest.raises(ValueError, match="cannot split this loss") as err:
+        trainer.plan(x, y)
+    assert says in str(err.value)
+    assert "replication_factor=1 and gradient_accumulation=1" in str(err.value)
+    with pytest.raises(ValueError, match="cannot split this loss"):
+        trainer.step(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state
+
+
+def test_any_loss_trains_as_written_with_one_replica_and_no_accumulation():
+    loss_fn = NOT_SPLITTABLE["sqrt_of_a_mean"][0]
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    trainer = popxl.compile(model, loss_fn, opt)
+    for x, y in _data("regression", 2):
+        loss = trainer.step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=RTOL)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)

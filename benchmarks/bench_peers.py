@@ -24,7 +24,6 @@ Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import platform
 import statistics
@@ -162,35 +161,34 @@ def _eager_step(model, opt, loss_fn, w: Workload, device, compiled_opt_step=None
 
 
 def _local_tensor_ddp(base: torch.nn.Module, w: Workload):
-    """DDP on ``w.R`` ranks simulated in this process by torch's ``LocalTensorMode`` (over a
-    fake process group): every rank holds the parameters, runs its share of each micro-batch,
-    and the gradients are averaged by an all-reduce before each rank's optimizer step."""
-    import torch.distributed as dist
+    """DDP on ``w.R`` ranks simulated in this process by torch's ``LocalTensorMode``: every rank
+    holds the parameters (a ``LocalTensor`` of R copies) and runs its share of each
+    micro-batch; before each rank's optimizer step the gradients are averaged over the ranks
+    (the all-reduce, done on the local copies: a process group, even a fake one, would make
+    this process look like one of several to popxl.compile)."""
     from torch.distributed._local_tensor import LocalTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    @contextlib.contextmanager
-    def fake_group():
-        # Only while this peer runs: an initialised process group would make popxl.compile
-        # split its replicas over "processes" (a few ms per step, counted in this peer).
-        dist.init_process_group("fake", rank=0, world_size=w.R, store=FakeStore())
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
     mode = LocalTensorMode(w.R)
     model = copy.deepcopy(base)
+    local: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
     with mode:
         for m in model.modules():
             for name, p in list(m.named_parameters(recurse=False)):
-                local = mode.rank_map(lambda r, p=p: p.detach().clone())
-                setattr(m, name, torch.nn.Parameter(local))
+                if id(p) not in local:
+                    copies = mode.rank_map(lambda r, p=p: p.detach().clone())
+                    local[id(p)] = torch.nn.Parameter(copies)
+                setattr(m, name, local[id(p)])
         opt = w.optimizer(model.parameters())
+
+    def all_reduce_mean(g):
+        parts = list(g._local_tensors.values())
+        mean = torch.stack(parts).mean(0)
+        for part in parts:
+            part.copy_(mean)
 
     def step(x, y):
         xt, yt = torch.as_tensor(x), torch.as_tensor(y)
-        with fake_group(), mode:
+        with mode:
             opt.zero_grad()
             for k in range(w.GA):
 
@@ -201,7 +199,7 @@ def _local_tensor_ddp(base: torch.nn.Module, w: Workload):
 
                 (w.loss(model(rows(xt)), rows(yt)) / w.GA).backward()
             for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                all_reduce_mean(p.grad)
             opt.step()
 
     def weights():

@@ -80,15 +80,17 @@ def test_fit_reproduces_the_default_parameters(study):
                                  "op_overhead_s")  # fmt: skip
 
 
-def test_every_study_row_runs_48_ring_steps_so_collective_latency_cannot_be_fitted(study):
+def test_every_study_row_runs_54_ring_steps_so_collective_latency_cannot_be_fitted(study):
     _, works = study
-    assert [CostModel().usage(w)["collective_step_latency_s"] for w in works] == [48] * 5
+    # 48 for the gradients and state, 6 for the all-reduce of the loss's token count (a ring
+    # all-reduce over 4 replicas: Note [exact losses over micro-batches] in compile.py)
+    assert [CostModel().usage(w)["collective_step_latency_s"] for w in works] == [54] * 5
     # So the latency shifts every row by the same time, like a constant: the table only
     # bounds it (docs/cost_model.md), and the default is an assumption, not a fit.
     no_latency = dataclasses.replace(CostModel(), collective_step_latency_s=0)
     more_latency = dataclasses.replace(CostModel(), collective_step_latency_s=10e-6)
     shifts = [more_latency.step_time_s(w) - no_latency.step_time_s(w) for w in works]
-    assert shifts == pytest.approx([480e-6] * 5, rel=1e-9)
+    assert shifts == pytest.approx([540e-6] * 5, rel=1e-9)
 
 
 def test_remote_state_streams_its_adam_moments_and_sharding_divides_them(study):

@@ -185,7 +185,7 @@ class CostModel:
     flops_per_s: float = 62.5e12
     matmul_half_efficiency_flops: float = 4.7e6
     on_chip_bytes_per_s: float = 47.5e12
-    op_overhead_s: float = 4.72e-6
+    op_overhead_s: float = 4.16e-6
     # replica links (collectives)
     replica_link_bytes_per_s: float = 64e9
     collective_step_latency_s: float = 2.0e-6

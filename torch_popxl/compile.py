@@ -42,6 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import ops
+from . import compile_optim as _optim
 from . import remote as _remote
 from .capture import call_torch
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
@@ -95,7 +96,7 @@ _N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_
 class _GroupSpec:
     """The structure of one param group (what the program is built for)."""
 
-    kind: str  # "sgd" | "adam" | "adamw"
+    kind: str  # "sgd" | "adam" | "adamw" | "torch" (Note [captured optimizer steps])
     names: tuple[str, ...]
     momentum: bool = False
     nesterov: bool = False
@@ -103,12 +104,24 @@ class _GroupSpec:
     # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
     # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
     fused: tuple[float, float, float, float] | None = None
+    # kind "torch": the state the captured step keeps (Note [captured optimizer steps])
+    layout: _optim.StateLayout | None = None
 
     @property
     def state_names(self) -> tuple[str, ...]:
         if self.kind == "sgd":
             return ("momentum_buffer",) if self.momentum else ()
+        if self.layout is not None:
+            return self.layout.param_state + self.layout.scalar_state
         return ("exp_avg", "exp_avg_sq")
+
+    @property
+    def has_step(self) -> bool:
+        """Whether torch keeps a ``step`` tensor per parameter."""
+        return self.kind != "sgd" if self.layout is None else self.layout.has_step
+
+    def is_scalar_state(self, name: str) -> bool:
+        return self.layout is not None and name in self.layout.scalar_state
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -118,8 +131,10 @@ def _optimizer_kind(optimizer) -> str:
         return "adam"
     if isinstance(optimizer, torch.optim.SGD):
         return "sgd"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return "torch"  # Note [captured optimizer steps]
     raise TypeError(
-        f"popxl.compile supports torch.optim.SGD, Adam and AdamW; got {type(optimizer).__name__}."
+        f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
     )
 
 
@@ -140,6 +155,9 @@ def _group_specs(
             if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
                 names.append(by_id[id(p)])
         seen.update(names)
+        if kind == "torch":  # maximize, if any, is torch's business here
+            specs.append(_torch_group_spec(optimizer, group, names, params))
+            continue
         if group.get("maximize"):
             raise ValueError("popxl.compile does not support maximize=True.")
         if kind == "sgd":
@@ -166,11 +184,35 @@ def _group_specs(
     return tuple(specs)
 
 
+def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) -> _GroupSpec:
+    """A captured optimizer's group (Note [captured optimizer steps]): the layout of its first
+    parameter, ``reduces`` if the step reduces over any of its parameters."""
+    if not names:
+        return _GroupSpec("torch", ())
+    layouts = [_optim.cached_probe(optimizer, group, params[n])[0] for n in names]
+    reduces = next((lay.reduces for lay in layouts if lay.reduces), None)
+    first = layouts[0]
+    if any(
+        (lay.param_state, lay.scalar_state, lay.has_step)
+        != (first.param_state, first.scalar_state, first.has_step)
+        for lay in layouts
+    ):
+        raise TypeError(
+            f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
+            "parameters of one param group; the compiled step expects the same for all."
+        )
+    layout = _optim.StateLayout(first.cls, first.param_state, first.scalar_state,
+                                first.has_step, first.hyper, first.capturable, reduces)  # fmt: skip
+    return _GroupSpec("torch", tuple(names), layout=layout)
+
+
 def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
     """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
     out = []
     for g in optimizer.param_groups:
-        if kind == "sgd":
+        if kind == "torch":  # lr only: the rest is structure (Note [captured optimizer steps])
+            out.append((float(g["lr"]), 0.0, 0.0, 0.0, 0.0))
+        elif kind == "sgd":
             out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
                         float(g["dampening"]), 0.0))  # fmt: skip
         else:
@@ -725,6 +767,8 @@ class Trainer:
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._kind = _optimizer_kind(optimizer)
+        # the copy of the optimizer whose step() is captured (Note [captured optimizer steps])
+        self._shadow = _optim.shadow(optimizer) if self._kind == "torch" else None
         _group_specs(optimizer, self._params)  # validate now, not at the first step
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
@@ -890,8 +934,8 @@ class Trainer:
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
-            scalars = [
-                call_torch(_group_scalars, (h, step), {"kind": spec.kind})
+            scalars = [  # a captured step reads its lr from hyper/i itself
+                h if spec.kind == "torch" else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
@@ -969,9 +1013,10 @@ class Trainer:
                 prog.storages.append((s.name, p, p.data_ptr()))
             else:
                 prog.copied.append([s.var, p, None])
+            init = self._initial_state(s.name)
             for sname, v in s.state.items():
                 if sname not in s.shards and sname not in s.buffers:
-                    t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
+                    t = init[sname].clone(memory_format=torch.contiguous_format)
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
         for n, v in prog.grad_vars.items():
@@ -1009,11 +1054,22 @@ class Trainer:
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
         accum._set_hints(replica_sum=True)
         sharded = self._shard(data.size)
+        if sharded and spec.layout is not None and spec.layout.reduces:
+            raise ValueError(
+                f"popxl.compile: {type(self.optimizer).__name__}'s step reduces over a whole "
+                f"parameter ({spec.layout.reduces}), so it cannot update a shard of {name!r} "
+                f"({data.size} elements) alone; rts_threshold={self.rts_threshold} would shard "
+                "it. Set rts_threshold above the largest parameter's size or to None."
+            )
+        init = self._initial_state(name)
         state, shards, buffers = {}, {}, {}
         for sname in spec.state_names:
-            zeros = np.zeros_like(data)
+            zeros = torch_to_numpy(init[sname], _dtype.as_dtype(init[sname].dtype))
+            dt = _dtype.as_dtype(init[sname].dtype)
             vname = f"{sname}/{name}"
-            if sharded and self.optimizer_state == "remote":
+            if spec.is_scalar_state(sname):  # small: on chip, replicated
+                state[sname] = variable(zeros, dt, name=vname)
+            elif sharded and self.optimizer_state == "remote":
                 buf = _remote.replica_sharded_buffer(zeros.shape, dt)
                 state[sname] = _remote.remote_replica_sharded_variable(
                     zeros, buf, 0, dt, name=vname
@@ -1126,7 +1182,12 @@ class Trainer:
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         p = self._update_target(s)
         state = self._load_state(s)
-        _optimizer_update(p, g, step, scalars, state, s.spec, found)
+        if s.spec.kind == "torch":  # scalars: hyper/i (Note [captured optimizer steps])
+            assert s.spec.layout is not None
+            _optim.torch_step(p, g, step, scalars, state, opt=self._shadow,
+                              layout=s.spec.layout, found=found)  # fmt: skip
+        else:
+            _optimizer_update(p, g, step, scalars, state, s.spec, found)
         self._finish_update(s, p, state)
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
@@ -1469,11 +1530,12 @@ class Trainer:
         if self._step_count == 0:  # torch's state is empty before the first step
             return
         state = self._state_by_name(prog)
+        specs = {n: spec for spec in prog.specs for n in spec.names}
         for name, p in self._params.items():
             if name not in state:  # frozen: no state, as torch keeps none
                 continue
             entry = {}
-            if self._kind != "sgd":  # torch's Adam keeps a float32 step per parameter
+            if specs[name].has_step:  # torch's Adam keeps a float32 step per parameter
                 entry["step"] = torch.tensor(float(self._step_count))
             entry.update(state[name])
             if entry:
@@ -1482,8 +1544,9 @@ class Trainer:
     def _import_torch_state(self, prog: _Program) -> None:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
-        if self._kind == "sgd":  # torch's SGD keeps no count: ours goes on unless state is new
-            # (at least 1 with momentum buffers: step 0 would restart them from the gradient)
+        if not any(spec.has_step for spec in prog.specs):
+            # torch's SGD keeps no count: ours goes on unless state is new (at least 1 with
+            # momentum buffers: step 0 would restart them from the gradient)
             if by_name:
                 step = max(self._step_count, 1)
             else:
@@ -1493,7 +1556,7 @@ class Trainer:
         writes = {}
         for s in prog.slots:
             for k, v in s.state.items():
-                value = by_name[s.name][k] if by_name else torch.zeros_like(self._params[s.name])
+                value = by_name[s.name][k] if by_name else self._initial_state(s.name)[k]
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
@@ -1543,10 +1606,11 @@ class Trainer:
                 )
             for k in want:
                 v = entry[k]
-                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
+                shape = () if specs[name].is_scalar_state(k) else tuple(p.shape)
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
                     raise ValueError(
                         f"optimizer state {k!r} of {name!r} has shape "
-                        f"{tuple(getattr(v, 'shape', ()))}; the parameter has {tuple(p.shape)}."
+                        f"{tuple(getattr(v, 'shape', ()))}; {shape} is expected."
                     )
             by_name[name] = {k: entry[k] for k in want}
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
@@ -1565,6 +1629,19 @@ class Trainer:
 
     # ---- state ----------------------------------------------------------------------------
 
+    def _has_step(self) -> bool:
+        return any(s.has_step for s in _group_specs(self.optimizer, self._params))
+
+    def _initial_state(self, name: str) -> dict[str, torch.Tensor]:
+        """A parameter's optimizer state before its first step, as torch initialises it:
+        zeros, or what a captured optimizer's probe found (Note [captured optimizer steps])."""
+        p = self._params[name]
+        if self._kind != "torch":
+            spec = next(s for s in _group_specs(self.optimizer, self._params) if name in s.names)
+            return {k: torch.zeros_like(p.detach()) for k in spec.state_names}
+        group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+        return _optim.cached_probe(self.optimizer, group, p)[1]
+
     def sync_weights(self) -> None:
         """Kept for compatibility: the module's tensors are always current after a step."""
 
@@ -1578,7 +1655,7 @@ class Trainer:
         by_name, step = self._from_torch_state(self.optimizer.state)
         if self._loaded_step is not None:
             step = self._loaded_step
-        elif self.optimizer.state is self._live or self._kind == "sgd" or not by_name:
+        elif self.optimizer.state is self._live or not self._has_step() or not by_name:
             step = self._step_count  # else: a torch state loaded since, with its own count
         out["optimizer"] = {
             "state": {
@@ -1606,7 +1683,7 @@ class Trainer:
         specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
         if opt["state"]:
             expected = {
-                f"{n}.{k}": self._params[n].detach()
+                f"{n}.{k}": self._initial_state(n)[k]
                 for n in self._params
                 if n in specs
                 for k in specs[n].state_names
@@ -1623,7 +1700,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         torch_state: collections.defaultdict[Any, dict] = collections.defaultdict(dict)
         for n, st in opt["state"].items():
-            entry = {"step": torch.tensor(float(step))} if self._kind != "sgd" else {}
+            entry = {"step": torch.tensor(float(step))} if self._has_step() else {}
             entry.update({k: v.detach().clone() for k, v in st.items()})
             torch_state[self._params[n]] = entry
         self._loaded_step = int(step)

@@ -1615,8 +1615,10 @@ class Trainer:
             by_name[name] = {k: entry[k] for k in want}
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
         steps.discard(-1)  # torch's SGD keeps no step count
-        if by_name and (len(steps) > 1 or 0 in steps):
-            fresh = sorted(n for n in specs if n not in by_name)
+        fresh = sorted(n for n in specs if n not in by_name and specs[n].state_names)
+        # (state at step 0 for every parameter is an initial state: torch's Adagrad makes it
+        # in its constructor)
+        if by_name and (len(steps) > 1 or (0 in steps and fresh)):
             raise ValueError(
                 "popxl.compile keeps one step count for all trained parameters; this optimizer "
                 f"state has {len(by_name)} of {len(specs)} of them stepped (steps "

@@ -202,7 +202,9 @@ def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
 class _TensorScalars(TorchFunctionMode):
     """``t.add_(x, alpha=a)``, ``t.addcdiv_(x, y, value=v)``, ``t.addcmul_(...)`` with a
     tensor ``a`` / ``v`` (a run-time hyperparameter) run torch's kernel with the number read
-    at run time (``opdefs/scalar_tensor.py``) instead of calling ``.item()``."""
+    at run time (``opdefs/scalar_tensor.py``) instead of calling ``.item()``; ``out=t``
+    becomes ``t.copy_(...)`` and ``t[mask] = number`` a ``torch.where`` (the replicas' vmap has
+    no rule for out= ops or boolean-mask indexing)."""
 
     _OPS = {"add_": "alpha", "sub_": "alpha", "add": "alpha", "sub": "alpha",
             "addcdiv_": "value", "addcmul_": "value", "addcdiv": "value", "addcmul": "value"}  # fmt: skip
@@ -210,6 +212,16 @@ class _TensorScalars(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        out = kwargs.pop("out", None)
+        if isinstance(out, torch.Tensor):  # vmap (the replicas) has no rule for out= ops
+            return out.copy_(func(*args, **kwargs))
+        if out is not None:
+            kwargs["out"] = out
+        if name == "__setitem__" and _is_mask(args[1]) and not isinstance(args[2], torch.Tensor):
+            # ``t[mask] = 0`` (Rprop): vmap has no rule for boolean-mask indexing
+            t, mask, value = args
+            t.copy_(torch.where(mask, value, t))
+            return None
         key = self._OPS.get(name)
         s = kwargs.get(key) if key else None
         if not isinstance(s, torch.Tensor) or kwargs.keys() - {key}:
@@ -224,6 +236,10 @@ class _TensorScalars(TorchFunctionMode):
         else:
             _scalar_ops.addcmul_value_(target, args[1], args[2], s)
         return target
+
+
+def _is_mask(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.bool
 
 
 def _tensor_value(x):

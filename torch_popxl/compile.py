@@ -41,8 +41,8 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from . import ops
 from . import compile_optim as _optim
+from . import ops
 from . import remote as _remote
 from .capture import call_torch
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
@@ -935,7 +935,9 @@ class Trainer:
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
             scalars = [  # a captured step reads its lr from hyper/i itself
-                h if spec.kind == "torch" else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
+                h
+                if spec.kind == "torch"
+                else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]

@@ -51,10 +51,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import call_torch
+from .dtypes import dtype as _dtype
 from .errors import DataDependentError
 from .ir.ir import Ir
 from .ir.tensor import graph_input
-from .dtypes import dtype as _dtype
 from .opdefs import scalar_tensor as _scalar_ops
 
 __all__ = ["StateLayout", "probe", "torch_step"]

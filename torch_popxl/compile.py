@@ -125,12 +125,15 @@ class _GroupSpec:
 
 
 def _optimizer_kind(optimizer) -> str:
+    # Options the hand-written SGD/Adam/AdamW updates do not have run torch's own step
+    # (Note [captured optimizer steps]).
+    captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
     if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
-        return "adamw"
+        return "torch" if captured else "adamw"
     if isinstance(optimizer, torch.optim.Adam):
-        return "adam"
+        return "torch" if captured else "adam"
     if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
+        return "torch" if captured else "sgd"
     if isinstance(optimizer, torch.optim.Optimizer):
         return "torch"  # Note [captured optimizer steps]
     raise TypeError(
@@ -766,9 +769,9 @@ class Trainer:
         self._tracker_t = torch.zeros((), dtype=torch.float32)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
-        self._kind = _optimizer_kind(optimizer)
+        _optimizer_kind(optimizer)  # a torch optimizer
         # the copy of the optimizer whose step() is captured (Note [captured optimizer steps])
-        self._shadow = _optim.shadow(optimizer) if self._kind == "torch" else None
+        self._shadow = _optim.shadow(optimizer)
         _group_specs(optimizer, self._params)  # validate now, not at the first step
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
@@ -1471,7 +1474,7 @@ class Trainer:
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
-        values = _group_values(self.optimizer, self._kind)
+        values = _group_values(self.optimizer, _optimizer_kind(self.optimizer))
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
                 t.copy_(torch.tensor(values[i], dtype=torch.float64))
@@ -1640,7 +1643,7 @@ class Trainer:
         """A parameter's optimizer state before its first step, as torch initialises it:
         zeros, or what a captured optimizer's probe found (Note [captured optimizer steps])."""
         p = self._params[name]
-        if self._kind != "torch":
+        if _optimizer_kind(self.optimizer) != "torch":
             spec = next(s for s in _group_specs(self.optimizer, self._params) if name in s.names)
             return {k: torch.zeros_like(p.detach()) for k in spec.state_names}
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))

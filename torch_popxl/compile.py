@@ -127,6 +127,10 @@ class _GroupSpec:
 def _optimizer_kind(optimizer) -> str:
     # Options the hand-written SGD/Adam/AdamW updates do not have run torch's own step
     # (Note [captured optimizer steps]).
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
+        )
     captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
     if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
         return "torch" if captured else "adamw"
@@ -134,11 +138,7 @@ def _optimizer_kind(optimizer) -> str:
         return "torch" if captured else "adam"
     if isinstance(optimizer, torch.optim.SGD):
         return "torch" if captured else "sgd"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return "torch"  # Note [captured optimizer steps]
-    raise TypeError(
-        f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
-    )
+    return "torch"  # Note [captured optimizer steps]
 
 
 def _group_specs(

@@ -248,21 +248,29 @@ def _tensor_value(x):
     return x.double() if isinstance(x, torch.Tensor) else x
 
 
+def _with_cpu(orig):
+    def devices(*args, **kwargs):
+        return [*orig(*args, **kwargs), "cpu"]
+
+    return devices
+
+
 @contextlib.contextmanager
 def _captured_helpers(capturable: bool):
     """torch.optim's ``_get_value`` keeps tensors; a capturable step passes torch's device
     check (the captured tensors are fake CPU tensors)."""
+    patches = {"_get_value": lambda orig: _tensor_value}
+    if capturable:
+        patches["_get_capturable_supported_devices"] = _with_cpu
     saved = []
     for name, mod in list(sys.modules.items()):
         if not name.startswith("torch.optim") or mod is None:
             continue
-        if hasattr(mod, "_get_value"):
-            saved.append((mod, "_get_value", mod._get_value))
-            mod._get_value = _tensor_value
-        if capturable and hasattr(mod, "_get_capturable_supported_devices"):
-            orig = mod._get_capturable_supported_devices
-            saved.append((mod, "_get_capturable_supported_devices", orig))
-            mod._get_capturable_supported_devices = lambda *a, _o=orig, **k: [*_o(*a, **k), "cpu"]
+        for attr, patch in patches.items():
+            if hasattr(mod, attr):
+                orig = getattr(mod, attr)
+                saved.append((mod, attr, orig))
+                setattr(mod, attr, patch(orig))
     try:
         yield
     finally:

@@ -90,13 +90,16 @@ OPTIMIZERS = {
     # options the hand-written SGD/Adam/AdamW do not have run torch's own step too
     "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, eps=EPS),
     "adamw_maximize": lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True, eps=EPS),
-    "sgd_maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, maximize=True),
+    # momentum buffer made from the first gradient (dampening applies from the second step)
+    "sgd_maximize_dampening": lambda ps: torch.optim.SGD(
+        ps, lr=1e-2, momentum=0.9, dampening=0.3, maximize=True
+    ),  # fmt: skip
 }
 # bit for bit at R=1: the step's scalars are eager's doubles. NAdam multiplies its float32
 # mu_product by a float64 scalar tensor (eager: a Python float), RAdam and ASGD branch on the
 # step count and so run torch's capturable path (float32 tensor scalars).
 EXACT = {"adadelta", "rmsprop", "rmsprop_momentum", "rmsprop_centered_wd", "adagrad", "adamax",
-         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize"}  # fmt: skip
+         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize_dampening"}  # fmt: skip
 
 
 def model():

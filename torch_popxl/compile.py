@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable
@@ -204,8 +205,10 @@ def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) ->
             f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
             "parameters of one param group; the compiled step expects the same for all."
         )
-    layout = _optim.StateLayout(first.cls, first.param_state, first.scalar_state,
-                                first.has_step, first.hyper, first.capturable, reduces)  # fmt: skip
+    layout = dataclasses.replace(
+        first, reduces=reduces, lazy=any(lay.lazy for lay in layouts),
+        capturable=any(lay.capturable for lay in layouts),
+    )  # fmt: skip
     return _GroupSpec("torch", tuple(names), layout=layout)
 
 

@@ -18,7 +18,10 @@ Note [captured optimizer steps]
       SGD/Adam state is (sharded with RTS, remote or on chip); a scalar one (ASGD's ``eta``,
       NAdam's ``mu_product``) is a small on-chip variable; a 0-dim ``step`` is the program's
       step count. Anything else (Adafactor's factored rows and columns, Python numbers) is
-      refused with an error.
+      refused with an error. A second probe with another parameter and gradient finds state
+      made from them in the first step (SGD's momentum buffer, a clone of the first
+      gradient): for such an optimizer the program runs both torch's first step (empty
+      state) and its later step and keeps the first where the step count is 0.
     * Hyperparameters: ``lr`` is read at run time from ``hyper/i`` (float64, as torch's Python
       float), so LR schedulers need no rebuild; the other values of a group are structure
       (they pick torch's code paths: ``if weight_decay != 0``, ``centered``): changing one
@@ -42,6 +45,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import sys
 import weakref
 from dataclasses import dataclass
@@ -83,6 +87,9 @@ class StateLayout:
     hyper: tuple  # the group's values other than params and lr, frozen
     capturable: bool  # runs torch's capturable=True path (Note [captured optimizer steps])
     reduces: str | None  # the first reduction op the step runs on a parameter-sized tensor
+    # an entry's initial value depends on the gradient or the parameter (made in the first
+    # step, as SGD's momentum buffer): the first step runs torch's own initialisation
+    lazy: bool = False
 
 
 def _frozen(v):
@@ -151,30 +158,21 @@ def _run_step(opt: torch.optim.Optimizer) -> None:
 def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
     """The state ``optimizer`` keeps for ``p`` in ``group`` and its initial values, from one
     eager step of a copy of ``p`` with a zero gradient (Note [captured optimizer steps])."""
-    opt = shadow(optimizer)
-    q = p.detach().clone()
-    q.grad = torch.zeros_like(q)
     values = {k: v for k, v in group.items() if k != "params"}
     for k, v in (("foreach", False), ("fused", None), ("differentiable", False)):
         if k in values:
             values[k] = v
     if "capturable" in values:
         values["capturable"] = False
-    opt.param_groups = [dict(values, params=[q])]
-    log = _InitLog()
-    opt.state = collections.defaultdict(dict, {q: log})
-    spy = _ReductionSpy(q.numel())
-    try:
-        with spy:
-            _run_step(opt)
-    except Exception as e:
-        raise TypeError(
-            f"popxl.compile: a probe step of {type(optimizer).__name__} (no closure, a zero "
-            f"gradient) failed: {type(e).__name__}: {e}. popxl.compile runs an optimizer's "
-            "step() without a closure."
-        ) from e
+    initial, reduces = _probe_step(optimizer, values, p.detach().clone(), 0.0)
+    # a second probe with another parameter and gradient: does the initial state depend on
+    # them (state made from the first gradient)?
+    other, _ = _probe_step(optimizer, values, p.detach() + 1.0, 1.0)
+    lazy = initial.keys() != other.keys() or any(
+        isinstance(v, torch.Tensor) and not torch.equal(v, other[k]) for k, v in initial.items()
+    )
     param_state, scalar_state, has_step, init = [], [], False, {}
-    for k, v in log.initial.items():
+    for k, v in initial.items():
         if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
             has_step = True
         elif isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
@@ -192,8 +190,29 @@ def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
             )
     hyper = tuple(sorted((k, _frozen(v)) for k, v in values.items() if k != "lr"))
     layout = StateLayout(type(optimizer), tuple(param_state), tuple(scalar_state), has_step,
-                         hyper, False, spy.found)  # fmt: skip
+                         hyper, False, reduces, lazy)  # fmt: skip
     return layout, init
+
+
+def _probe_step(optimizer, values: dict, q: torch.Tensor, grad: float) -> tuple[dict, str | None]:
+    """One eager step on ``q`` with a constant gradient: the state entries as first set, and
+    the first reduction over a parameter-sized tensor (or None)."""
+    opt = shadow(optimizer)
+    q.grad = torch.full_like(q, grad)
+    opt.param_groups = [dict(values, params=[q])]
+    log = _InitLog()
+    opt.state = collections.defaultdict(dict, {q: log})
+    spy = _ReductionSpy(q.numel())
+    try:
+        with spy:
+            _run_step(opt)
+    except Exception as e:
+        raise TypeError(
+            f"popxl.compile: a probe step of {type(optimizer).__name__} (no closure, a "
+            f"constant gradient) failed: {type(e).__name__}: {e}. popxl.compile runs an "
+            "optimizer's step() without a closure."
+        ) from e
+    return log.initial, spy.found
 
 
 # ---- the step under capture ---------------------------------------------------------------
@@ -281,13 +300,31 @@ def _captured_helpers(capturable: bool):
 def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool):
     """One step of ``opt`` on ``p`` (a parameter or a shard) with gradient ``g`` and the state
     tensors ``state`` (param-shaped entries, then scalar ones), in place."""
+    names = layout.param_state + layout.scalar_state
+    if not layout.lazy:
+        entry = dict(zip(names, state, strict=True))
+        if layout.has_step:
+            entry["step"] = step.clone()
+        _step_with(p, g, hyper, entry, opt, layout, capturable)
+        return
+    # The first step makes the state as torch does (from the gradient); later ones update it.
+    p0, p1 = p.clone(), p.clone()
+    first: dict = {}
+    _step_with(p0, g, hyper, first, opt, layout, capturable)
+    later = {k: t.clone() for k, t in zip(names, state, strict=True)}
+    if layout.has_step:
+        later["step"] = step.clone()
+    _step_with(p1, g, hyper, later, opt, layout, capturable)
+    is_first = step == 0
+    for t, a, b in zip((p, *state), (p0, *[first[k] for k in names]),
+                       (p1, *[later[k] for k in names]), strict=True):  # fmt: skip
+        t.copy_(torch.where(is_first, a, b))
+
+
+def _step_with(p, g, hyper, entry: dict, opt, layout: StateLayout, capturable: bool) -> None:
     group = dict(layout.hyper, params=[p], lr=hyper[0])
     if capturable:
         group["capturable"] = True
-    names = layout.param_state + layout.scalar_state
-    entry = dict(zip(names, state, strict=True))
-    if layout.has_step:
-        entry["step"] = step.clone()
     opt.param_groups = [group]
     opt.state = collections.defaultdict(dict, {p: entry})
     p.grad = g
@@ -350,7 +387,6 @@ def cached_probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, 
     if hit is None:
         layout, init = probe(optimizer, group, p)
         if needs_capturable(shadow(optimizer), layout, p, init):
-            layout = StateLayout(layout.cls, layout.param_state, layout.scalar_state,
-                                 layout.has_step, layout.hyper, True, layout.reduces)  # fmt: skip
+            layout = dataclasses.replace(layout, capturable=True)
         hit = cache[key] = (layout, init)
     return hit

@@ -1021,7 +1021,7 @@ class Trainer:
                 prog.storages.append((s.name, p, p.data_ptr()))
             else:
                 prog.copied.append([s.var, p, None])
-            init = self._initial_state(s.name)
+            init = self._initial_state(s.name, s.spec)
             for sname, v in s.state.items():
                 if sname not in s.shards and sname not in s.buffers:
                     t = init[sname].clone(memory_format=torch.contiguous_format)
@@ -1069,7 +1069,7 @@ class Trainer:
                 f"({data.size} elements) alone; rts_threshold={self.rts_threshold} would shard "
                 "it. Set rts_threshold above the largest parameter's size or to None."
             )
-        init = self._initial_state(name)
+        init = self._initial_state(name, spec)
         state, shards, buffers = {}, {}, {}
         for sname in spec.state_names:
             zeros = torch_to_numpy(init[sname], _dtype.as_dtype(init[sname].dtype))
@@ -1564,7 +1564,7 @@ class Trainer:
         writes = {}
         for s in prog.slots:
             for k, v in s.state.items():
-                value = by_name[s.name][k] if by_name else self._initial_state(s.name)[k]
+                value = by_name[s.name][k] if by_name else self._initial_state(s.name, s.spec)[k]
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
@@ -1642,12 +1642,11 @@ class Trainer:
     def _has_step(self) -> bool:
         return any(s.has_step for s in _group_specs(self.optimizer, self._params))
 
-    def _initial_state(self, name: str) -> dict[str, torch.Tensor]:
+    def _initial_state(self, name: str, spec: _GroupSpec) -> dict[str, torch.Tensor]:
         """A parameter's optimizer state before its first step, as torch initialises it:
         zeros, or what a captured optimizer's probe found (Note [captured optimizer steps])."""
         p = self._params[name]
-        if _optimizer_kind(self.optimizer) != "torch":
-            spec = next(s for s in _group_specs(self.optimizer, self._params) if name in s.names)
+        if spec.kind != "torch":
             return {k: torch.zeros_like(p.detach()) for k in spec.state_names}
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
         return _optim.cached_probe(self.optimizer, group, p)[1]
@@ -1693,7 +1692,7 @@ class Trainer:
         specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
         if opt["state"]:
             expected = {
-                f"{n}.{k}": self._initial_state(n)[k]
+                f"{n}.{k}": self._initial_state(n, specs[n])[k]
                 for n in self._params
                 if n in specs
                 for k in specs[n].state_names

@@ -244,6 +244,8 @@ class _TensorScalars(TorchFunctionMode):
         key = self._OPS.get(name)
         s = kwargs.get(key) if key else None
         if not isinstance(s, torch.Tensor) or kwargs.keys() - {key}:
+            if name in _ARITHMETIC and len(args) == 2:
+                args = _as_python_float(*args)
             return func(*args, **kwargs)
         target = args[0] if name.endswith("_") else args[0].clone()
         if name.startswith("sub"):
@@ -255,6 +257,30 @@ class _TensorScalars(TorchFunctionMode):
         else:
             _scalar_ops.addcmul_value_(target, args[1], args[2], s)
         return target
+
+
+_ARITHMETIC = {f"{pre}{op}{post}" for op in ("add", "sub", "mul", "div", "truediv")
+               for pre, post in (("", ""), ("", "_"), ("__", "__"), ("__r", "__"), ("__i", "__"))}  # fmt: skip
+_HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _as_python_float(a, b):
+    """A 0-dim float64 tensor (a hyperparameter or a value derived from the step count, a
+    Python float in eager torch) with a float32/16-bit tensor: as float32, which is what torch
+    computes with for a Python float; a 0-dim float64 tensor would promote a 0-dim float32
+    one to float64 (NAdam's ``mu_product *= mu``)."""
+
+    def scalar(x):
+        return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64
+
+    def low(x):
+        return isinstance(x, torch.Tensor) and x.dtype in _HALF_OR_FLOAT
+
+    if scalar(a) and low(b):
+        return a.float(), b
+    if scalar(b) and low(a):
+        return a, b.float()
+    return a, b
 
 
 def _is_mask(x) -> bool:

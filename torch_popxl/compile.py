@@ -14,7 +14,9 @@ write it by hand:
   micro-batches] in compile_loss.py), so the gradients are then summed over the replicas
   (all-reduce, or reduce-scatter when the optimizer state is sharded) and the optimizer
   update runs with exactly the torch
-  optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
+  optimizer's formulas (SGD, Adam and AdamW written by hand; every other optimizer, a user's
+  subclass included, runs its own ``step()`` under capture: Note [captured optimizer steps]
+  in compile_optim.py). Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
   each param group's parameters (or their shards) with one fused kernel call, as eager torch
@@ -88,7 +90,8 @@ _MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatu
 #     schedulers and manual edits take effect without a rebuild. Only the program's structure
 #     is fixed when it is built (the optimizer kind, the param-to-group assignment, nesterov,
 #     whether momentum / weight decay are used at all); a change of it rebuilds the program
-#     and carries the state over (``_GroupSpec``).
+#     and carries the state over (``_GroupSpec``). A captured optimizer (Note [captured
+#     optimizer steps]) reads ``lr`` at run time; its other values are structure.
 
 _N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
 

@@ -314,3 +314,23 @@ def test_half_precision_matches_eager_bit_for_bit(kind, dtype):
         trainer.step(x, y)
         eager_step(m_ref, opt_ref, x, y)
     assert_same_training(m, opt, m_ref, opt_ref, exact=True)
+
+
+def test_param_groups_with_their_own_values():
+    def make(m):
+        return torch.optim.RMSprop(
+            [{"params": m[0].parameters(), "lr": 3e-3, "weight_decay": 0.1},
+             {"params": m[2].parameters(), "momentum": 0.9, "centered": True}],
+            lr=1e-2, eps=EPS,
+        )  # fmt: skip
+
+    m, m_ref = model(), model()
+    opt, opt_ref = make(m), make(m_ref)
+    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=2, gradient_accumulation=2,
+                            rts_threshold=16, optimizer_state="remote")  # fmt: skip
+    for x, y in batches():
+        trainer.step(x.numpy(), y.numpy())
+        eager_step(m_ref, opt_ref, x, y)
+        for o in (opt, opt_ref):  # a manual LR change of one group
+            o.param_groups[1]["lr"] *= 0.5
+    assert_same_training(m, opt, m_ref, opt_ref)

@@ -216,10 +216,8 @@ def test_inference_program_matches_eager_and_splits_over_replicas():
 
 def test_bad_input_gives_clear_errors():
     model = mlp()
-    with pytest.raises(TypeError, match="SGD, Adam and AdamW"):
-        popxl.compile(
-            model, torch.nn.functional.cross_entropy, torch.optim.RMSprop(model.parameters())
-        )
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+        popxl.compile(model, torch.nn.functional.cross_entropy, object())
     with pytest.raises(ValueError, match="optimizer_state"):
         popxl.compile(
             model,
@@ -229,12 +227,6 @@ def test_bad_input_gives_clear_errors():
         )
     with pytest.raises(ValueError, match="a loss_fn without an optimizer"):
         popxl.compile(model, torch.nn.functional.cross_entropy)
-    with pytest.raises(ValueError, match="amsgrad"):
-        popxl.compile(
-            model,
-            torch.nn.functional.cross_entropy,
-            torch.optim.Adam(model.parameters(), amsgrad=True),
-        )
     t = popxl.compile(model, torch.nn.functional.cross_entropy, adam(model.parameters()),
                       replication_factor=2, gradient_accumulation=4)  # fmt: skip
     x, y = _batches("mlp", 1, 12)[0]

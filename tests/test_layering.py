@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "torch_popxl.compile",
             "torch_popxl.compile_loss",
+            "torch_popxl.compile_optim",
             "torch_popxl.addons",
             "torch_popxl.__main__",
         ),

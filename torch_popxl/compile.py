@@ -14,7 +14,9 @@ write it by hand:
   micro-batches] in compile_loss.py), so the gradients are then summed over the replicas
   (all-reduce, or reduce-scatter when the optimizer state is sharded) and the optimizer
   update runs with exactly the torch
-  optimizer's formulas. Sharded state (RTS, ZeRO-1 style) updates one shard of every large
+  optimizer's formulas (SGD, Adam and AdamW written by hand; every other optimizer, a user's
+  subclass included, runs its own ``step()`` under capture: Note [captured optimizer steps]
+  in compile_optim.py). Sharded state (RTS, ZeRO-1 style) updates one shard of every large
   parameter per replica and all-gathers the result; off-chip state lives in remote buffers and
   is loaded and stored around the update. An Adam/AdamW built with ``fused=True`` updates
   each param group's parameters (or their shards) with one fused kernel call, as eager torch
@@ -31,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from . import compile_optim as _optim
 from . import ops
 from . import remote as _remote
 from .capture import call_torch
@@ -86,7 +90,8 @@ _MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatu
 #     schedulers and manual edits take effect without a rebuild. Only the program's structure
 #     is fixed when it is built (the optimizer kind, the param-to-group assignment, nesterov,
 #     whether momentum / weight decay are used at all); a change of it rebuilds the program
-#     and carries the state over (``_GroupSpec``).
+#     and carries the state over (``_GroupSpec``). A captured optimizer (Note [captured
+#     optimizer steps]) reads ``lr`` at run time; its other values are structure.
 
 _N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
 
@@ -95,7 +100,7 @@ _N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_
 class _GroupSpec:
     """The structure of one param group (what the program is built for)."""
 
-    kind: str  # "sgd" | "adam" | "adamw"
+    kind: str  # "sgd" | "adam" | "adamw" | "torch" (Note [captured optimizer steps])
     names: tuple[str, ...]
     momentum: bool = False
     nesterov: bool = False
@@ -103,24 +108,41 @@ class _GroupSpec:
     # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
     # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
     fused: tuple[float, float, float, float] | None = None
+    # kind "torch": the state the captured step keeps (Note [captured optimizer steps])
+    layout: _optim.StateLayout | None = None
 
     @property
     def state_names(self) -> tuple[str, ...]:
         if self.kind == "sgd":
             return ("momentum_buffer",) if self.momentum else ()
+        if self.layout is not None:
+            return self.layout.param_state + self.layout.scalar_state
         return ("exp_avg", "exp_avg_sq")
+
+    @property
+    def has_step(self) -> bool:
+        """Whether torch keeps a ``step`` tensor per parameter."""
+        return self.kind != "sgd" if self.layout is None else self.layout.has_step
+
+    def is_scalar_state(self, name: str) -> bool:
+        return self.layout is not None and name in self.layout.scalar_state
 
 
 def _optimizer_kind(optimizer) -> str:
+    # Options the hand-written SGD/Adam/AdamW updates do not have run torch's own step
+    # (Note [captured optimizer steps]).
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
+        )
+    captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
     if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
-        return "adamw"
+        return "torch" if captured else "adamw"
     if isinstance(optimizer, torch.optim.Adam):
-        return "adam"
+        return "torch" if captured else "adam"
     if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
-    raise TypeError(
-        f"popxl.compile supports torch.optim.SGD, Adam and AdamW; got {type(optimizer).__name__}."
-    )
+        return "torch" if captured else "sgd"
+    return "torch"  # Note [captured optimizer steps]
 
 
 def _group_specs(
@@ -140,6 +162,9 @@ def _group_specs(
             if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
                 names.append(by_id[id(p)])
         seen.update(names)
+        if kind == "torch":  # maximize, if any, is torch's business here
+            specs.append(_torch_group_spec(optimizer, group, names, params))
+            continue
         if group.get("maximize"):
             raise ValueError("popxl.compile does not support maximize=True.")
         if kind == "sgd":
@@ -166,11 +191,37 @@ def _group_specs(
     return tuple(specs)
 
 
+def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) -> _GroupSpec:
+    """A captured optimizer's group (Note [captured optimizer steps]): the layout of its first
+    parameter, ``reduces`` if the step reduces over any of its parameters."""
+    if not names:
+        return _GroupSpec("torch", ())
+    layouts = [_optim.cached_probe(optimizer, group, params[n])[0] for n in names]
+    reduces = next((lay.reduces for lay in layouts if lay.reduces), None)
+    first = layouts[0]
+    if any(
+        (lay.param_state, lay.scalar_state, lay.has_step)
+        != (first.param_state, first.scalar_state, first.has_step)
+        for lay in layouts
+    ):
+        raise TypeError(
+            f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
+            "parameters of one param group; the compiled step expects the same for all."
+        )
+    layout = dataclasses.replace(
+        first, reduces=reduces, lazy=any(lay.lazy for lay in layouts),
+        capturable=any(lay.capturable for lay in layouts),
+    )  # fmt: skip
+    return _GroupSpec("torch", tuple(names), layout=layout)
+
+
 def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
     """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
     out = []
     for g in optimizer.param_groups:
-        if kind == "sgd":
+        if kind == "torch":  # lr only: the rest is structure (Note [captured optimizer steps])
+            out.append((float(g["lr"]), 0.0, 0.0, 0.0, 0.0))
+        elif kind == "sgd":
             out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
                         float(g["dampening"]), 0.0))  # fmt: skip
         else:
@@ -724,7 +775,9 @@ class Trainer:
         self._tracker_t = torch.zeros((), dtype=torch.float32)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
-        self._kind = _optimizer_kind(optimizer)
+        _optimizer_kind(optimizer)  # a torch optimizer
+        # the copy of the optimizer whose step() is captured (Note [captured optimizer steps])
+        self._shadow = _optim.shadow(optimizer)
         _group_specs(optimizer, self._params)  # validate now, not at the first step
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
@@ -890,8 +943,10 @@ class Trainer:
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
-            scalars = [
-                call_torch(_group_scalars, (h, step), {"kind": spec.kind})
+            scalars = [  # a captured step reads its lr from hyper/i itself
+                h
+                if spec.kind == "torch"
+                else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
                 for h, spec in zip(hyper_vars, specs, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
@@ -969,9 +1024,10 @@ class Trainer:
                 prog.storages.append((s.name, p, p.data_ptr()))
             else:
                 prog.copied.append([s.var, p, None])
+            init = self._initial_state(s.name, s.spec)
             for sname, v in s.state.items():
                 if sname not in s.shards and sname not in s.buffers:
-                    t = torch.zeros_like(p.detach(), memory_format=torch.contiguous_format)
+                    t = init[sname].clone(memory_format=torch.contiguous_format)
                     if bind(v, t):
                         prog.state_t[(s.name, sname)] = t
         for n, v in prog.grad_vars.items():
@@ -1009,11 +1065,22 @@ class Trainer:
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
         accum._set_hints(replica_sum=True)
         sharded = self._shard(data.size)
+        if sharded and spec.layout is not None and spec.layout.reduces:
+            raise ValueError(
+                f"popxl.compile: {type(self.optimizer).__name__}'s step reduces over a whole "
+                f"parameter ({spec.layout.reduces}), so it cannot update a shard of {name!r} "
+                f"({data.size} elements) alone; rts_threshold={self.rts_threshold} would shard "
+                "it. Set rts_threshold above the largest parameter's size or to None."
+            )
+        init = self._initial_state(name, spec)
         state, shards, buffers = {}, {}, {}
         for sname in spec.state_names:
-            zeros = np.zeros_like(data)
+            zeros = torch_to_numpy(init[sname], _dtype.as_dtype(init[sname].dtype))
+            dt = _dtype.as_dtype(init[sname].dtype)
             vname = f"{sname}/{name}"
-            if sharded and self.optimizer_state == "remote":
+            if spec.is_scalar_state(sname):  # small: on chip, replicated
+                state[sname] = variable(zeros, dt, name=vname)
+            elif sharded and self.optimizer_state == "remote":
                 buf = _remote.replica_sharded_buffer(zeros.shape, dt)
                 state[sname] = _remote.remote_replica_sharded_variable(
                     zeros, buf, 0, dt, name=vname
@@ -1126,7 +1193,12 @@ class Trainer:
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         p = self._update_target(s)
         state = self._load_state(s)
-        _optimizer_update(p, g, step, scalars, state, s.spec, found)
+        if s.spec.kind == "torch":  # scalars: hyper/i (Note [captured optimizer steps])
+            assert s.spec.layout is not None
+            _optim.torch_step(p, g, step, scalars, state, opt=self._shadow,
+                              layout=s.spec.layout, found=found)  # fmt: skip
+        else:
+            _optimizer_update(p, g, step, scalars, state, s.spec, found)
         self._finish_update(s, p, state)
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
@@ -1408,7 +1480,7 @@ class Trainer:
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
-        values = _group_values(self.optimizer, self._kind)
+        values = _group_values(self.optimizer, _optimizer_kind(self.optimizer))
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
                 t.copy_(torch.tensor(values[i], dtype=torch.float64))
@@ -1469,11 +1541,12 @@ class Trainer:
         if self._step_count == 0:  # torch's state is empty before the first step
             return
         state = self._state_by_name(prog)
+        specs = {n: spec for spec in prog.specs for n in spec.names}
         for name, p in self._params.items():
             if name not in state:  # frozen: no state, as torch keeps none
                 continue
             entry = {}
-            if self._kind != "sgd":  # torch's Adam keeps a float32 step per parameter
+            if specs[name].has_step:  # torch's Adam keeps a float32 step per parameter
                 entry["step"] = torch.tensor(float(self._step_count))
             entry.update(state[name])
             if entry:
@@ -1482,8 +1555,9 @@ class Trainer:
     def _import_torch_state(self, prog: _Program) -> None:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
-        if self._kind == "sgd":  # torch's SGD keeps no count: ours goes on unless state is new
-            # (at least 1 with momentum buffers: step 0 would restart them from the gradient)
+        if not any(spec.has_step for spec in prog.specs):
+            # torch's SGD keeps no count: ours goes on unless state is new (at least 1 with
+            # momentum buffers: step 0 would restart them from the gradient)
             if by_name:
                 step = max(self._step_count, 1)
             else:
@@ -1493,7 +1567,7 @@ class Trainer:
         writes = {}
         for s in prog.slots:
             for k, v in s.state.items():
-                value = by_name[s.name][k] if by_name else torch.zeros_like(self._params[s.name])
+                value = by_name[s.name][k] if by_name else self._initial_state(s.name, s.spec)[k]
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
@@ -1543,16 +1617,19 @@ class Trainer:
                 )
             for k in want:
                 v = entry[k]
-                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
+                shape = () if specs[name].is_scalar_state(k) else tuple(p.shape)
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
                     raise ValueError(
                         f"optimizer state {k!r} of {name!r} has shape "
-                        f"{tuple(getattr(v, 'shape', ()))}; the parameter has {tuple(p.shape)}."
+                        f"{tuple(getattr(v, 'shape', ()))}; {shape} is expected."
                     )
             by_name[name] = {k: entry[k] for k in want}
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
         steps.discard(-1)  # torch's SGD keeps no step count
-        if by_name and (len(steps) > 1 or 0 in steps):
-            fresh = sorted(n for n in specs if n not in by_name)
+        fresh = sorted(n for n in specs if n not in by_name and specs[n].state_names)
+        # (state at step 0 for every parameter is an initial state: torch's Adagrad makes it
+        # in its constructor)
+        if by_name and (len(steps) > 1 or (0 in steps and fresh)):
             raise ValueError(
                 "popxl.compile keeps one step count for all trained parameters; this optimizer "
                 f"state has {len(by_name)} of {len(specs)} of them stepped (steps "
@@ -1564,6 +1641,18 @@ class Trainer:
         return by_name, (steps.pop() if steps else 0)
 
     # ---- state ----------------------------------------------------------------------------
+
+    def _has_step(self) -> bool:
+        return any(s.has_step for s in _group_specs(self.optimizer, self._params))
+
+    def _initial_state(self, name: str, spec: _GroupSpec) -> dict[str, torch.Tensor]:
+        """A parameter's optimizer state before its first step, as torch initialises it:
+        zeros, or what a captured optimizer's probe found (Note [captured optimizer steps])."""
+        p = self._params[name]
+        if spec.kind != "torch":
+            return {k: torch.zeros_like(p.detach()) for k in spec.state_names}
+        group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+        return _optim.cached_probe(self.optimizer, group, p)[1]
 
     def sync_weights(self) -> None:
         """Kept for compatibility: the module's tensors are always current after a step."""
@@ -1578,7 +1667,7 @@ class Trainer:
         by_name, step = self._from_torch_state(self.optimizer.state)
         if self._loaded_step is not None:
             step = self._loaded_step
-        elif self.optimizer.state is self._live or self._kind == "sgd" or not by_name:
+        elif self.optimizer.state is self._live or not self._has_step() or not by_name:
             step = self._step_count  # else: a torch state loaded since, with its own count
         out["optimizer"] = {
             "state": {
@@ -1606,7 +1695,7 @@ class Trainer:
         specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
         if opt["state"]:
             expected = {
-                f"{n}.{k}": self._params[n].detach()
+                f"{n}.{k}": self._initial_state(n, specs[n])[k]
                 for n in self._params
                 if n in specs
                 for k in specs[n].state_names
@@ -1623,7 +1712,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         torch_state: collections.defaultdict[Any, dict] = collections.defaultdict(dict)
         for n, st in opt["state"].items():
-            entry = {"step": torch.tensor(float(step))} if self._kind != "sgd" else {}
+            entry = {"step": torch.tensor(float(step))} if self._has_step() else {}
             entry.update({k: v.detach().clone() for k, v in st.items()})
             torch_state[self._params[n]] = entry
         self._loaded_step = int(step)

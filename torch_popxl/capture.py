@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import DataDependentError
 from .ir.attrs import TorchCall
 from .ir.context import gcg
 from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
-from .ir.tensor import Tensor, _constant_from_torch, variable
+from .ir.tensor import Constant, Tensor, _constant_from_torch, variable
 
 __all__ = ["call_torch", "fake_mode", "record_into"]
 
@@ -54,6 +54,10 @@ _INPLACE_VIEWS = {
 }
 
 
+# Outputs larger than this (elements in all) are not folded (Note [constant folding]).
+_FOLD_LIMIT = 1 << 16
+
+
 def _op_name(func) -> str:
     return str(getattr(func, "_opname", None) or getattr(func, "__name__", "op"))
 
@@ -67,10 +71,16 @@ class _Recorder(TorchDispatchMode):
         # Called for fake inputs that are not handles of this graph (autodiff maps saved
         # forward tensors to grad-graph inputs this way). Returns a handle or None.
         self.on_unknown = on_unknown
+        # id(fake) -> (weakref to it, its storage, its real value), for fakes whose value is
+        # known at capture time (Note [constant folding]).
+        self._values: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT:
+            folded = self._evaluate(func, args, kwargs)
+            if folded is not None:
+                return folded[0]
             raise DataDependentError(
                 f"{func} needs the value of a tensor while the graph is being captured (for "
                 "example `.item()`, `bool(t)` or `if t.sum() > 0:`). Tensor values are not "
@@ -89,7 +99,72 @@ class _Recorder(TorchDispatchMode):
         if not out_leaves and not mutable:
             return out
         self._record(func, args, kwargs, out)
+        self._fold(func, args, kwargs, out, mutable)
         return out
+
+    # Note [constant folding]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # Torch's own modules branch on values that only depend on constants: nn.TransformerEncoder
+    # compares the mask it is given with a causal mask it builds (`bool((mask == causal).all())`,
+    # `_detect_is_causal_mask`), both made from shapes by factory ops. Such a check is evaluated
+    # at capture time, as eager torch would: the recorder keeps the real value of every small
+    # tensor computed only from constants (factory ops, lifted constants, graph constants, and
+    # deterministic ops on those), and a data-dependent op (`.item()`, `bool(t)`) whose inputs
+    # all have known values returns the real answer instead of raising. The ops are still
+    # recorded as usual (the graph computes them too); only the Python value is folded. A
+    # mutating op forgets every known value sharing storage with a tensor it is given (a view
+    # or its base may have changed); random ops and large outputs are never folded.
+
+    def _value_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        entry = self._values.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return entry[2]
+        handle = self.graph._tensor_for_fake(x)
+        if isinstance(handle, Constant):
+            return handle._data
+        constant = getattr(x, "constant", None)
+        if constant is not None:
+            return constant
+        if handle is None and not isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+            return x
+        return None
+
+    def _evaluate(self, func, args, kwargs):
+        """``(func's real result,)`` when every tensor it reads has a known value, else None."""
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        values = {id(x): self._value_of(x) for x in leaves}
+        if any(v is None for v in values.values()):
+            return None
+
+        def real(x):
+            return values[id(x)] if isinstance(x, torch.Tensor) else x
+
+        with _disable_current_modes():
+            return (func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs)),)
+
+    def _fold(self, func, args, kwargs, out, mutable: bool) -> None:
+        if mutable:
+            written = {
+                x.untyped_storage()._cdata
+                for x in pytree.tree_leaves((args, kwargs))
+                if isinstance(x, torch.Tensor)
+            }
+            self._values = {k: v for k, v in self._values.items() if v[1] not in written}
+            return
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            return
+        fakes = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if sum(x.numel() for x in fakes) > _FOLD_LIMIT:
+            return
+        folded = self._evaluate(func, args, kwargs)
+        if folded is None:
+            return
+        reals = [x for x in pytree.tree_leaves(folded[0]) if isinstance(x, torch.Tensor)]
+        if len(reals) != len(fakes):
+            return
+        for fake, value in zip(fakes, reals, strict=True):
+            storage = fake.untyped_storage()._cdata
+            self._values[id(fake)] = (weakref.ref(fake), storage, value)
 
     def _inplace_view(self, func, args, kwargs):
         # Note [in-place metadata ops]: the caller holds `self` and expects it reshaped in place

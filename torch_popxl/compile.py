@@ -1054,11 +1054,12 @@ class Trainer:
             }
             chunks = self.replication_factor * self.gradient_accumulation
             inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
-            captured = call_torch(
-                _forward_and_loss,
-                (self.model, {**params, **bufs}, args, kwargs, t, inv),
-                {"loss_fn": self.loss_fn, "chunks": chunks},
-            )
+            with _attributes_restored(self.model):
+                captured = call_torch(
+                    _forward_and_loss,
+                    (self.model, {**params, **bufs}, args, kwargs, t, inv),
+                    {"loss_fn": self.loss_fn, "chunks": chunks},
+                )
             obj, count, bound, n_host, outputs = captured
             graph_output(obj)
             if count is not None:
@@ -1691,7 +1692,10 @@ class InferenceProgram:
                        for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
             loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
             a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
-            y = call_torch(torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {})
+            with _attributes_restored(self.model):
+                y = call_torch(
+                    torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
+                )
             leaves, spec = pytree.tree_flatten(y)
             bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
             if bad:
@@ -1842,6 +1846,36 @@ def model_loss(output, targets=None):
             "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
         )
     return loss
+
+
+@contextlib.contextmanager
+def _attributes_restored(model: torch.nn.Module):
+    """Every submodule's attributes as they were before the capture inside (Note [attributes
+    set during capture])."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before in saved:
+            for name in [n for n in m.__dict__ if n not in before]:
+                del m.__dict__[name]
+            for name, value in before.items():
+                if m.__dict__.get(name, _MISSING) is not value:
+                    m.__dict__[name] = value
+
+
+# Note [attributes set during capture]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward may store on its module what it computed (`self.last_attention = attn`, a counter,
+# a cache). During capture those values are the capture's fake tensors: left on the module they
+# would be read by the user's code, by the next compile (as tensors of a graph that is gone) or
+# by eager torch. Capture must leave the module as it found it, so each submodule's attribute
+# dict is put back (attributes added are removed, replaced ones restored) after the forward is
+# captured. The values an eager forward would have left there are not available: a compiled
+# step does not run the Python forward, so such attributes keep their eager values (those of
+# the last eager forward, or none).
+
+_MISSING = object()
 
 
 @contextlib.contextmanager

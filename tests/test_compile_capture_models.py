@@ -94,6 +94,26 @@ def test_hugging_face_gpt2_with_dropout_trains():
     assert losses[-1] < losses[0] - 0.2, losses
 
 
+def test_hugging_face_gpt2_outputs_of_a_step_and_inference_match_eager():
+    """use_cache=True returns a DynamicCache: the step's outputs (return_outputs=True) and an
+    inference program at R=2 give eager's logits, with ``past_key_values`` None (no tensor of
+    the capture leaks out). The cache's ``torch.cat`` onto ``torch.tensor([])`` ran into the
+    replica dimension before ("Tensors must have same number of dimensions: got 2 and 5")."""
+    model = gpt2(0.0)
+    ids = token_batches(1)[0]
+    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.0),
+                            replication_factor=2, gradient_accumulation=2,
+                            return_outputs=True)  # fmt: skip
+    _, out = trainer.step({"input_ids": ids, "labels": ids})
+    want = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.logits, want.logits.detach(), rtol=RTOL, atol=1e-5)
+    model.eval()
+    got = popxl.compile(model, replication_factor=2)(ids)
+    assert got.past_key_values is None
+    torch.testing.assert_close(got.logits, model(ids).logits.detach(), rtol=RTOL, atol=1e-5)
+
+
 # ---- data-dependent checks on constants ----------------------------------------------------
 
 

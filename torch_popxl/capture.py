@@ -88,6 +88,8 @@ class _Recorder(TorchDispatchMode):
             )
         if func in _INPLACE_VIEWS:
             return self._inplace_view(func, args, kwargs)
+        if func is aten.cat.default:
+            args = (_without_legacy_empty(args[0]), *args[1:])
         out = func(*args, **kwargs)
         if func in _CONSTANT_LIFTS:
             real = args[0]
@@ -240,6 +242,20 @@ class _Recorder(TorchDispatchMode):
             attrs=TorchCall(func, tuple(args_t), kwargs_t, tuple(paths)),
         )
         self.graph._append_op(op)
+
+
+def _without_legacy_empty(tensors):
+    """``torch.cat``'s inputs without the 1-D empty tensors it skips.
+
+    torch.cat accepts a shape-(0,) tensor next to tensors of any rank and ignores it (a legacy
+    rule; Hugging Face's DynamicCache starts each layer's keys and values as ``torch.tensor([])``
+    and concatenates onto them). The rule only holds for exactly that shape: once the program
+    gives the empty constant a replica dimension (2, 0) the cat would fail, so it is not
+    recorded at all (the result is the same)."""
+    kept = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.shape == (0,))]
+    if not kept or all(t.ndim == 1 for t in kept):
+        return tensors
+    return type(tensors)(kept) if isinstance(tensors, list | tuple) else kept
 
 
 def _tensor_leaves_with_paths(out, prefix=()):

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import copy
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1061,6 +1062,7 @@ class Trainer:
                     {"loss_fn": self.loss_fn, "chunks": chunks},
                 )
             obj, count, bound, n_host, outputs = captured
+            outputs = _without_caches(outputs)
             graph_output(obj)
             if count is not None:
                 graph_output(count)
@@ -1696,8 +1698,8 @@ class InferenceProgram:
                 y = call_torch(
                     torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
                 )
-            leaves, spec = pytree.tree_flatten(y)
-            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
+            leaves, spec = pytree.tree_flatten(_without_caches(y))
+            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
             if bad:
                 raise TypeError(
                     f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
@@ -1705,6 +1707,9 @@ class InferenceProgram:
                 )
             out_streams = []
             for i, v in enumerate(leaves):
+                if v is None:
+                    out_streams.append(None)
+                    continue
                 out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                 ops.host_store(out_streams[-1], v)
         session = Session(
@@ -1772,6 +1777,9 @@ class InferenceProgram:
             out = session.run(feed)
         leaves = []
         for st in out_streams:
+            if st is None:  # a dropped key/value cache
+                leaves.append(None)
+                continue
             o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
                 o = o.reshape(padded, *o.shape[2:])
@@ -1846,6 +1854,21 @@ def model_loss(output, targets=None):
             "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
         )
     return loss
+
+
+def _without_caches(out):
+    """The model's outputs with Hugging Face key/value caches replaced by None.
+
+    ``use_cache=True`` (the default of most Hugging Face configs) makes a forward return a
+    ``Cache`` object (``past_key_values``) holding each layer's keys and values. It is state for
+    incremental generation, not an output of a training or batch-inference step, and it is no
+    pytree (its tensors would come back as the capture's fake tensors): it is dropped, as
+    ``use_cache=False`` would, and the output's ``past_key_values`` is None."""
+    transformers = sys.modules.get("transformers")
+    cache_type = getattr(getattr(transformers, "cache_utils", None), "Cache", None)
+    if cache_type is None:
+        return out
+    return pytree.tree_map(lambda v: None if isinstance(v, cache_type) else v, out)
 
 
 @contextlib.contextmanager

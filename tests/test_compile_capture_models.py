@@ -234,3 +234,40 @@ def test_autocast_bf16_conv_batchnorm_pool_trains_as_eager(R, GA):
                                    atol=2e-2)  # fmt: skip
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-2, atol=2e-2)
+
+
+# ---- the RNN family --------------------------------------------------------------------------
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent layer over (batch, time, features), its last step classified. Cells are
+    unrolled over the time steps in Python, as their users write it."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        layer = getattr(torch.nn, kind)
+        self.cell = kind.endswith("Cell")
+        self.rnn = layer(8, 16) if self.cell else layer(8, 16, batch_first=True, num_layers=2)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        if not self.cell:
+            return self.head(self.rnn(x)[0][:, -1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.rnn(x[:, t], h)
+        return self.head(h[0] if isinstance(h, tuple) else h)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell"])
+def test_rnn_family_trains_as_eager(kind, R, GA):
+    """nn.GRU / GRUCell (autograd copies an input before an in-place op: the copy becomes a
+    forward op), nn.LSTM (oneDNN's kernel is not captured: its cell's ops are), nn.RNN and the
+    cells train as eager torch does."""
+    torch.manual_seed(0)
+    model = Recurrent(kind)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 5, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(model, F.cross_entropy, batches, R, GA)

@@ -269,8 +269,32 @@ def _tensor_leaves_with_paths(out, prefix=()):
 @contextlib.contextmanager
 def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
-    with fake_mode(), _Recorder(graph, on_unknown):
+    # oneDNN off (Note [no oneDNN in captured code]).
+    with _onednn_off(), fake_mode(), _Recorder(graph, on_unknown):
         yield
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
+    # Only the enabled flag: torch.backends.mkldnn.flags() also sets TF32 flags, which warns on
+    # builds without Intel GPU support.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+# Note [no oneDNN in captured code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some composite torch ops pick a oneDNN (mkldnn) kernel on CPU when it is enabled: nn.LSTM runs
+# `aten.mkldnn_rnn_layer`, whose workspace output has a size on fake tensors (0) other than the
+# real one, so a program that runs it per replica fails ("shape '[2, 0]' is invalid"). Captured
+# with oneDNN disabled these ops decompose into ordinary aten ops
+# (LSTM into its cell's matmuls and pointwise ops), which the runtime batches over replicas and
+# autodiff differentiates like any other. Ops recorded as themselves (convolution, matmul) still
+# pick their kernels when the program runs, with the flags the user has then.
 
 
 # ---- the __torch_function__ entry point ---------------------------------------------------

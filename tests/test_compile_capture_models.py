@@ -114,6 +114,38 @@ def test_hugging_face_gpt2_outputs_of_a_step_and_inference_match_eager():
     torch.testing.assert_close(got.logits, model(ids).logits.detach(), rtol=RTOL, atol=1e-5)
 
 
+def bert_or_t5(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)  # fmt: skip
+        return transformers.BertForMaskedLM(config)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                   num_heads=2, dropout_rate=0.0,
+                                   decoder_start_token_id=0)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_hugging_face_bert_and_t5_train_as_eager(kind, R, GA):
+    """BertForMaskedLM and T5ForConditionalGeneration built from small configs, returning
+    their loss (labels -100 not counted). T5's attention mask is its learned relative position
+    bias: the attention is captured through the math path, which has its gradient."""
+    model = bert_or_t5(kind)
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 128, (8, 12), generator=g)
+        labels = ids.clone()
+        labels[:, ::3] = -100
+        batches.append(({"input_ids": ids, "labels": labels}, None))
+    train_both(model, None, batches, R, GA)
+
+
 # ---- data-dependent checks on constants ----------------------------------------------------
 
 

@@ -10,6 +10,7 @@ rules: whatever torch can run on fake tensors can be captured.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -90,6 +91,12 @@ class _Recorder(TorchDispatchMode):
             return self._inplace_view(func, args, kwargs)
         if func is aten.cat.default:
             args = (_without_legacy_empty(args[0]), *args[1:])
+        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            mask = kwargs.get("attn_mask")
+            if mask is not None and mask.dtype.is_floating_point and self._value_of(mask) is None:
+                math_out = self._attention_math(args, kwargs)
+                if math_out is not None:
+                    return math_out
         out = func(*args, **kwargs)
         if func in _CONSTANT_LIFTS:
             real = args[0]
@@ -103,6 +110,43 @@ class _Recorder(TorchDispatchMode):
         self._record(func, args, kwargs, out)
         self._fold(func, args, kwargs, out, mutable)
         return out
+
+    def _attention_math(self, args, kwargs):
+        # Note [attention with a computed mask]: torch's CPU flash attention has no gradient
+        # for `attn_mask`, and captured code has no requires_grad to tell torch's backend choice
+        # that the mask needs one (T5's mask is its learned relative position bias). A float mask
+        # computed in the program is captured as the math path's primitive ops instead (what
+        # eager torch runs when the mask requires grad: scaled scores + mask, softmax, dropout,
+        # weighted values). They are spelled as aten ops that reach this mode as themselves
+        # (torch.matmul called here would be recorded whole and decompose only at replay). The
+        # caller reads only the output: the logsumexp slot gets an unrecorded placeholder.
+        q, k, v, *rest = args
+        dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+        *batch, length, e = q.shape
+        if is_causal or q.ndim != 4 or k.shape[:-1] != v.shape[:-1] or k.shape[:2] != q.shape[:2]:
+            return None
+        scale = kwargs.get("scale") or 1.0 / math.sqrt(e)
+        bh = batch[0] * batch[1]
+        with self:
+            qs = aten.clone.default(
+                aten.mul.Tensor(q, scale), memory_format=torch.contiguous_format
+            )
+            qs = aten.view.default(qs, [bh, length, e])
+            kt = aten.clone.default(aten.transpose.int(k, -2, -1),
+                                    memory_format=torch.contiguous_format)  # fmt: skip
+            kt = aten.view.default(kt, [bh, e, k.shape[-2]])
+            scores = aten.view.default(aten.bmm.default(qs, kt), [*batch, length, k.shape[-2]])
+            weights = aten._softmax.default(aten.add.Tensor(scores, kwargs["attn_mask"]), -1,
+                                            False)  # fmt: skip
+            if dropout_p > 0:
+                weights = aten.native_dropout.default(weights, dropout_p, True)[0]
+            vv = aten.view.default(aten.clone.default(v, memory_format=torch.contiguous_format),
+                                   [bh, v.shape[-2], v.shape[-1]])  # fmt: skip
+            w3 = aten.view.default(weights, [bh, length, k.shape[-2]])
+            out = aten.view.default(aten.bmm.default(w3, vv), [*batch, length, v.shape[-1]])
+        lse = torch.empty((*batch, length), dtype=torch.float32, device=q.device)
+        return out, lse
 
     # Note [constant folding]
     # ~~~~~~~~~~~~~~~~~~~~~~~

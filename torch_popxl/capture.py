@@ -159,7 +159,8 @@ class _Recorder(TorchDispatchMode):
     # all have known values returns the real answer instead of raising. The ops are still
     # recorded as usual (the graph computes them too); only the Python value is folded. A
     # mutating op forgets every known value sharing storage with a tensor it is given (a view
-    # or its base may have changed); random ops and large outputs are never folded.
+    # or its base may have changed); random ops, ops outside aten (torch_popxl's collectives
+    # and remote ops need the runtime) and large outputs are never folded.
 
     def _value_of(self, x: torch.Tensor) -> torch.Tensor | None:
         entry = self._values.get(id(x))
@@ -196,6 +197,9 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(x, torch.Tensor)
             }
             self._values = {k: v for k, v in self._values.items() if v[1] not in written}
+            return
+        # Only aten's own ops: torch_popxl's (collectives, remote memory) need the runtime.
+        if getattr(func, "namespace", None) != "aten":
             return
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             return

@@ -52,7 +52,7 @@ from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
-from .ir.streams import d2h_stream, h2d_stream
+from .ir.streams import DeviceToHostStream, d2h_stream, h2d_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
@@ -1705,7 +1705,7 @@ class InferenceProgram:
                     f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
                     "program returns tensors (in a tuple, list or dict)."
                 )
-            out_streams = []
+            out_streams: list[DeviceToHostStream | None] = []
             for i, v in enumerate(leaves):
                 if v is None:
                     out_streams.append(None)

@@ -2,10 +2,12 @@
 
 Each test trains a few SGD steps through ``popxl.compile`` at replication 1/2 and gradient
 accumulation 1/2 and compares the losses and weights with eager torch's loop on the same
-global batches: Hugging Face GPT-2 with its default config (``use_cache=True``),
-``nn.TransformerEncoder`` given a causal mask (torch's own data-dependent check on constants is
-folded at capture time), a module that stores a tensor on itself in ``forward`` (nothing of the
-capture is left on it), and ``torch.autocast`` regions.
+global batches: Hugging Face GPT-2 with its default config (``use_cache=True``), BERT and T5
+built from small configs, ``nn.TransformerEncoder`` given a causal mask (torch's own
+data-dependent check on constants is folded at capture time), a module that stores a tensor on
+itself in ``forward`` (nothing of the capture is left on it), ``torch.autocast`` regions, and
+the RNN family (GRU, LSTM, RNN and their cells). With dropout on, a model is checked to train
+(finite losses that go down).
 
 Tolerance: float32 sums in another order (per replica, per micro-batch): rtol 1e-5 / atol 1e-6
 on losses and weights after 3 SGD steps; bfloat16 autocast: rtol/atol 2e-2 (one bf16 ulp of

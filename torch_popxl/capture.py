@@ -10,20 +10,21 @@ rules: whatever torch can run on fake tensors can be captured.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import DataDependentError
 from .ir.attrs import TorchCall
 from .ir.context import gcg
 from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
-from .ir.tensor import Tensor, _constant_from_torch, variable
+from .ir.tensor import Constant, Tensor, _constant_from_torch, variable
 
 __all__ = ["call_torch", "fake_mode", "record_into"]
 
@@ -54,6 +55,10 @@ _INPLACE_VIEWS = {
 }
 
 
+# Outputs larger than this (elements in all) are not folded (Note [constant folding]).
+_FOLD_LIMIT = 1 << 16
+
+
 def _op_name(func) -> str:
     return str(getattr(func, "_opname", None) or getattr(func, "__name__", "op"))
 
@@ -67,10 +72,16 @@ class _Recorder(TorchDispatchMode):
         # Called for fake inputs that are not handles of this graph (autodiff maps saved
         # forward tensors to grad-graph inputs this way). Returns a handle or None.
         self.on_unknown = on_unknown
+        # id(fake) -> (weakref to it, its storage, its real value), for fakes whose value is
+        # known at capture time (Note [constant folding]).
+        self._values: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT:
+            folded = self._evaluate(func, args, kwargs)
+            if folded is not None:
+                return folded[0]
             raise DataDependentError(
                 f"{func} needs the value of a tensor while the graph is being captured (for "
                 "example `.item()`, `bool(t)` or `if t.sum() > 0:`). Tensor values are not "
@@ -78,6 +89,14 @@ class _Recorder(TorchDispatchMode):
             )
         if func in _INPLACE_VIEWS:
             return self._inplace_view(func, args, kwargs)
+        if func is aten.cat.default:
+            args = (_without_legacy_empty(args[0]), *args[1:])
+        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            mask = kwargs.get("attn_mask")
+            if mask is not None and mask.dtype.is_floating_point and self._value_of(mask) is None:
+                math_out = self._attention_math(args, kwargs)
+                if math_out is not None:
+                    return math_out
         out = func(*args, **kwargs)
         if func in _CONSTANT_LIFTS:
             real = args[0]
@@ -89,7 +108,113 @@ class _Recorder(TorchDispatchMode):
         if not out_leaves and not mutable:
             return out
         self._record(func, args, kwargs, out)
+        self._fold(func, args, kwargs, out, mutable)
         return out
+
+    def _attention_math(self, args, kwargs):
+        # Note [attention with a computed mask]: torch's CPU flash attention has no gradient
+        # for `attn_mask`, and captured code has no requires_grad to tell torch's backend choice
+        # that the mask needs one (T5's mask is its learned relative position bias). A float mask
+        # computed in the program is captured as the math path's primitive ops instead (what
+        # eager torch runs when the mask requires grad: scaled scores + mask, softmax, dropout,
+        # weighted values). They are spelled as aten ops that reach this mode as themselves
+        # (torch.matmul called here would be recorded whole and decompose only at replay). The
+        # caller reads only the output: the logsumexp slot gets an unrecorded placeholder.
+        q, k, v, *rest = args
+        dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+        *batch, length, e = q.shape
+        if is_causal or q.ndim != 4 or k.shape[:-1] != v.shape[:-1] or k.shape[:2] != q.shape[:2]:
+            return None
+        scale = kwargs.get("scale") or 1.0 / math.sqrt(e)
+        bh = batch[0] * batch[1]
+        with self:
+            qs = aten.clone.default(
+                aten.mul.Tensor(q, scale), memory_format=torch.contiguous_format
+            )
+            qs = aten.view.default(qs, [bh, length, e])
+            kt = aten.clone.default(aten.transpose.int(k, -2, -1),
+                                    memory_format=torch.contiguous_format)  # fmt: skip
+            kt = aten.view.default(kt, [bh, e, k.shape[-2]])
+            scores = aten.view.default(aten.bmm.default(qs, kt), [*batch, length, k.shape[-2]])
+            weights = aten._softmax.default(aten.add.Tensor(scores, kwargs["attn_mask"]), -1,
+                                            False)  # fmt: skip
+            if dropout_p > 0:
+                weights = aten.native_dropout.default(weights, dropout_p, True)[0]
+            vv = aten.view.default(aten.clone.default(v, memory_format=torch.contiguous_format),
+                                   [bh, v.shape[-2], v.shape[-1]])  # fmt: skip
+            w3 = aten.view.default(weights, [bh, length, k.shape[-2]])
+            out = aten.view.default(aten.bmm.default(w3, vv), [*batch, length, v.shape[-1]])
+        lse = torch.empty((*batch, length), dtype=torch.float32, device=q.device)
+        return out, lse
+
+    # Note [constant folding]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # Torch's own modules branch on values that only depend on constants: nn.TransformerEncoder
+    # compares the mask it is given with a causal mask it builds (`bool((mask == causal).all())`,
+    # `_detect_is_causal_mask`), both made from shapes by factory ops. Such a check is evaluated
+    # at capture time, as eager torch would: the recorder keeps the real value of every small
+    # tensor computed only from constants (factory ops, lifted constants, graph constants, and
+    # deterministic ops on those), and a data-dependent op (`.item()`, `bool(t)`) whose inputs
+    # all have known values returns the real answer instead of raising. The ops are still
+    # recorded as usual (the graph computes them too); only the Python value is folded. A
+    # mutating op forgets every known value sharing storage with a tensor it is given (a view
+    # or its base may have changed); random ops, ops outside aten (torch_popxl's collectives
+    # and remote ops need the runtime) and large outputs are never folded.
+
+    def _value_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        entry = self._values.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return entry[2]
+        handle = self.graph._tensor_for_fake(x)
+        if isinstance(handle, Constant):
+            return handle._data
+        constant = getattr(x, "constant", None)
+        if constant is not None:
+            return constant
+        if handle is None and not isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+            return x
+        return None
+
+    def _evaluate(self, func, args, kwargs):
+        """``(func's real result,)`` when every tensor it reads has a known value, else None."""
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        values = {id(x): self._value_of(x) for x in leaves}
+        if any(v is None for v in values.values()):
+            return None
+
+        def real(x):
+            return values[id(x)] if isinstance(x, torch.Tensor) else x
+
+        with _disable_current_modes():
+            return (func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs)),)
+
+    def _fold(self, func, args, kwargs, out, mutable: bool) -> None:
+        if mutable:
+            written = {
+                x.untyped_storage()._cdata
+                for x in pytree.tree_leaves((args, kwargs))
+                if isinstance(x, torch.Tensor)
+            }
+            self._values = {k: v for k, v in self._values.items() if v[1] not in written}
+            return
+        # Only aten's own ops: torch_popxl's (collectives, remote memory) need the runtime.
+        if getattr(func, "namespace", None) != "aten":
+            return
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            return
+        fakes = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if sum(x.numel() for x in fakes) > _FOLD_LIMIT:
+            return
+        folded = self._evaluate(func, args, kwargs)
+        if folded is None:
+            return
+        reals = [x for x in pytree.tree_leaves(folded[0]) if isinstance(x, torch.Tensor)]
+        if len(reals) != len(fakes):
+            return
+        for fake, value in zip(fakes, reals, strict=True):
+            storage = fake.untyped_storage()._cdata
+            self._values[id(fake)] = (weakref.ref(fake), storage, value)
 
     def _inplace_view(self, func, args, kwargs):
         # Note [in-place metadata ops]: the caller holds `self` and expects it reshaped in place
@@ -167,6 +292,20 @@ class _Recorder(TorchDispatchMode):
         self.graph._append_op(op)
 
 
+def _without_legacy_empty(tensors):
+    """``torch.cat``'s inputs without the 1-D empty tensors it skips.
+
+    torch.cat accepts a shape-(0,) tensor next to tensors of any rank and ignores it (a legacy
+    rule; Hugging Face's DynamicCache starts each layer's keys and values as ``torch.tensor([])``
+    and concatenates onto them). The rule only holds for exactly that shape: once the program
+    gives the empty constant a replica dimension (2, 0) the cat would fail, so it is not
+    recorded at all (the result is the same)."""
+    kept = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.shape == (0,))]
+    if not kept or all(t.ndim == 1 for t in kept):
+        return tensors
+    return type(tensors)(kept) if isinstance(tensors, list | tuple) else kept
+
+
 def _tensor_leaves_with_paths(out, prefix=()):
     if isinstance(out, torch.Tensor):
         yield prefix, out
@@ -178,8 +317,32 @@ def _tensor_leaves_with_paths(out, prefix=()):
 @contextlib.contextmanager
 def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
-    with fake_mode(), _Recorder(graph, on_unknown):
+    # oneDNN off (Note [no oneDNN in captured code]).
+    with _onednn_off(), fake_mode(), _Recorder(graph, on_unknown):
         yield
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
+    # Only the enabled flag: torch.backends.mkldnn.flags() also sets TF32 flags, which warns on
+    # builds without Intel GPU support.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+# Note [no oneDNN in captured code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some composite torch ops pick a oneDNN (mkldnn) kernel on CPU when it is enabled: nn.LSTM runs
+# `aten.mkldnn_rnn_layer`, whose workspace output has a size on fake tensors (0) other than the
+# real one, so a program that runs it per replica fails ("shape '[2, 0]' is invalid"). Captured
+# with oneDNN disabled these ops decompose into ordinary aten ops
+# (LSTM into its cell's matmuls and pointwise ops), which the runtime batches over replicas and
+# autodiff differentiates like any other. Ops recorded as themselves (convolution, matmul) still
+# pick their kernels when the program runs, with the flags the user has then.
 
 
 # ---- the __torch_function__ entry point ---------------------------------------------------

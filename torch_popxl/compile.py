@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
-from .ir.streams import d2h_stream, h2d_stream
+from .ir.streams import DeviceToHostStream, d2h_stream, h2d_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
@@ -1121,12 +1122,14 @@ class Trainer:
             }
             chunks = self.replication_factor * self.gradient_accumulation
             inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
-            captured = call_torch(
-                _forward_and_loss,
-                (self.model, {**params, **bufs}, args, kwargs, t, inv),
-                {"loss_fn": self.loss_fn, "chunks": chunks},
-            )
+            with _attributes_restored(self.model):
+                captured = call_torch(
+                    _forward_and_loss,
+                    (self.model, {**params, **bufs}, args, kwargs, t, inv),
+                    {"loss_fn": self.loss_fn, "chunks": chunks},
+                )
             obj, count, bound, n_host, outputs = captured
+            outputs = _without_caches(outputs)
             graph_output(obj)
             if count is not None:
                 graph_output(count)
@@ -1780,16 +1783,22 @@ class InferenceProgram:
                        for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
             loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
             a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
-            y = call_torch(torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {})
-            leaves, spec = pytree.tree_flatten(y)
-            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
+            with _attributes_restored(self.model):
+                y = call_torch(
+                    torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
+                )
+            leaves, spec = pytree.tree_flatten(_without_caches(y))
+            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
             if bad:
                 raise TypeError(
                     f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
                     "program returns tensors (in a tuple, list or dict)."
                 )
-            out_streams = []
+            out_streams: list[DeviceToHostStream | None] = []
             for i, v in enumerate(leaves):
+                if v is None:
+                    out_streams.append(None)
+                    continue
                 out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                 ops.host_store(out_streams[-1], v)
         session = Session(
@@ -1857,6 +1866,9 @@ class InferenceProgram:
             out = session.run(feed)
         leaves = []
         for st in out_streams:
+            if st is None:  # a dropped key/value cache
+                leaves.append(None)
+                continue
             o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
                 o = o.reshape(padded, *o.shape[2:])
@@ -1931,6 +1943,51 @@ def model_loss(output, targets=None):
             "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
         )
     return loss
+
+
+def _without_caches(out):
+    """The model's outputs with Hugging Face key/value caches replaced by None.
+
+    ``use_cache=True`` (the default of most Hugging Face configs) makes a forward return a
+    ``Cache`` object (``past_key_values``) holding each layer's keys and values. It is state for
+    incremental generation, not an output of a training or batch-inference step, and it is no
+    pytree (its tensors would come back as the capture's fake tensors): it is dropped, as
+    ``use_cache=False`` would, and the output's ``past_key_values`` is None."""
+    transformers = sys.modules.get("transformers")
+    cache_type = getattr(getattr(transformers, "cache_utils", None), "Cache", None)
+    if cache_type is None:
+        return out
+    return pytree.tree_map(lambda v: None if isinstance(v, cache_type) else v, out)
+
+
+@contextlib.contextmanager
+def _attributes_restored(model: torch.nn.Module):
+    """Every submodule's attributes as they were before the capture inside (Note [attributes
+    set during capture])."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before in saved:
+            for name in [n for n in m.__dict__ if n not in before]:
+                del m.__dict__[name]
+            for name, value in before.items():
+                if m.__dict__.get(name, _MISSING) is not value:
+                    m.__dict__[name] = value
+
+
+# Note [attributes set during capture]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward may store on its module what it computed (`self.last_attention = attn`, a counter,
+# a cache). During capture those values are the capture's fake tensors: left on the module they
+# would be read by the user's code, by the next compile (as tensors of a graph that is gone) or
+# by eager torch. Capture must leave the module as it found it, so each submodule's attribute
+# dict is put back (attributes added are removed, replaced ones restored) after the forward is
+# captured. The values an eager forward would have left there are not available: a compiled
+# step does not run the Python forward, so such attributes keep their eager values (those of
+# the last eager forward, or none).
+
+_MISSING = object()
 
 
 @contextlib.contextmanager

@@ -16,11 +16,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import opdefs
 from ..capture import fake_mode, record_into
 from ..errors import PopXLError
 from ..errors import given as _given
+from ..ir import context as _ctx
+from ..ir.attrs import TorchCall
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import (
     Constant,
@@ -216,8 +219,11 @@ class _Replay(Interpreter[torch.Tensor]):
                 if t.id in required_ids and _differentiable_dtype(t):
                     leaf.requires_grad_(True)
                 self._bind(t, leaf)
+            # (op, its input, autograd's copy of it) for Note [autograd copies before in-place ops]
+            self._copies: list[tuple[Op, Tensor, torch.Tensor]] = []
             with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
                 self.run(graph._ops, self.value)
+            self._snapshot_copies()
 
     def _note(self, fake: torch.Tensor, t: Tensor) -> None:
         self._alive.append(fake)
@@ -256,6 +262,9 @@ class _Replay(Interpreter[torch.Tensor]):
         if _has_no_gradient(op):
             with torch.no_grad():
                 result = target(*args, **kwargs)
+        elif self._depth == 0 and _is_modifying(op):
+            with _CopyWatch(op, ins, self._copies):
+                result = target(*args, **kwargs)
         else:
             result = target(*args, **kwargs)
         outs = []
@@ -266,6 +275,38 @@ class _Replay(Interpreter[torch.Tensor]):
             outs.append(value)
         self._note_outputs(op, outs)
         return outs
+
+    def _snapshot_copies(self) -> None:
+        # Note [autograd copies before in-place ops]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # An in-place op whose derivative needs its input as it was before (`h.mul_(r)` needs
+        # the old `h`; GRU and GRUCell do this on CPU) makes autograd copy that input inside the
+        # op (`original_self = self.clone()`), and the backward reads the copy. The copy is no
+        # op of the forward graph, and the forward tensor holds the value after the op, so the
+        # copy is made a forward op: a clone inserted just before the in-place op (its context
+        # and scope, ordered before it by in_sequence constraints, as the in-place check
+        # requires), whose output the gradient graph takes as a Fwd input. Indices of
+        # call sites recorded for Note [callee values in gradients] move with the insertion.
+        position = {id(o): i for i, o in enumerate(self.graph._ops)}
+        # From the last: an insertion (or a sequence rewrite, which replaces ops) then leaves
+        # the positions of the ones still to come as they were.
+        for index, source, copy in sorted(
+            ((position[id(op)], source, copy) for op, source, copy in self._copies),
+            key=lambda e: -e[0],
+        ):
+            saved = Tensor._create(self.graph, source.name + "_before_inplace",
+                                   _fake_like(source.shape, source.dtype))  # fmt: skip
+            sequence = _sequence_before(self.graph, index)
+            op = self.graph._ops[index]
+            clone = Op(OpKind.TORCH, str(torch.ops.aten.clone.default), (source,), (saved,),
+                       TorchCall(torch.ops.aten.clone.default, (Slot(0),), {}, ((),)),
+                       context=op.context, sequence=sequence, scope=op.scope)  # fmt: skip
+            self.graph._ops.insert(index, clone)
+            self.graph._version += 1
+            self._note(copy, saved)
+            for key, (sites, t) in list(self.inner_of.items()):
+                if sites and sites[0][1] >= index:
+                    self.inner_of[key] = (((sites[0][0], sites[0][1] + 1), *sites[1:]), t)
 
     def call(self, op: Op, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         info = self.given.get(op.attrs.graph) if op.kind == OpKind.CALL else None
@@ -329,6 +370,44 @@ class _Replay(Interpreter[torch.Tensor]):
         for t, fake in zip(op.outputs, outs, strict=True):
             self._note(fake, t)
         return outs
+
+
+def _sequence_before(graph: Graph, index: int) -> tuple[int, int]:
+    """An in_sequence position for an op to be inserted at ``index`` that orders it before the
+    op now there (the inserted clone reads what that op writes in place): a fresh chain when the
+    op has none, else the op's unit, with that unit and all later ones of its chain moved one
+    on (units are only compared, so every other order is kept)."""
+    op = graph._ops[index]
+    if op.sequence is None:
+        chain = next(_ctx._chains)
+        graph._replace_op(index, replace(op, sequence=(chain, 1)))
+        return (chain, 0)
+    chain, unit = op.sequence
+    for i, other in enumerate(graph._ops):
+        if other.sequence is not None and other.sequence[0] == chain and other.sequence[1] >= unit:
+            graph._replace_op(i, replace(other, sequence=(chain, other.sequence[1] + 1)))
+    for state in _ctx._sequence_state.values():  # ops created later in the chain come after
+        if state[0] == chain:
+            state[1] += 1
+    return (chain, unit)
+
+
+class _CopyWatch(TorchDispatchMode):
+    """Notes the copies autograd makes of an in-place op's inputs while the op runs (Note
+    [autograd copies before in-place ops])."""
+
+    def __init__(self, op: Op, ins: list[torch.Tensor], copies: list):
+        super().__init__()
+        self.op, self.ins, self.copies = op, ins, copies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.clone.default:
+            source = next((t for t, x in zip(self.op.inputs, self.ins, strict=True)
+                           if x is args[0]), None)  # fmt: skip
+            if source is not None:
+                self.copies.append((self.op, source, out))
+        return out
 
 
 def _has_no_gradient(op: Op) -> bool:

@@ -1,0 +1,324 @@
+"""popxl.compile captures what ordinary torch models do (issue 30, item 4).
+
+Each test trains a few SGD steps through ``popxl.compile`` at replication 1/2 and gradient
+accumulation 1/2 and compares the losses and weights with eager torch's loop on the same
+global batches: Hugging Face GPT-2 with its default config (``use_cache=True``), BERT and T5
+built from small configs, ``nn.TransformerEncoder`` given a causal mask (torch's own
+data-dependent check on constants is folded at capture time), a module that stores a tensor on
+itself in ``forward`` (nothing of the capture is left on it), ``torch.autocast`` regions, and
+the RNN family (GRU, LSTM, RNN and their cells). With dropout on, a model is checked to train
+(finite losses that go down).
+
+Tolerance: float32 sums in another order (per replica, per micro-batch): rtol 1e-5 / atol 1e-6
+on losses and weights after 3 SGD steps; bfloat16 autocast: rtol/atol 2e-2 (one bf16 ulp of
+the activations).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_popxl as popxl
+
+RTOL, ATOL = 1e-5, 1e-6
+LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def train_both(model, loss_fn, batches, R, GA, *, lr=0.1, rtol=RTOL, atol=ATOL):
+    """Trains ``model`` eagerly and a copy through popxl.compile; compares losses and weights.
+    ``batches`` holds (inputs, targets); with ``loss_fn=None`` inputs is a dict of kwargs."""
+    eager = copy.deepcopy(model)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=lr)
+    trainer = popxl.compile(model, loss_fn, torch.optim.SGD(model.parameters(), lr=lr),
+                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    for x, y in batches:
+        opt_e.zero_grad()
+        if loss_fn is None:
+            want = eager(**x).loss
+            got = trainer.step(x)
+        else:
+            want = loss_fn(eager(x), y)
+            got = trainer.step(x, y)
+        want.backward()
+        opt_e.step()
+        torch.testing.assert_close(torch.tensor(float(got)), want.detach(), rtol=rtol, atol=atol)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=name)
+
+
+# ---- Hugging Face models with their default configs --------------------------------------
+
+
+def gpt2(dropout: float):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128,
+                                     n_positions=32, resid_pdrop=dropout, embd_pdrop=dropout,
+                                     attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    assert config.use_cache  # the default: the forward builds a DynamicCache
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_batches(n=3, size=8, seq=16, vocab=128):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (size, seq), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("R,GA", LAYOUTS)
+def test_hugging_face_gpt2_default_config_trains_as_eager(R, GA):
+    """GPT2LMHeadModel with use_cache=True returning its own loss (loss_fn=None, labels in the
+    inputs) trains as eager torch does."""
+    model = gpt2(0.0)
+    batches = [({"input_ids": ids, "labels": ids}, None) for ids in token_batches()]
+    train_both(model, None, batches, R, GA)
+
+
+def test_hugging_face_gpt2_loss_fn_on_logits_trains_as_eager():
+    """The same model with a loss_fn on ``.logits`` (next-token cross entropy)."""
+    model = gpt2(0.0)
+
+    def loss_fn(out, ids):
+        return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    train_both(model, loss_fn, [(ids, ids) for ids in token_batches()], 2, 2)
+
+
+def test_hugging_face_gpt2_with_dropout_trains():
+    """Dropout on (the default config): losses are finite and go down on a repeated batch."""
+    model = gpt2(0.1)
+    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    ids = token_batches(1)[0]
+    losses = [trainer.step({"input_ids": ids, "labels": ids}) for _ in range(6)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.2, losses
+
+
+def test_hugging_face_gpt2_outputs_of_a_step_and_inference_match_eager():
+    """use_cache=True returns a DynamicCache: the step's outputs (return_outputs=True) and an
+    inference program at R=2 give eager's logits, with ``past_key_values`` None (no tensor of
+    the capture leaks out). The cache's ``torch.cat`` onto ``torch.tensor([])`` ran into the
+    replica dimension before ("Tensors must have same number of dimensions: got 2 and 5")."""
+    model = gpt2(0.0)
+    ids = token_batches(1)[0]
+    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.0),
+                            replication_factor=2, gradient_accumulation=2,
+                            return_outputs=True)  # fmt: skip
+    _, out = trainer.step({"input_ids": ids, "labels": ids})
+    want = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.logits, want.logits.detach(), rtol=RTOL, atol=1e-5)
+    model.eval()
+    got = popxl.compile(model, replication_factor=2)(ids)
+    assert got.past_key_values is None
+    torch.testing.assert_close(got.logits, model(ids).logits.detach(), rtol=RTOL, atol=1e-5)
+
+
+def bert_or_t5(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)  # fmt: skip
+        return transformers.BertForMaskedLM(config)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                   num_heads=2, dropout_rate=0.0,
+                                   decoder_start_token_id=0)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_hugging_face_bert_and_t5_train_as_eager(kind, R, GA):
+    """BertForMaskedLM and T5ForConditionalGeneration built from small configs, returning
+    their loss (labels -100 not counted). T5's attention mask is its learned relative position
+    bias: the attention is captured through the math path, which has its gradient."""
+    model = bert_or_t5(kind)
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 128, (8, 12), generator=g)
+        labels = ids.clone()
+        labels[:, ::3] = -100
+        batches.append(({"input_ids": ids, "labels": labels}, None))
+    train_both(model, None, batches, R, GA)
+
+
+def test_hugging_face_t5_with_dropout_trains():
+    """T5's default dropout (0.1) on, also inside its attention (the math path's dropout):
+    losses are finite and go down on a repeated batch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                   num_heads=2, decoder_start_token_id=0)  # fmt: skip
+    assert config.dropout_rate > 0
+    model = transformers.T5ForConditionalGeneration(config)
+    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.5),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    ids = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(6))
+    losses = [trainer.step({"input_ids": ids, "labels": ids}) for _ in range(6)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.2, losses
+
+
+# ---- data-dependent checks on constants ----------------------------------------------------
+
+
+class CausalEncoder(torch.nn.Module):
+    """nn.TransformerEncoder given a causal mask without ``is_causal``: torch checks
+    ``bool((mask == causal).all())`` on two tensors made from shapes."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.encoder(x, mask=mask))
+
+
+@pytest.mark.parametrize("R,GA", LAYOUTS)
+def test_transformer_encoder_with_causal_mask_trains_as_eager(R, GA):
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 6, 16, generator=g), torch.randn(4, 6, 4, generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(model, F.mse_loss, batches, R, GA)
+
+
+def test_data_dependent_check_on_a_value_is_still_refused():
+    """Folding covers constants only: a branch on an input's value still raises."""
+
+    class Branch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) if bool(x.sum() > 0) else -self.fc(x)
+
+    model = Branch()
+    trainer = popxl.compile(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(popxl.errors.DataDependentError, match="torch.where"):
+        trainer.step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+# ---- attributes a module sets on itself ----------------------------------------------------
+
+
+class Remembers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.last_mean = y.detach().mean()
+        self.calls += 1
+        return y
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_attributes_set_in_forward_keep_their_eager_values(R, GA):
+    """Capture leaves no graph tensor on the module: attributes keep the values of the last
+    eager forward (or stay absent), and a second compile of the same module trains as eager."""
+    torch.manual_seed(0)
+    model = Remembers()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    eager_mean = model(x).detach().mean()
+    assert model.calls == 1
+    train_both(model, F.mse_loss, [(x, y)] * 2, R, GA)
+    assert model.calls == 1
+    assert type(model.last_mean) is torch.Tensor  # a real tensor, not the capture's
+    torch.testing.assert_close(model.last_mean, eager_mean)
+    fresh = Remembers()
+    train_both(fresh, F.mse_loss, [(x, y)] * 2, R, GA)
+    assert not hasattr(fresh, "last_mean") and fresh.calls == 0
+
+
+# ---- autocast --------------------------------------------------------------------------------
+
+
+class AutocastCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(4, 3),
+        )  # fmt: skip
+
+    def forward(self, x):
+        with torch.autocast("cpu", torch.bfloat16):
+            return self.body(x)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 1)])
+def test_autocast_bf16_conv_batchnorm_pool_trains_as_eager(R, GA):
+    """Autocast regions are captured as they run. With R replicas batch norm keeps per-replica
+    statistics (as DDP does), so the eager reference runs each replica's rows separately and
+    sums their equally weighted losses."""
+    torch.manual_seed(0)
+    model = AutocastCNN()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    eager = copy.deepcopy(model)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    for x, y in batches:
+        opt_e.zero_grad()
+        want = sum(F.cross_entropy(eager(xs), ys) for xs, ys in
+                   zip(x.chunk(R), y.chunk(R), strict=True)) / R  # fmt: skip
+        want.backward()
+        opt_e.step()
+        got = trainer.step(x, y)
+        torch.testing.assert_close(torch.tensor(float(got)), want.detach().float(), rtol=2e-2,
+                                   atol=2e-2)  # fmt: skip
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-2, atol=2e-2)
+
+
+# ---- the RNN family --------------------------------------------------------------------------
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent layer over (batch, time, features), its last step classified. Cells are
+    unrolled over the time steps in Python, as their users write it."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        layer = getattr(torch.nn, kind)
+        self.cell = kind.endswith("Cell")
+        self.rnn = layer(8, 16) if self.cell else layer(8, 16, batch_first=True, num_layers=2)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        if not self.cell:
+            return self.head(self.rnn(x)[0][:, -1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.rnn(x[:, t], h)
+        return self.head(h[0] if isinstance(h, tuple) else h)
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell"])
+def test_rnn_family_trains_as_eager(kind, R, GA):
+    """nn.GRU / GRUCell (autograd copies an input before an in-place op: the copy becomes a
+    forward op), nn.LSTM (oneDNN's kernel is not captured: its cell's ops are), nn.RNN and the
+    cells train as eager torch does."""
+    torch.manual_seed(0)
+    model = Recurrent(kind)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 5, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(model, F.cross_entropy, batches, R, GA)

@@ -27,8 +27,6 @@ ALLOWED_ERRORS = {
     "linalg.lstsq": _DATA_DEPENDENT_SHAPE,
     "linalg.lstsq.grad_oriented": _DATA_DEPENDENT_SHAPE,
     "nn.functional.ctc_loss": _DATA_DEPENDENT_SHAPE,
-    "corrcoef": _DATA_DEPENDENT_CHECK,
-    "cov": _DATA_DEPENDENT_CHECK,
     "narrow": _DATA_DEPENDENT_CHECK + " (a tensor start)",
     "tensor_split": _DATA_DEPENDENT_CHECK + " (tensor indices)",
     "nn.functional.gaussian_nll_loss": _DATA_DEPENDENT_CHECK + " (its variance check)",
@@ -56,10 +54,6 @@ ALLOWED_BACKWARD_ERRORS = {
     ),  # fmt: skip
     **dict.fromkeys(
         [
-            "nn.functional.cosine_embedding_loss",
-            "nn.functional.cosine_similarity",
-            "nn.functional.hinge_embedding_loss",
-            "nn.functional.margin_ranking_loss",
             "nn.functional.linear_cross_entropy.chunked_none",
             "nn.functional.linear_cross_entropy.chunked",
         ],
@@ -73,7 +67,7 @@ ALLOWED_BACKWARD_ERRORS = {
     "to_sparse": "a sparse output",
 }
 # Cases off the fast path today (of ~1,175 forward, ~985 backward); they may only shrink.
-SLOW_CEILING = {"forward": 68, "backward": 52}
+SLOW_CEILING = {"forward": 66, "backward": 52}
 
 
 @pytest.fixture(scope="module", params=["forward", "backward"])
@@ -99,5 +93,5 @@ def test_the_sweep_covers_the_database_and_the_slow_path_does_not_grow(results):
     direction, found = results
     counts = summary(found)
     assert len({o.op for o in found}) > 500
-    assert counts.get("pass", 0) > (1060 if direction == "forward" else 870)
+    assert counts.get("pass", 0) > (1065 if direction == "forward" else 880)
     assert counts.get("slow", 0) <= SLOW_CEILING[direction], counts

@@ -12,6 +12,7 @@ Both run the same program against the same session state:
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -249,20 +250,25 @@ def _trace_vmap(batched, args, titles: list) -> _Traced | str:
 
 
 def _per_replica_loops(graph, R: int) -> tuple[str, ...]:
-    """The aten ops of a traced fragment that torch ran once per replica: ops without a
-    batching rule (vmap's fallback loops over the rows), seen at least R times."""
+    """The aten ops of a traced fragment that torch ran once per replica: vmap's fallback for
+    an op without a batching rule calls it on each row and stacks the results, so such an op
+    appears at least R times, each result used only by that stack."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    stacks = (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
     seen: dict[Any, int] = {}
     for node in graph.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            seen[node.target] = seen.get(node.target, 0) + 1
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-
-    def looped(t) -> bool:  # a factory (no tensor argument) never reaches the fallback
-        takes_tensor = any(isinstance(a.type, torch.TensorType) for a in t._schema.arguments)
-        return (takes_tensor and t.namespace == "aten" and not has(t.name(), "FuncTorchBatched")
-                and not has(t.name(), "CompositeImplicitAutograd"))  # fmt: skip
-
-    return tuple(sorted(str(t) for t, n in seen.items() if n >= R and looped(t)))
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        if t.namespace != "aten" or has(t.name(), "FuncTorchBatched"):
+            continue
+        if has(t.name(), "CompositeImplicitAutograd") or not node.users:
+            continue
+        users = [u for u in node.users if u.target is not operator.getitem]
+        users += [v for u in node.users if u.target is operator.getitem for v in u.users]
+        if users and all(u.target in stacks for u in users):
+            seen[t] = seen.get(t, 0) + 1
+    return tuple(sorted(str(t) for t, n in seen.items() if n >= R))
 
 
 class FastExecutor:

@@ -2,7 +2,8 @@
 
 Each script below follows a well-known PyTorch example loop (pytorch/examples: the MNIST CNN
 with Adadelta and StepLR, the VAE with its summed loss, the word-language-model Transformer with
-a causal mask, gradient clipping and manual learning-rate annealing) written once, with the
+a causal mask, gradient clipping and manual learning-rate annealing, the imagenet example's
+torchvision classifier with SGD momentum and validation) written once, with the
 step as a parameter: ``eager_step`` is the original ``zero_grad / loss.backward / step``;
 ``compiled_step`` is ``trainer.step``. Both run on the same synthetic data (DataLoader batches
 of 16 with a short last batch, several epochs, evaluation between epochs) and must print the
@@ -266,3 +267,40 @@ def test_the_ported_scripts_leave_nothing_on_the_slow_path(run, monkeypatch):
     run(**kwargs)
     assert [t.explain() for t in explained] == [[]]
     assert copy.copy(explained)  # the run compiled once
+
+
+# ---- a torchvision classifier (pytorch/examples imagenet's loop): SGD momentum + validation ---
+
+
+def _run_classifier(compiled: bool):
+    import torchvision
+
+    torch.manual_seed(0)
+    # SqueezeNet: a torchvision model without batch norm (whose per-replica statistics are the
+    # one documented difference from eager); its dropout off for the exact comparison
+    model = torchvision.models.squeezenet1_1(num_classes=10, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(24, 3, 32, 32, generator=g), torch.randint(0, 10, (24,), generator=g)
+    val_x, val_y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step = (_compiled_step(model, opt, loss_fn)[0] if compiled
+            else _eager_step(model, opt, loss_fn))  # fmt: skip
+    accuracy = []
+
+    def validate(epoch):
+        model.eval()
+        with torch.no_grad():
+            accuracy.append(float((model(val_x).argmax(1) == val_y).float().mean()))
+
+    losses = _train(model, opt, _loader(x, y), step, epochs=2, on_epoch=validate)
+    return model, losses, accuracy
+
+
+def test_torchvision_classifier_with_sgd_momentum_and_validation_prints_eager_losses():
+    pytest.importorskip("torchvision")
+    eager, eager_losses, eager_acc = _run_classifier(False)
+    ported, losses, acc = _run_classifier(True)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+    assert acc == eager_acc
+    _same_weights(ported, eager)

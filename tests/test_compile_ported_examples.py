@@ -17,7 +17,6 @@ gradients is not amplified to a step).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -265,8 +264,7 @@ def test_the_ported_scripts_leave_nothing_on_the_slow_path(run, monkeypatch):
     elif run is _run_vae:
         kwargs["noise"] = True
     run(**kwargs)
-    assert [t.explain() for t in explained] == [[]]
-    assert copy.copy(explained)  # the run compiled once
+    assert [t.explain() for t in explained] == [[]]  # one trainer, all on the fast path
 
 
 # ---- a torchvision classifier (pytorch/examples imagenet's loop): SGD momentum + validation ---

@@ -1382,8 +1382,7 @@ class Trainer:
             prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
-        with _quiet():
-            out = prog.session.run(feed)
+        out = prog.session.run(feed)
         self._pull(prog)
         self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
@@ -1862,8 +1861,7 @@ class InferenceProgram:
             st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
             for st, a in zip(streams, arrays, strict=True)
         }
-        with _quiet():
-            out = session.run(feed)
+        out = session.run(feed)
         leaves = []
         for st in out_streams:
             if st is None:  # a dropped key/value cache
@@ -1988,18 +1986,6 @@ def _attributes_restored(model: torch.nn.Module):
 # the last eager forward, or none).
 
 _MISSING = object()
-
-
-@contextlib.contextmanager
-def _quiet():
-    """A step prints nothing: functorch's C++ "performance drop ... batching rule" warning for
-    an op that runs per replica under vmap is switched off while the program runs (it would
-    print dozens of lines per epoch to stderr; the slow path is the runtime's business)."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-    try:
-        yield
-    finally:  # torch's default (it keeps no getter to restore a user's setting from)
-        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
 def _mark_eager_step(trainer_ref) -> None:

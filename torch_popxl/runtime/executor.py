@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import opdefs
@@ -283,10 +282,8 @@ class FastExecutor:
         self.backend = backend
         self.backend_reasons: dict[str, str | None] = {}
         self._compiled: dict[str, Any] = {}
-        # Note [vmap traced once]: (fragment, input signature) -> the traced graph, or why
-        # tracing failed; fragment -> that reason while the fragment runs under vmap
-        self._traced: dict[tuple, _Traced | str] = {}
-        self.trace_failures: dict[str, str] = {}
+        # Note [vmap traced once]: fragment -> its traced graph, or why tracing failed
+        self._traced: dict[str, _Traced | str] = {}
         # The program is compiled for the GLOBAL replica count (full-group collectives span
         # every instance); it runs under vmap over this process's R local replicas.
         self.global_R = ir.replication_factor
@@ -353,14 +350,13 @@ class FastExecutor:
             slow = f"{name}: runs under torch.func.vmap at every step (slower)"
             if self.global_R != self.R:
                 lines.append(f"{slow}: its replicas span several processes")
-            elif name in self.trace_failures:
-                lines.append(f"{slow}: {fn.vmap_reason}, and tracing it failed: "
-                             f"{self.trace_failures[name]}")  # fmt: skip
-            else:
-                for key, found in self._traced.items():
-                    if key[0] == name and isinstance(found, _Traced) and found.loops:
-                        lines.append(f"{name}: torch has no batching rule for "
-                                     f"{', '.join(found.loops)}: run once per replica")  # fmt: skip
+                continue
+            found = self._traced.get(name)
+            if isinstance(found, str):
+                lines.append(f"{slow}: {fn.vmap_reason}, and tracing it failed: {found}")
+            elif found is not None and found.loops:
+                lines.append(f"{name}: torch has no batching rule for "
+                             f"{', '.join(found.loops)}: run once per replica")  # fmt: skip
         for name, why in self.backend_reasons.items():
             if why is not None:
                 lines.append(f"{name}: not compiled by inductor: {why}")
@@ -450,17 +446,14 @@ class FastExecutor:
 
     def _traced_vmap(self, fragment: str, batched, args, titles: list):
         """``batched`` (a fragment under vmap) traced once into the stacked ops torch's
-        batching rules produce, or None where it cannot be (Note [vmap traced once])."""
-        flat, _ = pytree.tree_flatten(args)
-        key = (fragment, tuple((tuple(t.shape), t.dtype, t.device) for t in flat))
-        fresh = key not in self._traced
+        batching rules produce, or None where it cannot be (Note [vmap traced once]). One
+        trace per fragment: its inputs' shapes are the program's, fixed for the session."""
+        fresh = fragment not in self._traced
         if fresh:
-            self._traced[key] = _trace_vmap(batched, args, titles)
-        found = self._traced[key]
+            self._traced[fragment] = _trace_vmap(batched, args, titles)
+        found = self._traced[fragment]
         if isinstance(found, str):
-            self.trace_failures[fragment] = found
             return None
-        self.trace_failures.pop(fragment, None)
         titles[:] = found.titles
         # the run that traced counted the Python-side traffic while tracing
         return found.graph if fresh else found

@@ -119,6 +119,40 @@ def test_decompose_sum_waits_for_an_in_place_update_of_an_addend():
     assert str(ops_[update - 1].attrs.target) == "aten.add.Tensor"
 
 
+def _program_with_call(decompose: bool):
+    """total = sum_i gelu(x @ w_i), with addend 0 doubled in place by a called graph (its input
+    a TensorByRef) after it is produced and before the sum."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        stream = popxl.h2d_stream(SHAPE, popxl.float32, "x")
+        x = ops.host_load(stream)
+        parts = [ops.gelu(x @ popxl.variable(w, name=f"w{i}")) for i, w in enumerate(_weights())]
+
+        def double(t: popxl.TensorByRef):
+            ops.var_updates.accumulator_scale_(t, 2.0)
+
+        ops.call(ir.create_graph(double, parts[0]), parts[0])
+        total = parts[0] + parts[1] + parts[2] + parts[3]
+        out = addons.host_store(total * 1.0)
+    if decompose:
+        popxl.transforms.decompose_sum(ir.main_graph)
+    return ir, stream, out
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_decompose_sum_waits_for_a_call_that_writes_an_addend_by_reference(executor):
+    # The call's write is found by the one effects query (Note [one effects query]); the sum
+    # decomposition used to ask the call site for a ``by_ref`` field it does not have.
+    x = np.random.default_rng(5).normal(size=SHAPE).astype(np.float32)
+    decomposed, _ = _run(*_program_with_call(True), executor, x)
+    parts = [torch.nn.functional.gelu(torch.tensor(x) @ torch.tensor(w), approximate="tanh")
+             for w in _weights()]  # fmt: skip
+    expected = (2 * parts[0] + parts[1] + parts[2] + parts[3]).numpy()
+    np.testing.assert_allclose(decomposed, expected, rtol=1e-4, atol=1e-5)
+    plain, _ = _run(*_program_with_call(False), executor, x)
+    np.testing.assert_allclose(decomposed, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_decompose_sum_leaves_short_sums_and_broadcasts_alone():
     ir = popxl.Ir()
     with ir.main_graph:

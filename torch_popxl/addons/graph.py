@@ -163,17 +163,15 @@ _OP_TYPES = {
     "detach": "Detach", "_to_copy": "Cast", "zero_": "AccumulatorZero", "pow": "Pow",
     "reciprocal": "Reciprocal", "rsub": "Sub", "exp": "Exp", "log": "Log",
 }  # fmt: skip
-_KIND_TYPES = {"call": "Call", "repeat": "Loop", "remote_load": "RemoteLoad", "remote_load_": "RemoteLoad",
-               "remote_store": "RemoteStore", "host_load": "HostLoad", "host_store": "HostStore",
-               "print": "PrintTensor"}  # fmt: skip
+_KIND_TYPES = {"call": "Call", "repeat": "Loop"}
 
 
 def _op_type(op: Op) -> str:
-    if op.kind != OpKind.TORCH:
-        return _KIND_TYPES.get(op.kind, op.name)
     opdef = opdefs.lookup(op)
-    if opdef is not None and opdef.popart_type:  # a torch_popxl op names its own type
+    if opdef is not None and opdef.popart_type:  # a torch_popxl or runtime op names its type
         return opdef.popart_type
+    if op.kind != OpKind.TORCH:
+        return _KIND_TYPES.get(str(op.kind), op.name)
     target = op.attrs.target
     base = getattr(target, "_opname", None) or str(target).split(".")[-2]
     return _OP_TYPES.get(base, "".join(p.capitalize() for p in base.split("_")) or base)

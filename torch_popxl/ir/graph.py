@@ -16,8 +16,9 @@ import torch
 
 from ..errors import given
 from . import context as _ctx
-from .attrs import CallSite, HostTransfer, PrintOptions, RemoteTransfer, TorchCall
+from .attrs import CallSite, HostTransfer, RemoteTransfer, TorchCall
 from .fake import fake_mode
+from .opdef import OpDef, runtime_definition
 from .tensor import Constant, Tensor, Variable
 
 if TYPE_CHECKING:
@@ -34,9 +35,9 @@ class Slot:
 
 
 class OpKind(str, enum.Enum):
-    """What an ``Op`` is. Its ``attrs`` is the typed record of the kind (``ir/attrs.py``):
-    ``TorchCall`` for ``TORCH``, ``CallSite`` for ``CALL`` / ``REPEAT``, ``HostTransfer`` for
-    host loads and stores, ``RemoteTransfer`` for remote loads and stores, ``PrintOptions``.
+    """What an ``Op`` is when it is not a runtime op with its own definition (Note [op
+    definitions] in ir/opdef.py). Its ``attrs`` is the typed record of the kind
+    (``ir/attrs.py``): ``TorchCall`` for ``TORCH``, ``CallSite`` for ``CALL`` / ``REPEAT``.
 
     Members compare and hash equal to their string values (``OpKind.CALL == "call"``).
     """
@@ -44,12 +45,6 @@ class OpKind(str, enum.Enum):
     TORCH = "torch"
     CALL = "call"
     REPEAT = "repeat"
-    HOST_LOAD = "host_load"
-    HOST_STORE = "host_store"
-    REMOTE_LOAD = "remote_load"
-    REMOTE_LOAD_INPLACE = "remote_load_"
-    REMOTE_STORE = "remote_store"
-    PRINT = "print"
 
     __hash__ = str.__hash__
 
@@ -62,14 +57,14 @@ class OpKind(str, enum.Enum):
 
 @dataclass(frozen=True, eq=False)
 class Op:
-    """One operation of a graph: its ``kind`` (``OpKind``; a kind string is converted),
-    inputs, outputs and attributes (see ``OpKind``)."""
+    """One operation of a graph: its ``kind`` (an ``OpKind``, or the ``OpDef`` of a runtime
+    op; a name string is converted), inputs, outputs and attributes (Note [op definitions])."""
 
-    kind: OpKind
+    kind: OpKind | OpDef
     name: str
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
-    attrs: Any  # the record of ``_ATTRS[kind]``
+    attrs: Any  # the record of ``_ATTRS[kind]``, or of ``kind.attrs``
     context: str = "normal"
     # (chain, unit) of the in_sequence constraints it was created under (Note [in_sequence
     # constraints] in ir/context.py); None when created outside in_sequence.
@@ -79,12 +74,15 @@ class Op:
     scope: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, OpKind):
-            object.__setattr__(self, "kind", OpKind(self.kind))
-        expected = _ATTRS[self.kind]
+        kind = self.kind
+        if not isinstance(kind, OpKind | OpDef):
+            kind = runtime_definition(kind) or OpKind(kind)
+            object.__setattr__(self, "kind", kind)
+        expected = kind.attrs if isinstance(kind, OpDef) else _ATTRS[kind]
+        assert expected is not None, f"{kind} is not the definition of a runtime op"
         if not isinstance(self.attrs, expected):
             raise TypeError(
-                f"{self.kind.name} op {self.name!r} needs {expected.__name__} attributes; "
+                f"{kind.name} op {self.name!r} needs {expected.__name__} attributes; "
                 f"got {type(self.attrs).__name__}."
             )
 
@@ -117,12 +115,6 @@ _ATTRS: dict[OpKind, type] = {
     OpKind.TORCH: TorchCall,
     OpKind.CALL: CallSite,
     OpKind.REPEAT: CallSite,
-    OpKind.HOST_LOAD: HostTransfer,
-    OpKind.HOST_STORE: HostTransfer,
-    OpKind.REMOTE_LOAD: RemoteTransfer,
-    OpKind.REMOTE_LOAD_INPLACE: RemoteTransfer,
-    OpKind.REMOTE_STORE: RemoteTransfer,
-    OpKind.PRINT: PrintOptions,
 }
 
 _CONTEXTS = ("weights_from_host", "normal", "weights_to_host")
@@ -446,8 +438,8 @@ def _describe(op: Op) -> str:
             f" [{a.graph.id}]" if op.kind == OpKind.CALL else f" [{a.graph.id} x{a.repeat_count}]"
         )
     if isinstance(a, HostTransfer):
-        return (" <- " if op.kind == OpKind.HOST_LOAD else " -> ") + a.stream.tensor_id
+        return (" <- " if op.outputs else " -> ") + a.stream.tensor_id
     if isinstance(a, RemoteTransfer):
-        arrow = " -> " if op.kind == OpKind.REMOTE_STORE else " <- "
+        arrow = " <- " if op.outputs else " -> "  # a load has its loaded value, a store none
         return f"{arrow}buffer {a.buffer.remote_buffer_id}"
     return ""

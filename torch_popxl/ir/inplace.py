@@ -32,9 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import PopXLError
-from .attrs import CallSite
-from .graph import Graph, Op, OpKind
-from .walk import mutated_inputs, schema_effects
+from .graph import Graph, Op
+from .walk import effects
 
 if TYPE_CHECKING:
     from .ir import Ir
@@ -53,18 +52,6 @@ def check_inplace_ambiguity(ir: Ir) -> None:
         _check_graph(graph)
 
 
-def _effects(op: Op) -> tuple[list[int], dict[int, int]]:
-    """(input positions written in place, {output position: aliased input position})."""
-    if op.kind == OpKind.TORCH:
-        written, aliases = schema_effects(op)
-        return sorted(written), aliases
-    if op.kind == OpKind.REMOTE_LOAD_INPLACE:
-        return [0], {0: 0}
-    if isinstance(op.attrs, CallSite):
-        return sorted(mutated_inputs(op.attrs.graph) & op.attrs.modified), {}
-    return [], {}
-
-
 def _check_graph(graph: Graph) -> None:
     ops = graph._ops
     root: dict[str, str] = {}  # tensor id -> id of the tensor whose storage it aliases
@@ -78,7 +65,8 @@ def _check_graph(graph: Graph) -> None:
         return root.get(t.id, t.id)
 
     for j, op in enumerate(ops):
-        written, aliases = _effects(op)
+        e = effects(op)
+        written, aliases = sorted(e.writes), e.aliases
         ins = [root_of(t) for t in op.inputs]
         preds = 0
         for t, t_root in zip(op.inputs, ins, strict=True):

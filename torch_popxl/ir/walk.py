@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, MutableMapping, Sequence
+from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from .attrs import CallSite
 from .graph import Graph, Op, OpKind, Slot
+from .opdef import Effect, Effects, OpDef, definition_of
 from .tensor import Constant, Tensor
 
-__all__ = ["Interpreter", "executed_ops", "mutated_inputs", "schema_effects"]
+__all__ = ["Effects", "Interpreter", "effects", "executed_ops", "mutated_inputs"]
 
 V = TypeVar("V")
 Env = MutableMapping[str, Any]
@@ -180,7 +182,22 @@ def executed_ops(ops: Iterable[Op], times: int = 1) -> list[tuple[Op, int]]:
     return walk.found
 
 
-# ---- mutation analysis --------------------------------------------------------------------
+# ---- effects ------------------------------------------------------------------------------
+
+# Note [one effects query]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Every walker that must know which inputs an op writes, which outputs alias which inputs, or
+# whether it talks to other replicas, streaming memory or the host asks ``effects(op)``: the
+# mutation analysis below, the in-place ambiguity check, autodiff's refusal of modifying ops,
+# the sum decomposition and the fast compiler's aliasing analyses. The answer comes from
+#
+# * a captured torch op's schema (``Tensor(a!)`` arguments are written; a return in alias set
+#   ``a`` aliases that argument), plus the writes torch makes without declaring them
+#   (``_UNDECLARED_WRITES``: batch norm's running statistics when training), and the flags of
+#   its definition, if the project defines it (the collectives);
+# * a call or repeat: the callee inputs it writes (``mutated_inputs``) that the call site lets
+#   it write (``CallSite.modified``), in the callee's input numbering, which is the op's;
+# * a runtime op: its definition (Note [op definitions] in ir/opdef.py).
 
 
 def _leaves(x):
@@ -193,19 +210,22 @@ def _leaves(x):
 
 # Ops that update inputs in place without saying so in their schema: native_batch_norm
 # writes the running statistics (arguments 3 and 4) when training.
-_HIDDEN_WRITES = {
+_UNDECLARED_WRITES = {
     _aten.native_batch_norm.default: lambda args: (3, 4) if len(args) > 5 and args[5] else (),
 }
 
+_NONE = Effects()
 
-def schema_effects(op: Op) -> tuple[set[int], dict[int, int]]:
-    """(written input indices, {output index: aliased input index}) of a captured torch op."""
-    schema = getattr(op.attrs.target, "_schema", None)
-    written: set[int] = set()
-    aliases: dict[int, int] = {}
+
+def _torch_effects(op: Op) -> Effects:
+    target = op.attrs.target
+    opdef = definition_of(target)
+    flags = opdef.effects if opdef is not None else Effect.NONE
+    schema = getattr(target, "_schema", None)
     if schema is None:
-        return written, aliases
+        return Effects(flags=flags) if flags else _NONE
     args, kwargs = op.attrs.args, op.attrs.kwargs
+    written: set[int] = set()
     sets: dict[str, int] = {}
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
@@ -218,18 +238,37 @@ def schema_effects(op: Op) -> tuple[set[int], dict[int, int]]:
                     written.add(s.index)
                 for a in info.before_set:
                     sets.setdefault(a, s.index)
-    hidden = _HIDDEN_WRITES.get(op.attrs.target)
+    undeclared: set[int] = set()
+    hidden = _UNDECLARED_WRITES.get(target)
     if hidden is not None:
         for i in hidden(args):
-            if i < len(args) and isinstance(args[i], Slot):
-                written.add(args[i].index)
+            if i < len(args) and isinstance(args[i], Slot) and args[i].index not in written:
+                undeclared.add(args[i].index)
+    aliases: dict[int, int] = {}
     for k, ret in enumerate(schema.returns):
         info = ret.alias_info
         if info is not None:
             for a in info.before_set:
                 if a in sets:
                     aliases[k] = sets[a]
-    return written, aliases
+    if not (written or undeclared or aliases or flags):
+        return _NONE
+    return Effects(frozenset(written | undeclared), MappingProxyType(aliases),
+                   frozenset(undeclared), flags)  # fmt: skip
+
+
+def effects(op: Op) -> Effects:
+    """What ``op`` does besides computing its outputs (Note [one effects query])."""
+    kind = op.kind
+    if isinstance(kind, OpDef):
+        return kind.effects_of(op)
+    if kind == OpKind.TORCH:
+        return _torch_effects(op)
+    written = mutated_inputs(op.attrs.graph) & op.attrs.modified
+    return Effects(written) if written else _NONE
+
+
+# ---- mutation analysis --------------------------------------------------------------------
 
 
 class _Mutations(Interpreter["int | None"]):
@@ -242,17 +281,14 @@ class _Mutations(Interpreter["int | None"]):
     def op(self, op: Op, ins: list[int | None], env: Env) -> list[int | None]:
         # An output already bound (an in-place op returning its input) keeps its root.
         outs = [env.get(t.id) for t in op.outputs]
-        if op.kind == OpKind.TORCH:
-            written, aliases = schema_effects(op)
-            for i in written:
-                root = ins[i]
-                if root is not None:
-                    self.mutated.add(root)
-            for k, i in aliases.items():
-                if k < len(outs) and outs[k] is None:
-                    outs[k] = ins[i]
-        elif op.kind == OpKind.REMOTE_LOAD_INPLACE and ins[0] is not None:
-            self.mutated.add(ins[0])
+        e = effects(op)
+        for i in e.writes:
+            root = ins[i]
+            if root is not None:
+                self.mutated.add(root)
+        for k, i in e.aliases.items():
+            if k < len(outs) and outs[k] is None:
+                outs[k] = ins[i]
         return outs
 
     def constant(self, t: Constant) -> None:
@@ -262,9 +298,10 @@ class _Mutations(Interpreter["int | None"]):
         return None
 
     def call(self, op: Op, ins: list[int | None]) -> list[int | None]:
-        for i in mutated_inputs(op.attrs.graph) & op.attrs.modified:
-            if ins[i] is not None:
-                self.mutated.add(ins[i])
+        for i in effects(op).writes:
+            root = ins[i]
+            if root is not None:
+                self.mutated.add(root)
         return [None] * len(op.outputs)
 
     repeat = call

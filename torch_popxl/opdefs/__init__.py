@@ -6,7 +6,7 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
-stores), ``host`` (host streams), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
+stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor) and
 ``compute`` (FLOP counts of captured matmuls), ``attention`` (the CPU flash-attention ops a
 captured program records, on other devices: Note [portable attention]). Shared infrastructure: ``registry``,
@@ -28,6 +28,7 @@ from . import (
     fused,
     host,
     ipu_copy,
+    print_tensor,
     reduce_scatter,
     reference,
     registry,
@@ -52,6 +53,7 @@ __all__ = [
     "host",
     "ipu_copy",
     "lookup",
+    "print_tensor",
     "reduce_scatter",
     "reference",
     "registered",

@@ -5,14 +5,11 @@ from __future__ import annotations
 from ..ir.context import gcg
 from ..ir.replica_grouping import ReplicaGrouping
 from ..ir.tensor import Tensor
+from .reduce_ops import COLLECTIVE_DTYPES, kernel_name
 
 __all__ = ["CollectiveOperator", "check_tensor", "grouping_of", "reduce_op"]
 
-# PopXL maps the op strings onto its CollectiveOperator enum; 'mul' maps to MEAN (a quirk
-# of the source, kept so programs behave as on hardware).
-_OPS = {"add": "add", "mean": "mean", "mul": "mean", "min": "min", "max": "max",
-        "and": "and", "or": "or", "square_add": "square_add"}  # fmt: skip
-_DTYPES = ("float32", "float16", "int32", "uint32")
+_DTYPES = COLLECTIVE_DTYPES
 # All-gather and slices only move bytes, so upstream also allows float8 there (RTS float8
 # variables are gathered and sliced, never reduced).
 _MOVE_DTYPES = (*_DTYPES, "float8_143", "float8_152")
@@ -61,7 +58,5 @@ def grouping_of(t: Tensor, group: ReplicaGrouping | None) -> tuple[int, int]:
 
 
 def reduce_op(op: str) -> str:
-    """The kernel's name for a PopXL collective operator string."""
-    if op not in _OPS:
-        raise ValueError(f"Not a valid op {op!r} for a collective; expected one of {sorted(_OPS)}.")
-    return _OPS[op]
+    """The kernel's name for a PopXL collective operator string (Note [one reduction table])."""
+    return kernel_name(op)

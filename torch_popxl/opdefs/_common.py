@@ -37,8 +37,6 @@ program records the stacked calls made by the vmap rules, not the per-replica op
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -50,6 +48,8 @@ except ImportError as error:  # pragma: no cover - depends on the build state
         f"({error}). Build it in place from the repository root with "
         "`pip install --no-build-isolation -e .` (MAX_JOBS=2 limits the compile jobs)."
     ) from error
+
+from .reduce_ops import ARITHMETIC_OPS, NARROW_FLOATS, VALID_OPS, neutral, partial_form, reduce_op
 
 __all__ = [
     "ARITHMETIC_OPS",
@@ -70,42 +70,6 @@ __all__ = [
 ]
 
 ops = torch.ops.torch_popxl
-
-VALID_OPS = ("add", "mean", "mul", "min", "max", "and", "or", "square_add")
-ARITHMETIC_OPS = ("add", "mean", "mul", "square_add")
-# Reduced in float32 across instances: partial sums in these dtypes would round twice.
-NARROW_FLOATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def partial_form(x: Tensor, op: str) -> tuple[Tensor, str]:
-    """``x`` (stacked over this instance's replicas) in the form its partial reduction
-    crosses instances in, and the reduction ('sum', 'min' or 'max') that combines partials:
-    narrow floats widen to float32, integer means sum exactly in int64, square_add squares
-    first, and/or become min/max of 0/1 bytes."""
-    dtype = x.dtype
-    if op in ("and", "or"):
-        return (x != 0).to(torch.uint8), "min" if op == "and" else "max"
-    if op in ("min", "max"):
-        return (x.to(torch.uint8) if dtype == torch.bool else x), op
-    if dtype in NARROW_FLOATS:
-        wide = torch.float32
-    elif op in ("mean", "mul") and not (dtype.is_floating_point or dtype.is_complex):
-        wide = torch.int64  # exact sum, then truncating division, as the kernel does
-    else:
-        wide = dtype
-    v = x.to(wide)
-    return (v * v if op == "square_add" else v), "sum"
-
-
-def neutral(dtype: torch.dtype, reduction: str):
-    """The neutral element of ``reduction``: what an instance sends for a group it holds no
-    member of."""
-    if reduction == "sum":
-        return 0
-    if dtype.is_floating_point:
-        return math.inf if reduction == "min" else -math.inf
-    info = torch.iinfo(dtype)
-    return info.max if reduction == "min" else info.min
 
 
 def check_grouping(name: str, replicas, group_size: int, stride: int) -> None:
@@ -132,14 +96,9 @@ def check_grouping(name: str, replicas, group_size: int, stride: int) -> None:
 
 
 def check_op(name: str, op: str, dtype: torch.dtype, allow_local: bool = False) -> None:
-    valid = VALID_OPS + (("local",) if allow_local else ())
-    if op not in valid:
-        raise ValueError(f"{name}: unknown op {op!r}; valid ops are {', '.join(valid)}.")
-    if dtype == torch.bool and op in ARITHMETIC_OPS:
-        raise TypeError(
-            f"{name}: op {op!r} needs a numeric dtype, got bool. Use 'or', 'and', 'min' or "
-            "'max' for boolean masks, or convert the tensor to an integer dtype first."
-        )
+    """Raise unless ``op`` is a reduction (or ``'local'`` where allowed) valid for ``dtype``
+    (Note [one reduction table] in reduce_ops.py)."""
+    reduce_op(name, op, dtype, allow_local)
 
 
 def check_stacked(name: str, x: Tensor) -> None:

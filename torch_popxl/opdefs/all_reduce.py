@@ -21,7 +21,6 @@ from ..ir.tensor import Tensor as Handle
 from . import reference as ref
 from ._api import check_tensor, grouping_of, reduce_op
 from ._common import (
-    NARROW_FLOATS,
     check_grouping,
     check_op,
     check_stacked,
@@ -33,6 +32,7 @@ from ._common import (
     stacked,
 )
 from .backends import InstanceTransport, add_collective_traffic, collectives
+from .reduce_ops import combine_rows, finish
 from .registry import Effect, OpDef, Traffic, register
 
 __all__ = [
@@ -145,31 +145,9 @@ def reduce_across_instances(backend: InstanceTransport, x: Tensor, op: str) -> T
     """``[R_local, *s] -> [*s]``: one group of all replicas. Each instance reduces its own rows
     and one partial per instance crosses the wire (counted by the caller)."""
     check_op(NAME, op, x.dtype)
-    dtype = x.dtype
-    if op in ("min", "max"):
-        wide = torch.uint8 if dtype == torch.bool else dtype
-        part = (x.amin(0) if op == "min" else x.amax(0)).to(wide).contiguous()
-        return backend.all_reduce_partial(part, op).to(dtype)
-    if op in ("and", "or"):
-        part = ((x != 0).all(0) if op == "and" else (x != 0).any(0)).to(torch.uint8)
-        return backend.all_reduce_partial(part, "min" if op == "and" else "max").to(dtype)
-    mean = op in ("mean", "mul")  # PopXL maps 'mul' to MEAN (popxl.md §5)
-    if dtype in NARROW_FLOATS:
-        wide = torch.float32
-    elif mean and not (dtype.is_floating_point or dtype.is_complex):
-        wide = torch.int64  # exact sum, then truncating division, as the kernel does
-    else:
-        wide = dtype
-    v = x.to(wide)
-    part = (v * v if op == "square_add" else v).sum(0, dtype=wide).contiguous()
-    total = backend.all_reduce_partial(part, "sum")
-    if mean:
-        total = (
-            total / backend.R
-            if wide.is_floating_point
-            else torch.div(total, backend.R, rounding_mode="trunc")
-        )
-    return total.to(dtype)
+    v, reduction = partial_form(x, op)
+    total = backend.all_reduce_partial(combine_rows(v, reduction, 0).contiguous(), reduction)
+    return finish(total, op, backend.R, x.dtype)
 
 
 def distributed(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):
@@ -189,28 +167,19 @@ def _grouped(backend: InstanceTransport, x: Tensor, op: str, group_size: int, st
     row. With one replica per instance that is one row: the ring of the group itself."""
     check_op(NAME, op, x.dtype)
     G, S, local = group_size, stride, backend.local
-
-    def group(r):
-        return (r // (S * G)) * S + r % S
-
     linked = backend.component(G, S)
-    groups = sorted({group(p * local + q) for p in linked for q in range(local)})
-    mine = [group(backend.offset + q) for q in range(local)]
+    groups = sorted({ref.group_of(p * local + q, G, S) for p in linked for q in range(local)})
+    mine = [ref.group_of(backend.offset + q, G, S) for q in range(local)]
     v, reduction = partial_form(x, op)
     mask = torch.tensor([[g == m for m in mine] for g in groups], device=x.device)  # [m, local]
     rows = v.unsqueeze(0).expand(len(groups), *v.shape)  # [m, local, *s]
     shape = (len(groups), local) + (1,) * (v.dim() - 1)
     neutral_value = torch.full((), neutral(v.dtype, reduction), dtype=v.dtype, device=x.device)
     rows = torch.where(mask.reshape(shape), rows, neutral_value)
-    if reduction == "sum":
-        part = rows.sum(1, dtype=v.dtype)
-    else:
-        part = rows.amin(1) if reduction == "min" else rows.amax(1)
+    part = combine_rows(rows, reduction, 1)
     total = backend.all_reduce_component(part.contiguous(), G, S, reduction)
     out = total[torch.tensor([groups.index(m) for m in mine], device=x.device)]
-    if op in ("mean", "mul"):
-        out = out / G if out.dtype.is_floating_point else torch.div(out, G, rounding_mode="trunc")
-    return out.to(x.dtype)
+    return finish(out, op, G, x.dtype)
 
 
 # ---- what the fast compiler asks (runtime/lower.py, runtime/explicit.py) ---------------------

@@ -16,6 +16,7 @@ from torch import Tensor
 from ._common import ops, stacked
 from .all_reduce import all_reduce_bytes
 from .backends import InstanceTransport, collectives
+from .reduce_ops import finish
 
 __all__ = ["mm_all_reduce", "mm_replica_sum", "replica_sum"]
 
@@ -62,7 +63,7 @@ def _distributed(backend: InstanceTransport, a: Tensor, b: Tensor, op: str) -> T
         counted=all_reduce_bytes(backend.local, backend.local, row),
     )
     total = backend.all_reduce_partial(part, "sum")
-    return total / backend.R if op == "mean" else total
+    return finish(total, op, backend.R, total.dtype)
 
 
 # ---- replica sums ----------------------------------------------------------------------------

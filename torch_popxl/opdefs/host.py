@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..dtypes import nbytes
 from ..ir.attrs import HostTransfer
 from ..ir.context import gcg
-from ..ir.graph import Op, OpKind
+from ..ir.graph import Op
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Tensor, _fake_like
 from .registry import Effect, OpDef, Traffic, register
@@ -36,7 +36,7 @@ def host_load(h2d_stream, name: str | None = None) -> Tensor:
         graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype)
     )
     h2d_stream._used = True
-    graph._append_op(Op(OpKind.HOST_LOAD, "HostLoad", (), (out,), HostTransfer(h2d_stream)))
+    graph._append_op(Op(host_load_opdef, "HostLoad", (), (out,), HostTransfer(h2d_stream)))
     return out
 
 
@@ -62,20 +62,37 @@ def host_store(d2h_stream, t: Tensor) -> None:
             f"{d2h_stream.tensor_id!r} has shape {d2h_stream.shape}."
         )
     d2h_stream._used = True
-    graph._append_op(Op(OpKind.HOST_STORE, "HostStore", (t,), (), HostTransfer(d2h_stream)))
+    graph._append_op(Op(host_store_opdef, "HostStore", (t,), (), HostTransfer(d2h_stream)))
 
 
 # Host transfers have no per-replica reference rule: both executors read and write the
 # streams themselves (asking for one raises MissingRuleError).
+# The reference executor runs them through its stream services (the ``run`` rule): both
+# executors read and write the streams themselves, so there is no per-replica reference rule.
+def _run_load(rt, op: Op, ins):
+    return [rt.host_load(op.attrs.stream._index)]
+
+
+def _run_store(rt, op: Op, ins):
+    rt.host_store(op.attrs.stream._index, ins[0])
+    return []
+
+
 host_load_opdef = register(
-    OpDef(OpKind.HOST_LOAD.value, Effect.HOST_IO, {"traffic": _load_traffic, "wrapper": host_load}),
-    OpKind.HOST_LOAD,
+    OpDef(
+        "host_load",
+        Effect.HOST_IO,
+        {"traffic": _load_traffic, "wrapper": host_load, "run": _run_load},
+        "HostLoad",
+        attrs=HostTransfer,
+    )  # fmt: skip
 )
 host_store_opdef = register(
     OpDef(
-        OpKind.HOST_STORE.value,
+        "host_store",
         Effect.HOST_IO,
-        {"traffic": _store_traffic, "wrapper": host_store},
-    ),
-    OpKind.HOST_STORE,
+        {"traffic": _store_traffic, "wrapper": host_store, "run": _run_store},
+        "HostStore",
+        attrs=HostTransfer,
+    )  # fmt: skip
 )

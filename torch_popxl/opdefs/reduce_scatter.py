@@ -34,6 +34,7 @@ from ._common import (
     stacked,
 )
 from .backends import InstanceTransport, add_collective_traffic, collectives
+from .reduce_ops import combine_rows, finish
 from .registry import Effect, OpDef, Traffic, register
 
 __all__ = [
@@ -188,22 +189,16 @@ def _native(backend: InstanceTransport, x: Tensor, op: str, group_size: int, str
     targets = torch.tensor([p * local + q for p in members for q in range(local)])
     mine = backend.offset + torch.arange(local)
 
-    def group(r):
-        return (r // (S * G)) * S + r % S
-
-    member = (targets % (S * G)) // S
-    mask = (group(targets)[:, None] == group(mine)[None, :]).to(x.device)  # [T, local]
+    member = ref.index_in_group(targets, G, S)
+    mask = (ref.group_of(targets, G, S)[:, None] == ref.group_of(mine, G, S)[None, :]).to(
+        x.device
+    )  # [T, local]
     rows = v[:, member.to(x.device)].transpose(0, 1)  # [T, local, size]
     fill = torch.full((), neutral(v.dtype, reduction), dtype=v.dtype, device=x.device)
     rows = torch.where(mask[:, :, None], rows, fill)
-    if reduction == "sum":
-        part = rows.sum(1, dtype=v.dtype)
-    else:
-        part = rows.amin(1) if reduction == "min" else rows.amax(1)
+    part = combine_rows(rows, reduction, 1)
     out = backend.reduce_scatter_component(part.contiguous(), G, S, reduction)  # [local, size]
-    if op in ("mean", "mul"):
-        out = out / G if out.dtype.is_floating_point else torch.div(out, G, rounding_mode="trunc")
-    return out.to(x.dtype)
+    return finish(out, op, G, x.dtype)
 
 
 def distributed(backend: InstanceTransport, x: Tensor, op: str, group_size: int, stride: int):

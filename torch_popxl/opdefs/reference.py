@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-VALID_OPS = ("add", "mean", "mul", "min", "max", "and", "or", "square_add")
+from .reduce_ops import reference_reduce as reduce
+
+__all__ = ["filled", "flat_padded", "group_of", "groups", "index_in_group", "reduce"]
 
 
 def groups(num_replicas: int, group_size: int, stride: int) -> list[list[int]]:
@@ -35,67 +37,20 @@ def groups(num_replicas: int, group_size: int, stride: int) -> list[list[int]]:
     return result
 
 
-def index_in_group(replica: int, group_size: int, stride: int) -> int:
-    """i(r) = (r % (S*G)) // S: the member index of replica r inside its group."""
+def index_in_group(replica, group_size: int, stride: int):
+    """i(r) = (r % (S*G)) // S: the member index of replica r inside its group (an int or an
+    integer tensor of replicas)."""
     if group_size == 1:
-        return 0
+        stride = 1
     return (replica % (stride * group_size)) // stride
 
 
-def reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Elementwise reduction of the members' values, in x's dtype."""
-    if op not in VALID_OPS:
-        raise ValueError(f"unknown op {op!r}; valid ops are {VALID_OPS}")
-    dtype = values[0].dtype
-    if dtype == torch.bool and op in ("add", "mean", "mul", "square_add"):
-        raise TypeError(f"op {op!r} needs a numeric dtype, got bool")
-    count = len(values)
-
-    # Floating-point sums are accumulated in float64 and rounded to x's dtype once, so the
-    # reference is the ideal result. Integer sums stay in x's dtype and wrap on overflow, as
-    # integer hardware does.
-    wide = torch.float64 if dtype.is_floating_point else dtype
-    if op == "add":
-        total = values[0].to(wide)
-        for v in values[1:]:
-            total = total + v.to(wide)
-        return total.to(dtype)
-    if op == "square_add":
-        total = values[0].to(wide) * values[0].to(wide)
-        for v in values[1:]:
-            total = total + v.to(wide) * v.to(wide)
-        return total.to(dtype)
-    if op in ("mean", "mul"):  # PopXL maps 'mul' to MEAN (popxl.md §5)
-        if dtype.is_floating_point:
-            total = values[0].to(wide)
-            for v in values[1:]:
-                total = total + v.to(wide)
-            return (total / count).to(dtype)
-        # Integer mean: exact int64 sum, then division truncating toward zero.
-        total = values[0].to(torch.int64)
-        for v in values[1:]:
-            total = total + v.to(torch.int64)
-        return torch.div(total, count, rounding_mode="trunc").to(dtype)
-    if op == "min":
-        result = values[0].clone()
-        for v in values[1:]:
-            result = torch.minimum(result, v)
-        return result
-    if op == "max":
-        result = values[0].clone()
-        for v in values[1:]:
-            result = torch.maximum(result, v)
-        return result
-    if op == "and":
-        result = values[0] != 0
-        for v in values[1:]:
-            result = result & (v != 0)
-        return result.to(dtype)
-    # op == "or"
-    result = values[0] != 0
-    for v in values[1:]:
-        result = result | (v != 0)
-    return result.to(dtype)
+def group_of(replica, group_size: int, stride: int):
+    """g(r) = (r // (S*G)) * S + r % S: the group of replica r (an int or an integer tensor
+    of replicas), numbered as ``groups`` numbers them."""
+    if group_size == 1:
+        stride = 1
+    return (replica // (stride * group_size)) * stride + replica % stride
 
 
 def filled(out: list[torch.Tensor | None]) -> list[torch.Tensor]:

@@ -31,8 +31,9 @@ and, for collectives (``Effect.COLLECTIVE``):
 * ``matmul_fusion(op, num_replicas) -> str | None``: the ``mm_all_reduce`` reduction when the
   op applied to a matmul can be fused (Note [fold replicas into the matmul]).
 
-IR ops are looked up by their target: the ``OpOverload`` of a captured ``torch_popxl`` custom
-op, or the kind of a runtime op (``OpKind.HOST_LOAD``, ``OpKind.REMOTE_STORE``, ...).
+The ``OpDef`` record itself lives in ir/opdef.py (Note [op definitions]): a runtime op (remote
+and host transfers, print) carries its definition as its ``kind``; a captured ``torch_popxl``
+custom op is looked up by its ``OpOverload``.
 
 Note [traffic formulas]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -53,13 +54,10 @@ implement the same formulas and the tests compare the two.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from dataclasses import dataclass
 
 from ..ir.graph import Op, OpKind
+from ..ir.opdef import Effect, MissingRuleError, OpDef, definition_of, register, registered
 
 __all__ = [
     "Effect",
@@ -87,18 +85,6 @@ TRAFFIC_KINDS = (
 )
 
 
-class Effect(enum.Flag):
-    NONE = 0
-    COLLECTIVE = enum.auto()  # talks to other replicas
-    REMOTE = enum.auto()  # reads or writes streaming memory
-    HOST_IO = enum.auto()  # reads or writes host streams
-    INPLACE = enum.auto()  # writes one of its inputs
-
-
-class MissingRuleError(NotImplementedError):
-    """An op definition was asked for a rule it does not have."""
-
-
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """What one execution of an op moves: ``total_bytes`` summed over ``num_replicas``, in
@@ -114,55 +100,10 @@ class Traffic:
         assert self.kind in TRAFFIC_KINDS, self.kind
 
 
-@dataclass(frozen=True)
-class OpDef:
-    """One op's definition: its name, effects and rules (see the module docstring)."""
-
-    name: str
-    effects: Effect = Effect.NONE
-    rules: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
-    popart_type: str = ""  # the upstream op type, as popxl-addons' graph listings print it
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rules", MappingProxyType(dict(self.rules)))
-
-    def rule(self, rule: str) -> Callable[..., Any]:
-        try:
-            return self.rules[rule]
-        except KeyError:
-            raise MissingRuleError(
-                f"op {self.name!r} has no {rule!r} rule registered (it has: "
-                f"{', '.join(sorted(self.rules)) or 'none'}); add it to the op's stanza in "
-                "torch_popxl/opdefs/."
-            ) from None
-
-    def has(self, rule: str) -> bool:
-        return rule in self.rules
-
-    def traffic(self, op: Op, num_replicas: int) -> Traffic:
-        return self.rule("traffic")(op, num_replicas)
-
-
-_TABLE: dict[Any, OpDef] = {}
-
-
-def register(opdef: OpDef, *keys: Any) -> OpDef:
-    """Make ``opdef`` the definition of IR ops whose target or kind is one of ``keys``."""
-    for key in keys:
-        assert key not in _TABLE, f"{key} already has an op definition"
-        _TABLE[key] = opdef
-    return opdef
-
-
 def lookup(op: Op) -> OpDef | None:
-    """The definition of an IR op, or None for plain captured torch ops."""
-    key = op.attrs.target if op.kind == OpKind.TORCH else op.kind
-    return _TABLE.get(key)
-
-
-def registered() -> list[OpDef]:
-    """Every registered op definition, once each, in registration order."""
-    seen: dict[int, OpDef] = {}
-    for opdef in _TABLE.values():
-        seen.setdefault(id(opdef), opdef)
-    return list(seen.values())
+    """The definition of an IR op: a runtime op's own, a captured custom op's by its
+    ``OpOverload``; None for plain captured torch ops and for calls and repeats."""
+    kind = op.kind
+    if isinstance(kind, OpDef):
+        return kind
+    return definition_of(op.attrs.target) if kind == OpKind.TORCH else None

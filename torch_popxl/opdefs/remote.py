@@ -3,8 +3,8 @@
 replicas or instances: under torch.distributed each instance holds its replicas' rows and the
 ops run there unchanged (these ops have no ``distributed`` rule).
 
-Two layers, as for the collectives: the IR records runtime ops (``OpKind.REMOTE_LOAD``, ...)
-built by the public wrappers; the fast executor runs them through the per-replica custom ops
+Two layers, as for the collectives: the IR records runtime ops whose kind is their definition
+here (``load_opdef``, ..., Note [op definitions] in ir/opdef.py) built by the public wrappers; the fast executor runs them through the per-replica custom ops
 ``torch_popxl::remote_load`` / ``remote_store_``, whose vmap rules call the stacked C++
 kernels ``remote_load_stacked`` / ``remote_store_stacked_`` (csrc/remote.cpp).
 """
@@ -20,7 +20,7 @@ from .. import dtypes as _dtypes
 from ..dtypes import nbytes
 from ..ir.attrs import RemoteTransfer
 from ..ir.context import gcg
-from ..ir.graph import Op, OpKind
+from ..ir.graph import Op
 from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import Tensor as Handle
 from ..ir.tensor import _fake_like, constant
@@ -310,7 +310,7 @@ def remote_load(remote_buffer, offset: int | Handle, name: str | None = None) ->
     out = Handle._create(
         graph, name or "remote_load", _fake_like(rb.tensor_shape, rb.tensor_dtype), rb.meta_shape
     )
-    graph._append_op(Op(OpKind.REMOTE_LOAD, "RemoteLoad", (off,), (out,), RemoteTransfer(rb)))
+    graph._append_op(Op(load_opdef, "RemoteLoad", (off,), (out,), RemoteTransfer(rb)))
     return out
 
 
@@ -322,7 +322,7 @@ def remote_load_(remote_buffer, offset: int | Handle, t: Handle) -> Handle:
     graph = gcg()
     t._meta_shape = rb.meta_shape
     graph._append_op(
-        Op(OpKind.REMOTE_LOAD_INPLACE, "RemoteLoadInplace", (t, off), (t,), RemoteTransfer(rb))
+        Op(load_inplace_opdef, "RemoteLoadInplace", (t, off), (t,), RemoteTransfer(rb))
     )
     return t
 
@@ -335,7 +335,7 @@ def remote_store(remote_buffer, offset: int | Handle, t: Handle) -> None:
     rb.validate_tensor_matches_buffer(t)
     off = _offset(offset, "remote_store", rb)
     graph = gcg()
-    graph._append_op(Op(OpKind.REMOTE_STORE, "RemoteStore", (t, off), (), RemoteTransfer(rb)))
+    graph._append_op(Op(store_opdef, "RemoteStore", (t, off), (), RemoteTransfer(rb)))
 
 
 # ---- the definitions of the IR ops -----------------------------------------------------------
@@ -385,36 +385,63 @@ def _explicit_store(op: Op, batched, num_replicas: int):
     return run
 
 
-def _define(kind: OpKind, effects: Effect, rules: dict) -> OpDef:
-    return register(OpDef(kind.value, effects, rules), kind)
+# How the reference executor runs each op (the ``run`` rule): ``rt.buffer(op)`` is the list
+# of per-replica rows of the op's buffer; values are lists of per-replica tensors.
+def _run_load(rt, op: Op, ins):
+    return [reference_load(rt.buffer(op), ins[0], op.attrs.buffer.remote_buffer_id)]
+
+
+def _run_load_inplace(rt, op: Op, ins):
+    loaded = reference_load(rt.buffer(op), ins[1], op.attrs.buffer.remote_buffer_id)
+    for target, value in zip(ins[0], loaded, strict=True):
+        target.copy_(value)
+    return [ins[0]]
+
+
+def _run_store(rt, op: Op, ins):
+    reference_store(rt.buffer(op), ins[1], ins[0], op.attrs.buffer.remote_buffer_id)
+    return []
+
+
+def _define(name: str, effects: Effect, popart_type: str, rules: dict, **inplace) -> OpDef:
+    return register(OpDef(name, effects, rules, popart_type, attrs=RemoteTransfer, **inplace))
 
 
 load_opdef = _define(
-    OpKind.REMOTE_LOAD,
-    Effect.REMOTE,
+    "remote_load",
+    Effect.REMOTE | Effect.BUFFER_READ,
+    "RemoteLoad",
     {
         "traffic": _traffic("remote_load"),
         "reference": reference_load,
+        "run": _run_load,
         "wrapper": remote_load,
         "explicit": _explicit_load,
     },
 )
+# remote_load_(t, offset) writes t (input 0) and returns it (output 0).
 load_inplace_opdef = _define(
-    OpKind.REMOTE_LOAD_INPLACE,
-    Effect.REMOTE | Effect.INPLACE,
+    "remote_load_",
+    Effect.REMOTE | Effect.BUFFER_READ | Effect.INPLACE,
+    "RemoteLoad",
     {
         "traffic": _traffic("remote_load"),
         "reference": reference_load,
+        "run": _run_load_inplace,
         "wrapper": remote_load_,
         "explicit": _explicit_load_inplace,
     },
+    writes=frozenset({0}),
+    aliases={0: 0},
 )
 store_opdef = _define(
-    OpKind.REMOTE_STORE,
-    Effect.REMOTE,
+    "remote_store",
+    Effect.REMOTE | Effect.BUFFER_WRITE,
+    "RemoteStore",
     {
         "traffic": _traffic("remote_store"),
         "reference": reference_store,
+        "run": _run_store,
         "wrapper": remote_store,
         "explicit": _explicit_store,
     },

@@ -23,8 +23,9 @@ from ..capture import call_torch
 from ..errors import given
 from ..ir.context import gcg
 from ..ir.graph import Graph, OpKind
+from ..ir.opdef import Effect
 from ..ir.tensor import Tensor
-from ..opdefs.registry import Effect, lookup
+from ..ir.walk import effects
 from .call import CallSiteInfo, _connect, call_with_info
 
 __all__ = ["ConditionalSiteInfo", "conditional", "conditional_with_info"]
@@ -127,9 +128,7 @@ def _check_branch(graph: Graph, role: str, seen: set[str]) -> None:
         if op.kind in (OpKind.CALL, OpKind.REPEAT):
             _check_branch(op.attrs.graph, role, seen)
             continue
-        opdef = lookup(op) if op.kind == OpKind.TORCH else None
-        effects = opdef.effects & ~Effect.INPLACE if opdef is not None else Effect.NONE
-        if op.kind != OpKind.TORCH or effects:
+        if effects(op).flags & ~Effect.INPLACE:
             raise NotImplementedError(
                 f"conditional: the {role} graph {graph.id!r} holds op {op.name!r}, which acts "
                 "outside the graph (a host or remote transfer, print or collective). The "

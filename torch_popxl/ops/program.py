@@ -7,8 +7,9 @@ from __future__ import annotations
 from ..errors import given
 from ..ir.attrs import FLOAT_FORMATS, PrintOptions
 from ..ir.context import gcg
-from ..ir.graph import Graph, Op, OpKind
-from ..ir.tensor import Tensor, _fake_like
+from ..ir.graph import Graph
+from ..ir.tensor import Tensor
+from ..opdefs.print_tensor import record_print
 from ._common import _check_tensor
 
 __all__ = ["print_tensor", "remote_code_load"]
@@ -45,29 +46,24 @@ def print_tensor(t: Tensor, title: str | None = None, print_self: bool = True,
                         ("max_line_width", max_line_width), ("digits", digits)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"print_tensor: {name} must be a non-negative int; got {value!r}.")
-    out = Tensor._create(graph, t.name + "_print", _fake_like(t.shape, t.dtype), t.meta_shape)
-    graph._append_op(
-        Op(
-            OpKind.PRINT,
-            "PrintTensor",
-            (t,),
-            (out,),
-            PrintOptions(
-                title=f"print_{t.name}" if title is None else title,
-                print_self=print_self,
-                threshold=summarise_threshold,
-                edge_items=edge_items,
-                line_width=max_line_width,
-                digits=digits,
-                float_format=float_format,
-                separator=separator,
-                open_bracket=open_bracket,
-                close_bracket=close_bracket,
-                print_gradient=print_gradient,
-            ),
-        )
+    return record_print(
+        graph,
+        t,
+        PrintOptions(
+            title=f"print_{t.name}" if title is None else title,
+            print_self=print_self,
+            threshold=summarise_threshold,
+            edge_items=edge_items,
+            line_width=max_line_width,
+            digits=digits,
+            float_format=float_format,
+            separator=separator,
+            open_bracket=open_bracket,
+            close_bracket=close_bracket,
+            print_gradient=print_gradient,
+        ),
+        t.meta_shape,
     )
-    return out
 
 
 # ---- code loading -------------------------------------------------------------------------

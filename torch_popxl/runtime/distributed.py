@@ -105,7 +105,10 @@ from ..ir.instances import (
 from ..ir.ir import Ir
 from ..opdefs import reference as refc
 from ..opdefs._common import NARROW_FLOATS
+from ..opdefs.all_gather import all_gather_bytes
+from ..opdefs.all_reduce import all_reduce_bytes
 from ..opdefs.backends import add_collective_traffic
+from ..opdefs.reduce_scatter import reduce_scatter_bytes
 from ..opdefs.registry import Effect
 
 __all__ = [
@@ -163,7 +166,8 @@ def mean_over_instances(value: float, replication_factor: int | None = None) -> 
 # ~~~~~~~~~~~~~~~~~
 # What this process sent through torch.distributed, counted at the call with the ring
 # algorithm's per-process figure for the tensor handed over on P processes: reduce-scatter
-# and all-gather (P-1)/P of the full tensor, all-reduce twice that. gloo and nccl run these
+# and all-gather (P-1)/P of the full tensor, all-reduce twice that (each op's own formula,
+# Note [traffic formulas], for a ring of P with one row per process). gloo and nccl run these
 # collectives as rings (or as trees/halving-doubling that send no more), so this is the
 # payload each process puts on the wire, headers aside. The traffic counters instead count
 # the ring among *replicas* (Note [traffic accounting]); the two agree when every instance
@@ -347,12 +351,12 @@ class TorchDistributedCollectives:
 
     # -- moving rows
 
-    def _sent(self, nbytes: int, members: int, kind: str) -> None:
+    def _sent(self, wire_bytes: int, members: int) -> None:
         """Count this process's wire bytes of one collective over ``members`` processes
-        (Note [wire bytes])."""
+        (Note [wire bytes]): ``wire_bytes`` from the op's own formula (Note [traffic
+        formulas]) for a ring of ``members`` with one row per process."""
         if members > 1:
-            factor = 2 if kind == "all_reduce" else 1
-            _WIRE["bytes"] += factor * (members - 1) * nbytes // members
+            _WIRE["bytes"] += wire_bytes
             _WIRE["calls"] += 1
 
     def _gather(self, x: torch.Tensor, pg, members: tuple[int, ...]) -> torch.Tensor:
@@ -360,7 +364,8 @@ class TorchDistributedCollectives:
         wire = _wire(x)
         buf = wire.new_empty((len(members) * self.local, *x.shape[1:]))
         _comm("all-gather", lambda: _all_gather_single(buf, wire, group=pg))
-        self._sent(buf.numel() * buf.element_size(), len(members), "all_gather")
+        row = buf.numel() * buf.element_size() // len(members)
+        self._sent(all_gather_bytes(1, len(members), row), len(members))
         rows = _unwire(buf, x.dtype)
         if len(members) == self.layout.num_instances:
             return rows
@@ -383,7 +388,8 @@ class TorchDistributedCollectives:
     def all_reduce_partial(self, t: torch.Tensor, reduction: str) -> torch.Tensor:
         op = _REDUCE_OPS[reduction]
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=self._world))
-        self._sent(t.numel() * t.element_size(), self.layout.num_instances, "all_reduce")
+        n = self.layout.num_instances
+        self._sent(all_reduce_bytes(1, n, t.numel() * t.element_size()), n)
         return t
 
     def component(self, group_size: int, stride: int) -> tuple[int, ...]:
@@ -398,7 +404,7 @@ class TorchDistributedCollectives:
         pg, members = link
         t = t.contiguous()
         _comm("all-reduce", lambda: dist.all_reduce(t, op=_REDUCE_OPS[reduction], group=pg))
-        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        self._sent(all_reduce_bytes(1, len(members), t.numel() * t.element_size()), len(members))
         return t
 
     def reduce_scatter_component(
@@ -412,12 +418,13 @@ class TorchDistributedCollectives:
         out = t.new_empty((self.local, *t.shape[1:]))
         if _native_reduce_scatter(pg):
             _comm("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, t, op=op, group=pg))
-            self._sent(t.numel() * t.element_size(), len(members), "reduce_scatter")
+            self._sent(reduce_scatter_bytes(1, len(members), t.numel(), t.element_size(), "add"),
+                       len(members))  # fmt: skip
             return out
         # A backend without reduce_scatter_tensor (mpi, ucc, third-party): all-reduce the
         # whole tensor and keep this instance's rows; it moves twice the bytes, counted so.
         _comm("all-reduce", lambda: dist.all_reduce(t, op=op, group=pg))
-        self._sent(t.numel() * t.element_size(), len(members), "all_reduce")
+        self._sent(all_reduce_bytes(1, len(members), t.numel() * t.element_size()), len(members))
         j = members.index(self.layout.instance_index)
         out = t[j * self.local : (j + 1) * self.local]
         return out

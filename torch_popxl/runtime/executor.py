@@ -591,17 +591,6 @@ class ReferenceExecutor:
         return {k: torch.stack([torch.stack(rows) for rows in ts]) for k, ts in rt.outs.items()}
 
 
-def _reference_rule(op: Op):
-    """The per-replica reference semantics from ``op``'s definition (``opdefs``)."""
-    opdef = opdefs.lookup(op)
-    assert opdef is not None, f"{op.kind} has no op definition"
-    return opdef.rule("reference")
-
-
-def _buffer_id(op: Op) -> int:
-    return op.attrs.buffer.remote_buffer_id
-
-
 def _fill(x, ins, r, device):
     if isinstance(x, Slot):
         return ins[x.index][r]
@@ -637,28 +626,13 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
         return [x.clone() for x in value]
 
     def op(self, op: Op, ins: list[list[torch.Tensor]], env) -> list[list[torch.Tensor]]:
-        R = self.R
         if op.kind == OpKind.TORCH:
             return self._torch(op, ins)
-        if op.kind == OpKind.HOST_LOAD:
-            return [self.host_load(op.attrs.stream._index)]
-        if op.kind == OpKind.HOST_STORE:
-            _count_host_bytes(ins[0][0], R)
-            self.outs.setdefault(op.attrs.stream._index, []).append([x.clone() for x in ins[0]])
-            return []
-        if op.kind == OpKind.REMOTE_LOAD:
-            return [_reference_rule(op)(self.buffer(op), ins[0], _buffer_id(op))]
-        if op.kind == OpKind.REMOTE_LOAD_INPLACE:
-            for r, v in enumerate(_reference_rule(op)(self.buffer(op), ins[1], _buffer_id(op))):
-                ins[0][r].copy_(v)
-            return [ins[0]]
-        if op.kind == OpKind.REMOTE_STORE:
-            _reference_rule(op)(self.buffer(op), ins[1], ins[0], _buffer_id(op))
-            return []
-        if op.kind == OpKind.PRINT:
-            self.prints.append((op.attrs, ins[0]))
-            return [ins[0]]
-        raise NotImplementedError(f"The reference executor has no rule for op kind {op.kind!r}.")
+        # A runtime op: its definition's ``run`` rule, with this executor's services
+        # (``host_load``, ``host_store``, ``buffer``, ``print``).
+        opdef = opdefs.lookup(op)
+        assert opdef is not None, f"{op.kind} has no op definition"
+        return opdef.rule("run")(self, op, ins)
 
     def _torch(self, op: Op, ins) -> list[list[torch.Tensor]]:
         target = op.attrs.target
@@ -688,6 +662,13 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
         self.cursor[k] += 1
         _count_host_bytes(self.ins[k][i, 0], self.R)
         return [self.ins[k][i, r] for r in range(self.R)]
+
+    def host_store(self, k: int, values: list[torch.Tensor]) -> None:
+        _count_host_bytes(values[0], self.R)
+        self.outs.setdefault(k, []).append([x.clone() for x in values])
+
+    def print(self, attrs, values: list[torch.Tensor]) -> None:
+        self.prints.append((attrs, values))
 
     def buffer(self, op: Op) -> list[torch.Tensor]:
         return list(self.state.buffers[op.attrs.buffer.remote_buffer_id].unbind(0))

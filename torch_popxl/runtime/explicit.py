@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
+from ..ir.opdef import OpDef
 from .gemm import gemm
 
 __all__ = [
@@ -115,8 +116,6 @@ _FLAT_KINDS = {
     "mm_replica_sum",
     "loop",
 }
-# runtime ops whose stanza brings the stacked form (its ``explicit`` rule)
-_REMOTE_KINDS = {"remote_load", "remote_load_", "remote_store"}
 
 
 # ops of transformer programs with a stacked form (Note [explicit batching]): the
@@ -383,6 +382,11 @@ def opdef_rule(op: Op, batched: list[bool], R: int):
     return None if opdef is None else opdef.rule("explicit")(op, batched, R)
 
 
+def _runtime_explicit(f) -> bool:
+    """A runtime op whose definition brings its stacked form (its ``explicit`` rule)."""
+    return f.op is not None and isinstance(f.op.kind, OpDef) and f.op.kind.has("explicit")
+
+
 def batchable(flat, analysis, R: int) -> bool:
     """Whether every op of ``flat`` has an explicit-batching rule (Note [explicit batching])."""
     return vmap_reason(flat, analysis, R) is None
@@ -396,7 +400,7 @@ def vmap_reason(flat, analysis, R: int) -> str | None:
         if f.kind == "torch":
             if not _ok_torch(f, analysis, R):
                 reason = f"no explicit rule for {f.op.attrs.target}"
-        elif f.kind in _REMOTE_KINDS:
+        elif _runtime_explicit(f):
             if opdef_rule(f.op, [analysis.b(n) for n in f.ins], R) is None:
                 reason = f"no explicit rule for {f.op.kind}"
         elif f.kind not in _FLAT_KINDS:

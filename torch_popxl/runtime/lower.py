@@ -55,6 +55,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -64,7 +65,7 @@ import torch
 from .. import opdefs  # also registers torch.ops.torch_popxl
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
-from ..ir.walk import Interpreter, schema_effects
+from ..ir.walk import Effects, Interpreter, effects
 from ..opdefs.registry import Effect, OpDef
 from . import explicit as _explicit
 from .gemm import ATEN_FORMS, gemm
@@ -133,8 +134,10 @@ class _Flattener(Interpreter[str]):
         return self.out
 
     def op(self, op: Op, ins: list[str], env) -> list[str]:
-        if op.kind == OpKind.PRINT:
-            self.out.append(FlatOp("print", op, ins, []))
+        kind = op.kind
+        if isinstance(kind, OpDef) and kind.has("passthrough") and kind.rule("passthrough")(op):
+            # print: the value goes on unchanged; the flat op only reads it
+            self.out.append(FlatOp(kind.name, op, ins, []))
             return [ins[0]]
         if (
             op.kind == OpKind.TORCH
@@ -146,7 +149,7 @@ class _Flattener(Interpreter[str]):
             return [ins[0]]
         # In-place ops return their (already named) input.
         outs = [env[t.id] if t.id in env else self.program.fresh() for t in op.outputs]
-        self.out.append(FlatOp(op.kind, op, ins, outs))
+        self.out.append(FlatOp(str(kind), op, ins, outs))
         return outs
 
     def constant(self, t: Constant) -> str:
@@ -309,7 +312,7 @@ class _Pass:
         var = self.var_names.get(root, root)
         return replace(self.assume, sum_vars=self.assume.sum_vars - {var})
 
-    def _sum_use(self, f: FlatOp, uses: list[int], written: set[int]) -> _Verdict:
+    def _sum_use(self, f: FlatOp, uses: list[int], written: AbstractSet[int]) -> _Verdict:
         """Note [replica-sum accumulators]: accept the allowed uses, else fall back."""
         target = f.source.attrs.target
         args = f.source.attrs.args
@@ -336,7 +339,7 @@ class _Pass:
     def _torch(self, f: FlatOp) -> _Verdict:
         uses = self._sum_roots(f)
         if uses:
-            verdict = self._sum_use(f, uses, schema_effects(f.source)[0])
+            verdict = self._sum_use(f, uses, effects(f.source).writes)
             if verdict is not None:
                 return verdict
             if f in self.sum_adds:  # the write is of a sum: replica-invariant by design
@@ -350,7 +353,8 @@ class _Pass:
             out_b = collective.rule("output_batched")(f.source, self.R, any_b)
         else:
             out_b = any_b or _draws_random(f.source)
-        written, aliases = schema_effects(f.source)
+        e = effects(f.source)
+        written, aliases = e.writes, e.aliases
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
         write_b = any_b or (self.R > 1 and _draws_random(f.source))
@@ -758,10 +762,30 @@ def _constant_offset(f: FlatOp) -> int | None:
     return int(off._data.item())
 
 
+def _effects(f: FlatOp) -> Effects:
+    """The effects of the IR op a flat op lowers (none for the flattener's own copies and
+    aliases, the fused kinds and loops, whose body ops have theirs)."""
+    return _NO_EFFECTS if f.op is None or f.kind == "loop" else effects(f.op)
+
+
+_NO_EFFECTS = Effects()
+
+
 def _remote_buffer_id(f: FlatOp) -> int | None:
-    if f.kind in ("remote_load", "remote_load_", "remote_store"):
+    if Effect.REMOTE in _effects(f).flags:
         return f.source.attrs.buffer.remote_buffer_id
     return None
+
+
+def _fresh_load(f: FlatOp) -> bool:
+    """A remote load into a new value (not into a tensor it writes)."""
+    e = _effects(f)
+    return e.reads_buffer and not e.writes
+
+
+def _to_host(f: FlatOp) -> bool:
+    """An op that hands its inputs' values to the host (a host store, a print)."""
+    return _effects(f).host_io and bool(f.ins)
 
 
 def _touches_buffer(flat: list[FlatOp], bid: int) -> bool:
@@ -784,7 +808,7 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
     chosen: set[FlatOp] = set()
     outputs = {plan.root_of(n) for n in out_names}
     for i, f in enumerate(flat):
-        if f.kind != "remote_load" or plan.b(f.ins[0]):
+        if not _fresh_load(f) or plan.b(f.ins[0]):
             continue
         slot, out = _constant_offset(f), f.outs[0]
         bid = f.source.attrs.buffer.remote_buffer_id
@@ -799,12 +823,15 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
         else:
             continue
         g = flat[j]
-        if g.kind != "remote_store" or plan.root_of(g.ins[0]) != out or _constant_offset(g) != slot:
+        if (
+            not _effects(g).writes_buffer
+            or plan.root_of(g.ins[0]) != out
+            or _constant_offset(g) != slot
+        ):
             continue
 
         between = flat[i + 1 : j]
-        if any(h.kind in ("host_store", "print") and _rooted(plan, _names(h), out)
-               for h in between):  # fmt: skip
+        if any(_to_host(h) and _rooted(plan, _names(h), out) for h in between):
             continue
         if any(_rooted(plan, _names(h), out) for h in flat[j + 1 :]):
             continue
@@ -822,11 +849,9 @@ def _remote_views(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[F
 #     full weight) then moves the shard once instead of twice.
 def _written_names(f: FlatOp) -> list[str]:
     """The value names ``f`` (or its loop body) writes in place."""
-    if f.kind == "torch":
-        return [f.ins[i] for i in schema_effects(f.source)[0]]
-    if f.kind == "remote_load_":
-        return [f.ins[0]]
-    return [n for g in f.body for n in _written_names(g)]
+    if f.kind == "loop":
+        return [n for g in f.body for n in _written_names(g)]
+    return [] if f.op is None else [f.ins[i] for i in effects(f.op).writes]
 
 
 def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
@@ -849,8 +874,7 @@ def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str], R: 
         later = flat[i + 1 :]
         if any(plan.root_of(n) in roots for g in later for n in _written_names(g)):
             continue
-        if any(g.kind in ("host_store", "print") and
-               any(plan.root_of(n) in roots for n in _names(g)) for g in later):  # fmt: skip
+        if any(_to_host(g) and any(plan.root_of(n) in roots for n in _names(g)) for g in later):
             continue
         chosen[f] = fn
     return chosen
@@ -915,8 +939,7 @@ def _rts_updates(flat: list[FlatOp], plan: Plan, out_names: list[str], R: int,
         middle = [g for g in flat[i + 1 : k] if g not in chain]
         if any(plan.root_of(n) == w for g in middle for n in _names(g)):
             continue
-        if any(g.kind in ("host_store", "print") and
-               any(plan.root_of(n) == shard for n in _names(g)) for g in middle):  # fmt: skip
+        if any(_to_host(g) and any(plan.root_of(n) == shard for n in _names(g)) for g in middle):
             continue
         # and the shard (now w's memory) is not used after the copy
         if any(plan.root_of(n) == shard for g in flat[k + 1 :] for n in _names(g)):
@@ -1129,7 +1152,7 @@ class _Emitter:
         """A remote load that already gives every replica its own row (a value forced per
         replica by an analysis pass that read the buffer as replica-invariant needs no
         broadcast then, Note [replica-invariant remote buffers])."""
-        if f.kind != "remote_load":
+        if not _fresh_load(f):
             return False
         bid = f.source.attrs.buffer.remote_buffer_id
         return not (self.explicit and bid in self.a.assumptions.uniform_buffers)
@@ -1441,7 +1464,7 @@ def _written_streams(flat: list[FlatOp], plan: Plan) -> frozenset[int]:
     place: only their inputs need a private copy per run (``Session``)."""
     found: set[int] = set()
     for f in flat:
-        if f.kind == "host_load" and f.outs[0] in plan.written:
+        if _effects(f).host_io and f.outs and f.outs[0] in plan.written:  # a host load
             found.add(f.source.attrs.stream._index)
         found |= _written_streams(f.body, plan)
     return frozenset(found)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from .. import dtypes as _dtypes
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Constant, Tensor, Variable
-from ..ir.walk import Interpreter
+from ..ir.walk import Interpreter, effects
 from .cost_model import (
     _COLLECTIVE_KINDS,
     TRAFFIC_KINDS,
@@ -554,7 +554,7 @@ def _buffer_placement(ir, main: Graph) -> dict:
     homes = {
         id(op.attrs.buffer)
         for op in main._ops_in_context("weights_from_host")
-        if op.kind in (OpKind.REMOTE_LOAD, OpKind.REMOTE_LOAD_INPLACE)
+        if effects(op).reads_buffer
     }
     sharded = backing = saved = 0
     for rb in ir._remote_buffers:

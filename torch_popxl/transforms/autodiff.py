@@ -25,6 +25,7 @@ from ..errors import given as _given
 from ..ir import context as _ctx
 from ..ir.attrs import TorchCall
 from ..ir.graph import Graph, Op, OpKind, Slot
+from ..ir.opdef import OpDef
 from ..ir.tensor import (
     Constant,
     Tensor,
@@ -33,7 +34,7 @@ from ..ir.tensor import (
     graph_input,
     graph_output,
 )
-from ..ir.walk import Interpreter
+from ..ir.walk import Interpreter, effects
 from ..opdefs.registry import Effect
 from .custom_grads import call_with_given_grad, given_grad_graphs, with_intermediate_grads
 
@@ -138,13 +139,14 @@ class GradGraphInfo:
 
 
 def _is_modifying(op: Op) -> bool:
-    if op.kind == OpKind.TORCH:
-        schema = getattr(op.attrs.target, "_schema", None)
-        return bool(schema is not None and any(a.alias_info is not None and a.alias_info.is_write
-                                               for a in schema.arguments))  # fmt: skip
-    # Stores have side effects but modify no tensor of the graph: upstream (PopART's
-    # checkForModifyingOps asks Op::modifies()) differentiates graphs holding them.
-    return op.kind == OpKind.REMOTE_LOAD_INPLACE
+    """Whether ``op`` itself writes a tensor of the graph (Note [one effects query]; a call's
+    writes are its callee's ops'). Stores have side effects but modify no tensor of the graph:
+    upstream (PopART's checkForModifyingOps asks Op::modifies()) differentiates graphs holding
+    them; batch norm's running statistics carry no gradient."""
+    if op.kind in (OpKind.CALL, OpKind.REPEAT):
+        return False
+    e = effects(op)
+    return bool(e.writes - e.undeclared)
 
 
 def _check_differentiable(graph: Graph) -> None:
@@ -159,25 +161,6 @@ def _check_differentiable(graph: Graph) -> None:
 
 def _differentiable_dtype(t: Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
-
-
-class _PrintGradient(torch.autograd.Function):
-    """Identity whose backward records a PRINT of the gradient into the grad graph (the
-    current graph while ``torch.autograd.grad`` records)."""
-
-    @staticmethod
-    def forward(ctx, x, replay, attrs):
-        ctx.replay, ctx.attrs = replay, attrs
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        source = ctx.replay.grad_handle(g)
-        graph = source.graph
-        out = Tensor._create(graph, source.name + "_print", _fake_like(source.shape, source.dtype))
-        attrs = replace(ctx.attrs, title=f"{ctx.attrs.title}_gradient", print_gradient=False)
-        graph._append_op(Op(OpKind.PRINT, "PrintTensor", (source,), (out,), attrs))
-        return out._fake, None, None
 
 
 # Note [callee values in gradients]
@@ -245,13 +228,10 @@ class _Replay(Interpreter[torch.Tensor]):
         return fake
 
     def op(self, op: Op, ins: list[torch.Tensor], env) -> list[torch.Tensor]:
-        if op.kind == OpKind.PRINT:
-            # print_tensor is an identity for gradients (upstream's grad op passes the gradient
-            # on, printing it as "{title}_gradient" when print_gradient is set).
-            if op.attrs.print_gradient and ins[0].requires_grad:
-                outs = [_PrintGradient.apply(ins[0], self, op.attrs)]
-            else:
-                outs = [torch.ops.aten.alias.default(ins[0])]
+        opdef = op.kind if isinstance(op.kind, OpDef) else None
+        if opdef is not None and opdef.has("replay"):
+            # the definition's own replay under autograd (print: an identity for gradients)
+            outs = opdef.rule("replay")(op, ins, self)
             self._note_outputs(op, outs)
             return outs
         if op.kind != OpKind.TORCH:

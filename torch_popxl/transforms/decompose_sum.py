@@ -29,6 +29,7 @@ import torch
 from ..errors import given
 from ..ir.graph import Graph, Op, OpKind
 from ..ir.tensor import Tensor
+from ..ir.walk import effects
 from ..ops import add as _add
 
 __all__ = ["decompose_sum"]
@@ -141,24 +142,8 @@ def _find_sums(graph: Graph) -> list[_Sum]:
 
 
 def _writes(op: Op, t: Tensor) -> bool:
-    """Whether ``op`` may update ``t`` in place."""
-    if op.kind == OpKind.TORCH:
-        schema = getattr(op.attrs.target, "_schema", None)
-        if schema is None:
-            return False
-        for arg, value in zip(schema.arguments, op.attrs.args, strict=False):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if (
-                written
-                and getattr(value, "index", None) is not None
-                and op.inputs[value.index] is t
-            ):
-                return True
-        return False
-    if op.kind in (OpKind.CALL, OpKind.REPEAT):
-        by_ref = op.attrs.by_ref
-        return any(i in by_ref and x is t for i, x in enumerate(op.inputs))
-    return op.kind == OpKind.REMOTE_LOAD_INPLACE and op.inputs[0] is t
+    """Whether ``op`` may update ``t`` in place (Note [one effects query])."""
+    return any(op.inputs[i] is t for i in effects(op).writes)
 
 
 def _rewrite(graph: Graph, sums: list[_Sum]) -> None:

@@ -42,16 +42,13 @@ at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::
   TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(1), name, ": shapes ",
                     a.sizes(), " and ", b.sizes(), " do not match; expected [R, M, K] and ",
                     "[R, K, N].");
-  // The reduction from the one table (collective_common.h); only add and mean fold into a
-  // matmul.
-  const ReduceOp rop = parse_reduce_op(name, op, /*allow_local=*/false);
-  TORCH_CHECK_VALUE(rop == ReduceOp::Add || rop == ReduceOp::Mean, name,
-                    ": op must be 'add' or 'mean', got '", std::string(op), "'.");
+  TORCH_CHECK_VALUE(op == "add" || op == "mean", name, ": op must be 'add' or 'mean', got '",
+                    std::string(op), "'.");
   const Grouping g = check_grouping(name, a.size(0), a.size(0), 1);
   const int64_t R = g.replicas, M = a.size(1), K = a.size(2), N = b.size(2);
   at::Tensor folded =
       gemm(a.permute({1, 0, 2}).reshape({M, R * K}), b.reshape({R * K, N}), c10::nullopt);
-  if (rop == ReduceOp::Mean) {
+  if (op == "mean") {
     folded.div_(R);
   }
   count_collective(

@@ -12,8 +12,9 @@ in int64, ``square_add`` squares first, ``and``/``or`` become min/max of 0/1 byt
 reduction that combines partials (``combine``: sum, min or max, with its neutral element for
 an instance holding no member of a group) and the final division of a mean.
 
-The C++ kernels mirror the rows once, in ``enum class ReduceOp`` and ``parse_op`` of
-csrc/collective_common.h (same names, same numeric-dtype rule and wording).
+The C++ kernels mirror the rows once, in ``enum class ReduceOp``, ``parse_reduce_op`` and
+``check_reduce_dtype`` of csrc/collective_common.h (same names, same numeric-dtype rule and
+wording); ``mm_all_reduce_stacked`` (csrc/fused.cpp) still checks its 'add'/'mean' by string.
 """
 
 from __future__ import annotations

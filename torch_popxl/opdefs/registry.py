@@ -16,6 +16,17 @@ the op and the rule, instead of a ``KeyError`` deep inside a walker. The rules, 
   later write can be seen through the sharing (Note [aliasing collectives] and Note [RTS
   updates in place] in runtime/lower.py);
 
+and, for runtime ops (remote and host transfers, print: Note [op definitions] in ir/opdef.py):
+
+* ``run(rt, op, ins) -> outs``: how the reference executor runs the op, with ``ins``/``outs``
+  lists of per-replica tensors and ``rt`` the executor's services (``host_load(stream)``,
+  ``host_store(stream, values)``, ``buffer(op)``: the per-replica rows of the op's remote
+  buffer, ``print(attrs, values)``);
+* ``replay(op, ins, replay) -> outs`` (optional): the op under autodiff's replay, on fake
+  tensors that carry gradients (print: an identity, printing the gradient on request);
+* ``passthrough(op) -> bool`` (optional): the op hands its input on unchanged (print), so
+  the fast compiler gives its output the input's value;
+
 and, for collectives (``Effect.COLLECTIVE``):
 
 * ``distributed(backend, stacked, *args) -> (value, out_dim)``: the vmap result when a group

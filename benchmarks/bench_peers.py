@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from timing import describe  # noqa: E402
+from timing import device_name, describe  # noqa: E402
 
 LAYOUTS = {
     "popxl on-chip": {},
@@ -312,18 +311,6 @@ def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: 
         print(f"  {name:<18} {describe(s):<30} {vs:<22} {achieved / 1e9:8.1f} "
               f"{100 * achieved / rate:11.1f}%  {diffs[name]:.1e}")  # fmt: skip
     return {"median_ms": {k: v * 1e3 for k, v in meds.items()}, "gflop": flops / 1e9}
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
 
 
 def main(argv=None) -> dict:

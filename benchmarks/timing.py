@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import platform
 import resource
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 from torch_popxl.runtime import gemm
 
@@ -87,3 +91,17 @@ def print_aten_kernel_row(s: dict[str, list[float]], eager: str) -> None:
     if ATEN_ROW in s:
         print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') {describe(s[ATEN_ROW])}: "
               f"eager / simulator {ratio(s[eager], s[ATEN_ROW])}")  # fmt: skip
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """The GPU's or CPU's model name, for the figures a benchmark prints."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"

@@ -184,8 +184,8 @@ _OPTIMIZERS = {
 def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, layout):
     """The seed-style compile program (cross-entropy, accumulation loop, optimizer), on-chip
     and with sharded off-chip optimizer state, runs without vmap, with the accumulation loop
-    folded (Note [fold the accumulation loop]) and the update in place (Note [update in
-    place]), and equals the reference executor."""
+    folded (Note [fold the accumulation loop]; at R = 1 too: Note [one replica, stacked]) and
+    the update in place (Note [update in place]), and equals the reference executor."""
     GA, micro = 2, 3
     rng = np.random.default_rng(4)
     data = [(rng.normal(size=(R * GA * micro, 12)).astype(np.float32),
@@ -198,7 +198,7 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
                                 _OPTIMIZERS[opt](model.parameters()), replication_factor=R,
                                 gradient_accumulation=GA, executor=executor, **layout)  # fmt: skip
         losses = [trainer.step(x, y) for x, y in data]
-        if executor == "fast" and R > 1:
+        if executor == "fast":
             for name, fn in trainer.session._executor.fns.items():
                 assert fn.explicit, (name, fn.vmap_reason)
             assert "iterations folded" in trainer.session._executor.source()
@@ -214,6 +214,45 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(params["fast"][1], params["reference"][1], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("GA,dropout", [(1, 0.0), (4, 0.5)], ids=["no_loop", "random_ops"])
+def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
+    """Note [one replica, stacked]: R = 1 keeps the stacked lowering only when an accumulation
+    loop folds. Without a loop, or with one that cannot fold (dropout draws per iteration),
+    the program runs as the plain per-replica function; with GA = 1 that is eager's
+    arithmetic bit for bit."""
+    rng = np.random.default_rng(7)
+    data = [(rng.normal(size=(GA * 4, 12)).astype(np.float32), rng.integers(0, 5, GA * 4))
+            for _ in range(3)]  # fmt: skip
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Dropout(dropout),
+                                   torch.nn.GELU(), torch.nn.Linear(16, 5))  # fmt: skip
+
+    got, want = model(), model()
+    trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(got.parameters(), 0.1), gradient_accumulation=GA)  # fmt: skip
+    opt = torch.optim.SGD(want.parameters(), 0.1)
+    for x, y in data:
+        loss = trainer.step(x, y)
+        executor = trainer.session._executor
+        assert not executor.program.folded_loops
+        assert not any(fn.explicit for fn in executor.fns.values())
+        if dropout == 0.0:
+            opt.zero_grad()
+            eager = torch.nn.functional.cross_entropy(
+                want(torch.from_numpy(x)), torch.from_numpy(y)
+            )
+            eager.backward()
+            opt.step()
+            assert loss == eager.item()
+    if dropout == 0.0:
+        for a, b in zip(got.parameters(), want.parameters(), strict=True):
+            assert torch.equal(a, b)
+    else:
+        assert all(torch.isfinite(p).all() for p in got.parameters())
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -289,30 +289,36 @@ class FastExecutor:
         self.global_R = ir.replication_factor
         self.on_chip, self.defined = fragment_signature(ir)
         self.facts = ExecutorFacts(tuple(self.on_chip), tuple(self.defined), measures_traffic=True)
-        uniform = (
-            {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1}
-            if self.global_R > 1
-            else set()
-        )
-        # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
-        sums = ({v.id for v in self.on_chip if v.info.replica_sum} & uniform
-                if self.global_R == self.R else set())  # fmt: skip
-        # Note [explicit batching] (runtime/explicit.py): only within one process.
-        explicit_ok = self.global_R == self.R > 1
-        assume = Assumptions(frozenset(uniform), frozenset(sums),
-                             uniform_buffers=_uniform_buffers(ir) if explicit_ok else frozenset())  # fmt: skip
-        while True:  # the fragments share variables: iterate until all agree
-            self.program = Program(device, self.global_R)
-            self.program.explicit_ok = explicit_ok
-            settled = self._compile(assume)
-            if settled == assume:
+        # Note [one replica, stacked]: at R = 1 the program runs on one stacked row when that
+        # lets an accumulation loop run as one pass; otherwise as the plain per-replica function.
+        for stacked in (True, False) if self.global_R == 1 else (self.global_R == self.R,):
+            assume = self._assumptions(ir, stacked)
+            while True:  # the fragments share variables: iterate until all agree
+                self.program = Program(device, self.global_R)
+                self.program.explicit_ok = stacked
+                settled = self._compile(assume)
+                if settled == assume:
+                    break
+                assume = settled
+            if self.global_R > 1 or not stacked or self.program.folded_loops:
                 break
-            assume = settled
         self.uniform = assume.uniform_vars
         self.replica_sums = assume.sum_vars
         self._rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see _row
         # Session copies only these inputs; the others are read, never written.
         self.written_streams = self.fns["normal"].written_streams
+
+    def _assumptions(self, ir: Ir, stacked: bool) -> Assumptions:
+        """The widest assumptions to start the analysis from (it narrows them)."""
+        if self.global_R == 1 and not stacked:
+            return Assumptions()
+        # Note [replica-invariant values]: full-group variables start invariant
+        uniform = {v.id for v in self.on_chip if v.replica_grouping.num_groups == 1}
+        # Note [replica-sum accumulators]: only within one process (the sum spans all replicas).
+        sums = ({v.id for v in self.on_chip if v.info.replica_sum} & uniform
+                if self.global_R == self.R else set())  # fmt: skip
+        return Assumptions(frozenset(uniform), frozenset(sums),
+                           uniform_buffers=_uniform_buffers(ir) if stacked else frozenset())  # fmt: skip
 
     def _compile(self, assume: Assumptions) -> Assumptions:
         """Lower the three fragments in turn, each starting from the assumptions the previous

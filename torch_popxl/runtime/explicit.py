@@ -442,6 +442,10 @@ def _nll_forward_stacked(x, target, weight, reduction: int, ignore_index: int):
     ``[R, N]``: every replica's per-sample losses in one call, then each replica's own
     reduction (``total_weight`` is each replica's count of counted samples)."""
     R, N, C = x.shape
+    if R == 1:  # one replica: aten's own reduction, bit for bit as eager
+        out, total_weight = aten.nll_loss_forward(x[0], target.expand(1, N)[0], None, reduction,
+                                                  ignore_index)  # fmt: skip
+        return out.unsqueeze(0), total_weight.unsqueeze(0)
     # the same targets on every replica, if unbatched; aten's unreduced kernel takes only
     # int64 targets (the per-replica call accepts int32 too)
     target = target.expand(R, N).long()

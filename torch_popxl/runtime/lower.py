@@ -235,7 +235,8 @@ class Plan:
 
 
 def analyse(flat: list[FlatOp], params: Sequence[tuple[str, str, bool]],
-            var_names: Mapping[str, str], R: int, assume: Assumptions) -> Plan:  # fmt: skip
+            var_names: Mapping[str, str], R: int, assume: Assumptions,
+            stacked: bool = False) -> Plan:  # fmt: skip
     """The plan of ``flat`` under the widest assumptions, narrowed from ``assume``, that hold.
 
     ``params`` are (value name, variable id, batched unless replica-invariant). Each pass
@@ -245,7 +246,7 @@ def analyse(flat: list[FlatOp], params: Sequence[tuple[str, str, bool]],
     only narrow, so this ends."""
     while True:
         batched = {n: d and tid not in assume.uniform_vars for n, tid, d in params}
-        walk = _Pass(R, var_names, assume, batched)
+        walk = _Pass(R, var_names, assume, batched, stacked)
         narrowed = walk.block(flat)
         if narrowed is None:
             return Plan(assume, MappingProxyType(walk.batched), MappingProxyType(walk.root),
@@ -253,6 +254,19 @@ def analyse(flat: list[FlatOp], params: Sequence[tuple[str, str, bool]],
                         MappingProxyType(walk.sum_reads))  # fmt: skip
         assert narrowed != assume, "an analysis conflict must narrow the assumptions"
         assume = narrowed
+
+
+# Note [one replica, stacked]
+#     At R = 1 a gradient-accumulation loop run iteration by iteration does GA small matmuls per
+#     layer where R = 4 does one (Note [fold the accumulation loop] in explicit.py): R = 1 was
+#     twice as slow per sample. So a single-replica program is lowered first as the stacked
+#     program of R replicas with R = 1: loaded data gets its one leading row, every full-group
+#     variable is replica-invariant (stored once) and gradient accumulators hold the sum over the
+#     one replica, which is the value itself, so any read of one is a read of the sum. The
+#     executor keeps that lowering only when a loop folds (``Program.folded_loops``); otherwise
+#     the program runs as the plain per-replica function, whose arithmetic is eager's, op for
+#     op (the bit-exact R = 1 contract of popxl.compile). A folded loop sums the micro-batches'
+#     gradients in one matmul, as eager does on the whole batch.
 
 
 # A pass's answer for one flat op: None (accepted) or the narrowed assumptions to restart with.
@@ -263,8 +277,10 @@ class _Pass:
     """One pass of the analysis under fixed assumptions (see ``analyse``)."""
 
     def __init__(self, R: int, var_names: Mapping[str, str], assume: Assumptions,
-                 params: dict[str, bool]):  # fmt: skip
+                 params: dict[str, bool], stacked: bool = False):  # fmt: skip
         self.R = R
+        # Note [one replica, stacked]: loaded data has one row per replica, even at R = 1
+        self.rows = R > 1 or stacked
         self.var_names = var_names
         self.assume = assume
         self.batched: dict[str, bool] = dict(params)
@@ -329,6 +345,8 @@ class _Pass:
                 and not self.b(f.ins[args[1].index])
             ):
                 return None
+        if self.R == 1 and not written & set(uses):
+            return None  # Note [one replica, stacked]: the sum over one replica is the value
         opdef = _collective(f.source) if uses == [first] and not written else None
         finish = opdef.rule("sum_read")(f.source, self.R) if opdef is not None else None
         if finish is not None:
@@ -357,7 +375,7 @@ class _Pass:
         written, aliases = e.writes, e.aliases
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
-        write_b = any_b or (self.R > 1 and _draws_random(f.source))
+        write_b = any_b or (self.rows and _draws_random(f.source))
         # Note [per-element list ops] (explicit.py): a fused optimizer kernel writes each list
         # element from that element's inputs only.
         element_inputs = _explicit.element_inputs(f.source)
@@ -391,7 +409,7 @@ class _Pass:
         return None
 
     def _host_load(self, f: FlatOp) -> _Verdict:
-        self._set(f.outs[0], self.R > 1)
+        self._set(f.outs[0], self.rows)
         return None
 
     def _not_uniform(self, f: FlatOp) -> _Verdict:
@@ -405,13 +423,13 @@ class _Pass:
                 return self._not_uniform(f)
             self._set(f.outs[0], False)
             return None
-        self._set(f.outs[0], self.R > 1)
+        self._set(f.outs[0], self.rows)
         return None
 
     def _remote_load_(self, f: FlatOp) -> _Verdict:
         if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
             return self._not_uniform(f)
-        return self._write(f.ins[0], self.R > 1)
+        return self._write(f.ins[0], self.rows)
 
     def _host_store(self, f: FlatOp) -> _Verdict:
         for n in f.ins:
@@ -1032,7 +1050,8 @@ class Program:
         self._keepalive: list[Any] = []
         self._constants: dict[int, str] = {}
         self.sources: dict[str, str] = {}
-        self.explicit_ok = False  # set by the executor (single process, R > 1)
+        self.explicit_ok = False  # set by the executor (single process)
+        self.folded_loops = 0  # Note [fold the accumulation loop]: loops run as one pass
         self.var_names: dict[str, str] = {}
         # Note [inductor backend] (runtime/executor.py): literal name -> the OpOverload whose
         # raw ``_op`` the generated code calls (faster, but torch.compile cannot trace it).
@@ -1360,6 +1379,7 @@ class _Emitter:
         if self.explicit and self.fold == 1 and f.count > 0 and _explicit.foldable(f, self.a):
             # Note [fold the accumulation loop]: every iteration in one pass
             self.lines.append(f"{ind}# {f.count} iterations folded into the leading dim")
+            self.p.folded_loops += 1
             outside = _explicit.outside_rows(f, self.a)
             for n in outside:  # R rows -> count * R rows, iteration-major
                 self.lines.append(f"{ind}_o_{n} = {n}")
@@ -1417,20 +1437,20 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     flat = _Flattener(program).flatten(ops, scope)
     out_names = [scope[t.id] for t in outputs]
     plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
-                   program.var_names, program.R, assume)  # fmt: skip
+                   program.var_names, program.R, assume, program.explicit_ok)  # fmt: skip
     reason = None
-    if program.explicit_ok and program.R > 1:
+    if program.explicit_ok:
         reason = _explicit.vmap_reason(flat, plan, program.R)
-    if plan.assumptions.uniform_buffers and (reason is not None or not program.explicit_ok
-                                             or program.R == 1):  # fmt: skip
+    if plan.assumptions.uniform_buffers and (reason is not None or not program.explicit_ok):
         # Note [replica-invariant remote buffers]: only explicit batching reads row 0
         plan = analyse(flat, [(n, t.id, d) for t, n, d in zip(params, param_names, batched_params, strict=True)],
                        program.var_names, program.R,
-                       replace(plan.assumptions, uniform_buffers=frozenset()))  # fmt: skip
-        if program.explicit_ok and program.R > 1:
+                       replace(plan.assumptions, uniform_buffers=frozenset()),
+                       program.explicit_ok)  # fmt: skip
+        if program.explicit_ok:
             reason = _explicit.vmap_reason(flat, plan, program.R)
-    explicit = program.explicit_ok and program.R > 1 and reason is None
-    if program.R > 1:
+    explicit = program.explicit_ok and reason is None
+    if program.R > 1 or explicit:
         flat = _fold_matmuls(flat, plan, program, program.R, explicit)
     em = _Emitter(program, plan, param_names, explicit)
     em.inplace = _inplace_rewrites(flat, plan, out_names)

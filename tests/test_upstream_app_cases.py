@@ -320,3 +320,27 @@ def test_call_and_repeat_sites_report_modified_inputs_as_upstream(fn, by_ref):
         loop = ops.repeat_with_info(g, 3, v1, v2)
     assert [call._op.modifiesIndex(i) for i in (0, 1)] == by_ref
     assert [loop._op.modifiesIndex(i) for i in (0, 1, 2, 3)] == [False, False, *by_ref]
+
+
+# ---- Session.device assignment ----------------------------------------------------------------
+# Upstream's Session.device has a setter that stores the popart.DeviceInfo to attach to (apps
+# assign one made by popdist). Here the object is kept and the run is unchanged; a torch device
+# that differs from the session's own is refused, since replicas cannot move.
+
+
+def test_session_device_accepts_upstreams_device_info_and_runs_unchanged():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.arange(4, dtype=np.float32))
+        s = _store(x * 2.0)
+    session = popxl.Session(ir, "ipu_hw")
+    session.device = object()  # stands for a popart.DeviceInfo
+    session.device = "cpu"  # the device it already uses
+    assert session.device == torch.device("cpu")
+    with session:
+        np.testing.assert_array_equal(session.run()[s], np.arange(4, dtype=np.float32) * 2)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"cannot move them.*device='cuda'"):
+            session.device = "cuda"
+    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
+        session.device = "tpu"

@@ -68,6 +68,7 @@ class Session:
         self._device_desc = device_desc
         self.weights_to_host_on_exit = weights_to_host_on_exit
         self._torch_device = resolve_device(device)
+        self._device_info: object = None  # Note [Session.device assignment]
         R = ir.instance_replication_factor
         self._state = SessionState(R, self._torch_device)
         self._attached = False
@@ -115,6 +116,23 @@ class Session:
     @property
     def device(self) -> torch.device:
         return self._torch_device
+
+    @device.setter
+    def device(self, device) -> None:
+        # Note [Session.device assignment]: upstream's setter stores a popart.DeviceInfo that
+        # the session attaches to later (apps hand it one from popdist or a device manager).
+        # The simulator is the device here, so such an object is kept, unused; a torch device
+        # names where the replicas live, which is fixed when the session is built.
+        if not isinstance(device, (str, torch.device)):
+            self._device_info = device
+            return
+        dev = resolve_device(device)
+        if dev != self._torch_device:
+            raise ValueError(
+                f"Session.device = {str(device)!r}: this session holds its replicas on "
+                f"{self._torch_device} and cannot move them; build it with "
+                f"Session(..., device={str(device)!r}) instead."
+            )
 
     @property
     def is_attached(self) -> bool:

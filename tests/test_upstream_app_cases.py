@@ -3,6 +3,8 @@ GPT-3 175B), each as upstream PopXL defines it, checked against eager torch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -344,3 +346,33 @@ def test_session_device_accepts_upstreams_device_info_and_runs_unchanged():
             session.device = "cuda"
     with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
         session.device = "tpu"
+
+
+# ---- Session._pb_session: the applications' write_variables_pb ------------------------------
+# Every application's utils.write_variables_pb (nlp/gpt3_2.7B, gpt_j, bloom, ...) writes weights
+# with session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array})) and then, when
+# attached, session._pb_session.weightsFromHost().
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_pb_session_write_weights_sets_variables_by_id(attached):
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        w = popxl.variable(np.zeros((2, 3), np.float32), name="w")
+        b = popxl.variable(np.zeros(3, np.float32), name="b")
+        s = _store(w + b)
+    session = popxl.Session(ir, "ipu_hw")
+    w_np = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b_np = np.full(3, 0.5, np.float32)
+    with session if attached else contextlib.nullcontext():
+        session._pb_session.writeWeights({w.id: w_np, b.id: b_np})  # PyWeightsIO is a mapping
+        if session.is_attached:
+            session._pb_session.weightsFromHost()
+        with pytest.raises(KeyError, match=r"no variable with id \['nope'\]"):
+            session._pb_session.writeWeights({w.id: w_np * 0, "nope": b_np})
+    np.testing.assert_array_equal(
+        session.get_tensor_data(w), w_np
+    )  # the failed write wrote nothing
+    with session:
+        out = session.run()[s]
+    np.testing.assert_array_equal(out, np.stack([w_np + b_np] * 2))

@@ -135,6 +135,12 @@ class Session:
             )
 
     @property
+    def _pb_session(self) -> PbSession:
+        """Upstream's handle on the PopART session, as far as Graphcore's applications use it
+        (their ``write_variables_pb``): ``writeWeights`` and ``weightsFromHost``."""
+        return PbSession(self)
+
+    @property
     def is_attached(self) -> bool:
         return self._attached
 
@@ -577,6 +583,30 @@ class Session:
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+class PbSession:
+    """``Session._pb_session``. Graphcore's applications write weights through PopART:
+    ``session._pb_session.writeWeights(popart.PyWeightsIO({tensor id: array}))`` and then, when
+    attached, ``weightsFromHost()``. ``writeWeights`` takes any mapping of variable ids to
+    arrays and writes them with ``Session.write_variables_data`` (checked, all-or-nothing; the
+    device values too when attached), so ``weightsFromHost`` has nothing left to do."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def writeWeights(self, weights: Mapping[str, Any]) -> None:  # noqa: N802 (PopART's name)
+        by_id = {v.id: v for v in self._session.ir._all_variables}
+        unknown = sorted(str(k) for k in weights if k not in by_id)
+        if unknown:
+            raise KeyError(
+                f"Session._pb_session.writeWeights: no variable with id {unknown} in this "
+                f"session's Ir; the keys are variable ids (tensor.id), e.g. {sorted(by_id)[:3]}."
+            )
+        self._session.write_variables_data({by_id[k]: v for k, v in weights.items()})
+
+    def weightsFromHost(self) -> None:  # noqa: N802 (PopART's name)
+        """A no-op: ``writeWeights`` already wrote the device values of an attached session."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -11,6 +11,7 @@ import torch
 
 import torch_popxl as popxl
 from torch_popxl import ops
+from torch_popxl.popart import PyWeightsIO
 from torch_popxl.transforms import autodiff
 
 RNG = np.random.default_rng(0)
@@ -365,7 +366,7 @@ def test_pb_session_write_weights_sets_variables_by_id(attached):
     w_np = np.arange(6, dtype=np.float32).reshape(2, 3)
     b_np = np.full(3, 0.5, np.float32)
     with session if attached else contextlib.nullcontext():
-        session._pb_session.writeWeights({w.id: w_np, b.id: b_np})  # PyWeightsIO is a mapping
+        session._pb_session.writeWeights(PyWeightsIO({w.id: w_np, b.id: b_np}))
         if session.is_attached:
             session._pb_session.weightsFromHost()
         with pytest.raises(KeyError, match=r"no variable with id \['nope'\]"):

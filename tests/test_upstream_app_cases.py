@@ -377,3 +377,37 @@ def test_pb_session_write_weights_sets_variables_by_id(attached):
     with session:
         out = session.run()[s]
     np.testing.assert_array_equal(out, np.stack([w_np + b_np] * 2))
+
+
+# ---- popxl.context.get_current_context(): upstream's Context object --------------------------
+# BLOOM's and GPT-3 175B's tp2d_replica_groups read get_current_context().graph.ir; upstream's
+# Context (popart python/popxl/popxl/context.py) also has main_graph, ipu_id (default 0),
+# io_tile_set, name_scopes and in_sequence (None outside any in_sequence and under 'pass').
+
+
+def test_get_current_context_is_upstreams_live_context():
+    from torch_popxl.context import get_current_context
+
+    ctx = get_current_context()
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        assert ctx.graph is ir.main_graph and ctx.graph.ir is ir
+        assert ctx.graph.ir.replica_grouping(group_size=2, stride=2).group_size == 2
+        assert (ctx.ipu_id, ctx.io_tile_set, ctx.name_scopes, ctx.in_sequence) == (
+            0,
+            False,
+            [],
+            None,
+        )
+        g = ir.create_empty_graph("inner")
+        with g, popxl.name_scope("layer"), popxl.ipu(1), popxl.io_tiles(), popxl.in_sequence(False):
+            assert get_current_context() is ctx  # one context, as upstream
+            assert ctx.graph is g and ctx.main_graph is ir.main_graph
+            assert (ctx.ipu_id, ctx.io_tile_set, ctx.name_scopes, ctx.in_sequence) == (
+                1, True, ["layer"], False
+            )  # fmt: skip
+            with popxl.in_sequence("pass"):
+                assert ctx.in_sequence is None
+        assert ctx.graph is ir.main_graph
+    with pytest.raises(RuntimeError, match="No graph context is active"):
+        _ = ctx.graph

@@ -213,7 +213,8 @@ class CostModel:
     tiles_per_ipu: int = 1472
 
     def __post_init__(self):
-        if not isinstance(self.tiles_per_ipu, int) or self.tiles_per_ipu < 1:
+        tiles = self.tiles_per_ipu
+        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
             raise ValueError(
                 f"CostModel.tiles_per_ipu must be a positive int; got {self.tiles_per_ipu!r}."
             )
@@ -252,12 +253,11 @@ class CostModel:
         ``num_io_tiles`` of each IPU's tiles reserved for IO (Note [IO tiles])."""
         k = item.kind
         if k in ("matmul", "compute"):
-            eff = self.compute_tile_fraction(num_io_tiles)
-            flops_per_s, bytes_per_s = self.flops_per_s * eff, self.on_chip_bytes_per_s * eff
+            share = self.compute_tile_fraction(num_io_tiles)
+            flops_per_s, bytes_per_s = self.flops_per_s * share, self.on_chip_bytes_per_s * share
+            eff = 1.0
             if k == "matmul":
                 eff = item.flops / (item.flops + self.matmul_half_efficiency_flops)
-            else:
-                eff = 1.0
             work = item.flops / (flops_per_s * eff) if item.flops else 0.0
             each = self.op_overhead_s + max(work, item.nbytes / bytes_per_s)
         elif k == "local_slice":

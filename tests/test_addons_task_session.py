@@ -136,6 +136,32 @@ def test_load_checkpoint_reports_missing_keys_and_writes_nothing_on_a_mismatch(t
             s.load_checkpoint(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.parametrize("report_missing", ["none", "warn", "error"])
+def test_checkpoint_dir_without_session_info_raises_file_not_found_and_writes_nothing(
+    tmp_path, report_missing
+):
+    # popxl-addons 3.4's __load_checkpoint_from_file opens <dir>/session_info.json with open()
+    # whatever report_missing says: a directory lacking it raises FileNotFoundError (upstream
+    # after writing the variables; here before anything is written).
+    no_info = str(tmp_path / "no_info")
+    with build_training_session(seed=2) as src:
+        src.save_checkpoint(no_info)
+        saved = src.get_tensor_data(src.state.fwd.weight).copy()
+    os.remove(os.path.join(no_info, "session_info.json"))
+    with build_training_session() as s:
+        s.run({s.inputs.x: batches(1)[0]})
+        before = {k: s.get_tensor_data(t).copy() for k, t in s.state.to_dict().items()}
+        with pytest.raises(FileNotFoundError, match=r"no_info.*has no session_info\.json"):
+            s.load_checkpoint(no_info, report_missing=report_missing)
+        for k, t in s.state.to_dict().items():
+            np.testing.assert_array_equal(s.get_tensor_data(t), before[k])
+        assert s.session_state == {"steps": 1}
+        (tmp_path / "no_info" / "session_info.json").write_text(json.dumps({"steps": 0}))
+        s.load_checkpoint(no_info, report_missing="none")  # the fix the error names
+        np.testing.assert_array_equal(s.get_tensor_data(s.state.fwd.weight), saved)
+        assert s.session_state == {"steps": 0}
+
+
 def test_load_from_session_copies_state_by_key_and_reads_upstream_pickled_checkpoints(tmp_path):
     with build_training_session(seed=3) as src, build_training_session(seed=4) as dst:
         src.run({src.inputs.x: batches(1)[0]})

@@ -553,3 +553,64 @@ def test_batch_serialise_seed_input_reaches_every_step(io_mode):
     ir.num_host_transfers = BF
     outputs, _ = run(ir, {in_h2d: _inputs()})
     np.testing.assert_array_equal(outputs[out_d2h], _inputs() + 7)
+
+
+# ---- popxl-addons' other handle spellings ---------------------------------------------------
+# popxl-addons 3.0's batch_serialise named the row count ``entries`` and gave back
+# (buffer, row_offset) tuples; 3.4 converts a handle tuple with RemoteHandle(*handle), so
+# GPT-3 175B and BLOOM pass sharded activation buffers as (buffer, row_offset, grouping).
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_batch_serialise_entries_is_rows_and_the_call_offset_picks_the_row(executor):
+    # Upstream: entry = row * steps + step; the buffer grows to steps * entries entries. Called
+    # with row 1 of entries=2, the outputs land in entries BF..2*BF-1; row 0 stays zero.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        in_h2d = popxl.h2d_stream((CB, 2), popxl.float32, name="x_stream")
+        args, graph = Scale().create_graph(in_h2d.spec)
+        y = graph.graph.outputs[0]
+        result = batch_serialise(graph, BF, {graph.graph.inputs[0]: in_h2d}, {},
+                                 {y: (batch_serial_buffer(y), 0)}, entries=2)  # fmt: skip
+        result.graph.bind(args.init()).call(1)
+        out_buffer, offset = result.stored_buffers[y]  # 3.0's tuple unpacking
+        assert offset == 0 and out_buffer.entries == 2 * BF
+        rows = [popxl.d2h_stream(in_h2d.shape, in_h2d.dtype) for _ in range(2)]
+        for i in range(2 * BF):
+            ops.host_store(rows[i // BF], ops.remote_load(out_buffer, i))
+    ir.num_host_transfers = BF
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
+        got = session.run({in_h2d: _inputs()})
+    np.testing.assert_array_equal(got[rows[0]], np.zeros_like(_inputs()))
+    np.testing.assert_array_equal(got[rows[1]], _inputs() * 2)
+    with pytest.raises(TypeError, match="not both; got rows=2, entries=2"):
+        batch_serialise(graph, BF, {}, {}, {}, rows=2, entries=2)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_batch_serialise_takes_sharded_buffers_as_buffer_offset_grouping_tuples(executor):
+    # Each step's output is stored half per replica ((buffer, 0, grouping): sliced), then a
+    # second loop loads it through the same kind of handle (gathered) and scales it again.
+    R = 2
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence(True):
+        in_h2d = popxl.h2d_stream((CB, 2), popxl.float32, name="x_stream")
+        out_d2h = popxl.d2h_stream((CB, 2), popxl.float32, name="out_stream")
+        args, graph = Scale().create_graph(in_h2d.spec)
+        x, y = graph.graph.inputs[0], graph.graph.outputs[0]
+        group = ir.replica_grouping(group_size=R)
+        buffer = batch_serial_buffer(y, steps=BF, shard_group=group)
+        fwd = batch_serialise(graph, BF, {x: in_h2d}, {}, {y: (buffer, 0, group)})
+        back = batch_serialise(graph, BF, {x: (buffer, 0, group)}, {y: out_d2h}, {})
+        assert fwd.stored_buffers[y] == RemoteHandle(buffer, 0, group)
+        assert buffer.tensor_shape == (CB * 2 // R,)  # half of each activation per replica
+        var = args.init()
+        fwd.graph.bind(var).call(0)
+        back.graph.bind(var).call(0)
+    ir.num_host_transfers = BF
+    feed = np.repeat(_inputs()[:, None], R, 1)
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
+        got = session.run({in_h2d: feed})[out_d2h]
+    np.testing.assert_array_equal(got, feed * 4)
+    with pytest.raises(TypeError, match=r"\(RemoteBuffer, row_offset, ReplicaGrouping\).*'x'"):
+        batch_serialise(graph, BF, {x: (buffer, 0, "x")}, {}, {})

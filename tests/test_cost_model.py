@@ -264,3 +264,49 @@ def test_cost_model_is_frozen_and_prices_unknown_work_as_an_error():
         CostModel().op_overhead_s = 0.0
     with pytest.raises(ValueError, match="unknown work kind 'teleport'"):
         CostModel().item_seconds(WorkItem("teleport", 1))
+
+
+# ---- numIOTiles: IO tiles are taken from compute (Note [IO tiles]) ---------------------------
+
+
+def _matmul_program(num_io_tiles: int | None):
+    ir = popxl.Ir()
+    if num_io_tiles is not None:
+        ir._pb_ir.getSessionOptions().numIOTiles = num_io_tiles
+    with ir.main_graph:
+        a = popxl.variable(np.ones((256, 512), np.float32))
+        b = popxl.variable(np.ones((512, 128), np.float32))
+        s = popxl.d2h_stream((256, 128), popxl.float32)
+        ops.host_store(s, a @ b)
+    return ir
+
+
+def test_num_io_tiles_slows_compute_by_the_share_of_tiles_it_takes():
+    # 2*256*512*128 FLOPs at 1 GFLOP/s (bandwidth and overheads out of the way): 33.554432 ms
+    # on all 1472 tiles; with 32 of them doing IO, on 1440: 1472/1440 times as long.
+    model = dataclasses.replace(NOTHING, flops_per_s=1e9, matmul_half_efficiency_flops=1e-30)
+    flops = 2 * 256 * 512 * 128
+    times = {}
+    for n in (None, 0, 32, 736):
+        ir = _matmul_program(n)
+        work = workload(ir)
+        assert work.num_io_tiles == (n or 0)
+        with popxl.Session(ir, "ipu_model") as session:
+            report = session.memory_report(model)
+        times[n] = report.time_breakdown_s["compute"]
+        assert times[n] == pytest.approx(model.breakdown(work)["compute"], rel=1e-12)
+    assert times[None] == times[0] == pytest.approx(flops / 1e9, rel=1e-9)
+    assert times[32] == pytest.approx(flops / 1e9 * 1472 / 1440, rel=1e-9)
+    assert times[736] == pytest.approx(2 * flops / 1e9, rel=1e-9)  # half the tiles
+    # the fixed per-op overhead (a superstep) does not depend on the tile count
+    only_overhead = dataclasses.replace(NOTHING, op_overhead_s=1e-3)
+    assert only_overhead.step_time_s(workload(_matmul_program(32))) == pytest.approx(
+        only_overhead.step_time_s(workload(_matmul_program(0))), rel=1e-12
+    )
+
+
+def test_num_io_tiles_that_leave_no_compute_tiles_are_an_error():
+    with pytest.raises(ValueError, match=r"numIOTiles=1472 leaves no compute tiles.*1472 tiles"):
+        CostModel().step_time_s(workload(_matmul_program(1472)))
+    with pytest.raises(ValueError, match="tiles_per_ipu must be a positive int; got 0"):
+        CostModel(tiles_per_ipu=0)

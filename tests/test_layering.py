@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.random_seed",
             "torch_popxl.utils",
             "torch_popxl.fp8_utils",
+            "torch_popxl.popart",
         ),
     ),
     ("transforms", ("torch_popxl.transforms",)),

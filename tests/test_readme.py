@@ -34,3 +34,16 @@ def test_readme_python_blocks_run_and_print_documented_values():
     assert "True 320 84" in text  # batch serialisation: same numbers, lower peak
     assert "[0. 1. 4.] [0. 4. 8.]" in text  # addons: build_grad through call_module
     assert "[ 2.  4.  6.  8. 10. 12. 14. 16.] 4 32" in text  # pipelining: values and copies
+
+
+ADDONS_PAGE = README.parent / "docs" / "addons.md"
+
+
+def test_addons_page_tensor_parallel_block_matches_the_unsharded_layer():
+    blocks = re.findall(r"```python\n(.*?)```", ADDONS_PAGE.read_text(), re.S)
+    assert len(blocks) == 1
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[0], str(ADDONS_PAGE), "exec"), {})
+    # every replica holds the unsharded layer's output, then its input gradient
+    assert out.getvalue() == "[True, True]\n[True, True]\n"

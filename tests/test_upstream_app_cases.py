@@ -3,12 +3,15 @@ GPT-3 175B), each as upstream PopXL defines it, checked against eager torch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 import torch_popxl as popxl
 from torch_popxl import ops
+from torch_popxl.popart import PyWeightsIO
 from torch_popxl.transforms import autodiff
 
 RNG = np.random.default_rng(0)
@@ -320,3 +323,91 @@ def test_call_and_repeat_sites_report_modified_inputs_as_upstream(fn, by_ref):
         loop = ops.repeat_with_info(g, 3, v1, v2)
     assert [call._op.modifiesIndex(i) for i in (0, 1)] == by_ref
     assert [loop._op.modifiesIndex(i) for i in (0, 1, 2, 3)] == [False, False, *by_ref]
+
+
+# ---- Session.device assignment ----------------------------------------------------------------
+# Upstream's Session.device has a setter that stores the popart.DeviceInfo to attach to (apps
+# assign one made by popdist). Here the object is kept and the run is unchanged; a torch device
+# that differs from the session's own is refused, since replicas cannot move.
+
+
+def test_session_device_accepts_upstreams_device_info_and_runs_unchanged():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.arange(4, dtype=np.float32))
+        s = _store(x * 2.0)
+    session = popxl.Session(ir, "ipu_hw")
+    session.device = object()  # stands for a popart.DeviceInfo
+    session.device = "cpu"  # the device it already uses
+    assert session.device == torch.device("cpu")
+    with session:
+        np.testing.assert_array_equal(session.run()[s], np.arange(4, dtype=np.float32) * 2)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"cannot move them.*device='cuda'"):
+            session.device = "cuda"
+    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
+        session.device = "tpu"
+
+
+# ---- Session._pb_session: the applications' write_variables_pb ------------------------------
+# Every application's utils.write_variables_pb (nlp/gpt3_2.7B, gpt_j, bloom, ...) writes weights
+# with session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array})) and then, when
+# attached, session._pb_session.weightsFromHost().
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_pb_session_write_weights_sets_variables_by_id(attached):
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        w = popxl.variable(np.zeros((2, 3), np.float32), name="w")
+        b = popxl.variable(np.zeros(3, np.float32), name="b")
+        s = _store(w + b)
+    session = popxl.Session(ir, "ipu_hw")
+    w_np = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b_np = np.full(3, 0.5, np.float32)
+    with session if attached else contextlib.nullcontext():
+        session._pb_session.writeWeights(PyWeightsIO({w.id: w_np, b.id: b_np}))
+        if session.is_attached:
+            session._pb_session.weightsFromHost()
+        with pytest.raises(KeyError, match=r"no variable with id \['nope'\]"):
+            session._pb_session.writeWeights({w.id: w_np * 0, "nope": b_np})
+    np.testing.assert_array_equal(
+        session.get_tensor_data(w), w_np
+    )  # the failed write wrote nothing
+    with session:
+        out = session.run()[s]
+    np.testing.assert_array_equal(out, np.stack([w_np + b_np] * 2))
+
+
+# ---- popxl.context.get_current_context(): upstream's Context object --------------------------
+# BLOOM's and GPT-3 175B's tp2d_replica_groups read get_current_context().graph.ir; upstream's
+# Context (popart python/popxl/popxl/context.py) also has main_graph, ipu_id (default 0),
+# io_tile_set, name_scopes and in_sequence (None outside any in_sequence and under 'pass').
+
+
+def test_get_current_context_is_upstreams_live_context():
+    from torch_popxl.context import get_current_context
+
+    ctx = get_current_context()
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        assert ctx.graph is ir.main_graph and ctx.graph.ir is ir
+        assert ctx.graph.ir.replica_grouping(group_size=2, stride=2).group_size == 2
+        assert (ctx.ipu_id, ctx.io_tile_set, ctx.name_scopes, ctx.in_sequence) == (
+            0,
+            False,
+            [],
+            None,
+        )
+        g = ir.create_empty_graph("inner")
+        with g, popxl.name_scope("layer"), popxl.ipu(1), popxl.io_tiles(), popxl.in_sequence(False):
+            assert get_current_context() is ctx  # one context, as upstream
+            assert ctx.graph is g and ctx.main_graph is ir.main_graph
+            assert (ctx.ipu_id, ctx.io_tile_set, ctx.name_scopes, ctx.in_sequence) == (
+                1, True, ["layer"], False
+            )  # fmt: skip
+            with popxl.in_sequence("pass"):
+                assert ctx.in_sequence is None
+        assert ctx.graph is ir.main_graph
+    with pytest.raises(RuntimeError, match="No graph context is active"):
+        _ = ctx.graph

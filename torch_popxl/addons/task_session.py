@@ -231,14 +231,19 @@ class TaskSession(Session):
             self.write_variables_data({variables[k]: ckpt[k] for k in variables.keys() & ckpt})
             if resume:
                 self._dataloader.resume(filename=loader_file)
-            if session_state is not None:
-                self.session_state = session_state
+            self.session_state = session_state
 
-    def _read_session_state(self, checkpoint_dir: str, report_missing) -> dict | None:
+    def _read_session_state(self, checkpoint_dir: str, report_missing) -> dict:
         path = os.path.join(checkpoint_dir, _SESSION_FILE)
         if not os.path.exists(path):
-            self._report(f"{_SESSION_FILE} not in checkpoint {checkpoint_dir!r}", report_missing)
-            return None
+            # popxl-addons opens this file unconditionally, whatever report_missing says; we
+            # raise as it does, but before any variable is written.
+            raise FileNotFoundError(
+                f"TaskSession.load_checkpoint: {checkpoint_dir!r} has no {_SESSION_FILE} (the "
+                f"session state save_checkpoint writes beside {_MODEL_DIR}/); nothing was loaded. "
+                f"To restore the weights alone, write one holding the step count, e.g. "
+                f'{{"steps": 0}}, into that directory.'
+            )
         with open(path) as f:
             loaded = json.load(f)
         if not isinstance(loaded, dict):

@@ -184,9 +184,48 @@ def io_tiles() -> Iterator[None]:
         _tile_set_stack.pop()
 
 
-def get_current_context():
-    """The (graph, name scope, ipu, tile set) the next op is created in."""
-    return (gcg(), current_name_scope(), current_ipu(), current_tile_set())
+class Context:
+    """Upstream's ``popxl.context.Context``, read-only: where the next op is created. A live
+    view (each property reads the context stacks when asked), as upstream's one context object
+    is; Graphcore's applications ask it for ``.graph`` (``get_current_context().graph.ir``)."""
+
+    @property
+    def graph(self) -> Graph:
+        return gcg()
+
+    @property
+    def main_graph(self) -> Graph:
+        return gmg()
+
+    @property
+    def ipu_id(self) -> int:
+        ipu = current_ipu()
+        return 0 if ipu is None else ipu  # upstream's default virtual graph is 0
+
+    @property
+    def io_tile_set(self) -> bool:
+        return current_tile_set() == "io"
+
+    @property
+    def name_scopes(self) -> list[str]:
+        return list(_name_scopes)
+
+    @property
+    def in_sequence(self) -> Any:
+        """The innermost ``in_sequence`` mode: True, False, or None (none, or 'pass')."""
+        mode = _in_sequence_stack[-1] if _in_sequence_stack else None
+        return None if mode == "pass" else mode
+
+    def __repr__(self) -> str:
+        return f"Context(name_scopes={self.name_scopes}, ipu_id={self.ipu_id})"
+
+
+_CONTEXT = Context()
+
+
+def get_current_context() -> Context:
+    """The context the next op is created in (upstream's ``Context``)."""
+    return _CONTEXT
 
 
 # Upstream's ExecutionContext members (popxl.ExecutionContext or their names) -> the program

@@ -21,9 +21,10 @@ What the fields mean here:
   sets it, as PopDist does upstream); ``enableInplaceAmbiguityChecking = False`` turns off the
   check a Session runs (``ir/inplace.py``); ``enableEngineCaching`` / ``cachePath`` start from
   ``$POPART_CACHE_DIR`` as upstream.
-* recorded (stored, readable, no effect on the numbers): ``numIOTiles`` (``popxl.io_tiles()``
-  works with any value; the cost model prices IO-tile transfers by ``io_tile_overlap``),
-  ``enableStochasticRounding`` (float16 results here are round-to-nearest, so a program that
+* ``numIOTiles`` feeds the cost model and so the memory report's modeled times: compute runs on
+  the tiles left over (Note [IO tiles] in ``runtime/cost_model.py``); ``popxl.io_tiles()``
+  works with any value, as here every transfer is simulated alike.
+* recorded (stored, readable, no effect on the numbers): ``enableStochasticRounding`` (float16 results here are round-to-nearest, so a program that
   relies on stochastic rounding to make progress in float16 may differ from an IPU),
   ``partialsTypeMatMuls`` and ``convolutionOptions["partialsType"]`` (torch picks the
   accumulation type).

@@ -25,6 +25,16 @@ Per replica (replicas run in lockstep, so one replica's time is the step time):
 
 Phases add, except that transfers issued from IO tiles (``popxl.io_tiles()``) run beside the
 compute tiles: ``io_tile_overlap`` (0..1) of the shorter of the two is hidden.
+
+Note [IO tiles]
+~~~~~~~~~~~~~~~
+A program reserves IO tiles with the session option ``numIOTiles`` (``ir._pb_ir.
+getSessionOptions().numIOTiles = 32``); Poplar then places compute on the other
+``tiles_per_ipu - numIOTiles`` tiles. Each tile brings its own AMP unit and its own slice of
+In-Processor-Memory bandwidth, so both compute rates (``flops_per_s``, ``on_chip_bytes_per_s``)
+shrink by that fraction; the per-op overhead (a BSP superstep) does not. ``workload(ir)``
+records the option (``Workload.num_io_tiles``) and ``breakdown`` applies it. What the IO tiles
+buy, transfers that overlap compute, is ``io_tile_overlap``.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -96,6 +106,8 @@ class Workload:
     """Everything one ``run`` does on one replica, as ``WorkItem``s (see ``workload``)."""
 
     items: tuple[WorkItem, ...]
+    # Tiles the program reserves for IO (session option numIOTiles; Note [IO tiles]).
+    num_io_tiles: int = 0
 
     def count(self, kind: str) -> int:
         return sum(i.count for i in self.items if i.kind == kind)
@@ -114,13 +126,10 @@ def workload(ir: Ir) -> Workload:
     Byte counts follow the op definitions' formulas (Note [traffic formulas]) divided
     by the replica count; calls count once per call and ``repeat_count`` times in a repeat.
     """
-    walker = _Walker(ir.instance_replication_factor)
-    walker.walk(ir.main_graph._ops_in_context("normal"), 1)
-    return Workload(
-        tuple(
-            WorkItem(kind, n, nbytes, flops, group, io, steps)
-            for (kind, nbytes, flops, group, io, steps), n in walker.items.items()
-        )
+    return workload_of_ops(
+        ir.main_graph._ops_in_context("normal"),
+        ir.instance_replication_factor,
+        ir._pb_ir.getSessionOptions().numIOTiles,
     )
 
 
@@ -200,9 +209,18 @@ class CostModel:
     # copies between the IPUs of one replica (ipu_copy: popxl.ipu placement, pipelining)
     ipu_link_bytes_per_s: float = 64e9
     ipu_copy_latency_s: float = 2.0e-6
+    # tiles of one IPU; compute runs on those the program does not reserve for IO
+    tiles_per_ipu: int = 1472
 
     def __post_init__(self):
+        tiles = self.tiles_per_ipu
+        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+            raise ValueError(
+                f"CostModel.tiles_per_ipu must be a positive int; got {self.tiles_per_ipu!r}."
+            )
         for f in dataclasses.fields(self):
+            if f.name == "tiles_per_ipu":
+                continue
             value = getattr(self, f.name)
             rate = f.name.endswith("_per_s") or f.name == "matmul_half_efficiency_flops"
             ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -221,15 +239,27 @@ class CostModel:
 
     # -- pricing --
 
-    def item_seconds(self, item: WorkItem) -> float:
-        """Seconds for all ``item.count`` pieces of one work item on one replica."""
+    def compute_tile_fraction(self, num_io_tiles: int) -> float:
+        """The share of an IPU's tiles left to compute when ``num_io_tiles`` do IO."""
+        if not 0 <= num_io_tiles < self.tiles_per_ipu:
+            raise ValueError(
+                f"numIOTiles={num_io_tiles!r} leaves no compute tiles: an IPU here has "
+                f"{self.tiles_per_ipu} tiles (CostModel.tiles_per_ipu); reserve fewer for IO."
+            )
+        return (self.tiles_per_ipu - num_io_tiles) / self.tiles_per_ipu
+
+    def item_seconds(self, item: WorkItem, num_io_tiles: int = 0) -> float:
+        """Seconds for all ``item.count`` pieces of one work item on one replica, with
+        ``num_io_tiles`` of each IPU's tiles reserved for IO (Note [IO tiles])."""
         k = item.kind
         if k in ("matmul", "compute"):
+            share = self.compute_tile_fraction(num_io_tiles)
+            flops_per_s, bytes_per_s = self.flops_per_s * share, self.on_chip_bytes_per_s * share
             eff = 1.0
             if k == "matmul":
                 eff = item.flops / (item.flops + self.matmul_half_efficiency_flops)
-            work = item.flops / (self.flops_per_s * eff) if item.flops else 0.0
-            each = self.op_overhead_s + max(work, item.nbytes / self.on_chip_bytes_per_s)
+            work = item.flops / (flops_per_s * eff) if item.flops else 0.0
+            each = self.op_overhead_s + max(work, item.nbytes / bytes_per_s)
         elif k == "local_slice":
             each = 0.0
         elif k in _COLLECTIVE_KINDS:
@@ -257,7 +287,7 @@ class CostModel:
         out = dict.fromkeys(PHASES, 0.0)
         io_transfers = 0.0
         for item in work.items:
-            seconds = self.item_seconds(item)
+            seconds = self.item_seconds(item, work.num_io_tiles)
             out[phase_of[item.kind]] += seconds
             if item.io_tiles and item.kind not in ("matmul", "compute"):
                 io_transfers += seconds
@@ -281,7 +311,9 @@ class CostModel:
             k, n = item.kind, item.count
             if k in ("matmul", "compute"):
                 use["op_overhead_s"] += n
-                use["fixed_s"] += self.item_seconds(item) - n * self.op_overhead_s
+                use["fixed_s"] += (
+                    self.item_seconds(item, work.num_io_tiles) - n * self.op_overhead_s
+                )
             elif k in _COLLECTIVE_KINDS and k != "local_slice":
                 use["collective_step_latency_s"] += n * item.steps
                 use["replica_link_bytes_per_s"] += n * item.nbytes
@@ -293,7 +325,7 @@ class CostModel:
                 use["host_bytes_per_s"] += n * item.nbytes
             elif k in _IPU_LINK_KINDS:
                 # Not fitted (the table has no IPU copies): a fixed cost at the model's values.
-                use["fixed_s"] += self.item_seconds(item)
+                use["fixed_s"] += self.item_seconds(item, work.num_io_tiles)
         return use
 
     def value(self, name: str) -> float:
@@ -386,7 +418,7 @@ def fit(
             f"fit: the data does not determine {zero} (fitted to 0); fix them instead of "
             "fitting them."
         )
-    values = {}
+    values: dict[str, Any] = {}  # fitted floats; CostModel also has an int field
     for n, v in zip(free, x, strict=True):
         for p in members[n]:
             values[p] = 1.0 / v if p.endswith("_per_s") else float(v)
@@ -420,15 +452,17 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x / scale
 
 
-def workload_of_ops(ops: Iterable[Op], num_replicas: int) -> Workload:
+def workload_of_ops(ops: Iterable[Op], num_replicas: int, num_io_tiles: int = 0) -> Workload:
     """The per-replica work of running ``ops`` (ops of one graph, in order; calls and repeats
     expanded) once: ``workload`` for a slice of a program, such as one phase of a phased
-    program (the memory report's per-phase traffic and modeled time)."""
+    program (the memory report's per-phase traffic and modeled time). ``num_io_tiles``: the
+    program's ``numIOTiles`` session option (Note [IO tiles])."""
     walker = _Walker(num_replicas)
     walker.walk(ops, 1)
     return Workload(
         tuple(
             WorkItem(kind, n, nbytes, flops, group, io, steps)
             for (kind, nbytes, flops, group, io, steps), n in walker.items.items()
-        )
+        ),
+        num_io_tiles,
     )

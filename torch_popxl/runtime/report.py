@@ -835,7 +835,7 @@ def _phases(
             spans.append((op.scope, i, i + 1))
     phases = []
     for scope, start, end in spans:
-        work = workload_of_ops(ops[start:end], R)
+        work = workload_of_ops(ops[start:end], R, ir._pb_ir.getSessionOptions().numIOTiles)
         phases.append(
             PhaseMemory(
                 name=scope.rstrip("/"),

@@ -68,6 +68,7 @@ class Session:
         self._device_desc = device_desc
         self.weights_to_host_on_exit = weights_to_host_on_exit
         self._torch_device = resolve_device(device)
+        self._device_info: object = None  # Note [Session.device assignment]
         R = ir.instance_replication_factor
         self._state = SessionState(R, self._torch_device)
         self._attached = False
@@ -115,6 +116,29 @@ class Session:
     @property
     def device(self) -> torch.device:
         return self._torch_device
+
+    @device.setter
+    def device(self, device) -> None:
+        # Note [Session.device assignment]: upstream's setter stores a popart.DeviceInfo that
+        # the session attaches to later (apps hand it one from popdist or a device manager).
+        # The simulator is the device here, so such an object is kept, unused; a torch device
+        # names where the replicas live, which is fixed when the session is built.
+        if not isinstance(device, (str, torch.device)):
+            self._device_info = device
+            return
+        dev = resolve_device(device)
+        if dev != self._torch_device:
+            raise ValueError(
+                f"Session.device = {str(device)!r}: this session holds its replicas on "
+                f"{self._torch_device} and cannot move them; build it with "
+                f"Session(..., device={str(device)!r}) instead."
+            )
+
+    @property
+    def _pb_session(self) -> PbSession:
+        """Upstream's handle on the PopART session, as far as Graphcore's applications use it
+        (their ``write_variables_pb``): ``writeWeights`` and ``weightsFromHost``."""
+        return PbSession(self)
 
     @property
     def is_attached(self) -> bool:
@@ -559,6 +583,30 @@ class Session:
         if not isinstance(self._executor, FastExecutor):
             raise ValueError("generated_code() is only available with executor='fast'.")
         return self._executor.source()
+
+
+class PbSession:
+    """``Session._pb_session``. Graphcore's applications write weights through PopART:
+    ``session._pb_session.writeWeights(popart.PyWeightsIO({tensor id: array}))`` and then, when
+    attached, ``weightsFromHost()``. ``writeWeights`` takes any mapping of variable ids to
+    arrays and writes them with ``Session.write_variables_data`` (checked, all-or-nothing; the
+    device values too when attached), so ``weightsFromHost`` has nothing left to do."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def writeWeights(self, weights: Mapping[str, Any]) -> None:  # noqa: N802 (PopART's name)
+        by_id = {v.id: v for v in self._session.ir._all_variables}
+        unknown = sorted(str(k) for k in weights if k not in by_id)
+        if unknown:
+            raise KeyError(
+                f"Session._pb_session.writeWeights: no variable with id {unknown} in this "
+                f"session's Ir; the keys are variable ids (tensor.id), e.g. {sorted(by_id)[:3]}."
+            )
+        self._session.write_variables_data({by_id[k]: v for k, v in weights.items()})
+
+    def weightsFromHost(self) -> None:  # noqa: N802 (PopART's name)
+        """A no-op: ``writeWeights`` already wrote the device values of an attached session."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -22,6 +22,12 @@ Note [batch serialisation]
     ``ReplicaGrouping``) and loaded by the gradient loop at the same step; activations that are
     variables (``named_inputs_for_grad_graph``) become named inputs of the gradient loop.
 
+    A handle is a ``RemoteHandle``, a ``RemoteBuffer`` (row offset 0), or a tuple in
+    popxl-addons' older spellings: ``(buffer, row_offset)`` or, for an activation buffer sharded
+    over a replica group, ``(buffer, row_offset, grouping)`` (``RemoteHandle(*handle)``
+    upstream). ``entries=`` is popxl-addons 3.0's name for ``rows``; a ``RemoteHandle`` unpacks
+    as that version's ``(buffer, row_offset)`` tuple.
+
     ``io_mode`` says where loads and stores run on an IPU: "compute" tiles, "io" tiles, or IO
     tiles overlapped with compute ("io_overlapped", with at least 2 steps: the prologue / loop /
     epilogue schedule of ``_overlapped``, where each step's inputs are loaded one step ahead and
@@ -71,6 +77,10 @@ class RemoteHandle:
     row_offset: int | None = 0
     shard_group: ReplicaGrouping | None = None
 
+    def __iter__(self):
+        # popxl-addons 3.0 returned (buffer, row_offset) tuples: ``buffer, _ = handle``.
+        return iter((self.buffer, self.row_offset))
+
 
 @dataclass
 class BatchSerialResult:
@@ -112,15 +122,16 @@ def _as_handle(t: Any, h: Any, what: str, streams_ok: bool) -> HostToDeviceStrea
         return RemoteHandle(h, 0)
     if (
         isinstance(h, tuple)
-        and len(h) == 2
+        and len(h) in (2, 3)
         and isinstance(h[0], RemoteBuffer)
         and (h[1] is None or (isinstance(h[1], int) and not isinstance(h[1], bool)))
+        and (len(h) == 2 or h[2] is None or isinstance(h[2], ReplicaGrouping))
     ):
-        return RemoteHandle(h[0], h[1])
+        return RemoteHandle(*h)
     allowed = "a HostToDeviceStream, " if streams_ok else ""
     raise TypeError(
         f"{what}[{t.id!r}]: expected {allowed}a RemoteHandle or a (RemoteBuffer, row_offset) "
-        f"tuple; got {h!r}."
+        f"or (RemoteBuffer, row_offset, ReplicaGrouping) tuple; got {h!r}."
     )
 
 
@@ -152,6 +163,17 @@ def _check_common(graph: Any, steps: Any, rows: Any, io_mode: Any) -> None:
         )
 
 
+def _rows_or_entries(rows: Any, entries: Any) -> Any:
+    if entries is None:
+        return rows
+    if rows != 1:
+        raise TypeError(
+            f"batch_serialise: pass rows= or entries= (its popxl-addons 3.0 name), not both; "
+            f"got rows={rows!r}, entries={entries!r}."
+        )
+    return entries
+
+
 # ---- the transform --------------------------------------------------------------------------
 
 
@@ -167,7 +189,8 @@ def _entry(index: Tensor, h: RemoteHandle, steps: int, rows: int) -> Tensor:
 def batch_serialise(graph: GraphWithNamedArgs, steps: int,
                     load_handles: Mapping[Tensor, Any], store_streams: Mapping[Tensor, DeviceToHostStream],
                     store_buffers: Mapping[Tensor, Any], seed_input: Tensor | None = None,
-                    rows: int = 1, io_mode: IoMode = "io") -> BatchSerialResult:  # fmt: skip
+                    rows: int = 1, io_mode: IoMode = "io", *,
+                    entries: int | None = None) -> BatchSerialResult:  # fmt: skip
     """Run ``graph`` ``steps`` times over micro batches (Note [batch serialisation]).
 
     ``load_handles``: ``{graph input: HostToDeviceStream | RemoteHandle | (RemoteBuffer,
@@ -175,8 +198,9 @@ def batch_serialise(graph: GraphWithNamedArgs, steps: int,
     ``store_buffers``: ``{graph output or input: RemoteHandle | (RemoteBuffer, row_offset)}``.
     Returns the new graph (inputs: row index, [seed], then the inputs of ``graph`` without a
     load handle, with ``graph``'s named args remapped) and the buffers it stored to. The
-    arguments are not modified.
+    arguments are not modified. ``entries``: popxl-addons 3.0's name for ``rows``.
     """
+    rows = _rows_or_entries(rows, entries)
     _check_common(graph, steps, rows, io_mode)
     loads = _handles(load_handles, "load_handles", streams_ok=True)
     streams = _check_streams(store_streams)
@@ -352,7 +376,7 @@ def batch_serialise_fwd_and_grad(forward_graph: GraphWithNamedArgs, gradient_gra
                                  load_handles: Mapping[Tensor, Any],
                                  store_streams: Mapping[Tensor, DeviceToHostStream],
                                  store_buffers: Mapping[Tensor, Any], seed_input: Tensor | None = None,
-                                 rows: int = 1, io_mode: IoMode = "io",
+                                 rows: int = 1, io_mode: IoMode = "io", *, entries: int | None = None,
                                  ) -> tuple[BatchSerialResult, BatchSerialResult]:  # fmt: skip
     """Batch-serialise a forward graph and its gradient graph (Note [batch serialisation]).
 
@@ -362,8 +386,9 @@ def batch_serialise_fwd_and_grad(forward_graph: GraphWithNamedArgs, gradient_gra
     under the same keys. A ``store_buffers`` value may be a ``ReplicaGrouping``: that
     activation's buffer is then sharded over the group. The gradient seeds (``FwdGrad`` inputs)
     need load handles. Returns (forward result, gradient result); the arguments are not
-    modified.
+    modified. ``entries``: popxl-addons 3.0's name for ``rows``.
     """
+    rows = _rows_or_entries(rows, entries)
     _check_common(forward_graph, steps, rows, io_mode)
     _check_common(gradient_graph, steps, rows, io_mode)
     try:

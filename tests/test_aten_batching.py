@@ -157,3 +157,27 @@ def test_fractional_max_pool_draws_per_replica_and_pools_each_replica_with_its_d
     out = torch.func.vmap(lambda v: F.fractional_max_pool2d(v, 2, output_size=7),
                           randomness="different")(big)  # fmt: skip
     assert all(not torch.equal(out[0], out[r]) for r in range(1, R))
+
+
+def test_histogram_edges_and_counts_per_replica():
+    x = torch.randn(R, 40, generator=g)
+    x[2] = 0.25  # one value: eager widens the range by 0.5 each side
+    w = torch.rand(R, 40, generator=g)
+    _check(lambda v: torch.histogram(v, bins=6), (x,), (0,))
+    _check(lambda v, u: torch.histogram(v, bins=4, range=(-1.0, 1.0), weight=u, density=True),
+           (x, w), (0, 0))  # fmt: skip
+    edges = torch.sort(torch.randn(R, 5, generator=g), dim=1).values
+    _check(lambda v, e: torch.histogram(v, e), (x, edges), (0, 0))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_pdist_gradient_for_each_norm(p):
+    x = torch.randn(R, 5, 3, generator=g)
+    x[:, 3] = x[:, 1]  # a pair at distance 0
+    seed = torch.randn(R, 10, generator=g)
+    aten = torch.ops.aten
+
+    def grad(v, s):
+        return aten._pdist_backward(s, v, p, aten._pdist_forward(v, p))
+
+    _check(grad, (x, seed), (0, 0))

@@ -293,6 +293,44 @@ def _histc(op, R: int, args: list, batched: list[bool]) -> torch.Tensor:
     return counts[:, :bins]
 
 
+def _histogram(op, R: int, args: list, batched: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both overloads (a bin count, or given edges): each replica's edges, then its values'
+    bins by a search of the edges (eager's local search gives the same bins)."""
+    if op is aten.histogram.bin_ct:
+        x, bins, limits, weight, density = args
+        edges = _histogram_edges(x.reshape(R, -1), bins, limits)
+    else:
+        x, edges, weight, density = args
+        bins = edges.shape[1] - 1
+    flat = x.reshape(R, -1)
+    pos = torch.searchsorted(edges.contiguous(), flat.contiguous(), right=True) - 1
+    pos = torch.where(flat == edges[:, -1:], bins - 1, pos)  # the last bin holds its right edge
+    inside = (flat >= edges[:, :1]) & (flat <= edges[:, -1:])
+    pos = torch.where(inside, pos, bins)  # outside the range: a dropped column
+    w = torch.ones_like(flat) if weight is None else weight.reshape(R, -1)
+    hist = flat.new_zeros(R, bins + 1).scatter_add(1, pos, torch.where(inside, w, 0))[:, :bins]
+    if density:
+        hist = hist / (hist.sum(1, keepdim=True) * edges.diff(dim=1))
+    return hist, edges
+
+
+def _histogram_edges(flat: torch.Tensor, bins: int, limits) -> torch.Tensor:
+    """``bins + 1`` edges per row over ``limits`` or the row's own range (widened by 0.5 each
+    side where it is one value), spaced as eager's ``linspace`` spaces them."""
+    R = flat.shape[0]
+    if limits is None:
+        low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
+    else:
+        low = torch.full((R, 1), float(limits[0]), dtype=flat.dtype, device=flat.device)
+        high = torch.full((R, 1), float(limits[1]), dtype=flat.dtype, device=flat.device)
+    same = low == high
+    low, high = torch.where(same, low - 0.5, low), torch.where(same, high + 0.5, high)
+    step = (high - low) / bins
+    k = torch.arange(bins + 1, device=flat.device, dtype=flat.dtype)
+    # linspace's two halves: from the start, then back from the end
+    return torch.where(k < (bins + 1) // 2, low + step * k, high - step * (bins - k))
+
+
 def _lead(t: torch.Tensor | None, data: torch.Tensor, axis: int) -> torch.Tensor | None:
     """Per-replica ``lengths``/``offsets`` ([R, ..., S]) with the data's dimensions before
     ``axis`` in front, as segment_reduce takes them for a reduction over ``axis``."""
@@ -372,6 +410,30 @@ def _pdist(op, R: int, args: list, batched: list[bool]) -> torch.Tensor:
     return torch.linalg.vector_norm(x[:, i] - x[:, j], p, dim=-1)
 
 
+def _pdist_backward(op, R: int, args: list, batched: list[bool]) -> torch.Tensor:
+    """The gradient of each pair's distance (eager's formula for each p), added to the
+    pair's first row and taken from its second."""
+    grad, x, p, dist = args
+    n = x.shape[1]
+    i, j = torch.triu_indices(n, n, 1, device=x.device)
+    diff = x[:, i] - x[:, j]
+    g, d = grad.unsqueeze(-1), dist.unsqueeze(-1)
+    if p == 0:
+        part = torch.zeros_like(diff)
+    elif p == 1:
+        part = g * diff.sign()
+    elif p == 2:
+        part = torch.where(d == 0, 0.0, g * diff / d)
+    elif p == float("inf"):
+        part = g * diff.sign() * (diff.abs() == d)
+    elif p < 2:
+        part = diff.sign() * diff.abs().pow(p - 1) * g / d.pow(p - 1)
+        part = torch.where((d == 0) | ((diff == 0) & (p < 1)), 0.0, part)
+    else:
+        part = torch.where(d == 0, 0.0, diff * diff.abs().pow(p - 2) * g / d.pow(p - 1))
+    return torch.zeros_like(x).index_add(1, i, part).index_add(1, j, -part)
+
+
 # --- the table --------------------------------------------------------------------------------
 
 RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
@@ -404,6 +466,8 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten.masked_scatter.default: _masked_scatter,
     aten.masked_scatter_backward.default: _masked_scatter_backward,
     aten.histc.default: _histc,
+    aten.histogram.bin_ct: _histogram,
+    aten.histogram.bins_tensor: _histogram,
     aten.segment_reduce.default: _segment_reduce,
     aten._segment_reduce_backward.default: _segment_reduce_backward,
     # definitions on stacked rows
@@ -412,6 +476,7 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten._trilinear.default: _trilinear,
     aten.unfold_backward.default: _unfold_backward,
     aten._pdist_forward.default: _pdist,
+    aten._pdist_backward.default: _pdist_backward,
     aten._chunk_cat.default: _chunk_cat,
 }
 COVERED = frozenset(RULES)

@@ -21,12 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .errors import DataDependentError
 from .ir.attrs import TorchCall
-from .ir.context import gcg
+from .ir.context import gcg, in_sequence, in_sequence_mode
 from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
 from .ir.tensor import Constant, Tensor, _constant_from_torch, variable
 
-__all__ = ["call_torch", "fake_mode", "record_into"]
+__all__ = ["call_torch", "fake_mode", "in_torch_order", "record_into"]
 
 aten = torch.ops.aten
 
@@ -400,6 +400,23 @@ def call_torch(func, args, kwargs) -> Any:
     graph = gcg()
     fargs = pytree.tree_map(lambda x: _to_fake(graph, x), args)
     fkwargs = pytree.tree_map(lambda x: _to_fake(graph, x), kwargs)
-    with record_into(graph):
+    with record_into(graph), in_torch_order():
         result = func(*fargs, **fkwargs)
     return pytree.tree_map(lambda x: _from_fake(graph, x), result)
+
+
+def in_torch_order() -> contextlib.AbstractContextManager:
+    """The ops recorded inside keep the order torch ran them in (Note [torch code runs in
+    order]), unless an enclosing ``in_sequence`` decides the order."""
+    return in_sequence(True) if in_sequence_mode() is None else contextlib.nullcontext()
+
+
+# Note [torch code runs in order]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One torch call may record several ops where torch's own code reads a value and then updates
+# it in place (quantile: `below = ranks.long(); ranks.ceil_()`; feature_alpha_dropout; cumprod's
+# gradient). torch ran them in that order, so they are recorded in sequence: the in-place
+# ambiguity check (Note [in-place ambiguity], ir/inplace.py) is for ops a user leaves
+# unordered, not for the inside of one torch function. Only those ops are ordered (a chain of
+# their own); under a caller's in_sequence (``'pass'`` included: no constraint at all) the
+# caller's constraints apply, as before.

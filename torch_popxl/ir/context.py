@@ -106,6 +106,11 @@ def in_sequence_active() -> bool:
     return bool(_in_sequence_stack) and _in_sequence_stack[-1] is True
 
 
+def in_sequence_mode() -> bool | str | None:
+    """The innermost ``in_sequence`` mode, or None outside every ``in_sequence``."""
+    return _in_sequence_stack[-1] if _in_sequence_stack else None
+
+
 @contextlib.contextmanager
 def in_sequence(mode: bool | str = True) -> Iterator[None]:
     """Run the ops created inside in creation order (``True``), as one unordered unit of an

@@ -9,7 +9,8 @@ Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-
 stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor) and
 ``compute`` (FLOP counts of captured matmuls), ``attention`` (the CPU flash-attention ops a
-captured program records, on other devices: Note [portable attention]). Shared infrastructure: ``registry``,
+captured program records, on other devices: Note [portable attention]), ``aten_batching``
+(vmap rules for the aten ops torch has none for: Note [aten batching rules]). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
 layout helpers, Note [collective gradients]), ``_api`` (wrapper checks) and ``reference``
 (helpers of the reference semantics).
@@ -22,6 +23,7 @@ from . import (
     all_gather,
     all_reduce,
     all_reduce_tp,
+    aten_batching,
     attention,
     backends,
     compute,
@@ -46,6 +48,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_tp",
+    "aten_batching",
     "attention",
     "backends",
     "compute",

@@ -26,6 +26,7 @@ from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from ..ir.walk import Interpreter
 from ..opdefs import backends
+from ..opdefs.aten_batching import COVERED
 from ..opdefs.registry import Effect
 from .lower import Assumptions, Program, lower_fragment
 
@@ -259,7 +260,8 @@ def _per_replica_loops(graph, R: int) -> tuple[str, ...]:
         t = node.target
         if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
             continue
-        if t.namespace != "aten" or has(t.name(), "FuncTorchBatched"):
+        # the table's rules loop per replica only for arguments they do not cover
+        if t.namespace != "aten" or (has(t.name(), "FuncTorchBatched") and t not in COVERED):
             continue
         if has(t.name(), "CompositeImplicitAutograd") or not node.users:
             continue

@@ -640,13 +640,15 @@ def emit_torch(em, f, ind: str) -> None:
         em.lines.append(f"{ind}{out} = {fn}({x}, {tuple(dims)!r}, keepdim={keep!r}{extra})")
     elif target in _DIM1 or target in _SOFTMAX_BACKWARD:
         # every tensor argument must be stacked; the dim moves past the replica dim
+        dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
+        if len(args) <= dim_pos:  # slice's dim has a default (0), left out of the record
+            args = [*args, kwargs.pop("dim", 0)]
         rendered = []
         for v in args:
             s = lit(v)
             if isinstance(v, Slot) and not a.b(f.ins[v.index]):
                 s = f"{s}.expand({R}, *{s}.shape)"
             rendered.append(s)
-        dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({', '.join(rendered)})")

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import opdefs
-from ..capture import fake_mode, record_into
+from ..capture import fake_mode, in_torch_order, record_into
 from ..errors import PopXLError
 from ..errors import given as _given
 from ..ir import context as _ctx
@@ -504,7 +504,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
     grads: dict[str, torch.Tensor | None] = {t.id: None for t in required}
     with grad_graph:
         if pairs and wrt_grad:
-            with record_into(grad_graph, on_unknown=resolve):
+            with record_into(grad_graph, on_unknown=resolve), in_torch_order():
                 results = torch.autograd.grad(
                     [o for o, _ in pairs],
                     [v for _, v in wrt_grad],

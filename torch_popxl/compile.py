@@ -485,9 +485,31 @@ def _sum_of_squares(g):
     return (g * g).sum()
 
 
-def _clip_coefficient(*sums, max_norm: float):
-    # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1.
-    total = torch.stack(sums).sum().sqrt()
+# Note [gradient clipping as torch rounds it]
+#     ``max_grad_norm`` is ``torch.nn.utils.clip_grad_norm_`` step by step, so that at R=1 it
+#     clips bit for bit as eager does: a norm per gradient (``torch._foreach_norm``, which on
+#     CPU is ``linalg.vector_norm`` per tensor, in the gradient's dtype), the norms grouped by
+#     dtype in first-seen order as torch groups them, the norm of their stack, then
+#     ``clamp(max_norm / (total + 1e-6), max=1)`` multiplied into every gradient. A sharded
+#     gradient's norm is the square root of its shards' sums of squares summed over the
+#     replicas (another summation order: close, not bit for bit). The total norm before
+#     clipping, clip_grad_norm_'s return value, is kept for ``Trainer.last_grad_norm``.
+
+
+def _norm(g):
+    return torch.linalg.vector_norm(g)
+
+
+def _sharded_norm(total_sq, *, dtype: torch.dtype):
+    return total_sq.sqrt().to(dtype)
+
+
+def _total_norm(*norms):
+    # Note [gradient clipping as torch rounds it]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _clip_coefficient(total, *, max_norm: float):
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
@@ -615,7 +637,10 @@ class _Program:
         place and the next run reads whatever the user wrote into them, at no copying cost.
         The others (per-replica buffers such as BatchNorm statistics with several replicas,
         sharded or off-chip optimizer state, a CUDA simulator) are copied: module tensors
-        after each step and when changed, optimizer state when ``optimizer.state`` is read.
+        after each step and when changed, optimizer state when ``optimizer.state`` is read
+        (``_LiveState``, which holds the trainer weakly so that the optimizer does not keep
+        a trainer's programs alive) and when the trainer is finalized (``Trainer.__del__``),
+        so a trainer dropped right after its last step leaves that step's state behind.
     """
 
     ir: Ir
@@ -648,6 +673,7 @@ class _Program:
     frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
     grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
     grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    norm_var: Any = None  # the total gradient norm before clipping (max_grad_norm)
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
     host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
@@ -784,6 +810,7 @@ class Trainer:
         self._programs: dict[tuple, _Program] = {}
         self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
+        self._stepped: _Program | None = None  # the program of the last step
         self._step_count = 0
         self._opt_stale = False
         self._live: _LiveState | None = None
@@ -794,6 +821,12 @@ class Trainer:
         self._eager_stepped = False
         ref = weakref.ref(self)
         optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    def __del__(self) -> None:
+        # Note [live torch tensors]: the last step's optimizer state outlives the trainer
+        # (not at interpreter exit, when the modules it needs may already be gone).
+        if getattr(self, "_opt_stale", False) and not sys.is_finalizing():
+            self._publish_optimizer_state()
 
     @property
     def programs(self) -> tuple[tuple[bool, str], ...]:
@@ -807,6 +840,18 @@ class Trainer:
         """The current loss scale (``None`` without ``loss_scaling``), as
         ``GradScaler.get_scale()``."""
         return None if self._scaling is None else float(self._scale_t)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm of the last step before ``max_grad_norm`` clipped it, as
+        ``clip_grad_norm_`` returns it (Note [gradient clipping as torch rounds it]); None
+        without ``max_grad_norm`` or before the first step."""
+        prog = self._stepped
+        if prog is None or prog.norm_var is None:
+            return None
+        if prog.ir._num_instances > 1:
+            return float(prog.session.get_tensors_data([prog.norm_var])[prog.norm_var])
+        return float(prog.session._device_rows(prog.norm_var)[0])
 
     # the active program's Ir and session (for inspection, memory reports and tests)
     @property
@@ -964,8 +1009,13 @@ class Trainer:
                 reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
                 if scaling is not None and scaling.dynamic:
                     found = self._overflow(slots, reduced)
+            norm_var = None
             if self.max_grad_norm is not None:
-                reduced = self._clip(slots, reduced)
+                reduced, total_norm = self._clip(slots, reduced)
+                norm_var = variable(np.float32(0), name="grad_norm")
+                if total_norm.dtype != _float32:
+                    total_norm = ops.cast(total_norm, _float32)
+                ops.var_updates.copy_var_update_(norm_var, total_norm)
             grad_vars = {}
             if self.keep_grads:  # Note [p.grad after a step]
                 for s, g in zip(slots, reduced, strict=True):
@@ -1003,7 +1053,7 @@ class Trainer:
             scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=total_var,
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
             out_streams=out_streams, out_spec=self._out_spec,
-            frozen_vars=frozen_vars, grad_vars=grad_vars,
+            frozen_vars=frozen_vars, grad_vars=grad_vars, norm_var=norm_var,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -1181,17 +1231,23 @@ class Trainer:
             counts.append(c)
         return call_torch(_any_positive, tuple(counts), {})
 
-    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
-        """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
-        sum of squares is summed over the replicas (the shards partition it, padding is 0)."""
-        sums = []
+    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """``clip_grad_norm_`` over the full, replica-reduced gradients; returns the clipped
+        gradients and the total norm before clipping (Note [gradient clipping as torch
+        rounds it])."""
+        by_dtype: dict[Any, list[Tensor]] = {}  # torch's grouping: first-seen dtype order
         for s, g in zip(slots, grads, strict=True):
-            sq = call_torch(_sum_of_squares, (g,), {})
-            if s.sharded:
+            if s.sharded:  # the shards partition the gradient (padding is 0)
+                sq = call_torch(_sum_of_squares, (g,), {})
                 sq = ops.collectives.replicated_all_reduce(sq, "add")
-            sums.append(sq)
-        coef = call_torch(_clip_coefficient, tuple(sums), {"max_norm": self.max_grad_norm})
-        return [call_torch(_scale, (g, coef), {}) for g in grads]
+                norm = call_torch(_sharded_norm, (sq,), {"dtype": g.dtype.as_torch()})
+            else:
+                norm = call_torch(_norm, (g,), {})
+            by_dtype.setdefault(g.dtype, []).append(norm)
+        norms = tuple(n for group in by_dtype.values() for n in group)
+        total = call_torch(_total_norm, norms, {})
+        coef = call_torch(_clip_coefficient, (total,), {"max_norm": self.max_grad_norm})
+        return [call_torch(_scale, (g, coef), {}) for g in grads], total
 
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         p = self._update_target(s)
@@ -1383,6 +1439,7 @@ class Trainer:
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
+        self._stepped = prog
         self._pull(prog)
         self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow

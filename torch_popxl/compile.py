@@ -1546,14 +1546,32 @@ class Trainer:
                 if v.id not in prog.bound:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values
+        # Note [per-replica batch statistics]: every replica starts from the module's buffers.
+        per_replica = _distributed.local_replicas(self.replication_factor) > 1
+        buffers = {v.id for v in prog.buffer_vars.values()} if per_replica else set()
         for entry in prog.copied:
             var, tensor, snapshot = entry
-            if snapshot is None or not torch.equal(tensor.detach(), snapshot):
+            if var.id in buffers or snapshot is None or not torch.equal(tensor.detach(), snapshot):
                 prog.session._set_device_value(var, tensor.detach())
 
     def _pull(self, prog: _Program) -> None:
         """Unbound module tensors (replica 0's value, as a DDP rank 0 checkpoint) from the
-        program; bound ones already hold the trained values."""
+        program; bound ones already hold the trained values.
+
+        Note [per-replica batch statistics]
+            With several replicas a module's buffers (BatchNorm's running statistics and
+            ``num_batches_tracked``) are per replica, as DDP keeps them: in training mode each
+            replica normalises with the statistics of its own micro-batch (rows ``g*R + r`` of
+            the ``R * GA`` equal parts of the global batch, for micro-batch ``g`` of replica
+            ``r``) and updates its copy of the running statistics once per micro-batch, in
+            order. Every step starts all replicas from the module's buffers (DDP's default
+            ``broadcast_buffers=True``: rank 0's buffers at the start of a step), and after
+            the step the module holds replica 0's. So a step equals eager torch run on each
+            replica's micro-batches from the module's buffers, gradients summed, the module
+            keeping replica 0's statistics. This is the one way a compiled step differs from
+            the eager loop on the global batch (tests/test_compile_ported_examples.py builds
+            that reference for a torchvision ResNet).
+        """
         if not prog.copied:
             return
         session = prog.session
@@ -1947,13 +1965,15 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     trained parameter's ``.grad`` holds its gradient (``keep_grads=False``: not kept, less
     memory); ``return_outputs=True`` makes ``step`` return ``(loss, outputs)``, the model's
     outputs of the global batch. ``max_grad_norm`` clips the global gradient norm as
-    ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
+    ``torch.nn.utils.clip_grad_norm_`` does (``Trainer.last_grad_norm``: the total norm
+    before clipping, as it returns). ``loss_scaling`` scales the loss for float16
     training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
     its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
     ``backend="inductor"`` runs the generated step functions through ``torch.compile`` (CPU;
     seconds of compilation at the first step, see README "Benchmarks"); ``"default"`` runs
     them as generated. ``device`` holds the replicas: ``"cpu"`` or ``"cuda"``; left out,
-    ``$TORCH_POPXL_DEVICE`` or the CPU. See the README section "popxl.compile".
+    ``$TORCH_POPXL_DEVICE`` or the CPU. See docs/compile.md and the README section
+    "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")

@@ -215,3 +215,55 @@ def test_a_step_prints_nothing_to_stderr(capfd):
         infer(x)
     out, err = capfd.readouterr()
     assert err == "" and out == ""
+
+
+# ---- max_grad_norm: clip_grad_norm_ step by step, the total norm for logging ----------------
+
+
+def adam(m):
+    return torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), [(1, 1, False, "on_chip"),
+                                                       (1, 1, False, "remote"), *LAYOUTS[1:]])  # fmt: skip
+def test_max_grad_norm_is_clip_grad_norm_and_its_total_norm_is_logged(R, GA, rts, state):
+    """Over 12 Adam steps (which amplify any rounding difference in the clipped gradient):
+    at R=1 bit for bit as eager's clip_grad_norm_ (weights, state, p.grad and the total norm it
+    returns); with replicas and micro-batches, to summation order. The clip is active."""
+    from torch_popxl.runtime import gemm
+
+    m, ref = mlp(), mlp()
+    opt, ref_opt = adam(m), adam(ref)
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=64 if rts else None, optimizer_state=state,
+                            max_grad_norm=0.3)  # fmt: skip
+    assert trainer.last_grad_norm is None
+    exact = R == 1 and GA == 1
+    clipped = 0
+    with gemm.using("aten"):  # torch's matmul: the same gradients as eager at R=1
+        for x, y in batches(12):
+            trainer.step(x, y)
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+            ref_opt.step()
+            clipped += ref_norm.item() > 0.3
+            if exact:
+                assert trainer.last_grad_norm == ref_norm.item()
+            else:
+                assert trainer.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
+    assert clipped >= 6  # the clip was active on most steps
+    check = torch.testing.assert_close
+    kw = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        check(p.detach(), q.detach(), **kw, msg=n)
+        check(p.grad, q.grad, **kw, msg=n)
+        for k, v in ref_opt.state[q].items():
+            check(opt.state[p][k], v, **kw, msg=f"{n}.{k}")
+
+
+def test_last_grad_norm_is_none_without_max_grad_norm():
+    m = mlp()
+    trainer = popxl.compile(m, F.cross_entropy, sgd(m))
+    trainer.step(*batches(1)[0])
+    assert trainer.last_grad_norm is None

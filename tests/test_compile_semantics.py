@@ -6,6 +6,7 @@ reductions in a different order (per replica, per micro-batch).
 """
 
 import copy
+import gc
 import io
 import pickle
 
@@ -324,6 +325,26 @@ def test_sgd_momentum_buffers_appear_in_optimizer_state():
         eager_step(ref, ref_opt, x, y, 4)
     assert_same_optimizer_state(opt, ref_opt)
     assert copy.deepcopy(opt).state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_optimizer_state_is_current_after_the_trainer_is_garbage_collected(layout):
+    """optimizer.state holds the trainer weakly: a trainer dropped (and collected) right after
+    its last step still leaves that step's state, as eager's optimizer would hold it."""
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    R, GA = layout[0], layout[1]
+    trainer = compiled(model, opt, layout)
+    for x, y in batches(3):
+        trainer.step(x, y)
+        eager_step(ref, ref_opt, x, y, R * GA)
+    del trainer
+    gc.collect()
+    assert float(opt.state[model[0].weight]["step"]) == 3
+    assert_same_optimizer_state(opt, ref_opt)
+    assert_same_params(model, ref)
 
 
 # ---- 5. Trainer checkpoints are all-or-nothing -------------------------------------------

@@ -47,8 +47,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "top",
         (
             "torch_popxl.compile",
+            "torch_popxl.compile_common",
+            "torch_popxl.compile_infer",
             "torch_popxl.compile_loss",
             "torch_popxl.compile_optim",
+            "torch_popxl.compile_updates",
             "torch_popxl.addons",
             "torch_popxl.__main__",
         ),

@@ -26,15 +26,17 @@ The torch objects stay the source of truth: the hyperparameters are read from
 ``optimizer.param_groups`` at each step (Note [hyperparameters at run time]), the module's
 own tensors and ``optimizer.state`` hold the program's values (Note [live torch tensors]) and
 ``model.training`` selects the program.
+
+Modules: this one holds the trainer and ``compile``; ``compile_updates`` the step's arithmetic
+(optimizer formulas, loss scaling, clipping), ``compile_loss`` the loss split,
+``compile_optim`` captured optimizers, ``compile_infer`` the inference program and
+``compile_common`` the helpers both programs use.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
-import dataclasses
-import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -49,16 +51,58 @@ from . import compile_optim as _optim
 from . import ops
 from . import remote as _remote
 from .capture import call_torch
+from .compile_common import (
+    _MAX_PROGRAMS,
+    _array,
+    _attributes_restored,
+    _check_positive,
+    _check_tensors,
+    _describe,
+    _h2d,
+    _host,
+    _mark_eager_step,
+    _split_advice,
+    _structured,
+    _without_caches,
+    model_loss,
+)
+from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
+from .compile_updates import (
+    _N_HYPER,
+    _any_positive,
+    _clip_coefficient,
+    _count_factor,
+    _fused_adam_group,
+    _fused_reason,
+    _group_scalars,
+    _group_specs,
+    _group_values,
+    _GroupSpec,
+    _loss_scaling,
+    _nonfinite_count,
+    _norm,
+    _optimizer_kind,
+    _optimizer_update,
+    _rescale,
+    _scale,
+    _seed,
+    _sharded_norm,
+    _step_increment,
+    _sum_of_squares,
+    _total_norm,
+    _unpad,
+    _unscale,
+    _update_scale,
+)
 from .dtypes import dtype as _dtype
 from .dtypes import float32 as _float32
-from .dtypes import numpy_to_torch, to_numpy, torch_to_numpy
+from .dtypes import numpy_to_torch, torch_to_numpy
 from .ir.context import in_sequence
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
-from .ir.streams import DeviceToHostStream, d2h_stream, h2d_stream
+from .ir.streams import d2h_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
-from .opdefs import scalar_tensor as _scalar_ops
 from .runtime import distributed as _distributed
 from .runtime.session import Session, check_backend, resolve_device
 from .transforms.autodiff import autodiff
@@ -66,7 +110,6 @@ from .transforms.autodiff import autodiff
 __all__ = ["compile", "Trainer", "InferenceProgram"]
 
 _STATE = ("on_chip", "remote")
-_MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatures x modes)
 
 # Note [a program per input signature]
 #     A program has static shapes, eager torch has none. So a Trainer or InferenceProgram
@@ -80,428 +123,6 @@ _MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatu
 #     Note [exact losses over micro-batches]); one that does not is refused before anything
 #     changes. An eval-mode inference batch that does not split over the replicas is padded
 #     with copies of its last row, whose outputs are dropped (its rows are independent).
-
-
-# ---- optimizers: torch's formulas, written as in-place torch ops ------------------------
-#
-# Note [hyperparameters at run time]
-#     The torch optimizer's ``param_groups`` stay the source of truth: every numeric
-#     hyperparameter (lr, weight decay, momentum, dampening, betas, eps) of a group lives in a
-#     small variable that is written before each step when the group's values changed, so LR
-#     schedulers and manual edits take effect without a rebuild. Only the program's structure
-#     is fixed when it is built (the optimizer kind, the param-to-group assignment, nesterov,
-#     whether momentum / weight decay are used at all); a change of it rebuilds the program
-#     and carries the state over (``_GroupSpec``). A captured optimizer (Note [captured
-#     optimizer steps]) reads ``lr`` at run time; its other values are structure.
-
-_N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
-
-
-@dataclass(frozen=True)
-class _GroupSpec:
-    """The structure of one param group (what the program is built for)."""
-
-    kind: str  # "sgd" | "adam" | "adamw" | "torch" (Note [captured optimizer steps])
-    names: tuple[str, ...]
-    momentum: bool = False
-    nesterov: bool = False
-    weight_decay: bool = False
-    # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
-    # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
-    fused: tuple[float, float, float, float] | None = None
-    # kind "torch": the state the captured step keeps (Note [captured optimizer steps])
-    layout: _optim.StateLayout | None = None
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        if self.kind == "sgd":
-            return ("momentum_buffer",) if self.momentum else ()
-        if self.layout is not None:
-            return self.layout.param_state + self.layout.scalar_state
-        return ("exp_avg", "exp_avg_sq")
-
-    @property
-    def has_step(self) -> bool:
-        """Whether torch keeps a ``step`` tensor per parameter."""
-        return self.kind != "sgd" if self.layout is None else self.layout.has_step
-
-    def is_scalar_state(self, name: str) -> bool:
-        return self.layout is not None and name in self.layout.scalar_state
-
-
-def _optimizer_kind(optimizer) -> str:
-    # Options the hand-written SGD/Adam/AdamW updates do not have run torch's own step
-    # (Note [captured optimizer steps]).
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
-        )
-    captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
-    if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
-        return "torch" if captured else "adamw"
-    if isinstance(optimizer, torch.optim.Adam):
-        return "torch" if captured else "adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "torch" if captured else "sgd"
-    return "torch"  # Note [captured optimizer steps]
-
-
-def _group_specs(
-    optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
-) -> tuple[_GroupSpec, ...]:
-    kind = _optimizer_kind(optimizer)
-    by_id = {id(p): n for n, p in params.items()}
-    specs, seen = [], set()
-    for group in optimizer.param_groups:
-        names = []
-        for p in group["params"]:
-            if id(p) not in by_id:
-                raise ValueError(
-                    "popxl.compile: the optimizer holds a parameter that is not a parameter of the "
-                    "model. Build the optimizer from model.parameters()."
-                )
-            if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
-                names.append(by_id[id(p)])
-        seen.update(names)
-        if kind == "torch":  # maximize, if any, is torch's business here
-            specs.append(_torch_group_spec(optimizer, group, names, params))
-            continue
-        if group.get("maximize"):
-            raise ValueError("popxl.compile does not support maximize=True.")
-        if kind == "sgd":
-            if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-                raise ValueError(
-                    "Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch)."
-                )
-            specs.append(_GroupSpec(kind, tuple(names), float(group["momentum"]) != 0,
-                                    bool(group["nesterov"]), float(group["weight_decay"]) != 0))  # fmt: skip
-        else:
-            if group.get("amsgrad"):
-                raise ValueError(
-                    "popxl.compile does not support amsgrad=True or maximize=True for Adam/AdamW."
-                )
-            fused = None
-            if group.get("fused"):
-                b1, b2 = group["betas"]
-                fused = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
-            specs.append(_GroupSpec(kind, tuple(names), weight_decay=float(group["weight_decay"]) != 0,
-                                    fused=fused))  # fmt: skip
-    # Note [frozen parameters]: a parameter outside the optimizer or with requires_grad=False
-    # is an input of the program, as a buffer is: no gradient, accumulator or optimizer state,
-    # never written. Freezing or unfreezing one changes the specs, so the program is rebuilt.
-    return tuple(specs)
-
-
-def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) -> _GroupSpec:
-    """A captured optimizer's group (Note [captured optimizer steps]): the layout of its first
-    parameter, ``reduces`` if the step reduces over any of its parameters."""
-    if not names:
-        return _GroupSpec("torch", ())
-    layouts = [_optim.cached_probe(optimizer, group, params[n])[0] for n in names]
-    reduces = next((lay.reduces for lay in layouts if lay.reduces), None)
-    first = layouts[0]
-    if any(
-        (lay.param_state, lay.scalar_state, lay.has_step)
-        != (first.param_state, first.scalar_state, first.has_step)
-        for lay in layouts
-    ):
-        raise TypeError(
-            f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
-            "parameters of one param group; the compiled step expects the same for all."
-        )
-    layout = dataclasses.replace(
-        first, reduces=reduces, lazy=any(lay.lazy for lay in layouts),
-        capturable=any(lay.capturable for lay in layouts),
-    )  # fmt: skip
-    return _GroupSpec("torch", tuple(names), layout=layout)
-
-
-def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
-    """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
-    out = []
-    for g in optimizer.param_groups:
-        if kind == "torch":  # lr only: the rest is structure (Note [captured optimizer steps])
-            out.append((float(g["lr"]), 0.0, 0.0, 0.0, 0.0))
-        elif kind == "sgd":
-            out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
-                        float(g["dampening"]), 0.0))  # fmt: skip
-        else:
-            b1, b2 = g["betas"]
-            out.append(
-                (float(g["lr"]), float(g["weight_decay"]), float(b1), float(b2), float(g["eps"]))
-            )
-    return tuple(out)
-
-
-# Note [optimizer arithmetic as torch rounds it]
-#     torch's single-tensor SGD / Adam (the CPU default) compute their scalars in double
-#     (Python floats) and hand them to kernels that compute in float32 ("opmath") and round
-#     the result once to the parameter's dtype, per torch op: ``grad.add(param, alpha=wd)``,
-#     ``exp_avg.lerp_(grad, 1 - beta1)``, ``exp_avg_sq.mul_(beta2)`` then ``.addcmul_(...)``,
-#     ``param.addcdiv_(exp_avg, denom, value=-step_size)``. The compiled update does the same,
-#     with the hyperparameters read at run time from ``hyper/i`` (so LR schedulers need no
-#     rebuild): that variable is float64 (not downcast), every scalar is derived from it in
-#     float64 and cast to float32 once. The ops taking a scalar ``alpha`` / ``value`` run
-#     torch's own kernels through ``opdefs/scalar_tensor.py`` (the scalar a tensor there): those
-#     kernels may fuse the multiply and the add into one rounding, which no chain of separate
-#     ops reproduces. Ops taking a plain tensor scalar (``mul``, ``lerp``, ``div``) compute in
-#     float32 (``_f``) and round to the parameter's dtype (``_r``) where torch rounds; an added
-#     scalar (``add_(eps)``) is first rounded to the tensor's dtype (``_alpha``), as torch's
-#     CPU kernels do for float16 and bfloat16. The update then equals eager torch's bit for bit
-#     for float32, float16 and bfloat16 parameters given the same gradients
-#     (tests/test_compile_optimizer_exact.py).
-
-
-def _f(t):
-    return t.float()
-
-
-def _r(t, like):
-    return t.to(like.dtype)
-
-
-def _alpha(scalar, like):
-    return scalar.to(like.dtype).float()
-
-
-def _group_scalars(h, step, *, kind: str):
-    """Per-group scalars, computed once per step (not once per parameter), in float64 and
-    then cast to float32 as torch's kernels take them (Note [optimizer arithmetic ...])."""
-    lr, wd = h[0], h[1]
-    out: tuple[torch.Tensor, ...]
-    if kind == "sgd":
-        out = (lr, wd, h[2], 1.0 - h[3])
-    else:
-        t = step.double() + 1.0
-        b1, b2, eps = h[2], h[3], h[4]
-        step_size = lr / (1.0 - torch.pow(b1, t))
-        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-        out = (1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps)
-    return tuple(v.float() for v in out)
-
-
-def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
-    # Every ``add(..., alpha=a)`` of torch's SGD runs torch's kernel with ``a`` read at run
-    # time (Note [optimizer arithmetic as torch rounds it]).
-    d_p = g
-    if spec.weight_decay:
-        d_p = g.clone()
-        _scalar_ops.add_alpha_(d_p, p, wd)  # grad.add(param, alpha=weight_decay)
-    if spec.momentum:
-        (buf,) = state
-        new = _r(_f(buf) * momentum, buf)  # buf.mul_(momentum)
-        _scalar_ops.add_alpha_(new, d_p, one_minus_dampening)  # .add_(grad, alpha=1 - d)
-        # torch initialises the buffer with the first gradient (no dampening on step 1).
-        buf.copy_(torch.where(step == 0, d_p, new))
-        if spec.nesterov:
-            d_p = d_p.clone()
-            _scalar_ops.add_alpha_(d_p, buf, momentum)  # grad.add(buf, alpha=momentum)
-        else:
-            d_p = buf
-    _scalar_ops.add_alpha_(p, d_p, -lr)  # param.add_(grad, alpha=-lr)
-
-
-def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
-                 exp_avg, exp_avg_sq, *, spec: _GroupSpec):  # fmt: skip
-    if spec.kind == "adamw":
-        if spec.weight_decay:
-            p.mul_(decay)  # param.mul_(1 - lr * weight_decay): float32 scalar, one rounding
-    elif spec.weight_decay:
-        g = g.clone()
-        _scalar_ops.add_alpha_(g, p, wd)  # grad.add(param, alpha=weight_decay)
-    # Out-of-place + copy_ because vmap has no batching rule for lerp_ (it would fall back
-    # to a slow per-replica loop).
-    exp_avg.copy_(_r(torch.lerp(_f(exp_avg), _f(g), one_minus_b1), exp_avg))
-    exp_avg_sq.copy_(_r(_f(exp_avg_sq) * b2, exp_avg_sq))  # exp_avg_sq.mul_(beta2)
-    # .addcmul_(grad, grad, value=1 - beta2): torch's kernel, the value read at run time
-    # (Note [optimizer arithmetic as torch rounds it])
-    _scalar_ops.addcmul_value_(exp_avg_sq, g, g, one_minus_b2)
-    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): three roundings
-    root = exp_avg_sq.sqrt()
-    denom = _r(_f(_r(_f(root) / bc2_sqrt, root)) + _alpha(eps, root), root)
-    _scalar_ops.addcdiv_value_(p, exp_avg, denom, -step_size)  # param.addcdiv_(.., -step_size)
-
-
-def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
-    """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
-    n_state = len(spec.state_names)
-    state = args[len(args) - n_state :] if n_state else ()
-    old = [p.clone(), *[t.clone() for t in state]]
-    fn = _sgd_update if spec.kind == "sgd" else _adam_update
-    fn(p, g, step, *args, spec=spec)
-    for t, o in zip([p, *state], old, strict=True):
-        t.copy_(torch.where(found > 0, o, t))
-
-
-def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) -> None:
-    if found is not None:
-        call_torch(_skippable_update, (p, g, step, found, *scalars, *state), {"spec": spec})
-        return
-    fn = _sgd_update if spec.kind == "sgd" else _adam_update
-    call_torch(fn, (p, g, step, *scalars, *state), {"spec": spec})
-
-
-# Note [fused optimizer updates]
-#     An Adam/AdamW built with ``fused=True`` updates a whole param group with one
-#     ``torch._fused_adam_`` / ``_fused_adamw_`` call, which rounds differently from the
-#     single-tensor chain above. The compiled step does the same: one call of the same kernel
-#     over all of the group's parameters, so the numbers are eager's fused ones, and on CPU it
-#     is ~3x faster than the per-parameter chain (benchmarks/bench_optimizer.py). Every member
-#     is prepared as the chain prepares it (``Trainer._update_target``, ``_load_state``): a
-#     sharded (RTS) member gives this replica's shard of its parameter, its reduce-scattered
-#     gradient and its state shards, off-chip state is loaded from its remote buffer; after the
-#     call each member's state is stored and each shard all-gathered into its parameter
-#     (``_finish_update``). The kernel updates every list element on its own, so the fast
-#     executor runs the call once over stacked shards and replica-invariant weights together,
-#     and shards that divide their parameter give the unsharded update bit for bit (a padded
-#     shard may move a value by an ulp: Note [per-element list ops] in runtime/explicit.py).
-#     The one call holds every member's loaded state at once where the chain holds one
-#     parameter's state and its temporaries (the memory report's live intermediates count
-#     it); the traffic is the chain's. The kernel takes the learning rate as a tensor (read
-#     from ``hyper/i`` at every step, so LR schedulers work) but betas, eps and weight decay
-#     as plain numbers: they are part of the group's structure (``_GroupSpec.fused``) and
-#     changing them rebuilds the program, carrying the state over. Where the kernel cannot
-#     apply, the group keeps the per-parameter chain and ``Trainer.fused_reasons`` says why:
-#     dynamic loss scaling (its skipped step is written for the chain), mixed dtypes in one
-#     group (eager torch splits such a group into one call per dtype), a CUDA simulator
-#     (untested).
-
-
-def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, eps: float,
-                      weight_decay: float) -> None:  # fmt: skip
-    """One fused Adam/AdamW step over ``n`` parameters, as torch's ``fused=True`` path runs it:
-    ``tensors`` are the parameters, gradients, exp_avgs and exp_avg_sqs (``n`` of each), the
-    step count before this step and the group's hyperparameter vector (lr first)."""
-    ps, gs, ms, vs = (list(tensors[i * n : (i + 1) * n]) for i in range(4))
-    step, hyper = tensors[4 * n :]
-    # torch increments its per-parameter step tensors before the kernel reads them.
-    t = step.float() + 1.0
-    fn = torch._fused_adamw_ if kind == "adamw" else torch._fused_adam_
-    fn(ps, gs, ms, vs, [], [t] * n, amsgrad=False, lr=hyper[0], beta1=beta1, beta2=beta2,
-       weight_decay=weight_decay, eps=eps, maximize=False)  # fmt: skip
-
-
-def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device):
-    """Why a param group keeps the per-parameter update chain, or None when it runs the fused
-    kernel (Note [fused optimizer updates])."""
-    if spec.fused is None:
-        return "the optimizer was not built with fused=True"
-    if torch.device(device).type != "cpu":
-        # CUDA's fused kernel takes its learning-rate tensor differently; untested here.
-        return f"the fused update is used on the CPU simulator only (device={str(device)!r})"
-    if dynamic_scaling:
-        return "dynamic loss scaling skips steps in the per-parameter update"
-    dtypes = {s.var.dtype.name for s in slots}
-    if len(dtypes) > 1:
-        return f"the group mixes parameter dtypes {sorted(dtypes)}"
-    return None
-
-
-# ---- loss scaling (Note [loss scaling]) ----------------------------------------------------
-#
-# Note [loss scaling]
-#     As torch.amp.GradScaler: the backward is seeded with ``scale / GA`` instead of
-#     ``1 / GA`` (GradScaler's ``scaler.scale(loss / GA).backward()``), the replica-reduced
-#     gradients are multiplied by ``float32(1 / double(scale))`` (``unscale_``), then clipped
-#     and applied. Dynamic scaling also checks the gradients for inf/nan (a sharded gradient's
-#     count is summed over the replicas): on an overflow the optimizer step is skipped
-#     (parameters, state and step count unchanged) and the scale is multiplied by
-#     ``backoff_factor``; after ``growth_interval`` clean steps in a row it is multiplied by
-#     ``growth_factor`` (``GradScaler.update``). Static scaling (a number) only scales and
-#     unscales, as PopTorch's static loss scaling does: no check, no skipped step.
-
-
-@dataclass(frozen=True)
-class _LossScaling:
-    init_scale: float
-    dynamic: bool
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-
-def _loss_scaling(value) -> _LossScaling | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.amp.GradScaler):
-        if not value.is_enabled():
-            return None
-        return _LossScaling(value.get_scale(), True, value.get_growth_factor(),
-                            value.get_backoff_factor(), value.get_growth_interval())  # fmt: skip
-    if value == "dynamic":  # GradScaler's defaults
-        return _LossScaling(2.0**16, True)
-    if (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
-        return _LossScaling(float(value), False)
-    raise ValueError(
-        "loss_scaling must be None, a positive number (static scaling), 'dynamic' (GradScaler's "
-        f"defaults) or a torch.amp.GradScaler (its settings); got {value!r}."
-    )
-
-
-def _seed(scale, *, ga: int, dtype: torch.dtype):
-    return (scale / ga).to(dtype)
-
-
-def _unscale(g, scale):
-    inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-    return (g.float() * inv).to(g.dtype)
-
-
-def _nonfinite_count(g):
-    return (~torch.isfinite(g)).sum().float()
-
-
-def _any_positive(*counts):
-    return (torch.stack(counts).sum() > 0).float()
-
-
-def _update_scale(scale, tracker, found, *, growth: float, backoff: float, interval: int):
-    """GradScaler.update (torch._amp_update_scale_), in place."""
-    successful = tracker + 1.0
-    grow = successful >= interval
-    new_scale = torch.where(grow, scale * growth, scale)
-    new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # never grow to inf
-    skipped = found > 0
-    scale.copy_(torch.where(skipped, scale * backoff, new_scale))
-    tracker.copy_(torch.where(skipped | grow, torch.zeros_like(tracker), successful))
-
-
-def _step_increment(found):
-    return 1.0 - found
-
-
-def _unpad(flat, *, shape):
-    """The gathered shards without the padding of the last one, in the parameter's shape."""
-    return flat[: math.prod(shape)].reshape(shape)
-
-
-def _sum_of_squares(g):
-    g = g.float()
-    return (g * g).sum()
-
-
-def _clip_coefficient(*sums, max_norm: float):
-    # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1.
-    total = torch.stack(sums).sum().sqrt()
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
-def _scale(g, coef):
-    return g * coef.to(g.dtype)
-
-
-def _count_factor(total, *, bound: int):
-    # float64, rounded once (Note [exact losses over micro-batches])
-    return (float(bound) / total.double()).float()
-
-
-def _rescale(g, factor):
-    return (g.float() * factor).to(g.dtype)
 
 
 # ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
@@ -615,7 +236,10 @@ class _Program:
         place and the next run reads whatever the user wrote into them, at no copying cost.
         The others (per-replica buffers such as BatchNorm statistics with several replicas,
         sharded or off-chip optimizer state, a CUDA simulator) are copied: module tensors
-        after each step and when changed, optimizer state when ``optimizer.state`` is read.
+        after each step and when changed, optimizer state when ``optimizer.state`` is read
+        (``_LiveState``, which holds the trainer weakly so that the optimizer does not keep
+        a trainer's programs alive) and when the trainer is finalized (``Trainer.__del__``),
+        so a trainer dropped right after its last step leaves that step's state behind.
     """
 
     ir: Ir
@@ -648,6 +272,7 @@ class _Program:
     frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
     grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
     grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    norm_var: Any = None  # the total gradient norm before clipping (max_grad_norm)
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
     host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
@@ -784,6 +409,7 @@ class Trainer:
         self._programs: dict[tuple, _Program] = {}
         self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
+        self._stepped: _Program | None = None  # the program of the last step
         self._step_count = 0
         self._opt_stale = False
         self._live: _LiveState | None = None
@@ -794,6 +420,12 @@ class Trainer:
         self._eager_stepped = False
         ref = weakref.ref(self)
         optimizer.register_step_post_hook(lambda *_: _mark_eager_step(ref))
+
+    def __del__(self) -> None:
+        # Note [live torch tensors]: the last step's optimizer state outlives the trainer
+        # (not at interpreter exit, when the modules it needs may already be gone).
+        if getattr(self, "_opt_stale", False) and not sys.is_finalizing():
+            self._publish_optimizer_state()
 
     @property
     def programs(self) -> tuple[tuple[bool, str], ...]:
@@ -807,6 +439,18 @@ class Trainer:
         """The current loss scale (``None`` without ``loss_scaling``), as
         ``GradScaler.get_scale()``."""
         return None if self._scaling is None else float(self._scale_t)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm of the last step before ``max_grad_norm`` clipped it, as
+        ``clip_grad_norm_`` returns it (Note [gradient clipping as torch rounds it]); None
+        without ``max_grad_norm`` or before the first step."""
+        prog = self._stepped
+        if prog is None or prog.norm_var is None:
+            return None
+        if prog.ir._num_instances > 1:
+            return float(prog.session.get_tensors_data([prog.norm_var])[prog.norm_var])
+        return float(prog.session._device_rows(prog.norm_var)[0])
 
     # the active program's Ir and session (for inspection, memory reports and tests)
     @property
@@ -964,8 +608,13 @@ class Trainer:
                 reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
                 if scaling is not None and scaling.dynamic:
                     found = self._overflow(slots, reduced)
+            norm_var = None
             if self.max_grad_norm is not None:
-                reduced = self._clip(slots, reduced)
+                reduced, total_norm = self._clip(slots, reduced)
+                norm_var = variable(np.float32(0), name="grad_norm")
+                if total_norm.dtype != _float32:
+                    total_norm = ops.cast(total_norm, _float32)
+                ops.var_updates.copy_var_update_(norm_var, total_norm)
             grad_vars = {}
             if self.keep_grads:  # Note [p.grad after a step]
                 for s, g in zip(slots, reduced, strict=True):
@@ -1003,7 +652,7 @@ class Trainer:
             scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=total_var,
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
             out_streams=out_streams, out_spec=self._out_spec,
-            frozen_vars=frozen_vars, grad_vars=grad_vars,
+            frozen_vars=frozen_vars, grad_vars=grad_vars, norm_var=norm_var,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -1181,17 +830,23 @@ class Trainer:
             counts.append(c)
         return call_torch(_any_positive, tuple(counts), {})
 
-    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
-        """``clip_grad_norm_`` over the full, replica-reduced gradients: a sharded gradient's
-        sum of squares is summed over the replicas (the shards partition it, padding is 0)."""
-        sums = []
+    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """``clip_grad_norm_`` over the full, replica-reduced gradients; returns the clipped
+        gradients and the total norm before clipping (Note [gradient clipping as torch
+        rounds it])."""
+        by_dtype: dict[Any, list[Tensor]] = {}  # torch's grouping: first-seen dtype order
         for s, g in zip(slots, grads, strict=True):
-            sq = call_torch(_sum_of_squares, (g,), {})
-            if s.sharded:
+            if s.sharded:  # the shards partition the gradient (padding is 0)
+                sq = call_torch(_sum_of_squares, (g,), {})
                 sq = ops.collectives.replicated_all_reduce(sq, "add")
-            sums.append(sq)
-        coef = call_torch(_clip_coefficient, tuple(sums), {"max_norm": self.max_grad_norm})
-        return [call_torch(_scale, (g, coef), {}) for g in grads]
+                norm = call_torch(_sharded_norm, (sq,), {"dtype": g.dtype.as_torch()})
+            else:
+                norm = call_torch(_norm, (g,), {})
+            by_dtype.setdefault(g.dtype, []).append(norm)
+        norms = tuple(n for group in by_dtype.values() for n in group)
+        total = call_torch(_total_norm, norms, {})
+        coef = call_torch(_clip_coefficient, (total,), {"max_norm": self.max_grad_norm})
+        return [call_torch(_scale, (g, coef), {}) for g in grads], total
 
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         p = self._update_target(s)
@@ -1383,6 +1038,7 @@ class Trainer:
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
         out = prog.session.run(feed)
+        self._stepped = prog
         self._pull(prog)
         self._set_grads(prog)
         self._step_count += 0 if float(prog.overflow_t) > 0 else 1  # skipped on overflow
@@ -1489,14 +1145,32 @@ class Trainer:
                 if v.id not in prog.bound:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values
+        # Note [per-replica batch statistics]: every replica starts from the module's buffers.
+        per_replica = _distributed.local_replicas(self.replication_factor) > 1
+        buffers = {v.id for v in prog.buffer_vars.values()} if per_replica else set()
         for entry in prog.copied:
             var, tensor, snapshot = entry
-            if snapshot is None or not torch.equal(tensor.detach(), snapshot):
+            if var.id in buffers or snapshot is None or not torch.equal(tensor.detach(), snapshot):
                 prog.session._set_device_value(var, tensor.detach())
 
     def _pull(self, prog: _Program) -> None:
         """Unbound module tensors (replica 0's value, as a DDP rank 0 checkpoint) from the
-        program; bound ones already hold the trained values."""
+        program; bound ones already hold the trained values.
+
+        Note [per-replica batch statistics]
+            With several replicas a module's buffers (BatchNorm's running statistics and
+            ``num_batches_tracked``) are per replica, as DDP keeps them: in training mode each
+            replica normalises with the statistics of its own micro-batch (rows ``g*R + r`` of
+            the ``R * GA`` equal parts of the global batch, for micro-batch ``g`` of replica
+            ``r``) and updates its copy of the running statistics once per micro-batch, in
+            order. Every step starts all replicas from the module's buffers (DDP's default
+            ``broadcast_buffers=True``: rank 0's buffers at the start of a step), and after
+            the step the module holds replica 0's. So a step equals eager torch run on each
+            replica's micro-batches from the module's buffers, gradients summed, the module
+            keeping replica 0's statistics. This is the one way a compiled step differs from
+            the eager loop on the global batch (tests/test_compile_ported_examples.py builds
+            that reference for a torchvision ResNet).
+        """
         if not prog.copied:
             return
         session = prog.session
@@ -1734,148 +1408,6 @@ class Trainer:
         )
 
 
-class InferenceProgram:
-    """A compiled inference program: ``program(inputs) -> outputs`` (split over replicas).
-
-    ``inputs`` is a tensor, a tuple/list of tensors (positional arguments of ``forward``) or a
-    dict (keyword arguments), each split on dim 0; the result has the model's structure. The
-    program reads the module's current parameters and buffers at every call (Note [live
-    torch tensors]), also while a Trainer trains the module.
-    """
-
-    def __init__(self, model: torch.nn.Module, replication_factor: int = 1,
-                 device: str | torch.device | None = None, executor: str = "fast",
-                 backend: str = "default"):  # fmt: skip
-        _check_positive("replication_factor", replication_factor)
-        self.device = resolve_device(device)
-        self.model = model
-        self.replication_factor = replication_factor
-        self.executor = executor
-        self.backend = check_backend(backend, executor)
-        self.ir = None
-        self.session = None
-        # (training, input signature) -> (ir, session, ...), least recently used first
-        self._programs: dict[tuple, tuple] = {}
-        self.max_programs = _MAX_PROGRAMS
-
-    @property
-    def programs(self) -> tuple[tuple[bool, str], ...]:
-        """The programs built and kept, least recently used first: (training mode, input
-        shapes); at most ``max_programs``."""
-        return tuple(
-            (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
-                f", {n}={tuple(s)} {d}" for n, s, d in k[2]))
-            for k in self._programs
-        )  # fmt: skip
-
-    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
-        R = _distributed.local_replicas(self.replication_factor)
-        ir = _distributed.make_ir(self.replication_factor)
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        with ir.main_graph, in_sequence(True):
-            streams = [
-                _h2d((a.shape[0] // R, *a.shape[1:]), a.dtype, f"inputs/{i}")
-                for i, a in enumerate([*args, *kwargs.values()])
-            ]
-            tensors = {n: variable(_host(t), _dtype.as_dtype(t.dtype), name=n)
-                       for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
-            loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
-            a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
-            with _attributes_restored(self.model):
-                y = call_torch(
-                    torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
-                )
-            leaves, spec = pytree.tree_flatten(_without_caches(y))
-            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
-            if bad:
-                raise TypeError(
-                    f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
-                    "program returns tensors (in a tuple, list or dict)."
-                )
-            out_streams: list[DeviceToHostStream | None] = []
-            for i, v in enumerate(leaves):
-                if v is None:
-                    out_streams.append(None)
-                    continue
-                out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
-                ops.host_store(out_streams[-1], v)
-        session = Session(
-            ir, "ipu_hw", device=self.device, executor=self.executor, backend=self.backend
-        )
-        session.__enter__()
-        copied = []
-        for n, t in [*params.items(), *buffers.items()]:
-            if ir._num_instances > 1 or not session._bind_variable(tensors[n], t.detach()):
-                copied.append((tensors[n], t))
-        return ir, session, streams, out_streams, spec, copied
-
-    def explain(self) -> list[str]:
-        """What of the program runs on a slow path and why (``Session.explain``); an empty
-        list when all of it runs on the fast path."""
-        if self.session is None:
-            raise ValueError("explain(): no program yet; it is built by the first call.")
-        return self.session.explain()
-
-    def __call__(self, inputs):
-        args, kwargs = _structured(inputs, "inputs")
-        arrays = [*args, *kwargs.values()]
-        R = _distributed.local_replicas(self.replication_factor)  # this instance's share
-        n = arrays[0].shape[0]
-        if any(a.shape[0] != n for a in arrays):
-            raise ValueError(
-                f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
-            )
-        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
-        if n == 0:
-            raise ValueError("popxl.compile: an inference batch needs at least one sample.")
-        padded = -(-n // R) * R
-        if padded != n:
-            if training:  # padding rows would join the batch statistics (BatchNorm)
-                raise ValueError(
-                    f"popxl.compile: a batch of {n} samples does not split over "
-                    f"replication_factor={R} replicas in train mode; give a multiple of {R} "
-                    "(in eval mode any batch size runs). Nothing was changed."
-                )
-            # eval mode: rows are independent; copies of the last row fill the replicas and
-            # their outputs are dropped (Note [a program per input signature])
-            args = [_pad_rows(a, padded) for a in args]
-            kwargs = {k: _pad_rows(a, padded) for k, a in kwargs.items()}
-            arrays = [*args, *kwargs.values()]
-        key = (
-            training,
-            tuple((a.shape, a.dtype) for a in args),
-            tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
-        )
-        built = self._programs.pop(key, None)
-        if built is None:
-            built = self._build(args, kwargs)
-        self._programs[key] = built  # the most recently used last
-        while len(self._programs) > max(self.max_programs, 1):
-            del self._programs[next(iter(self._programs))]
-        ir, session, streams, out_streams, spec, copied = built
-        self.ir, self.session = ir, session
-        for var, t in copied:  # not bound: the module's current values, every call
-            session._set_device_value(var, t.detach())
-        feed = {
-            st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
-            for st, a in zip(streams, arrays, strict=True)
-        }
-        out = session.run(feed)
-        leaves = []
-        for st in out_streams:
-            if st is None:  # a dropped key/value cache
-                leaves.append(None)
-                continue
-            o = numpy_to_torch(out[st], st.dtype)
-            if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
-                o = o.reshape(padded, *o.shape[2:])
-            if padded != n and o.ndim and o.shape[0] == padded:
-                o = o[:n]
-            leaves.append(o)
-        return pytree.tree_unflatten(leaves, spec)
-
-
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str | torch.device | None = None,
@@ -1890,13 +1422,15 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     trained parameter's ``.grad`` holds its gradient (``keep_grads=False``: not kept, less
     memory); ``return_outputs=True`` makes ``step`` return ``(loss, outputs)``, the model's
     outputs of the global batch. ``max_grad_norm`` clips the global gradient norm as
-    ``torch.nn.utils.clip_grad_norm_`` does. ``loss_scaling`` scales the loss for float16
+    ``torch.nn.utils.clip_grad_norm_`` does (``Trainer.last_grad_norm``: the total norm
+    before clipping, as it returns). ``loss_scaling`` scales the loss for float16
     training: a number (static), ``"dynamic"`` or a ``torch.amp.GradScaler`` (dynamic, with
     its settings: inf/nan steps are skipped and the scale backs off, as GradScaler does).
     ``backend="inductor"`` runs the generated step functions through ``torch.compile`` (CPU;
     seconds of compilation at the first step, see README "Benchmarks"); ``"default"`` runs
     them as generated. ``device`` holds the replicas: ``"cpu"`` or ``"cuda"``; left out,
-    ``$TORCH_POPXL_DEVICE`` or the CPU. See the README section "popxl.compile".
+    ``$TORCH_POPXL_DEVICE`` or the CPU. See docs/compile.md and the README section
+    "popxl.compile".
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
@@ -1917,171 +1451,3 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
                    replication_factor, gradient_accumulation, rts_threshold, optimizer_state,
                    device, executor, max_grad_norm, loss_scaling, backend, keep_grads,
                    return_outputs)  # fmt: skip
-
-
-# ---- helpers ------------------------------------------------------------------------------
-
-
-def model_loss(output, targets=None):
-    """The loss a model returns from ``forward`` (``loss_fn=None``): the output itself when it
-    is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` entry (Hugging Face
-    ``ModelOutput``, PopTorch-style models)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, tuple | list) and output:
-        loss = output[0]  # (loss, logits, ...) as PopTorch's models return
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            "popxl.compile(loss_fn=None): the model must return its loss (a scalar tensor, an "
-            f"output with .loss, or a tuple whose first element is the loss); got "
-            f"{type(output).__name__}. Pass the targets the model needs in the inputs (for "
-            "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
-        )
-    return loss
-
-
-def _without_caches(out):
-    """The model's outputs with Hugging Face key/value caches replaced by None.
-
-    ``use_cache=True`` (the default of most Hugging Face configs) makes a forward return a
-    ``Cache`` object (``past_key_values``) holding each layer's keys and values. It is state for
-    incremental generation, not an output of a training or batch-inference step, and it is no
-    pytree (its tensors would come back as the capture's fake tensors): it is dropped, as
-    ``use_cache=False`` would, and the output's ``past_key_values`` is None."""
-    transformers = sys.modules.get("transformers")
-    cache_type = getattr(getattr(transformers, "cache_utils", None), "Cache", None)
-    if cache_type is None:
-        return out
-    return pytree.tree_map(lambda v: None if isinstance(v, cache_type) else v, out)
-
-
-@contextlib.contextmanager
-def _attributes_restored(model: torch.nn.Module):
-    """Every submodule's attributes as they were before the capture inside (Note [attributes
-    set during capture])."""
-    saved = [(m, dict(m.__dict__)) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, before in saved:
-            for name in [n for n in m.__dict__ if n not in before]:
-                del m.__dict__[name]
-            for name, value in before.items():
-                if m.__dict__.get(name, _MISSING) is not value:
-                    m.__dict__[name] = value
-
-
-# Note [attributes set during capture]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A forward may store on its module what it computed (`self.last_attention = attn`, a counter,
-# a cache). During capture those values are the capture's fake tensors: left on the module they
-# would be read by the user's code, by the next compile (as tensors of a graph that is gone) or
-# by eager torch. Capture must leave the module as it found it, so each submodule's attribute
-# dict is put back (attributes added are removed, replaced ones restored) after the forward is
-# captured. The values an eager forward would have left there are not available: a compiled
-# step does not run the Python forward, so such attributes keep their eager values (those of
-# the last eager forward, or none).
-
-_MISSING = object()
-
-
-def _mark_eager_step(trainer_ref) -> None:
-    trainer = trainer_ref()
-    if trainer is not None:
-        trainer._eager_stepped = True
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}.")
-
-
-def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:
-    """Same keys, shapes and dtypes as ``expected``, or a ValueError listing every problem."""
-    if not isinstance(given, dict):
-        raise ValueError(f"load_state_dict: {what} must be a dict; got {type(given).__name__}.")
-    problems = []
-    missing = sorted(set(expected) - set(given))
-    extra = sorted(set(given) - set(expected))
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if extra:
-        problems.append(f"unexpected keys {extra}")
-    for k in sorted(set(given) & set(expected)):
-        v, e = given[k], expected[k]
-        if not isinstance(v, torch.Tensor):
-            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
-        elif tuple(v.shape) != tuple(e.shape) or v.dtype != e.dtype:
-            problems.append(
-                f"{k!r} is {tuple(v.shape)} {v.dtype}, expected {tuple(e.shape)} {e.dtype}"
-            )
-    if problems:
-        raise ValueError(
-            f"load_state_dict: the {what} does not match this model ({'; '.join(problems)}). "
-            "Nothing was changed."
-        )
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    # to_numpy: a copy, with bf16 as its bits (numpy has no bfloat16).
-    return to_numpy(t, downcast=False)
-
-
-def _array(x, what: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = to_numpy(x, downcast=False)  # bf16 as its bits (numpy has no bfloat16)
-    x = np.asarray(x)
-    if x.ndim == 0:
-        raise ValueError(f"{what} must have a batch dimension; got a scalar.")
-    if x.dtype == np.float64:
-        x = x.astype(np.float32)
-    return x
-
-
-def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays."""
-    if isinstance(x, dict):
-        if not x:
-            raise ValueError(f"{what}: an empty dict.")
-        return [], {k: _array(v, f"{what}[{k!r}]") for k, v in x.items()}
-    if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
-        return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
-    return [_array(x, what)], {}
-
-
-def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
-    """``a`` with copies of its last row up to ``n`` rows."""
-    return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])
-
-
-def _split_advice(n: int, R: int, GA: int) -> str:
-    """Why ``n`` samples do not split into ``R x GA`` micro-batches, and what would."""
-    chunks = R * GA
-    lower, upper = n // chunks * chunks, (n // chunks + 1) * chunks
-    sizes = f"{lower} or {upper}" if lower else f"{upper}"
-    msg = (
-        f"popxl.compile: a global batch of {n} samples does not split into "
-        f"replication_factor * gradient_accumulation = {R} * {GA} = {chunks} equal "
-        f"micro-batches. Give a multiple of {chunks} (such as {sizes}) or drop a short last "
-        "batch (DataLoader(..., drop_last=True))"
-    )
-    if n and n % R == 0:
-        gas = [g for g in range(1, n // R + 1) if (n // R) % g == 0]
-        msg += f", or compile with a gradient_accumulation that divides {n // R} ({gas})"
-    return msg + ". Nothing was changed."
-
-
-def _describe(key: tuple) -> str:
-    args, kwargs, targets, _ = key
-    inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
-    return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
-
-
-def _h2d(shape, np_dtype, name):
-    dt = _dtype.as_dtype(np.dtype(np_dtype))
-    if dt.name == "int64":  # host data is downcast to int32 (as PopXL does)
-        dt = _dtype.as_dtype("int32")
-    return h2d_stream(shape, dt, name)

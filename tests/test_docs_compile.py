@@ -1,0 +1,33 @@
+"""docs/compile.md's Python examples run and print what the page says they do."""
+
+import contextlib
+import io
+import re
+import textwrap
+from pathlib import Path
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "compile.md"
+
+
+def test_compile_guide_python_blocks_run_and_print_documented_values():
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+    assert len(blocks) == 9
+    scope: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for block in blocks:
+            exec(compile(textwrap.dedent(block), str(PAGE), "exec"), scope)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "float torch.Size([32, 20])"  # the step's loss and p.grad
+    assert lines[1] == "True True 2"  # fine-tuning: frozen, no grad; state for the head only
+    assert lines[2] == "(64, 3) True"  # the outputs of the global batch
+    assert lines[3] == "float True"  # a model that returns its loss
+    assert lines[4:6] == ["2 8", "refused: True"]  # a program per signature; a bad split
+    assert lines[6] == "(5, 3)"  # inference of any batch size
+    assert lines[7] == "True"  # a summed loss is eager's global sum
+    assert lines[8] == "LossDecompositionError"  # sqrt of a mean is refused
+    for line in lines[9:12]:  # the clipped norm is clip_grad_norm_'s, bit for bit
+        assert re.fullmatch(r"grad norm \d+\.\d{4} True", line), line
+    assert lines[12] == "True"  # and so are the weights
+    assert lines[13] == "True True 2 True"  # batch norm: the per-replica reference
+    assert len(lines) == 14

@@ -1,0 +1,185 @@
+"""Helpers shared by ``popxl.compile``'s trainer and inference programs: input checks and
+splitting, model outputs and losses, attributes restored after capture."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from .dtypes import dtype as _dtype
+from .dtypes import to_numpy
+from .ir.streams import h2d_stream
+
+_MAX_PROGRAMS = 8  # programs kept per Trainer / InferenceProgram (input signatures x modes)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def model_loss(output, targets=None):
+    """The loss a model returns from ``forward`` (``loss_fn=None``): the output itself when it
+    is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` entry (Hugging Face
+    ``ModelOutput``, PopTorch-style models)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, tuple | list) and output:
+        loss = output[0]  # (loss, logits, ...) as PopTorch's models return
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "popxl.compile(loss_fn=None): the model must return its loss (a scalar tensor, an "
+            f"output with .loss, or a tuple whose first element is the loss); got "
+            f"{type(output).__name__}. Pass the targets the model needs in the inputs (for "
+            "example inputs={'input_ids': x, 'labels': y}), or give a loss_fn."
+        )
+    return loss
+
+
+def _without_caches(out):
+    """The model's outputs with Hugging Face key/value caches replaced by None.
+
+    ``use_cache=True`` (the default of most Hugging Face configs) makes a forward return a
+    ``Cache`` object (``past_key_values``) holding each layer's keys and values. It is state for
+    incremental generation, not an output of a training or batch-inference step, and it is no
+    pytree (its tensors would come back as the capture's fake tensors): it is dropped, as
+    ``use_cache=False`` would, and the output's ``past_key_values`` is None."""
+    transformers = sys.modules.get("transformers")
+    cache_type = getattr(getattr(transformers, "cache_utils", None), "Cache", None)
+    if cache_type is None:
+        return out
+    return pytree.tree_map(lambda v: None if isinstance(v, cache_type) else v, out)
+
+
+@contextlib.contextmanager
+def _attributes_restored(model: torch.nn.Module):
+    """Every submodule's attributes as they were before the capture inside (Note [attributes
+    set during capture])."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before in saved:
+            for name in [n for n in m.__dict__ if n not in before]:
+                del m.__dict__[name]
+            for name, value in before.items():
+                if m.__dict__.get(name, _MISSING) is not value:
+                    m.__dict__[name] = value
+
+
+# Note [attributes set during capture]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward may store on its module what it computed (`self.last_attention = attn`, a counter,
+# a cache). During capture those values are the capture's fake tensors: left on the module they
+# would be read by the user's code, by the next compile (as tensors of a graph that is gone) or
+# by eager torch. Capture must leave the module as it found it, so each submodule's attribute
+# dict is put back (attributes added are removed, replaced ones restored) after the forward is
+# captured. The values an eager forward would have left there are not available: a compiled
+# step does not run the Python forward, so such attributes keep their eager values (those of
+# the last eager forward, or none).
+
+_MISSING = object()
+
+
+def _mark_eager_step(trainer_ref) -> None:
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer._eager_stepped = True
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}.")
+
+
+def _check_tensors(what: str, given, expected: dict[str, torch.Tensor]) -> None:
+    """Same keys, shapes and dtypes as ``expected``, or a ValueError listing every problem."""
+    if not isinstance(given, dict):
+        raise ValueError(f"load_state_dict: {what} must be a dict; got {type(given).__name__}.")
+    problems = []
+    missing = sorted(set(expected) - set(given))
+    extra = sorted(set(given) - set(expected))
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if extra:
+        problems.append(f"unexpected keys {extra}")
+    for k in sorted(set(given) & set(expected)):
+        v, e = given[k], expected[k]
+        if not isinstance(v, torch.Tensor):
+            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
+        elif tuple(v.shape) != tuple(e.shape) or v.dtype != e.dtype:
+            problems.append(
+                f"{k!r} is {tuple(v.shape)} {v.dtype}, expected {tuple(e.shape)} {e.dtype}"
+            )
+    if problems:
+        raise ValueError(
+            f"load_state_dict: the {what} does not match this model ({'; '.join(problems)}). "
+            "Nothing was changed."
+        )
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    # to_numpy: a copy, with bf16 as its bits (numpy has no bfloat16).
+    return to_numpy(t, downcast=False)
+
+
+def _array(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = to_numpy(x, downcast=False)  # bf16 as its bits (numpy has no bfloat16)
+    x = np.asarray(x)
+    if x.ndim == 0:
+        raise ValueError(f"{what} must have a batch dimension; got a scalar.")
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    return x
+
+
+def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays."""
+    if isinstance(x, dict):
+        if not x:
+            raise ValueError(f"{what}: an empty dict.")
+        return [], {k: _array(v, f"{what}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
+        return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
+    return [_array(x, what)], {}
+
+
+def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` with copies of its last row up to ``n`` rows."""
+    return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])
+
+
+def _split_advice(n: int, R: int, GA: int) -> str:
+    """Why ``n`` samples do not split into ``R x GA`` micro-batches, and what would."""
+    chunks = R * GA
+    lower, upper = n // chunks * chunks, (n // chunks + 1) * chunks
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    msg = (
+        f"popxl.compile: a global batch of {n} samples does not split into "
+        f"replication_factor * gradient_accumulation = {R} * {GA} = {chunks} equal "
+        f"micro-batches. Give a multiple of {chunks} (such as {sizes}) or drop a short last "
+        "batch (DataLoader(..., drop_last=True))"
+    )
+    if n and n % R == 0:
+        gas = [g for g in range(1, n // R + 1) if (n // R) % g == 0]
+        msg += f", or compile with a gradient_accumulation that divides {n // R} ({gas})"
+    return msg + ". Nothing was changed."
+
+
+def _describe(key: tuple) -> str:
+    args, kwargs, targets, _ = key
+    inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
+    return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
+
+
+def _h2d(shape, np_dtype, name):
+    dt = _dtype.as_dtype(np.dtype(np_dtype))
+    if dt.name == "int64":  # host data is downcast to int32 (as PopXL does)
+        dt = _dtype.as_dtype("int32")
+    return h2d_stream(shape, dt, name)

@@ -1,0 +1,170 @@
+"""``popxl.compile`` without an optimizer: the inference program (a program per input
+signature, split over the replicas)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from . import ops
+from .capture import call_torch
+from .compile_common import (
+    _MAX_PROGRAMS,
+    _attributes_restored,
+    _check_positive,
+    _h2d,
+    _host,
+    _pad_rows,
+    _structured,
+    _without_caches,
+)
+from .dtypes import dtype as _dtype
+from .dtypes import numpy_to_torch
+from .ir.context import in_sequence
+from .ir.streams import DeviceToHostStream, d2h_stream
+from .ir.tensor import Tensor, variable
+from .runtime import distributed as _distributed
+from .runtime.session import Session, check_backend, resolve_device
+
+
+class InferenceProgram:
+    """A compiled inference program: ``program(inputs) -> outputs`` (split over replicas).
+
+    ``inputs`` is a tensor, a tuple/list of tensors (positional arguments of ``forward``) or a
+    dict (keyword arguments), each split on dim 0; the result has the model's structure. The
+    program reads the module's current parameters and buffers at every call (Note [live
+    torch tensors]), also while a Trainer trains the module.
+    """
+
+    def __init__(self, model: torch.nn.Module, replication_factor: int = 1,
+                 device: str | torch.device | None = None, executor: str = "fast",
+                 backend: str = "default"):  # fmt: skip
+        _check_positive("replication_factor", replication_factor)
+        self.device = resolve_device(device)
+        self.model = model
+        self.replication_factor = replication_factor
+        self.executor = executor
+        self.backend = check_backend(backend, executor)
+        self.ir = None
+        self.session = None
+        # (training, input signature) -> (ir, session, ...), least recently used first
+        self._programs: dict[tuple, tuple] = {}
+        self.max_programs = _MAX_PROGRAMS
+
+    @property
+    def programs(self) -> tuple[tuple[bool, str], ...]:
+        """The programs built and kept, least recently used first: (training mode, input
+        shapes); at most ``max_programs``."""
+        return tuple(
+            (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
+                f", {n}={tuple(s)} {d}" for n, s, d in k[2]))
+            for k in self._programs
+        )  # fmt: skip
+
+    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
+        R = _distributed.local_replicas(self.replication_factor)
+        ir = _distributed.make_ir(self.replication_factor)
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with ir.main_graph, in_sequence(True):
+            streams = [
+                _h2d((a.shape[0] // R, *a.shape[1:]), a.dtype, f"inputs/{i}")
+                for i, a in enumerate([*args, *kwargs.values()])
+            ]
+            tensors = {n: variable(_host(t), _dtype.as_dtype(t.dtype), name=n)
+                       for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
+            loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
+            a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
+            with _attributes_restored(self.model):
+                y = call_torch(
+                    torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
+                )
+            leaves, spec = pytree.tree_flatten(_without_caches(y))
+            bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
+            if bad:
+                raise TypeError(
+                    f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
+                    "program returns tensors (in a tuple, list or dict)."
+                )
+            out_streams: list[DeviceToHostStream | None] = []
+            for i, v in enumerate(leaves):
+                if v is None:
+                    out_streams.append(None)
+                    continue
+                out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
+                ops.host_store(out_streams[-1], v)
+        session = Session(
+            ir, "ipu_hw", device=self.device, executor=self.executor, backend=self.backend
+        )
+        session.__enter__()
+        copied = []
+        for n, t in [*params.items(), *buffers.items()]:
+            if ir._num_instances > 1 or not session._bind_variable(tensors[n], t.detach()):
+                copied.append((tensors[n], t))
+        return ir, session, streams, out_streams, spec, copied
+
+    def explain(self) -> list[str]:
+        """What of the program runs on a slow path and why (``Session.explain``); an empty
+        list when all of it runs on the fast path."""
+        if self.session is None:
+            raise ValueError("explain(): no program yet; it is built by the first call.")
+        return self.session.explain()
+
+    def __call__(self, inputs):
+        args, kwargs = _structured(inputs, "inputs")
+        arrays = [*args, *kwargs.values()]
+        R = _distributed.local_replicas(self.replication_factor)  # this instance's share
+        n = arrays[0].shape[0]
+        if any(a.shape[0] != n for a in arrays):
+            raise ValueError(
+                f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
+            )
+        training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
+        if n == 0:
+            raise ValueError("popxl.compile: an inference batch needs at least one sample.")
+        padded = -(-n // R) * R
+        if padded != n:
+            if training:  # padding rows would join the batch statistics (BatchNorm)
+                raise ValueError(
+                    f"popxl.compile: a batch of {n} samples does not split over "
+                    f"replication_factor={R} replicas in train mode; give a multiple of {R} "
+                    "(in eval mode any batch size runs). Nothing was changed."
+                )
+            # eval mode: rows are independent; copies of the last row fill the replicas and
+            # their outputs are dropped (Note [a program per input signature])
+            args = [_pad_rows(a, padded) for a in args]
+            kwargs = {k: _pad_rows(a, padded) for k, a in kwargs.items()}
+            arrays = [*args, *kwargs.values()]
+        key = (
+            training,
+            tuple((a.shape, a.dtype) for a in args),
+            tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
+        )
+        built = self._programs.pop(key, None)
+        if built is None:
+            built = self._build(args, kwargs)
+        self._programs[key] = built  # the most recently used last
+        while len(self._programs) > max(self.max_programs, 1):
+            del self._programs[next(iter(self._programs))]
+        ir, session, streams, out_streams, spec, copied = built
+        self.ir, self.session = ir, session
+        for var, t in copied:  # not bound: the module's current values, every call
+            session._set_device_value(var, t.detach())
+        feed = {
+            st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
+            for st, a in zip(streams, arrays, strict=True)
+        }
+        out = session.run(feed)
+        leaves = []
+        for st in out_streams:
+            if st is None:  # a dropped key/value cache
+                leaves.append(None)
+                continue
+            o = numpy_to_torch(out[st], st.dtype)
+            if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
+                o = o.reshape(padded, *o.shape[2:])
+            if padded != n and o.ndim and o.shape[0] == padded:
+                o = o[:n]
+            leaves.append(o)
+        return pytree.tree_unflatten(leaves, spec)

@@ -25,6 +25,7 @@ from timing import (  # noqa: E402
     interleaved_samples,
     print_aten_kernel_row,
     ratio,
+    rounds_cli,
 )
 
 
@@ -75,4 +76,4 @@ def main(repeats: int = 10) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    main(rounds_cli(__doc__, {"rounds": 10}).rounds)

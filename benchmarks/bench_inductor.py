@@ -27,7 +27,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, MICRO, R, batch, trainer  # noqa: E402
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+from timing import describe, interleaved_samples, ratio, rounds_cli  # noqa: E402
 
 
 def main(repeats: int = 20) -> dict[str, float]:
@@ -63,4 +63,4 @@ def main(repeats: int = 20) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    main(rounds_cli(__doc__, {"rounds": 20}).rounds)

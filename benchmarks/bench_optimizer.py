@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import seed  # noqa: E402
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+from timing import describe, interleaved_samples, ratio, rounds_cli  # noqa: E402
 
 SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
@@ -123,5 +123,6 @@ def compiled(rounds: int = 10) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
-    compiled(int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+    cli = rounds_cli(__doc__, {"rounds": 30, "compiled_rounds": 10})
+    main(cli.rounds)
+    compiled(cli.compiled_rounds)

@@ -87,3 +87,22 @@ def print_aten_kernel_row(s: dict[str, list[float]], eager: str) -> None:
     if ATEN_ROW in s:
         print(f"  popxl.compile on-chip with torch's matmul kernel ('aten') {describe(s[ATEN_ROW])}: "
               f"eager / simulator {ratio(s[eager], s[ATEN_ROW])}")  # fmt: skip
+
+
+def rounds_cli(doc: str | None, counts: dict[str, int], argv: list[str] | None = None, **flags):
+    """Parse a benchmark's command line: optional positional counts (``counts``: name ->
+    default, in order) and boolean ``--flag`` options (``flags``: name -> help), so that
+    ``--help`` prints the benchmark's docstring instead of failing as a count."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for name, default in counts.items():
+        what = name.replace("_", " ")
+        parser.add_argument(
+            name, type=int, nargs="?", default=default, help=f"{what} (default: {default})"
+        )
+    for name, text in flags.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
+    return parser.parse_args(argv)

@@ -5,8 +5,7 @@ Where MNIST is looked for, in order (the first place that holds all four files w
 1. ``--data-dir`` on the command line (if given, it must hold the files: no fallback);
 2. ``$TORCH_POPXL_MNIST_DIR``;
 3. the user cache, ``$XDG_CACHE_HOME/torch_popxl/mnist`` (default ``~/.cache/torch_popxl/mnist``);
-4. ``shared/data/mnist`` beside the repository, where this project's own workspace keeps it;
-5. otherwise torchvision downloads it into the user cache (about 11 MB), once.
+4. otherwise torchvision downloads it into the user cache (about 11 MB), once.
 
 A directory may hold the four files gzipped (``train-images-idx3-ubyte.gz``, ...) or unpacked,
 directly or in torchvision's ``MNIST/raw/`` layout. If none is found and the download fails
@@ -48,7 +47,6 @@ FILES = (
     "t10k-labels-idx1-ubyte",
 )
 MEAN, STD = 0.1307, 0.3081  # of the training images: the usual MNIST normalisation
-_REPO = Path(__file__).resolve().parent.parent
 
 
 class MnistNotFoundError(FileNotFoundError):
@@ -82,7 +80,6 @@ def _places(data_dir: str | os.PathLike | None) -> list[tuple[str, Path]]:
     if os.environ.get(DEFAULT_DATA_ENV):
         places.append((f"${DEFAULT_DATA_ENV}", Path(os.environ[DEFAULT_DATA_ENV])))
     places.append(("user cache", user_cache_dir()))
-    places.append(("workspace copy", _REPO.parent / "shared" / "data" / "mnist"))
     return places
 
 

@@ -2,8 +2,8 @@
 one clear message and exit status 2.
 
 Tests that train need MNIST found locally (``examples/common.py``: ``--data-dir``,
-``$TORCH_POPXL_MNIST_DIR``, the user cache, a workspace copy); they never download, and skip
-with the reason when it is absent. ``.ci/run`` sets ``$TORCH_POPXL_MNIST_DIR`` where it can.
+``$TORCH_POPXL_MNIST_DIR``, the user cache); they never download, and skip with the reason
+when it is absent. ``.ci/run`` sets ``$TORCH_POPXL_MNIST_DIR`` where it can.
 """
 
 import gzip
@@ -118,10 +118,11 @@ def _write_fake_mnist(directory: Path, n_train: int = 6, n_test: int = 4) -> Non
 
 @pytest.fixture
 def no_mnist_anywhere(tmp_path, monkeypatch):
-    """No env var, an empty user cache, no workspace copy, and a download that fails."""
+    """No env var, an empty user cache and a download that fails. Nothing else is looked at:
+    this project's own workspace keeps a copy beside the checkout (``../shared``), which
+    user code must not find (the tests below would see it)."""
     monkeypatch.delenv(common.DEFAULT_DATA_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(common, "_REPO", tmp_path / "repo")
 
     def offline(target):
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: no network")
@@ -172,13 +173,12 @@ def test_main_job_without_data_prints_one_message_and_exits_with_status_2(tmp_pa
     # The download is made to fail fast and for certain (no network is not guaranteed here).
     code = (
         "import sys, runpy; sys.path.insert(0, sys.argv[1]); import common; "
-        "common._REPO = common.Path(sys.argv[2]); "
         "common._download = lambda target: (_ for _ in ()).throw(OSError('offline')); "
         "sys.argv = [sys.argv[1] + '/mnist_compile.py']; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(EXAMPLES), str(tmp_path / "repo")],
+        [sys.executable, "-c", code, str(EXAMPLES)],
         capture_output=True,
         text=True,
         env=env,

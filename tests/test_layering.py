@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.compile_loss",
             "torch_popxl.compile_optim",
             "torch_popxl.addons",
+            "torch_popxl.plan",
             "torch_popxl.__main__",
         ),
     ),

@@ -34,7 +34,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -179,7 +179,15 @@ class CostModel:
     ``remote_latency_s``, ``host_latency_s`` and ``op_overhead_s`` were fitted to the
     popxl-addons sharding-threshold table (``fit``; ``examples/sharding_study.py --fit``).
     Every field can be overridden: ``CostModel(op_overhead_s=0)``.
+
+    ``DEVICE`` names the device the defaults describe and ``DEVICE_MEMORY_BYTES`` is its
+    on-chip memory (In-Processor Memory: 1472 tiles of 624 KiB, "900 MB"), the budget
+    ``python -m torch_popxl plan`` checks a program against; ``device`` says whether this
+    instance still describes it.
     """
+
+    DEVICE: ClassVar[str] = "Mk2 GC200 IPU (IPU-M2000)"
+    DEVICE_MEMORY_BYTES: ClassVar[int] = 1472 * 624 * 1024
 
     # compute (roofline)
     flops_per_s: float = 62.5e12
@@ -218,6 +226,12 @@ class CostModel:
                     else "a non-negative finite number"
                 )
                 raise ValueError(f"CostModel.{f.name} must be {want}; got {value!r}.")
+
+    @property
+    def device(self) -> str:
+        """The modeled device: ``DEVICE``, or that with changed parameters."""
+        changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        return self.DEVICE if not changed else f"{self.DEVICE} with {', '.join(changed)} changed"
 
     # -- pricing --
 

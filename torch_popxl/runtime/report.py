@@ -306,7 +306,12 @@ class MemoryReport:
             for f in dataclasses.fields(self.cost_model)
         ]
         lines += ["", row("Modeled device time per run", "time", "share", indent=0)]
-        lines += _wrap_items("  (cost model: ", settings, "; docs/cost_model.md)", 88)
+        lines += _wrap_items(
+            f"  (cost model of one {self.cost_model.device} per replica: ",
+            settings,
+            "; docs/cost_model.md)",
+            88,
+        )
         for phase, seconds in self.time_breakdown_s.items():
             if phase in ("io_tile_overlap", "ipu_links") and seconds == 0:
                 continue  # nothing ran on IO tiles / no copies between IPUs

@@ -1,4 +1,5 @@
-"""Shared helpers for the examples: finding (or fetching) MNIST and loading it as arrays.
+"""Shared helpers for the examples: finding (or fetching) MNIST and loading it as arrays, where
+outputs go (``--out``), a progress bar.
 
 Where MNIST is looked for, in order (the first place that holds all four files wins):
 
@@ -29,6 +30,8 @@ __all__ = [
     "DEFAULT_DATA_ENV",
     "HelpFormatter",
     "add_data_dir_argument",
+    "add_out_argument",
+    "default_out_dir",
     "example_parser",
     "MnistNotFoundError",
     "find_mnist",
@@ -36,6 +39,7 @@ __all__ = [
     "mnist_arrays",
     "mnist_files",
     "mnist_tensor_datasets",
+    "progress",
     "user_cache_dir",
 ]
 
@@ -248,3 +252,46 @@ def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
         f"${DEFAULT_DATA_ENV} and the user cache ({user_cache_dir()}); if MNIST is in none of "
         "them, it is downloaded into the user cache.",
     )
+
+
+def default_out_dir(example: str) -> Path:
+    """Where an example writes its outputs unless ``--out`` says otherwise:
+    ``$XDG_CACHE_HOME/torch_popxl/outputs/EXAMPLE`` (default ``~/.cache/...``), never the
+    checkout."""
+    return user_cache_dir().parent / "outputs" / example
+
+
+def add_out_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out_dir(example),
+        metavar="DIR",
+        help="directory for the example's outputs (charts); created if missing",
+    )
+
+
+def progress(iterable, total: int, desc: str, disable: bool = False):
+    """``iterable`` with a progress bar: tqdm's when it is installed, else a line every 10 %.
+    ``set_postfix(**values)`` on the result shows values beside the bar."""
+    try:
+        from tqdm import tqdm  # optional (pip install 'torch_popxl[examples]')
+    except ImportError:
+        return _PlainProgress(iterable, total, desc, disable)
+    return tqdm(iterable, total=total, desc=desc, disable=disable, mininterval=1.0)
+
+
+class _PlainProgress:
+    def __init__(self, iterable, total: int, desc: str, disable: bool):
+        self.iterable, self.total, self.desc, self.disable = iterable, total, desc, disable
+        self.postfix = ""
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def __iter__(self):
+        every = max(1, self.total // 10)
+        for i, item in enumerate(self.iterable, 1):
+            yield item
+            if not self.disable and (i % every == 0 or i == self.total):
+                print(f"{self.desc}: {i}/{self.total} {self.postfix}".rstrip(), flush=True)

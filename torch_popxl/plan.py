@@ -266,7 +266,9 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     classes = {
         n.lower(): c
         for n, c in vars(torch.optim).items()
-        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c is not torch.optim.Optimizer
     }
     if name.lower() not in classes:
         raise ValueError(
@@ -299,7 +301,9 @@ def sweep(
     opt = _optimizer_class(optimizer)
     bad = [s for s in optimizer_states if s not in _STATES]
     if bad or not optimizer_states:
-        raise ValueError(f"optimizer states are 'on_chip' and 'remote'; got {list(optimizer_states)}.")
+        raise ValueError(
+            f"optimizer states are 'on_chip' and 'remote'; got {list(optimizer_states)}."
+        )
     if not inputs:
         raise ValueError("give the shape of at least one input (--input SHAPE[:DTYPE]).")
     settings = []
@@ -321,8 +325,12 @@ def sweep(
     for s in settings:
         remote = report(dataclasses.replace(s, optimizer_state="remote"))
         rows.append(
-            PlanRow(s, report(s), s.replicas * gradient_accumulation * inputs[0].shape[0],
-                    remote.streaming_bytes)  # fmt: skip
+            PlanRow(
+                s,
+                report(s),
+                s.replicas * gradient_accumulation * inputs[0].shape[0],
+                remote.streaming_bytes,
+            )  # fmt: skip
         )
     return rows
 

@@ -103,7 +103,9 @@ def parser() -> argparse.ArgumentParser:
         "plan",
         help="memory, traffic and modeled step time of a model over replica counts, sharding "
         "and optimizer-state placements; the best setting that fits a budget",
-        description=plan.__doc__.split("\n\n")[1] if plan.__doc__ else None,
+        description=plan.DESCRIPTION,
+        epilog=plan.EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_arguments(plan_parser)
     return top

@@ -479,6 +479,21 @@ def _threshold(text: str) -> int | None:
     return value
 
 
+DESCRIPTION = """\
+Will the model fit, and with which setting? Builds (never trains) the popxl.compile training
+program of a model for every combination of replica count, sharding threshold (RTS) and
+optimizer-state placement, and prints per-replica memory, traffic and the modeled device step
+time of each in MiB and ms, marking the fastest setting whose on-chip memory fits the budget.
+Shapes are those of one micro-batch; a row with R replicas builds R x gradient-accumulation of
+them. docs/memory_report.md explains the columns."""
+
+EXAMPLES = """\
+examples:
+  python -m torch_popxl plan examples/mnist_compile.py:make_model \\
+      --input 8x784:float32 --target 8:int64 --gradient-accumulation 8 --chart plan.png
+  python -m torch_popxl plan --hf-config gpt2 --set n_layer=4 --set n_embd=256 --seq-len 64"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
     model = parser.add_mutually_exclusive_group(required=True)
@@ -568,8 +583,12 @@ def run(args: argparse.Namespace) -> list[PlanRow]:
             raise ValueError("--set overrides fields of --hf-config's model; no --hf-config given.")
         factory = load_factory(args.model)
         what = args.model
-    print(f"Planning {what}: building {len(args.replicas)} replica count(s) x "
-          f"RTS {args.rts_threshold} x {args.state} (built, not trained)...", flush=True)  # fmt: skip
+    rts = ",".join("off" if t is None else f">={t}" for t in args.rts_threshold)
+    print(
+        f"Planning {what}: replicas {','.join(map(str, args.replicas))}, RTS {rts}, optimizer "
+        f"state {','.join(args.state)} (each program is built, not trained)",
+        flush=True,
+    )
     rows = sweep(
         factory,
         inputs,
@@ -581,6 +600,7 @@ def run(args: argparse.Namespace) -> list[PlanRow]:
         optimizer_states=args.state,
         gradient_accumulation=args.gradient_accumulation,
         keep_grads=args.keep_grads,
+        progress=lambda s: print(f"  building {s.label()}", file=sys.stderr, flush=True),
     )
     print(format_table(rows, args.budget))
     if args.chart:
@@ -592,7 +612,9 @@ def run(args: argparse.Namespace) -> list[PlanRow]:
 def main(argv: Sequence[str] | None = None) -> list[PlanRow]:
     parser = argparse.ArgumentParser(
         prog="python -m torch_popxl plan",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -453,7 +453,11 @@ class MemoryReport:
         ax_time.barh(labels, [v * 1e6 for v in breakdown.values()], color="tab:orange")
         ax_time.invert_yaxis()
         ax_time.set_xlabel("µs per run (cost model)")
-        ax_time.set_title(f"Modeled device time: {format_seconds(self.estimated_step_time_s)}")
+        ax_time.set_title(
+            f"Modeled time on one {self.cost_model.device}: "
+            f"{format_seconds(self.estimated_step_time_s)}",
+            fontsize=9,
+        )
         fig.suptitle(title or f"{self.num_replicas} replicas: {self.savings_summary()}", fontsize=9)
         fig.tight_layout()
         if path is not None:

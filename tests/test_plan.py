@@ -190,6 +190,9 @@ def test_command_line_help_lists_plan_and_the_matmul_kernel():
     out = subprocess.run([sys.executable, "-m", "torch_popxl", "plan", "--help"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0 and "--hf-config" in out.stdout and "--budget" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "torch_popxl", "env"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert re.search(rf"^matmul kernel\s+{gemm.kernel()} \(", out.stdout, re.M), out.stdout
 
 
 def test_plan_errors_exit_2_without_a_traceback():

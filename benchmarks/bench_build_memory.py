@@ -1,6 +1,6 @@
-"""Build time and peak memory of the seed MNIST program through popxl.compile.
+"""Build time and peak memory of the MNIST MLP program (784-512-512-512-10, Adam) through popxl.compile.
 
-* Build time (issue 14 item 5): seconds from ``popxl.compile`` to the end of the first step
+* Build time: seconds from ``popxl.compile`` to the end of the first step
   (capture, autodiff, program build, code generation), less one steady-state step.
 * Peak RSS (item 6): each layout trains R=8 replicas in its own fresh process; the peak
   resident set of that process is compared: optimizer state sharded (RTS) and off-chip
@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, batch, trainer  # noqa: E402
+from timing import rounds_cli  # noqa: E402
 
 
 def build_seconds(R: int, layout: dict) -> tuple[float, float]:
@@ -85,7 +86,7 @@ def main() -> dict:
     for name, layout in LAYOUTS.items():
         build, step = build_seconds(4, layout)
         results[f"build_{name}"] = build
-        print(f"seed MNIST (R=4, GA={GA}) {name}: build {build:.2f} s (capture + program "
+        print(f"MNIST MLP (R=4, GA={GA}) {name}: build {build:.2f} s (capture + program "
               f"build + code generation), steady step {step * 1e3:.1f} ms")  # fmt: skip
     for name in LAYOUTS:
         out = subprocess.run([sys.executable, __file__, "--rss", name, "8"], check=True,
@@ -110,4 +111,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rss":
         peak_rss_child(sys.argv[2], int(sys.argv[3]))
     else:
+        rounds_cli(__doc__, {})  # no options: --help only
         main()

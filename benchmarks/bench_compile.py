@@ -1,4 +1,4 @@
-"""The seed MNIST configuration through popxl.compile versus eager torch, side by side.
+"""The MNIST MLP configuration through popxl.compile versus eager torch, side by side.
 
 MLP 784-512-512-512-10 (GELU), Adam; 4 replicas x micro-batch 8, gradient accumulation 8
 (256 samples per optimizer step), in two layouts: everything on chip, and optimizer state
@@ -25,6 +25,7 @@ from timing import (  # noqa: E402
     interleaved_samples,
     print_aten_kernel_row,
     ratio,
+    rounds_cli,
 )
 
 
@@ -55,7 +56,7 @@ def main(repeats: int = 10) -> dict[str, float]:
     cpu: dict[str, list[float]] = {}
     faults: dict[str, list[float]] = {}
     s = interleaved_samples(fns, repeats, cpu=cpu, faults=faults)
-    print(f"seed MNIST step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), median (min-max):")
+    print(f"MNIST MLP step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), median (min-max):")
     print(f"  eager same schedule   {describe(s['eager_schedule'])}")
     print(f"  eager one batch of 256 {describe(s['eager_batch_256'])}")
     for name, compiled in trainers.items():
@@ -75,4 +76,4 @@ def main(repeats: int = 10) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    main(rounds_cli(__doc__, {"rounds": 10}).rounds)

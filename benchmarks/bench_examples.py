@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import mnist_phased  # noqa: E402
 import mnist_pipelined  # noqa: E402
-from timing import describe, interleaved_samples  # noqa: E402
+from timing import describe, interleaved_samples, rounds_cli  # noqa: E402
 
 
 def _fallbacks(session) -> list[str]:
@@ -86,4 +86,4 @@ def main(rounds: int = 20) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    main(rounds_cli(__doc__, {"rounds": 20}).rounds)

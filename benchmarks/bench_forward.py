@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
 import torch_popxl.ops as ops  # noqa: E402
-from timing import interleaved  # noqa: E402
+from timing import interleaved, rounds_cli  # noqa: E402
 
 BATCH, SIZES = 256, (784, 512, 512, 512, 10)
 
@@ -65,4 +65,4 @@ def main(repeats: int = 30) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    main(rounds_cli(__doc__, {"rounds": 30}).rounds)

@@ -33,6 +33,7 @@ from timing import (  # noqa: E402
     interleaved_samples,
     print_aten_kernel_row,
     ratio,
+    rounds_cli,
 )
 
 R, GA, MICRO, SEQ = 4, 4, 2, 64
@@ -169,5 +170,7 @@ def main(repeats: int = 5, inductor: bool = False) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--inductor"]
-    main(int(args[0]) if args else 5, inductor="--inductor" in sys.argv)
+    cli = rounds_cli(
+        __doc__, {"rounds": 5}, inductor="also time the on-chip step with backend='inductor'"
+    )
+    main(cli.rounds, inductor=cli.inductor)

@@ -1,4 +1,4 @@
-"""The seed MNIST step through popxl.compile with ``backend="inductor"`` against the default
+"""The MNIST MLP step through popxl.compile with ``backend="inductor"`` against the default
 backend (Note [inductor backend] in torch_popxl/runtime/executor.py).
 
 MLP 784-512-512-512-10 (GELU), Adam; 4 replicas x micro-batch 8, gradient accumulation 8, on
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed import GA, LAYOUTS, MICRO, R, batch, trainer  # noqa: E402
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+from timing import describe, interleaved_samples, ratio, rounds_cli  # noqa: E402
 
 
 def main(repeats: int = 20) -> dict[str, float]:
@@ -43,7 +43,7 @@ def main(repeats: int = 20) -> dict[str, float]:
             first[name] = time.perf_counter() - t0
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     s = interleaved_samples(fns, repeats)
-    print(f"seed MNIST step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), default vs inductor:")
+    print(f"MNIST MLP step (R={R}, GA={GA}, micro-batch {MICRO}, Adam), default vs inductor:")
     for layout_name in LAYOUTS:
         d, i = f"{layout_name} default", f"{layout_name} inductor"
         step_d, step_i = np.median(s[d]), np.median(s[i])
@@ -63,4 +63,4 @@ def main(repeats: int = 20) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    main(rounds_cli(__doc__, {"rounds": 20}).rounds)

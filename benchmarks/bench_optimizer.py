@@ -1,6 +1,6 @@
-"""Adam over the seed model's parameters: per-parameter chains, torch._foreach_*, fused kernel.
+"""Adam over the MNIST MLP's parameters: per-parameter chains, torch._foreach_*, fused kernel.
 
-What issue 14 item 3 (multi-tensor optimizer updates) could gain on this machine's CPU: one
+What multi-tensor optimizer updates could gain on the CPU it runs on: one
 Adam step over the parameters of the 784-512-512-512-10 MLP (8 tensors, 0.93 M values),
 
 * ``chain``: one in-place op after another per parameter, as the generated step runs it
@@ -15,7 +15,7 @@ Timed interleaved; prints ms per step, median (min-max), and each against ``chai
 dispatch; only the fused kernel saves memory passes, and it rounds differently from the
 single-tensor update (its results differ from eager's default Adam in the last bits).
 
-Then the whole compiled seed step (R=4, GA=8, micro-batch 8) with ``Adam(fused=False)`` (the
+Then the whole compiled MNIST MLP step (R=4, GA=8, micro-batch 8) with ``Adam(fused=False)`` (the
 per-parameter chain) and ``Adam(fused=True)`` (one fused kernel call, Note [fused optimizer
 updates] in compile.py), on-chip and with sharded off-chip state (``rts_threshold=512,
 optimizer_state="remote"``, as bench_compile.py: the fused call then runs over the stacked
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import seed  # noqa: E402
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+from timing import describe, interleaved_samples, ratio, rounds_cli  # noqa: E402
 
 SHAPES = [(784, 512), (512,), (512, 512), (512,), (512, 512), (512,), (512, 10), (10,)]
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
@@ -73,7 +73,7 @@ def main(rounds: int = 30) -> dict[str, float]:
 
     fns = {"chain": chain, "foreach": foreach, "fused": fused}
     s = interleaved_samples(fns, rounds)
-    print("Adam step over the seed MLP's 8 parameters (0.93 M values), median (min-max):")
+    print("Adam step over the MNIST MLP's 8 parameters (0.93 M values), median (min-max):")
     for name in fns:
         print(f"  {name:<8} {describe(s[name])}; chain / {name} {ratio(s['chain'], s[name])}")
     return {k: statistics.median(v) for k, v in s.items()}
@@ -83,7 +83,7 @@ SUFFIXES = {"on-chip": "", "remote+RTS": "_remote_rts"}
 
 
 def compiled(rounds: int = 10) -> dict[str, float]:
-    """The compiled seed step with the per-parameter Adam chain and with the fused kernel, on
+    """The compiled MNIST MLP step with the per-parameter Adam chain and with the fused kernel, on
     chip and with sharded off-chip state."""
     x, y = seed.batch()
     R, GA, MICRO = seed.R, seed.GA, seed.MICRO
@@ -108,7 +108,7 @@ def compiled(rounds: int = 10) -> dict[str, float]:
     fns = {name: (lambda t=t: t.step(x, y)) for name, t in trainers.items()}
     fns["eager_fused"] = eager_fused
     s = interleaved_samples(fns, rounds)
-    print(f"compiled seed step (R={R}, GA={GA}, micro-batch {MICRO}, Adam; on-chip, and "
+    print(f"compiled MNIST MLP step (R={R}, GA={GA}, micro-batch {MICRO}, Adam; on-chip, and "
           "remote+RTS: rts_threshold=512, off-chip state), median (min-max):")  # fmt: skip
     for name, trainer in trainers.items():
         chain = "compiled_chain" + ("_remote_rts" if name.endswith("_remote_rts") else "")
@@ -123,5 +123,6 @@ def compiled(rounds: int = 10) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
-    compiled(int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+    cli = rounds_cli(__doc__, {"rounds": 30, "compiled_rounds": 10})
+    main(cli.rounds)
+    compiled(cli.compiled_rounds)

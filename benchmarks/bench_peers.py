@@ -10,7 +10,7 @@ ratio to the fastest non-popxl peer (>= 1: popxl is faster) and the step's achie
 rate (FLOPs counted by torch's FlopCounterMode on one eager step) against the device's measured
 float32 GEMM rate.
 
-Models: ``mlp`` (the seed MLP 784-512x3-10, Adam, R=4, GA=8, micro-batch 8), ``gpt``
+Models: ``mlp`` (the MNIST MLP 784-512x3-10, Adam, R=4, GA=8, micro-batch 8), ``gpt``
 (GPT-2, 4 layers, width 256, seq 64, vocab 1024, AdamW, R=4, GA=4, 2 sequences per
 micro-batch; Hugging Face's GPT2LMHeadModel when transformers is installed), ``resnet18``
 (torchvision, 32x32, SGD momentum, R=2, GA=2, micro-batch 8) and ``cnn`` (an MNIST CNN with
@@ -65,7 +65,7 @@ def _mlp() -> Workload:
     def batch(rng, n):
         return rng.normal(size=(n, 784)).astype(np.float32), rng.integers(0, 10, n)
 
-    return Workload("seed MLP 784-512x3-10, Adam", make_model, torch.nn.functional.cross_entropy,
+    return Workload("MNIST MLP 784-512x3-10, Adam", make_model, torch.nn.functional.cross_entropy,
                     lambda ps: torch.optim.Adam(ps, 1e-3), 4, 8, 8, batch)  # fmt: skip
 
 

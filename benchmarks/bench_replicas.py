@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
 import torch_popxl.ops as ops  # noqa: E402
-from timing import interleaved  # noqa: E402
+from timing import interleaved, rounds_cli  # noqa: E402
 from torch_popxl.transforms import autodiff  # noqa: E402
 
 SIZES = (784, 512, 512, 512, 10)
@@ -88,4 +88,4 @@ def main(repeats: int = 20) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    main(rounds_cli(__doc__, {"rounds": 20}).rounds)

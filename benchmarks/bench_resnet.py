@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from timing import describe, interleaved_samples, ratio  # noqa: E402
+from timing import describe, interleaved_samples, ratio, rounds_cli  # noqa: E402
 
 R, GA, MICRO = 2, 2, 8
 
@@ -78,4 +78,4 @@ def main(repeats: int = 5) -> dict[str, float] | None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    main(rounds_cli(__doc__, {"rounds": 5}).rounds)

@@ -105,3 +105,22 @@ def device_name(device: torch.device | str = "cpu") -> str:
     except OSError:
         pass
     return platform.processor() or "CPU"
+
+
+def rounds_cli(doc: str | None, counts: dict[str, int], argv: list[str] | None = None, **flags):
+    """Parse a benchmark's command line: optional positional counts (``counts``: name ->
+    default, in order) and boolean ``--flag`` options (``flags``: name -> help), so that
+    ``--help`` prints the benchmark's docstring instead of failing as a count."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for name, default in counts.items():
+        what = name.replace("_", " ")
+        parser.add_argument(
+            name, type=int, nargs="?", default=default, help=f"{what} (default: {default})"
+        )
+    for name, text in flags.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
+    return parser.parse_args(argv)

@@ -15,7 +15,7 @@ Data: MNIST from ``--data-dir``, ``$TORCH_POPXL_MNIST_DIR`` or the user cache, d
 the cache if absent (``examples/common.py``); the same values as the tutorial's
 ``torchvision.datasets.MNIST`` with ``ToTensor()`` and ``Normalize``.
 
-Run: ``PYTHONPATH=. python examples/addons_mnist_offchip.py``
+Run: ``python examples/addons_mnist_offchip.py``
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Two copies of an ``Add`` layer keep their weights in a remote buffer with two en
 program loads both, updates them (+1 and +2), stores them back and loads them again.
 Expected: w_0 1 -> 2, output0 2 -> 3, w_1 1 -> 3, output1 2 -> 4.
 
-Run: ``PYTHONPATH=. python examples/addons_remote_buffer.py``
+Run: ``python examples/addons_remote_buffer.py``
 """
 
 import argparse

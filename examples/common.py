@@ -1,12 +1,12 @@
-"""Shared helpers for the examples: finding (or fetching) MNIST and loading it as arrays.
+"""Shared helpers for the examples: finding (or fetching) MNIST and loading it as arrays, where
+outputs go (``--out``), a progress bar.
 
 Where MNIST is looked for, in order (the first place that holds all four files wins):
 
 1. ``--data-dir`` on the command line (if given, it must hold the files: no fallback);
 2. ``$TORCH_POPXL_MNIST_DIR``;
 3. the user cache, ``$XDG_CACHE_HOME/torch_popxl/mnist`` (default ``~/.cache/torch_popxl/mnist``);
-4. ``shared/data/mnist`` beside the repository, where this project's own workspace keeps it;
-5. otherwise torchvision downloads it into the user cache (about 11 MB), once.
+4. otherwise torchvision downloads it into the user cache (about 11 MB), once.
 
 A directory may hold the four files gzipped (``train-images-idx3-ubyte.gz``, ...) or unpacked,
 directly or in torchvision's ``MNIST/raw/`` layout. If none is found and the download fails
@@ -30,6 +30,8 @@ __all__ = [
     "DEFAULT_DATA_ENV",
     "HelpFormatter",
     "add_data_dir_argument",
+    "add_out_argument",
+    "default_out_dir",
     "example_parser",
     "MnistNotFoundError",
     "find_mnist",
@@ -37,6 +39,7 @@ __all__ = [
     "mnist_arrays",
     "mnist_files",
     "mnist_tensor_datasets",
+    "progress",
     "user_cache_dir",
 ]
 
@@ -48,7 +51,6 @@ FILES = (
     "t10k-labels-idx1-ubyte",
 )
 MEAN, STD = 0.1307, 0.3081  # of the training images: the usual MNIST normalisation
-_REPO = Path(__file__).resolve().parent.parent
 
 
 class MnistNotFoundError(FileNotFoundError):
@@ -82,7 +84,6 @@ def _places(data_dir: str | os.PathLike | None) -> list[tuple[str, Path]]:
     if os.environ.get(DEFAULT_DATA_ENV):
         places.append((f"${DEFAULT_DATA_ENV}", Path(os.environ[DEFAULT_DATA_ENV])))
     places.append(("user cache", user_cache_dir()))
-    places.append(("workspace copy", _REPO.parent / "shared" / "data" / "mnist"))
     return places
 
 
@@ -251,3 +252,46 @@ def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
         f"${DEFAULT_DATA_ENV} and the user cache ({user_cache_dir()}); if MNIST is in none of "
         "them, it is downloaded into the user cache.",
     )
+
+
+def default_out_dir(example: str) -> Path:
+    """Where an example writes its outputs unless ``--out`` says otherwise:
+    ``$XDG_CACHE_HOME/torch_popxl/outputs/EXAMPLE`` (default ``~/.cache/...``), never the
+    checkout."""
+    return user_cache_dir().parent / "outputs" / example
+
+
+def add_out_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out_dir(example),
+        metavar="DIR",
+        help="directory for the example's outputs (charts); created if missing",
+    )
+
+
+def progress(iterable, total: int, desc: str, disable: bool = False):
+    """``iterable`` with a progress bar: tqdm's when it is installed, else a line every 10 %.
+    ``set_postfix(**values)`` on the result shows values beside the bar."""
+    try:
+        from tqdm import tqdm  # optional (pip install 'torch_popxl[examples]')
+    except ImportError:
+        return _PlainProgress(iterable, total, desc, disable)
+    return tqdm(iterable, total=total, desc=desc, disable=disable, mininterval=1.0)
+
+
+class _PlainProgress:
+    def __init__(self, iterable, total: int, desc: str, disable: bool):
+        self.iterable, self.total, self.desc, self.disable = iterable, total, desc, disable
+        self.postfix = ""
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def __iter__(self):
+        every = max(1, self.total // 10)
+        for i, item in enumerate(self.iterable, 1):
+            yield item
+            if not self.disable and (i % every == 0 or i == self.total):
+                print(f"{self.desc}: {i}/{self.total} {self.postfix}".rstrip(), flush=True)

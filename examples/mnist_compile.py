@@ -6,7 +6,8 @@ become a PopXL program that shows three PopXL techniques together: data-parallel
 is split across replicas (replicated tensor sharding, ``--rts-threshold``) and kept off-chip in
 streaming memory (``--optimizer-state remote``). It trains one epoch, prints the test accuracy
 and the per-replica memory report (what sharding and off-chip state saved, the traffic they
-cost and a modeled device step time).
+cost and the step time modeled for one Mk2 GC200 IPU per replica), and saves the report's chart
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_popxl as popxl  # noqa: E402
-from common import add_data_dir_argument, example_parser, load_mnist_or_exit, mnist_arrays  # noqa: E402
+from common import (  # noqa: E402
+    add_data_dir_argument,
+    add_out_argument,
+    example_parser,
+    load_mnist_or_exit,
+    mnist_arrays,
+    progress,
+)
+from torch_popxl.runtime.cost_model import CostModel  # noqa: E402
 
 
 def make_model() -> torch.nn.Module:
@@ -70,6 +78,10 @@ def main(argv=None) -> float:
         help="torch device the simulator computes on, e.g. cpu or cuda",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_out_argument(parser, "mnist_compile")
+    parser.add_argument(
+        "--no-chart", action="store_true", help="do not save the memory report's chart"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(42)
@@ -90,10 +102,14 @@ def main(argv=None) -> float:
     steps = len(x_train) // batch
     if args.max_steps:
         steps = min(steps, args.max_steps)
+    print(
+        f"{args.replication_factor} simulated replicas on {args.device}; modeled device: one "
+        f"{CostModel().device} per replica"
+    )
     start = time.time()
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(len(x_train))
-        bar = tqdm(range(steps), desc=f"epoch {epoch}", disable=args.quiet, mininterval=1.0)
+        bar = progress(range(steps), steps, f"epoch {epoch}", disable=args.quiet)
         for i in bar:
             idx = order[i * batch : (i + 1) * batch]
             loss = trainer.step(x_train[idx], y_train[idx])
@@ -107,7 +123,16 @@ def main(argv=None) -> float:
     print(
         f"test accuracy: {acc * 100:.2f}%  ({train_s:.1f} s training, {steps * args.epochs} steps of {batch} samples)"
     )
-    print(trainer.memory_report())
+    report = trainer.memory_report()
+    print(report)
+    if not args.no_chart:
+        path = args.out / "memory_report.png"
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            report.plot(path)
+            print(f"chart: {path}")
+        except ImportError as e:  # matplotlib is optional
+            print(f"no chart: {e}")
     return acc
 
 

@@ -26,7 +26,7 @@ At the end it prints the test accuracy and the training program's memory report,
 Data: MNIST from ``--data-dir``, ``$TORCH_POPXL_MNIST_DIR`` or the user cache, downloaded into
 the cache if absent (``examples/common.py``).
 
-Run: ``PYTHONPATH=. python examples/mnist_phased.py``
+Run: ``python examples/mnist_phased.py``
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ stash included) and the bytes the pipeline copies between the IPUs.
 Data: MNIST from ``--data-dir``, ``$TORCH_POPXL_MNIST_DIR`` or the user cache, downloaded into
 the cache if absent (``examples/common.py``).
 
-Run: ``PYTHONPATH=. python examples/mnist_pipelined.py``
+Run: ``python examples/mnist_pipelined.py``
 """
 
 from __future__ import annotations

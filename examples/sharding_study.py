@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_popxl as popxl  # noqa: E402
 from common import (  # noqa: E402
     add_data_dir_argument,
+    add_out_argument,
     example_parser,
     load_mnist_or_exit,
     mnist_arrays,
@@ -106,16 +107,17 @@ def add_ratios(results) -> None:
 
 def table(results) -> str:
     head = ("case", "threshold", "published samples/s", "modeled samples/s", "published ratio",
-            "modeled ratio", "error", "modeled step (us)", "simulator samples/s",
-            "on-chip B/replica", "streaming B/replica", "collective B/step", "streaming B/step")  # fmt: skip
+            "modeled ratio", "error", "modeled step (ms)", "simulator samples/s",
+            "on chip (MiB/replica)", "streaming (MiB/replica)", "collectives (MiB/step)",
+            "streaming traffic (MiB/step)")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, thr, r in results:
         cells = (name, "inf" if thr is None else str(thr), f"{r['published_samples_per_s']:.0f}",
                  f"{r['modeled_samples_per_s']:.0f}", f"{r['published_ratio']:.3f}",
                  f"{r['modeled_ratio']:.3f}", f"{r['ratio_error']:+.1%}",
-                 f"{r['modeled_step_s'] * 1e6:.1f}", f"{r['measured_samples_per_s']:.0f}",
-                 f"{r['on_chip_bytes']:,}", f"{r['streaming_bytes']:,}", f"{r['collective_bytes']:,}",
-                 f"{r['streaming_traffic_bytes']:,}")  # fmt: skip
+                 f"{r['modeled_step_s'] * 1e3:.3f}", f"{r['measured_samples_per_s']:.0f}",
+                 *(f"{r[k] / 2**20:.2f}" for k in ("on_chip_bytes", "streaming_bytes",
+                                                    "collective_bytes", "streaming_traffic_bytes")))  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -178,10 +180,13 @@ def chart(results, path: Path, model: CostModel) -> None:
 def main(argv=None) -> list:
     parser = example_parser(__doc__)
     parser.add_argument("--steps", type=int, default=20, help="timed simulator steps per row")
+    add_out_argument(parser, "sharding_study")
     parser.add_argument(
         "--chart",
-        default=str(Path(__file__).resolve().parent.parent / "out" / "sharding_study.png"),
-        help="where to save the chart of modeled against published throughput",
+        type=Path,
+        default=None,
+        help="where to save the chart of modeled against published throughput (default: "
+        "OUT/sharding_study.png)",
     )
     parser.add_argument(
         "--fit", action="store_true", help="refit the fitted parameters and print them"
@@ -201,8 +206,9 @@ def main(argv=None) -> list:
         for name in ("streaming_memory_bytes_per_s", "remote_latency_s", "host_latency_s",
                      "op_overhead_s"):  # fmt: skip
             print(f"  {name:<30} {getattr(model, name):.4g} -> {getattr(fitted, name):.4g}")
-    chart(results, Path(args.chart), model)
-    print(f"chart: {args.chart}")
+    path = args.chart or args.out / "sharding_study.png"
+    chart(results, path, model)
+    print(f"chart: {path}")
     return results
 
 

@@ -362,11 +362,15 @@ def test_mnist_phased_example_learns_and_prints_the_phase_table(capsys):
         assert f"\n  {name} " in table
 
 
-def test_readme_phased_block_prints_the_documented_phase_figures(capsys):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Phased execution") :]
+def test_docs_phased_block_prints_the_documented_phase_figures(capsys):
+    root = Path(__file__).resolve().parent.parent
+    pages = [p for p in sorted(root.glob("docs/*.md")) if "## Phased execution" in p.read_text()]
+    assert len(pages) == 1, f"one docs page should hold '## Phased execution'; found {pages}"
+    (page,) = pages
+    text = page.read_text()
+    section = text[text.index("## Phased execution") :]
     block = section[section.index("```python\n") + 10 : section.index("```\n")]
-    exec(compile(block, "README.md", "exec"), {})
+    exec(compile(block, str(page), "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "0 49152"  # three 64x64 float32 weights, all in streaming memory
     w, act = 64 * 64 * 4, 8 * 64 * 4

@@ -2,12 +2,13 @@
 one clear message and exit status 2.
 
 Tests that train need MNIST found locally (``examples/common.py``: ``--data-dir``,
-``$TORCH_POPXL_MNIST_DIR``, the user cache, a workspace copy); they never download, and skip
-with the reason when it is absent. ``.ci/run`` sets ``$TORCH_POPXL_MNIST_DIR`` where it can.
+``$TORCH_POPXL_MNIST_DIR``, the user cache); they never download, and skip with the reason
+when it is absent. ``.ci/run`` sets ``$TORCH_POPXL_MNIST_DIR`` where it can.
 """
 
 import gzip
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,18 +36,41 @@ def test_mnist_guide_program_reaches_90_percent_in_one_full_epoch():
 
 
 @needs_mnist
-def test_mnist_compile_trains_and_reports_memory(capsys):
+def test_mnist_compile_trains_and_reports_memory(capsys, tmp_path):
     import mnist_compile
 
-    acc = mnist_compile.main(["--quiet", "--max-steps", "25"])
+    acc = mnist_compile.main(["--quiet", "--max-steps", "25", "--out", str(tmp_path)])
     assert acc >= 0.85  # 25 of 234 steps; the full epoch reaches about 96%
     out = capsys.readouterr().out
-    report = out[out.index("Memory per replica") :].rstrip()
+    assert "modeled device: one Mk2 GC200 IPU (IPU-M2000) per replica" in out
+    report = out[out.index("Memory per replica") : out.index("\nchart: ")].rstrip()
     assert "sharded state (RTS, 1/4 on each replica)" in report
     assert "RTS saves 5.33 MiB per replica; off-chip moves 1.78 MiB" in report
-    # The README shows the main job's report; it must be the one the job prints.
-    readme = (EXAMPLES.parent / "README.md").read_text()
-    assert report in readme
+    # docs/memory_report.md shows this job's report; it must be the one the job prints.
+    docs = (EXAMPLES.parent / "docs" / "memory_report.md").read_text()
+    assert report in docs
+    chart = tmp_path / "memory_report.png"
+    assert f"chart: {chart}" in out and chart.stat().st_size > 10_000
+
+
+def test_examples_write_outputs_outside_the_checkout(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = common.default_out_dir("mnist_compile")
+    assert out == tmp_path / "torch_popxl" / "outputs" / "mnist_compile"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert EXAMPLES.parent not in common.default_out_dir("x").parents
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    bar = common.progress(range(20), 20, "epoch 0")
+    seen = []
+    for i in bar:
+        seen.append(i)
+        bar.set_postfix(loss="0.5")
+    assert seen == list(range(20))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10 and lines[-1] == "epoch 0: 20/20 loss=0.5"
 
 
 @needs_mnist
@@ -65,6 +89,7 @@ def test_sharding_study_sets_modeled_beside_published_throughput(tmp_path, capsy
     assert streaming[0] > streaming[1] > streaming[2] > streaming[3] > streaming[4] == 0
     out = capsys.readouterr().out
     assert "published samples/s" in out and "modeled ratio" in out and "0.404" in out
+    assert "streaming (MiB/replica)" in out and not re.search(r"\d,\d{3},\d{3}", out)
     assert (tmp_path / "study.png").stat().st_size > 10_000
 
 
@@ -118,10 +143,11 @@ def _write_fake_mnist(directory: Path, n_train: int = 6, n_test: int = 4) -> Non
 
 @pytest.fixture
 def no_mnist_anywhere(tmp_path, monkeypatch):
-    """No env var, an empty user cache, no workspace copy, and a download that fails."""
+    """No env var, an empty user cache and a download that fails. Nothing else is looked at:
+    this project's own workspace keeps a copy beside the checkout (``../shared``), which
+    user code must not find (the tests below would see it)."""
     monkeypatch.delenv(common.DEFAULT_DATA_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(common, "_REPO", tmp_path / "repo")
 
     def offline(target):
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: no network")
@@ -172,13 +198,12 @@ def test_main_job_without_data_prints_one_message_and_exits_with_status_2(tmp_pa
     # The download is made to fail fast and for certain (no network is not guaranteed here).
     code = (
         "import sys, runpy; sys.path.insert(0, sys.argv[1]); import common; "
-        "common._REPO = common.Path(sys.argv[2]); "
         "common._download = lambda target: (_ for _ in ()).throw(OSError('offline')); "
         "sys.argv = [sys.argv[1] + '/mnist_compile.py']; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(EXAMPLES), str(tmp_path / "repo")],
+        [sys.executable, "-c", code, str(EXAMPLES)],
         capture_output=True,
         text=True,
         env=env,

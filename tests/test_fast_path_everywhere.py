@@ -46,7 +46,7 @@ needs_mnist = pytest.mark.skipif(common.find_mnist() is None, reason="MNIST not 
 EXAMPLES = {
     "mnist": ["--quiet", "--max-steps", "3"],
     "mnist_rts": ["--quiet", "--max-steps", "3"],
-    "mnist_compile": ["--quiet", "--max-steps", "3"],
+    "mnist_compile": ["--quiet", "--max-steps", "3", "--no-chart"],  # writes nothing
     "mnist_phased": ["--quiet", "--limit-steps", "3"],
     "mnist_pipelined": ["--quiet", "--limit-batches", "3"],
     "addons_mnist_offchip": ["--limit-batches", "3"],

@@ -1,11 +1,16 @@
-"""``python -m torch_popxl``: the environment, for bug reports and a first check of an install.
+"""``python -m torch_popxl [env | plan ...]``: the environment, and will-it-fit planning.
 
-Prints the versions of torch_popxl, Python, torch and the other packages it works with,
-whether the C++ extension is built and where, and the devices torch sees.
+``env`` (the default) prints the versions of torch_popxl, Python, torch and the other packages
+it works with, whether the C++ extension is built and where, the matmul kernel the simulator
+uses on this machine (``gemm.kernel()``) and the devices torch sees: for bug reports and a
+first check of an install. ``plan`` builds a model's training program for a sweep of replica
+counts, sharding thresholds and optimizer-state placements and prints the memory, traffic and
+modeled step time of each (``torch_popxl/plan.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -16,8 +21,19 @@ import torch
 
 import torch_popxl
 import torch_popxl._C  # the package import above already needs it; named here for its path
+from torch_popxl import plan
+from torch_popxl.runtime import gemm
 
-_OPTIONAL = ("torchvision", "matplotlib", "tqdm", "pytest", "hypothesis", "ruff", "ninja")
+_OPTIONAL = (
+    "torchvision",
+    "matplotlib",
+    "tqdm",
+    "transformers",
+    "pytest",
+    "hypothesis",
+    "ruff",
+    "ninja",
+)
 
 
 def _version(dist: str) -> str:
@@ -48,6 +64,7 @@ def environment() -> list[tuple[str, str]]:
     rows.append(
         ("CPU", f"{_cpu_cores()} cores usable, torch uses {torch.get_num_threads()} threads")
     )
+    rows.append(("matmul kernel", _kernel_line()))
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         rows.append(("CUDA devices", ", ".join(names)))
@@ -62,11 +79,48 @@ def environment() -> list[tuple[str, str]]:
     return rows
 
 
-def main() -> None:
+def _kernel_line() -> str:
+    """The float32 CPU matmul kernel (Note [gemm kernel] in csrc/gemm.cpp)."""
+    return f"{gemm.kernel()} (float32 CPU matmuls; TORCH_POPXL_GEMM=aten|onednn chooses)"
+
+
+def print_environment() -> None:
     rows = environment()
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="python -m torch_popxl",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=f"matmul kernel on this machine: {_kernel_line()}",
+    )
+    sub = top.add_subparsers(dest="command", metavar="{env,plan}")
+    sub.add_parser("env", help="print the environment (the default)")
+    plan_parser = sub.add_parser(
+        "plan",
+        help="memory, traffic and modeled step time of a model over replica counts, sharding "
+        "and optimizer-state placements; the best setting that fits a budget",
+        description=plan.DESCRIPTION,
+        epilog=plan.EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(plan_parser)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.command == "plan":
+        try:
+            plan.run(args)
+        except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    else:
+        print_environment()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -179,6 +179,10 @@ def _is_view(target) -> bool:
 # ---- the model ------------------------------------------------------------------------------
 
 
+_GC200_TILES = 1472  # tiles of one Mk2 GC200 IPU
+_GC200_TILE_BYTES = 624 * 1024  # In-Processor Memory of one tile
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Prices a ``Workload`` in seconds per replica (Note [step time]).
@@ -188,7 +192,15 @@ class CostModel:
     ``remote_latency_s``, ``host_latency_s`` and ``op_overhead_s`` were fitted to the
     popxl-addons sharding-threshold table (``fit``; ``examples/sharding_study.py --fit``).
     Every field can be overridden: ``CostModel(op_overhead_s=0)``.
+
+    ``DEVICE`` names the device the defaults describe and ``DEVICE_MEMORY_BYTES`` is its
+    on-chip memory (In-Processor Memory: 1472 tiles of 624 KiB, "900 MB"), the budget
+    ``python -m torch_popxl plan`` checks a program against; ``device`` says whether this
+    instance still describes it.
     """
+
+    DEVICE: ClassVar[str] = "Mk2 GC200 IPU (IPU-M2000)"
+    DEVICE_MEMORY_BYTES: ClassVar[int] = _GC200_TILES * _GC200_TILE_BYTES
 
     # compute (roofline)
     flops_per_s: float = 62.5e12
@@ -210,7 +222,7 @@ class CostModel:
     ipu_link_bytes_per_s: float = 64e9
     ipu_copy_latency_s: float = 2.0e-6
     # tiles of one IPU; compute runs on those the program does not reserve for IO
-    tiles_per_ipu: int = 1472
+    tiles_per_ipu: int = _GC200_TILES
 
     def __post_init__(self):
         tiles = self.tiles_per_ipu
@@ -236,6 +248,12 @@ class CostModel:
                     else "a non-negative finite number"
                 )
                 raise ValueError(f"CostModel.{f.name} must be {want}; got {value!r}.")
+
+    @property
+    def device(self) -> str:
+        """The modeled device: ``DEVICE``, or that with changed parameters."""
+        changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        return self.DEVICE if not changed else f"{self.DEVICE} with {', '.join(changed)} changed"
 
     # -- pricing --
 

@@ -306,7 +306,12 @@ class MemoryReport:
             for f in dataclasses.fields(self.cost_model)
         ]
         lines += ["", row("Modeled device time per run", "time", "share", indent=0)]
-        lines += _wrap_items("  (cost model: ", settings, "; docs/cost_model.md)", 88)
+        lines += _wrap_items(
+            f"  (cost model of one {self.cost_model.device} per replica: ",
+            settings,
+            "; docs/cost_model.md)",
+            88,
+        )
         for phase, seconds in self.time_breakdown_s.items():
             if phase in ("io_tile_overlap", "ipu_links") and seconds == 0:
                 continue  # nothing ran on IO tiles / no copies between IPUs
@@ -448,7 +453,11 @@ class MemoryReport:
         ax_time.barh(labels, [v * 1e6 for v in breakdown.values()], color="tab:orange")
         ax_time.invert_yaxis()
         ax_time.set_xlabel("µs per run (cost model)")
-        ax_time.set_title(f"Modeled device time: {format_seconds(self.estimated_step_time_s)}")
+        ax_time.set_title(
+            f"Modeled time on one {self.cost_model.device}: "
+            f"{format_seconds(self.estimated_step_time_s)}",
+            fontsize=9,
+        )
         fig.suptitle(title or f"{self.num_replicas} replicas: {self.savings_summary()}", fontsize=9)
         fig.tight_layout()
         if path is not None:

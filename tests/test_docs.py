@@ -32,6 +32,8 @@ EXPECTED: dict[str, list[str]] = {
         "[1.5 1.7 1.9]",
         "modeled device: Mk2 GC200 IPU (IPU-M2000)",
         "fits one device: True",
+        "frozen: True | head grad: (10, 512) | outputs: (256, 10)",
+        "summed loss: float",
     ],
     "docs/porting.md": [
         "aten.gelu.default",

@@ -1,4 +1,4 @@
-"""Simulated replicas scale flat: the seed MLP step (784-512x3-10, Adam) at a fixed global
+"""Simulated replicas scale flat: the MNIST MLP step (784-512x3-10, Adam) at a fixed global
 batch of 256 samples with R = 1, 4, 64 and 256 replicas (gradient accumulation and
 micro-batch chosen so that R x GA x micro = 256), on chip and with sharded, off-chip optimizer
 state.
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         if layout not in LAYOUTS:
             parser.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
     print(f"{device_name()}, {torch.get_num_threads()} threads; "
-          f"global batch {GLOBAL}, seed MLP, Adam")  # fmt: skip
+          f"global batch {GLOBAL}, MNIST MLP, Adam")  # fmt: skip
     x, y = data()
     fns = {}
     for layout in layouts:

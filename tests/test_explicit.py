@@ -865,3 +865,39 @@ def test_convolution_weight_gradients_are_one_call_over_all_replicas(batch_norm)
     sources = "".join(fn.source for fn in fns.values())
     assert sources.count("summed=True") == 2  # both convolutions
     assert ("iterations folded" in sources) is not batch_norm
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_a_loop_using_a_stream_twice_per_iteration_takes_its_entries_in_order(R):
+    """A folded loop takes each stream's next entries in one pass, so a loop that loads (or
+    stores) one stream twice per iteration is not folded: iteration i reads entries 2i and
+    2i + 1 and stores in that order, as the reference executor does."""
+    ir = popxl.Ir(replication=R)
+    ir.num_host_transfers = 8
+    with ir.main_graph:
+        b_s = popxl.h2d_stream((3,), popxl.float32, "B")
+        w = popxl.variable(np.ones(3, np.float32), name="w")
+        first, both = (
+            popxl.d2h_stream((3,), popxl.float32, "first"),
+            popxl.d2h_stream((3,), popxl.float32, "both"),
+        )
+
+        def body(w):
+            x, y = ops.host_load(b_s), ops.host_load(b_s)
+            ops.host_store(first, x * w)
+            ops.host_store(both, x + y)
+            ops.host_store(both, x - y)
+
+        ops.repeat(ir.create_graph(body, w), 4, w)
+    shape = (8, 3) if R == 1 else (8, R, 3)
+    b = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    results = {}
+    for executor in ("fast", "reference"):
+        with popxl.Session(ir, executor=executor) as session:
+            results[executor] = session.run({b_s: b})
+    for stream, stored in ((first, 4), (both, 8)):  # entries beyond those stored are unset
+        np.testing.assert_array_equal(results["fast"][stream][:stored],
+                                      results["reference"][stream][:stored])  # fmt: skip
+    np.testing.assert_array_equal(results["fast"][first][:4], b[0::2][:4])  # by hand
+    np.testing.assert_array_equal(results["fast"][both][0], b[0] + b[1])
+    np.testing.assert_array_equal(results["fast"][both][1], b[0] - b[1])

@@ -517,6 +517,12 @@ def fold_obstacle(loop, plan) -> str | None:
     if loop.count < 2:
         return "it runs once"
     body = loop.body
+    # One pass takes each stream's next ``count`` entries in order: a stream used by two host
+    # ops of an iteration would need its entries interleaved.
+    streams = [(f.kind, f.source.attrs.stream._index) for f in body
+               if f.kind in ("host_load", "host_store")]  # fmt: skip
+    if len(set(streams)) != len(streams):
+        return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
     for f in body:
         what = f"the {f.kind} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()

@@ -16,6 +16,9 @@ the op and the rule, instead of a ``KeyError`` deep inside a walker. The rules, 
   later write can be seen through the sharing (Note [aliasing collectives] and Note [RTS
   updates in place] in runtime/lower.py);
 
+* ``ipu_transfer(op) -> bool`` (optional): the op moves a value between the IPUs of one
+  replica (``ipu_copy``): pipelining puts it in the region's copy unit;
+
 and, for runtime ops (remote and host transfers, print: Note [op definitions] in ir/opdef.py):
 
 * ``run(rt, op, ins) -> outs``: how the reference executor runs the op, with ``ins``/``outs``

@@ -93,6 +93,31 @@ inline void check_reduce_dtype(
       "or convert the tensor to an integer dtype first.");
 }
 
+// The reductions that distribute over a sum, so that a kernel may first add the members'
+// values by other means (the fused matmul folds them into its contraction) and then finish
+// with finish_from_sum: 'add' and 'mean' (and 'mul', PopXL's alias of 'mean').
+inline bool is_sum_based(ReduceOp op) { return op == ReduceOp::Add || op == ReduceOp::Mean; }
+
+// Parses `op` for a kernel that reduces by summing first; any other reduction is a clear error.
+inline ReduceOp parse_sum_based_op(const char* op_name, c10::string_view op) {
+  const ReduceOp rop = parse_reduce_op(op_name, op, /*allow_local=*/false);
+  TORCH_CHECK_VALUE(
+      is_sum_based(rop), op_name, ": op must be 'add' or 'mean' (or 'mul', PopXL's alias of "
+      "'mean'), got '", std::string(op), "'. Only reductions that distribute over a sum fold "
+      "into one kernel; use a plain all-reduce for the others.");
+  return rop;
+}
+
+// Turns `sum`, the (floating) sum over `members` group members, into the reduction `op` of
+// them, in place: the same result reduce_over gives for a floating input.
+inline at::Tensor finish_from_sum(at::Tensor sum, int64_t members, ReduceOp op) {
+  TORCH_CHECK(is_sum_based(op), "finish_from_sum: not a sum-based reduction (internal error).");
+  if (op == ReduceOp::Mean) {
+    sum.div_(members);
+  }
+  return sum;
+}
+
 // Reduces x over `dim` (the group members). The result has x's dtype.
 inline at::Tensor reduce_over(const at::Tensor& x, int64_t dim, ReduceOp op, bool keepdim) {
   const auto dtype = x.scalar_type();

@@ -32,7 +32,7 @@ at::Tensor all_gather_full(const at::Tensor& x) {
   return x.clone(at::MemoryFormat::Contiguous);
 }
 
-// a: [R, M, K], b: [R, K, N] -> [M, N] = reduce_r(a[r] @ b[r]) with op add or mean.
+// a: [R, M, K], b: [R, K, N] -> [M, N] = reduce_r(a[r] @ b[r]) for a sum-based op (add, mean).
 // Folding the replica dim into the contraction is the same maths as R matmuls followed by
 // an all-reduce, at the cost of one matmul; traffic is counted as that all-reduce.
 at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::string_view op) {
@@ -42,18 +42,14 @@ at::Tensor mm_all_reduce_stacked(const at::Tensor& a, const at::Tensor& b, c10::
   TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(1), name, ": shapes ",
                     a.sizes(), " and ", b.sizes(), " do not match; expected [R, M, K] and ",
                     "[R, K, N].");
-  TORCH_CHECK_VALUE(op == "add" || op == "mean", name, ": op must be 'add' or 'mean', got '",
-                    std::string(op), "'.");
+  const ReduceOp rop = parse_sum_based_op(name, op);
   const Grouping g = check_grouping(name, a.size(0), a.size(0), 1);
   const int64_t R = g.replicas, M = a.size(1), K = a.size(2), N = b.size(2);
   at::Tensor folded =
       gemm(a.permute({1, 0, 2}).reshape({M, R * K}), b.reshape({R * K, N}), c10::nullopt);
-  if (op == "mean") {
-    folded.div_(R);
-  }
   count_collective(
       all_reduce_bytes(g, M * N * static_cast<int64_t>(folded.element_size())));
-  return folded;
+  return finish_from_sum(folded, R, rop);
 }
 
 }  // namespace torch_popxl

@@ -767,6 +767,24 @@ def test_full_group_kernels_need_a_replica(call):
         eval(f"ops.{call}", {"ops": ops, "x": x})
 
 
+@pytest.mark.parametrize("op", ["add", "mean", "mul"])
+def test_fused_matmul_all_reduce_kernel_matches_the_reference(op):
+    """``mm_all_reduce_stacked`` reads its op from the shared C++ table: the sum of the
+    replicas' matmuls, divided by R for 'mean' and for 'mul' (PopXL's alias of 'mean'),
+    exactly what the all-reduce reference gives on the per-replica products."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, 5, generator=g), torch.randn(3, 5, 2, generator=g)
+    want = ref_all_reduce([a[r] @ b[r] for r in range(3)], op, 3, 1)[0]
+    torch.testing.assert_close(ops.mm_all_reduce_stacked(a, b, op), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, match", [("max", "must be 'add' or 'mean'"), ("sum", "unknown op")])
+def test_fused_matmul_all_reduce_kernel_refuses_other_reductions(op, match):
+    a, b = torch.ones(2, 3, 4), torch.ones(2, 4, 5)
+    with pytest.raises(ValueError, match=match):
+        ops.mm_all_reduce_stacked(a, b, op)
+
+
 def test_remote_offsets_are_range_checked_as_64_bit():
     buffer = torch.arange(6, dtype=torch.float32).reshape(1, 3, 2)
     before = buffer.clone()

@@ -105,6 +105,17 @@ def test_every_collective_and_remote_op_is_registered():
     }
 
 
+def test_every_runtime_opdef_brings_its_lowering_rules():
+    """Note [lowering rules]: the fast compiler lowers a runtime op only through its
+    definition, so every runtime op (one whose ``op.kind`` is its definition) has both rules."""
+    runtime = [d for d in opdefs.registered() if d.attrs is not None]
+    assert {d.name for d in runtime} >= {"remote_load", "remote_load_", "remote_store",
+                                         "host_load", "host_store", "print"}  # fmt: skip
+    for opdef in runtime:
+        missing = {"lower_analyse", "lower_emit"} - set(opdef.rules)
+        assert not missing, f"{opdef.name} lacks the rules {sorted(missing)}"
+
+
 @pytest.mark.parametrize("effect, rules", [(opdefs.Effect.COLLECTIVE, COLLECTIVE_RULES),
                                            (opdefs.Effect.REMOTE, REMOTE_RULES)])  # fmt: skip
 def test_every_collective_and_remote_opdef_has_the_full_rule_set(effect, rules):

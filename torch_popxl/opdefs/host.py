@@ -10,9 +10,10 @@ from ..ir.context import gcg
 from ..ir.graph import Op
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Tensor, _fake_like
+from .lowering import LowerAnalysis, LowerEmission
 from .registry import Effect, OpDef, Traffic, register
 
-__all__ = ["host_load", "host_load_opdef", "host_store", "host_store_opdef"]
+__all__ = ["analyse_store", "host_load", "host_load_opdef", "host_store", "host_store_opdef"]
 
 
 def _load_traffic(op: Op, num_replicas: int) -> Traffic:
@@ -78,11 +79,56 @@ def _run_store(rt, op: Op, ins):
     return []
 
 
+# The fast compiler (Note [lowering rules] in opdefs/lowering.py). Host transfers work on
+# stacked values and in folded loops as they are (``lower_stacked``): a folded loop loads and
+# stores every iteration's entry at once.
+def _analyse_load(op: Op, f, a: LowerAnalysis):
+    a.set(f.outs[0], a.rows)
+    return None
+
+
+def _emit_load(op: Op, f, e: LowerEmission) -> None:
+    k = op.attrs.stream._index
+    if e.fold > 1:
+        e.line(f"{f.outs[0]} = rt.host_load_folded({k}, {e.fold})")
+        return
+    e.line(f"{f.outs[0]} = rt.host_load({k})")
+
+
+def analyse_store(op: Op, f, a: LowerAnalysis):
+    """A value handed to the host whole (a host store, a print)."""
+    return a.whole_values(f.ins)
+
+
+def _emit_store(op: Op, f, e: LowerEmission) -> None:
+    # A stored value needs a snapshot only if something may update it in place later.
+    name = f.ins[0]
+    snapshot = e.written(name)
+    if e.explicit and not e.b(name):  # one row per replica on the host side
+        name, snapshot = f"{name}.expand({e.rows}, *{name}.shape)", True
+    k = op.attrs.stream._index
+    if e.fold > 1:  # one store per folded iteration
+        e.line(f"rt.host_store_folded({k}, {name}, {snapshot}, {e.fold})")
+        return
+    e.line(f"rt.host_store({k}, {name}, {snapshot})")
+
+
+def _stacked(op: Op) -> bool:
+    return True
+
+
 host_load_opdef = register(
     OpDef(
         "host_load",
         Effect.HOST_IO,
-        {"traffic": _load_traffic, "wrapper": host_load, "run": _run_load},
+        {
+            "traffic": _load_traffic,
+            "wrapper": host_load,
+            "run": _run_load,
+            "lower_analyse": _analyse_load,
+            "lower_emit": _emit_load,
+            "lower_stacked": _stacked,
+        },
         "HostLoad",
         attrs=HostTransfer,
     )  # fmt: skip
@@ -91,7 +137,14 @@ host_store_opdef = register(
     OpDef(
         "host_store",
         Effect.HOST_IO,
-        {"traffic": _store_traffic, "wrapper": host_store, "run": _run_store},
+        {
+            "traffic": _store_traffic,
+            "wrapper": host_store,
+            "run": _run_store,
+            "lower_analyse": analyse_store,
+            "lower_emit": _emit_store,
+            "lower_stacked": _stacked,
+        },
         "HostStore",
         attrs=HostTransfer,
     )  # fmt: skip

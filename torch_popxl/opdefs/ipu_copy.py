@@ -144,6 +144,9 @@ opdef = register(
             "reference": reference,
             "explicit": _explicit,
             "wrapper": ipu_copy,
+            # pipelining (addons/transforms/pipelining.py) asks for it: the op moves a value
+            # between the IPUs of one replica, so it belongs to the region's copy unit
+            "ipu_transfer": lambda op: True,
         },
         popart_type="IpuCopy",
     ),

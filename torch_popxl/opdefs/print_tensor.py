@@ -11,6 +11,8 @@ import torch
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Op
 from ..ir.tensor import Tensor, _fake_like
+from .host import analyse_store
+from .lowering import LowerEmission
 from .registry import Effect, OpDef, register
 
 __all__ = ["print_opdef", "record_print"]
@@ -55,6 +57,13 @@ def _run(rt, op: Op, ins):
     return [ins[0]]
 
 
+# The fast compiler (Note [lowering rules] in opdefs/lowering.py): the printed value is read
+# whole, like a host store's; a print has no stacked form (``lower_stacked``), so a fragment
+# that prints runs under vmap.
+def _emit(op: Op, f, e: LowerEmission) -> None:
+    e.line(f"rt.print({e.global_name(op.attrs)}, {f.ins[0]})")
+
+
 # The printed value goes on unchanged (``passthrough``), yet its output is a new tensor, not an
 # alias (upstream's PrintTensorOp is out of place), so an in-place write of the input after
 # the print does not make the print's readers ambiguous.
@@ -62,7 +71,13 @@ print_opdef = register(
     OpDef(
         "print",
         Effect.HOST_IO,
-        {"passthrough": lambda op: True, "run": _run, "replay": _replay},
+        {
+            "passthrough": lambda op: True,
+            "run": _run,
+            "replay": _replay,
+            "lower_analyse": analyse_store,
+            "lower_emit": _emit,
+        },
         "PrintTensor",
         attrs=PrintOptions,
     )  # fmt: skip

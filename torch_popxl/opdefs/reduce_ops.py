@@ -14,7 +14,9 @@ an instance holding no member of a group) and the final division of a mean.
 
 The C++ kernels mirror the rows once, in ``enum class ReduceOp``, ``parse_reduce_op`` and
 ``check_reduce_dtype`` of csrc/collective_common.h (same names, same numeric-dtype rule and
-wording); ``mm_all_reduce_stacked`` (csrc/fused.cpp) still checks its 'add'/'mean' by string.
+wording); the fused ``mm_all_reduce_stacked`` (csrc/fused.cpp) parses its op through the same
+``parse_reduce_op`` and finishes the folded sum with ``finish_from_sum`` ('add' and 'mean', the
+reductions that distribute over a sum).
 """
 
 from __future__ import annotations

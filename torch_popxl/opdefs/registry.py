@@ -16,6 +16,9 @@ the op and the rule, instead of a ``KeyError`` deep inside a walker. The rules, 
   later write can be seen through the sharing (Note [aliasing collectives] and Note [RTS
   updates in place] in runtime/lower.py);
 
+* ``ipu_transfer(op) -> bool`` (optional): the op moves a value between the IPUs of one
+  replica (``ipu_copy``): pipelining puts it in the region's copy unit;
+
 and, for runtime ops (remote and host transfers, print: Note [op definitions] in ir/opdef.py):
 
 * ``run(rt, op, ins) -> outs``: how the reference executor runs the op, with ``ins``/``outs``
@@ -26,6 +29,11 @@ and, for runtime ops (remote and host transfers, print: Note [op definitions] in
   tensors that carry gradients (print: an identity, printing the gradient on request);
 * ``passthrough(op) -> bool`` (optional): the op hands its input on unchanged (print), so
   the fast compiler gives its output the input's value;
+* ``lower_analyse(op, f, a)`` and ``lower_emit(op, f, e)``: how the fast compiler analyses
+  the op's batching and emits its code, through the small interfaces ``a``/``e`` of
+  opdefs/lowering.py (Note [lowering rules]); ``lower_globals() -> {name: object}``
+  (optional): the names its emitted code calls; ``lower_stacked(op) -> bool`` (optional):
+  its emission handles stacked values and folded loops itself (the host transfers);
 
 and, for collectives (``Effect.COLLECTIVE``):
 

@@ -25,6 +25,7 @@ from ..ir.remote_buffer import RemoteBuffer
 from ..ir.tensor import Tensor as Handle
 from ..ir.tensor import _fake_like, constant
 from ._common import ops, stacked
+from .lowering import LowerAnalysis, LowerEmission
 from .registry import Effect, OpDef, Traffic, register
 
 __all__ = [
@@ -403,6 +404,72 @@ def _run_store(rt, op: Op, ins):
     return []
 
 
+# ---- the fast compiler (Note [lowering rules] in opdefs/lowering.py) --------------------------
+
+
+def _analyse_load(op: Op, f, a: LowerAnalysis):
+    if a.uniform(op.attrs.buffer.remote_buffer_id):
+        # Note [replica-invariant remote buffers] (runtime/lower.py): only a fixed slot is
+        # read as row 0
+        if a.constant_offset(f) is None:
+            return a.not_uniform(op.attrs.buffer.remote_buffer_id)
+        a.set(f.outs[0], False)
+        return None
+    a.set(f.outs[0], a.rows)
+    return None
+
+
+def _analyse_load_inplace(op: Op, f, a: LowerAnalysis):
+    if a.uniform(op.attrs.buffer.remote_buffer_id):
+        return a.not_uniform(op.attrs.buffer.remote_buffer_id)
+    return a.write(f.ins[0], a.rows)
+
+
+def _analyse_store(op: Op, f, a: LowerAnalysis):
+    bid = op.attrs.buffer.remote_buffer_id
+    if a.uniform(bid) and any(a.b(n) for n in f.ins):
+        return a.not_uniform(bid)  # a per-replica value or slot
+    return a.whole_values(f.ins)
+
+
+def _globals() -> dict:
+    """The names the emitted lines below call."""
+    return {
+        "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
+        "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
+    }
+
+
+def _emit_load(op: Op, f, e: LowerEmission) -> None:
+    bid = op.attrs.buffer.remote_buffer_id
+    if e.explicit and e.uniform(bid):
+        # Note [replica-invariant remote buffers]: row 0 of the slot (counted as the load
+        # of every replica); a view when the value goes back to the same slot
+        view = f"{e.slot_view(bid, e.constant_offset(f))}[0]"
+        e.line(f"{f.outs[0]} = {view}{'' if e.is_view(f) else '.clone()'}")
+        return
+    if e.is_view(f):  # Note [remote slot views]
+        e.line(f"{f.outs[0]} = {e.slot_view(bid, e.constant_offset(f))}")
+        return
+    if e.stacked_call(f):
+        return
+    e.line(f"{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
+
+
+def _emit_load_inplace(op: Op, f, e: LowerEmission) -> None:
+    if e.stacked_call(f):
+        return
+    bid = op.attrs.buffer.remote_buffer_id
+    e.line(f"{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))")
+
+
+def _emit_store(op: Op, f, e: LowerEmission) -> None:
+    if e.stacked_call(f):
+        return
+    bid = op.attrs.buffer.remote_buffer_id
+    e.line(f"REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
+
+
 def _define(name: str, effects: Effect, popart_type: str, rules: dict, **inplace) -> OpDef:
     return register(OpDef(name, effects, rules, popart_type, attrs=RemoteTransfer, **inplace))
 
@@ -417,6 +484,9 @@ load_opdef = _define(
         "run": _run_load,
         "wrapper": remote_load,
         "explicit": _explicit_load,
+        "lower_analyse": _analyse_load,
+        "lower_emit": _emit_load,
+        "lower_globals": _globals,
     },
 )
 # remote_load_(t, offset) writes t (input 0) and returns it (output 0).
@@ -430,6 +500,9 @@ load_inplace_opdef = _define(
         "run": _run_load_inplace,
         "wrapper": remote_load_,
         "explicit": _explicit_load_inplace,
+        "lower_analyse": _analyse_load_inplace,
+        "lower_emit": _emit_load_inplace,
+        "lower_globals": _globals,
     },
     writes=frozenset({0}),
     aliases={0: 0},
@@ -444,5 +517,8 @@ store_opdef = _define(
         "run": _run_store,
         "wrapper": remote_store,
         "explicit": _explicit_store,
+        "lower_analyse": _analyse_store,
+        "lower_emit": _emit_store,
+        "lower_globals": _globals,
     },
 )

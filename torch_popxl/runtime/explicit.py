@@ -22,7 +22,6 @@ import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
-from ..ir.opdef import OpDef
 from .gemm import gemm
 
 __all__ = [
@@ -110,8 +109,6 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FLAT_KINDS = {
     "clone",
     "alias",
-    "host_load",
-    "host_store",
     "mm_all_reduce",
     "mm_replica_sum",
     "loop",
@@ -384,7 +381,22 @@ def opdef_rule(op: Op, batched: list[bool], R: int):
 
 def _runtime_explicit(f) -> bool:
     """A runtime op whose definition brings its stacked form (its ``explicit`` rule)."""
-    return f.op is not None and isinstance(f.op.kind, OpDef) and f.op.kind.has("explicit")
+    return f.kind == "runtime" and f.op.kind.has("explicit")
+
+
+def _runtime_stacked(f) -> bool:
+    """A runtime op whose emission handles stacked values and folded loops itself (its
+    definition's ``lower_stacked`` rule: the host transfers)."""
+    return (
+        f.kind == "runtime"
+        and f.op.kind.has("lower_stacked")
+        and f.op.kind.rule("lower_stacked")(f.op)
+    )
+
+
+def _kind_name(f) -> str:
+    """A flat op's kind in words: a runtime op's definition name."""
+    return f.op.kind.name if f.kind == "runtime" else f.kind
 
 
 def batchable(flat, analysis, R: int) -> bool:
@@ -403,8 +415,8 @@ def vmap_reason(flat, analysis, R: int) -> str | None:
         elif _runtime_explicit(f):
             if opdef_rule(f.op, [analysis.b(n) for n in f.ins], R) is None:
                 reason = f"no explicit rule for {f.op.kind}"
-        elif f.kind not in _FLAT_KINDS:
-            reason = f"no explicit rule for the {f.kind!r} flat op"
+        elif f.kind not in _FLAT_KINDS and not _runtime_stacked(f):
+            reason = f"no explicit rule for the {_kind_name(f)!r} flat op"
         elif f.kind == "loop":
             reason = vmap_reason(f.body, analysis, R)
         if reason is not None:
@@ -483,7 +495,7 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     state is per replica) is repeated for every iteration first. The sums are taken in a
 #     different order than the loop's, so results agree with the reference executor to
 #     rounding, as the replica sums already do.
-_FOLD_KINDS = {"torch", "host_load", "host_store", "alias", "clone", "mm_replica_sum"}
+_FOLD_KINDS = {"torch", "alias", "clone", "mm_replica_sum"}  # and the host transfers
 _FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
 
 
@@ -525,8 +537,8 @@ def fold_obstacle(loop, plan) -> str | None:
         return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
     for f in body:
-        what = f"the {f.kind} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
-        if f.kind not in _FOLD_KINDS:
+        what = f"the {_kind_name(f)} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
+        if f.kind not in _FOLD_KINDS and not _runtime_stacked(f):
             return f"{what} (not foldable)"
         if any(n in plan.force_batched for n in f.outs):
             return f"{what} makes a value per replica"

@@ -66,7 +66,7 @@ from .. import opdefs  # also registers torch.ops.torch_popxl
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Effects, Interpreter, effects
-from ..opdefs.registry import Effect, OpDef
+from ..opdefs.registry import Effect, OpDef, registered
 from . import explicit as _explicit
 from .gemm import ATEN_FORMS, gemm
 
@@ -84,8 +84,10 @@ class FlatOp:
     """An op of the flattened program; ``ins``/``outs`` are value names. Hashed by identity:
     the analysis plan keys its per-op decisions by the flat op itself."""
 
-    kind: str  # torch | clone | host_load | host_store | remote_load | remote_load_ |
-    # remote_store | print | loop | alias | mm_all_reduce | mm_replica_sum
+    # torch | runtime (remote and host transfers, print: lowered by their definitions' rules,
+    # Note [lowering rules] in opdefs/lowering.py) | clone | loop | alias | mm_all_reduce |
+    # mm_replica_sum
+    kind: str
     op: Op | None
     ins: list[str]
     outs: list[str]
@@ -109,6 +111,13 @@ class FlatOp:
         if self.op is None:
             raise AssertionError(f"A {self.kind!r} flat op has no source op.")
         return self.op
+
+
+def _definition(f: FlatOp) -> OpDef:
+    """A ``runtime`` flat op's definition (its IR op's kind)."""
+    kind = f.source.kind
+    assert isinstance(kind, OpDef), f"a runtime flat op of kind {kind!r} has no definition"
+    return kind
 
 
 def _reads(f: FlatOp) -> list[str]:
@@ -137,7 +146,7 @@ class _Flattener(Interpreter[str]):
         kind = op.kind
         if isinstance(kind, OpDef) and kind.has("passthrough") and kind.rule("passthrough")(op):
             # print: the value goes on unchanged; the flat op only reads it
-            self.out.append(FlatOp(kind.name, op, ins, []))
+            self.out.append(FlatOp("runtime", op, ins, []))
             return [ins[0]]
         if (
             op.kind == OpKind.TORCH
@@ -149,7 +158,8 @@ class _Flattener(Interpreter[str]):
             return [ins[0]]
         # In-place ops return their (already named) input.
         outs = [env[t.id] if t.id in env else self.program.fresh() for t in op.outputs]
-        self.out.append(FlatOp(str(kind), op, ins, outs))
+        flat_kind = "runtime" if isinstance(kind, OpDef) else str(kind)
+        self.out.append(FlatOp(flat_kind, op, ins, outs))
         return outs
 
     def constant(self, t: Constant) -> str:
@@ -188,7 +198,7 @@ _draws_random = _explicit.draws_random
 def _collective(op: Op | None) -> OpDef | None:
     """The definition of a captured collective; what the compiler needs to know about one
     (output batching, sum reads, pass-through, matmul fusion) is asked of it."""
-    opdef = opdefs.lookup(op) if op is not None and op.kind == OpKind.TORCH else None
+    opdef = opdefs.lookup(op) if op is not None else None
     return opdef if opdef is not None and Effect.COLLECTIVE in opdef.effects else None
 
 
@@ -408,42 +418,32 @@ class _Pass:
         self._set(f.outs[0], self.b(f.ins[0]))
         return None
 
-    def _host_load(self, f: FlatOp) -> _Verdict:
-        self._set(f.outs[0], self.rows)
-        return None
+    def _runtime(self, f: FlatOp) -> _Verdict:
+        """A runtime op, analysed by its definition (Note [lowering rules])."""
+        return _definition(f).rule("lower_analyse")(f.source, f, self)
 
-    def _not_uniform(self, f: FlatOp) -> _Verdict:
-        bid = f.source.attrs.buffer.remote_buffer_id
-        return replace(self.assume, uniform_buffers=self.assume.uniform_buffers - {bid})
+    # ---- the interface a definition's ``lower_analyse`` rule sees (``LowerAnalysis``)
 
-    def _remote_load(self, f: FlatOp) -> _Verdict:
-        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
-            # Note [replica-invariant remote buffers]: only a fixed slot is read as row 0
-            if _constant_offset(f) is None:
-                return self._not_uniform(f)
-            self._set(f.outs[0], False)
-            return None
-        self._set(f.outs[0], self.rows)
-        return None
+    def set(self, name: str, batched: bool) -> None:
+        self._set(name, batched)
 
-    def _remote_load_(self, f: FlatOp) -> _Verdict:
-        if f.source.attrs.buffer.remote_buffer_id in self.assume.uniform_buffers:
-            return self._not_uniform(f)
-        return self._write(f.ins[0], self.rows)
+    def write(self, target: str, batched: bool) -> _Verdict:
+        return self._write(target, batched)
 
-    def _host_store(self, f: FlatOp) -> _Verdict:
-        for n in f.ins:
+    def uniform(self, buffer_id: int) -> bool:
+        return buffer_id in self.assume.uniform_buffers
+
+    def not_uniform(self, buffer_id: int) -> _Verdict:
+        return replace(self.assume, uniform_buffers=self.assume.uniform_buffers - {buffer_id})
+
+    def whole_values(self, names: list[str]) -> _Verdict:
+        for n in names:
             if self.root.get(n, n) in self.sum_names:
                 return self._disqualify(n)
         return None
 
-    _print = _host_store
-
-    def _remote_store(self, f: FlatOp) -> _Verdict:
-        bid = f.source.attrs.buffer.remote_buffer_id
-        if bid in self.assume.uniform_buffers and any(self.b(n) for n in f.ins):
-            return self._not_uniform(f)  # a per-replica value or slot
-        return self._host_store(f)
+    def constant_offset(self, f: FlatOp) -> int | None:
+        return _constant_offset(f)
 
     def _loop(self, f: FlatOp) -> _Verdict:
         for carried, arg in zip(f.outs, f.ins, strict=True):
@@ -1030,8 +1030,6 @@ class Program:
         self.R = num_replicas
         self.globals: dict[str, Any] = {
             "DEVICE": device,
-            "REMOTE_LOAD": torch.ops.torch_popxl.remote_load,
-            "REMOTE_STORE": torch.ops.torch_popxl.remote_store_,
             "REMOTE_VIEW": torch.ops.torch_popxl.remote_slot_view,
             "COPY_UNLESS_SAME": _copy_unless_same,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
@@ -1045,6 +1043,9 @@ class Program:
             "torch": torch,
             "SCRATCH": _Scratch(),
         }
+        for opdef in registered():  # what runtime ops' emitted lines call
+            if opdef.has("lower_globals"):
+                self.globals.update(opdef.rule("lower_globals")())
         self._counter = itertools.count()
         self._literals: dict[int, str] = {}
         self._keepalive: list[Any] = []
@@ -1095,6 +1096,7 @@ class _Emitter:
         self.p = program
         self.a = plan
         self.explicit = explicit  # Note [explicit batching]: stacked tensors, no vmap
+        self._ind = ""  # the indent of the op being emitted (``line``)
         self.lines: list[str] = []
         self.defined: set[str] = set(params)
         # Note [fold the accumulation loop] (runtime/explicit.py): inside a folded loop the
@@ -1301,72 +1303,48 @@ class _Emitter:
     def _alias(self, f: FlatOp, ind: str) -> None:
         self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
 
-    def _host_load(self, f: FlatOp, ind: str) -> None:
-        k = f.source.attrs.stream._index
-        if self.fold > 1:
-            self.lines.append(f"{ind}{f.outs[0]} = rt.host_load_folded({k}, {self.fold})")
-            return
-        self.lines.append(f"{ind}{f.outs[0]} = rt.host_load({k})")
+    def _runtime(self, f: FlatOp, ind: str) -> None:
+        """A runtime op, emitted by its definition (Note [lowering rules])."""
+        self._ind = ind
+        _definition(f).rule("lower_emit")(f.source, f, self)
 
-    def _host_store(self, f: FlatOp, ind: str) -> None:
-        # A stored value needs a snapshot only if something may update it in place later.
-        name = f.ins[0]
-        snapshot = self.a.root_of(name) in self.a.written
-        if self.explicit and not self.a.b(name):  # one row per replica on the host side
-            name, snapshot = f"{name}.expand({self.rows}, *{name}.shape)", True
-        k = f.source.attrs.stream._index
-        if self.fold > 1:  # one store per folded iteration
-            self.lines.append(f"{ind}rt.host_store_folded({k}, {name}, {snapshot}, {self.fold})")
-            return
-        self.lines.append(f"{ind}rt.host_store({k}, {name}, {snapshot})")
+    # ---- the interface a definition's ``lower_emit`` rule sees (``LowerEmission``)
 
-    def _remote_explicit(self, f: FlatOp, ind: str) -> bool:
-        """Note [explicit batching]: a remote op through its stanza's ``explicit`` rule,
+    def line(self, code: str) -> None:
+        self.lines.append(f"{self._ind}{code}")
+
+    def global_name(self, value: Any) -> str:
+        return self.p.literal(value)
+
+    def b(self, name: str) -> bool:
+        return self.a.b(name)
+
+    def written(self, name: str) -> bool:
+        return self.a.root_of(name) in self.a.written
+
+    def uniform(self, buffer_id: int) -> bool:
+        return buffer_id in self.a.assumptions.uniform_buffers
+
+    def is_view(self, f: FlatOp) -> bool:
+        return f in self.views
+
+    def slot_view(self, buffer_id: int, slot: int | None) -> str:
+        self.slot_views.append((buffer_id, slot, self.repeats))
+        return f"REMOTE_VIEW(rt.buffers[{buffer_id}], {slot}, {buffer_id})"
+
+    def stacked_call(self, f: FlatOp) -> bool:
+        """Note [explicit batching]: a runtime op through its definition's ``explicit`` rule,
         called as ``fn(stacked_buffer, *ins)``."""
         if not self.explicit:
             return False
         fn = _explicit.opdef_rule(f.source, [self.a.b(n) for n in f.ins], self.p.R)
         bid = f.source.attrs.buffer.remote_buffer_id
         call = f"{self.p.literal(fn)}(rt.buffers[{bid}]{''.join(', ' + n for n in f.ins)})"
-        self.lines.append(f"{ind}{f.outs[0]} = {call}" if f.outs else f"{ind}{call}")
+        self.lines.append(f"{self._ind}{f.outs[0]} = {call}" if f.outs else f"{self._ind}{call}")
         return True
 
-    def _remote_load(self, f: FlatOp, ind: str) -> None:
-        bid = f.source.attrs.buffer.remote_buffer_id
-        if self.explicit and bid in self.a.assumptions.uniform_buffers:
-            # Note [replica-invariant remote buffers]: row 0 of the slot (counted as the load
-            # of every replica); a view when the value goes back to the same slot
-            slot = _constant_offset(f)
-            view = f"REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})[0]"
-            self.lines.append(f"{ind}{f.outs[0]} = {view}{'' if f in self.views else '.clone()'}")
-            self.slot_views.append((bid, slot, self.repeats))
-            return
-        if f in self.views:  # Note [remote slot views]
-            slot = _constant_offset(f)
-            self.lines.append(f"{ind}{f.outs[0]} = REMOTE_VIEW(rt.buffers[{bid}], {slot}, {bid})")
-            self.slot_views.append((bid, slot, self.repeats))
-            return
-        if self._remote_explicit(f, ind):
-            return
-        bid = f.source.attrs.buffer.remote_buffer_id
-        self.lines.append(f"{ind}{f.outs[0]} = REMOTE_LOAD(rt.buffers[{bid}], {f.ins[0]}, {bid})")
-
-    def _remote_load_(self, f: FlatOp, ind: str) -> None:
-        if self._remote_explicit(f, ind):
-            return
-        bid = f.source.attrs.buffer.remote_buffer_id
-        self.lines.append(
-            f"{ind}{f.ins[0]}.copy_(REMOTE_LOAD(rt.buffers[{bid}], {f.ins[1]}, {bid}))"
-        )
-
-    def _remote_store(self, f: FlatOp, ind: str) -> None:
-        if self._remote_explicit(f, ind):
-            return
-        bid = f.source.attrs.buffer.remote_buffer_id
-        self.lines.append(f"{ind}REMOTE_STORE(rt.buffers[{bid}], {f.ins[1]}, {f.ins[0]}, {bid})")
-
-    def _print(self, f: FlatOp, ind: str) -> None:
-        self.lines.append(f"{ind}rt.print({self.p.literal(f.source.attrs)}, {f.ins[0]})")
+    def constant_offset(self, f: FlatOp) -> int | None:
+        return _constant_offset(f)
 
     def _loop(self, f: FlatOp, ind: str) -> None:
         for carried, arg in zip(f.outs, f.ins, strict=True):

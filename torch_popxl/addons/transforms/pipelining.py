@@ -45,7 +45,6 @@ from ...ir.context import gcg, in_sequence, ipu
 from ...ir.graph import Graph, Op
 from ...ir.tensor import Tensor, _fake_like, graph_input, graph_output
 from ...opdefs import lookup
-from ...opdefs.ipu_copy import opdef as _ipu_copy_opdef
 from ...ops import dynamic_slice, dynamic_update_, increment_mod_, init
 from ...ops.call import CallSiteInfo, call, repeat_with_info
 from ...transforms.autodiff import GradGraphInfo
@@ -54,6 +53,12 @@ from ..module import Module
 __all__ = ["pipelined_execution", "PipelineStages"]
 
 _COPIES = "ipu_copies"  # the unit holding every ipu_copy of the region
+
+
+def _ipu_transfer(op: Op) -> bool:
+    """Whether the op's definition says it moves a value between IPUs (``ipu_copy``)."""
+    opdef = lookup(op)
+    return opdef is not None and opdef.has("ipu_transfer") and opdef.rule("ipu_transfer")(op)
 
 
 class Stash(Module):
@@ -227,7 +232,7 @@ class _Pipeline:
         unit_ops: dict[object, list[Op]] = defaultdict(list)
         for op in region:
             stage = self.stages._stage_of[id(op)]
-            unit_ops[_COPIES if lookup(op) is _ipu_copy_opdef else stage].append(op)
+            unit_ops[_COPIES if _ipu_transfer(op) else stage].append(op)
         producer: dict[Tensor, object] = {}
         for key, ops in unit_ops.items():
             for op in ops:

@@ -21,6 +21,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import opdefs
+from ..capture import view_or_copy
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
@@ -644,6 +645,8 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
 
     def _torch(self, op: Op, ins) -> list[list[torch.Tensor]]:
         target = op.attrs.target
+        if target is torch.ops.aten.view.default:  # Note [recorded views meet other layouts]
+            target = view_or_copy
         args, kwargs = op.attrs.args, op.attrs.kwargs
         opdef = opdefs.lookup(op)
         if opdef is not None and Effect.COLLECTIVE in opdef.effects:

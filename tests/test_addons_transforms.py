@@ -323,7 +323,6 @@ def test_batch_serialise_rows_offsets_and_chained_buffers(executor):
     np.testing.assert_array_equal(outputs[out_d2h], _inputs() * 2**4)
 
 
-
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_batch_serialise_row_offset_functions_name_the_row(executor):
     """A handle's row offset may be a function of the graph's row index giving the row itself
@@ -348,6 +347,7 @@ def test_batch_serialise_row_offset_functions_name_the_row(executor):
     ir.num_host_transfers = BF
     outputs, _ = run(ir, {in_h2d: _inputs()}, executor)
     np.testing.assert_array_equal(outputs[out_d2h], _inputs() * 2**3)
+
 
 class Linear(addons.Module):
     def build(self, x: popxl.Tensor) -> popxl.Tensor:

@@ -323,6 +323,32 @@ def test_batch_serialise_rows_offsets_and_chained_buffers(executor):
     np.testing.assert_array_equal(outputs[out_d2h], _inputs() * 2**4)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_batch_serialise_row_offset_functions_name_the_row(executor):
+    """A handle's row offset may be a function of the graph's row index giving the row itself
+    (T5's finetuning: its encoder and decoder layers share one block graph and read masks
+    from rows 0 and 1 of one buffer, ``RemoteHandle(mask_buffer, lambda i: i / (N + 2))``).
+    Called with row index 3, the middle graph reads row 0 and writes row 1."""
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        in_h2d = popxl.h2d_stream((CB, 2), popxl.float32, name="in_stream")
+        out_d2h = popxl.d2h_stream(in_h2d.shape, in_h2d.dtype, name="out_stream")
+        args, graph = Scale().create_graph(in_h2d.spec)
+        x_in, y_out = graph.graph.inputs[0], graph.graph.outputs[0]
+        buffer = batch_serial_buffer(y_out, steps=BF, rows=2)
+        load = batch_serialise(graph, BF, {x_in: in_h2d}, {}, {y_out: (buffer, 0)})
+        middle = batch_serialise(graph, BF, {x_in: RemoteHandle(buffer, lambda r: r - 3)}, {},
+                                 {y_out: RemoteHandle(buffer, lambda r: r / 3)})  # fmt: skip
+        store = batch_serialise(graph, BF, {x_in: (buffer, 1)}, {y_out: out_d2h}, {})
+        var = args.init()
+        load.graph.bind(var).call(0)
+        middle.graph.bind(var).call(3)
+        store.graph.bind(var).call(0)
+    ir.num_host_transfers = BF
+    outputs, _ = run(ir, {in_h2d: _inputs()}, executor)
+    np.testing.assert_array_equal(outputs[out_d2h], _inputs() * 2**3)
+
+
 class Linear(addons.Module):
     def build(self, x: popxl.Tensor) -> popxl.Tensor:
         w = self.add_variable_input("w", partial(np.random.normal, 0, 0.1, (2, 16)), x.dtype)

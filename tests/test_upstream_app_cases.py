@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_popxl as popxl
+import torch_popxl.addons as addons
 from torch_popxl import ops
 from torch_popxl.popart import PyWeightsIO
 from torch_popxl.transforms import autodiff
@@ -411,3 +412,56 @@ def test_get_current_context_is_upstreams_live_context():
         assert ctx.graph is ir.main_graph
     with pytest.raises(RuntimeError, match="No graph context is active"):
         _ = ctx.graph
+
+
+# ---- called graphs take strided arguments --------------------------------------------------
+# T5's and GPT-J's attention serialisation (``attention_serialisation > 1``): the query is
+# transposed to (batch, heads, seq, size), split along the sequence, and each piece goes
+# through one called graph. Upstream a called graph takes its arguments' values, whatever op
+# produced them; here the pieces are strided, while the callee's batched ``@`` was recorded on
+# contiguous inputs (Note [recorded views meet other layouts], capture.py). T5's
+# ``finetuning.py`` autodiffs the block that makes these calls.
+
+_Q = RNG.random((2, 8, 2, 16), dtype=np.float32)  # (batch, seq, heads, head size)
+_K = RNG.random((2, 2, 16, 8), dtype=np.float32)  # (batch, heads, head size, seq)
+_DS = RNG.random((2, 2, 8, 8), dtype=np.float32)  # gradient of the scores
+
+
+def _serialised_scores(q: popxl.Tensor, k: popxl.Tensor) -> popxl.Tensor:
+    q0, q1 = ops.split(q.transpose((0, 2, 1, 3)), 2, axis=2)
+    blk = popxl.gcg().ir.create_graph(lambda a, b: a @ b, q0, k)
+    (s0,) = ops.call(blk, q0, k)
+    (s1,) = ops.call(blk, q1, k)
+    return ops.concat([s0, s1], axis=2)
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_called_graph_takes_strided_arguments(executor, replication):
+    ir = popxl.Ir(replication=replication)
+    with ir.main_graph:
+        out = _store(_serialised_scores(popxl.constant(_Q), popxl.constant(_K)))
+    got = _run(ir, executor)[out]
+    expected = (torch.from_numpy(_Q).transpose(1, 2) @ torch.from_numpy(_K)).numpy()
+    for r in range(replication):
+        np.testing.assert_allclose(got[r] if replication > 1 else got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_autodiff_through_called_graph_with_strided_arguments(executor):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        specs = [popxl.TensorSpec(a.shape, popxl.float32) for a in (_Q, _K)]
+        fwd = addons.GraphWithNamedArgs(ir.create_graph(_serialised_scores, *specs))
+        bwd = addons.autodiff(fwd)
+        info = fwd.call_with_info(popxl.constant(_Q), popxl.constant(_K))
+        dq, dk = bwd.call(popxl.constant(_DS), args=bwd.grad_graph_info.inputs_dict(info))
+        outs = _store(info.outputs[0]), _store(dq), _store(dk)
+    got = _run(ir, executor)
+    q = torch.from_numpy(_Q).requires_grad_()
+    k = torch.from_numpy(_K).requires_grad_()
+    expected = q.transpose(1, 2) @ k
+    expected.backward(torch.from_numpy(_DS))
+    np.testing.assert_allclose(got[outs[0]], expected.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got[outs[1]], q.grad.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got[outs[2]], k.grad.numpy(), rtol=1e-5)

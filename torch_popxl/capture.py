@@ -26,7 +26,7 @@ from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
 from .ir.tensor import Constant, Tensor, _constant_from_torch, variable
 
-__all__ = ["call_torch", "fake_mode", "in_torch_order", "record_into"]
+__all__ = ["call_torch", "fake_mode", "in_torch_order", "record_into", "view_or_copy"]
 
 aten = torch.ops.aten
 
@@ -53,6 +53,25 @@ _INPLACE_VIEWS = {
     aten.t_.default: aten.t.default,
     aten.as_strided_.default: aten.as_strided.default,
 }
+
+
+# Note [recorded views meet other layouts]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph's ops are recorded on fake tensors laid out contiguously, and torch's decompositions
+# record ``aten.view`` wherever that layout allows one (``reshape``, a batched ``@``). The
+# values a graph later runs on need not share that layout: a called graph receives whatever
+# its caller computed (a query split after a transpose, in Graphcore's serialised attention),
+# and under vmap a batched tensor has its own. Popxl tensors have no layout, so wherever such
+# a view cannot be taken the same values are given by a copy; where it can, it is the view, so
+# aliasing is kept wherever the program could observe it. Every replay of a recorded
+# ``aten.view`` (the runtime's generated code, autodiff's replay) goes through ``view_or_copy``.
+def view_or_copy(x: torch.Tensor, shape) -> torch.Tensor:
+    """``aten.view`` of ``x`` as ``shape``, or the reshaped copy where ``x``'s layout allows no
+    view (Note [recorded views meet other layouts])."""
+    try:
+        return aten.view.default(x, shape)
+    except (RuntimeError, ValueError):  # eager tensors raise RuntimeError, fake ones ValueError
+        return aten.reshape.default(x, shape)
 
 
 # Outputs larger than this (elements in all) are not folded (Note [constant folding]).

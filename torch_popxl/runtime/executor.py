@@ -21,6 +21,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import opdefs
+from ..capture import view_or_copy
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
@@ -244,6 +245,13 @@ def _trace_vmap(batched, args, titles: list) -> _Traced | str:
     host, coll = counted["host_bytes"], (counted["collective_bytes"], counted["num_collectives"])
     if graph is None:
         return reason
+    # Note [recorded views meet other layouts]: fake tensors' strides need not be the real
+    # ones, so a view that tracing could take may not exist at run time; reshape is that view
+    # wherever it exists.
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    graph.recompile()
     if counted["num_remote_loads"] or counted["num_remote_stores"]:
         return "remote-buffer traffic is counted outside its kernels here"
     return _Traced(graph, list(titles), host, coll, _per_replica_loops(graph, args[-1].shape[0]))
@@ -644,6 +652,8 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
 
     def _torch(self, op: Op, ins) -> list[list[torch.Tensor]]:
         target = op.attrs.target
+        if target is torch.ops.aten.view.default:  # Note [recorded views meet other layouts]
+            target = view_or_copy
         args, kwargs = op.attrs.args, op.attrs.kwargs
         opdef = opdefs.lookup(op)
         if opdef is not None and Effect.COLLECTIVE in opdef.effects:

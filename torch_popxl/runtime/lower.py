@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import opdefs  # also registers torch.ops.torch_popxl
+from ..capture import view_or_copy
 from ..ir.graph import Graph, Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Effects, Interpreter, effects
@@ -991,20 +992,6 @@ class _Scratch:
         return buf
 
 
-def _batched_view(x: torch.Tensor, shape) -> torch.Tensor:
-    """``aten.view`` that tolerates vmap's physical layout.
-
-    Under vmap a per-replica view can fail where the single-replica program's view succeeds,
-    because the batched tensor's memory layout differs (for example after a batching
-    fallback). A copy is then the only option; when the view works it is used, so aliasing
-    is preserved wherever the program could observe it.
-    """
-    try:
-        return _aten.view.default(x, shape)
-    except RuntimeError:
-        return _aten.reshape.default(x, shape)
-
-
 def _stacked_view(x: torch.Tensor, shape, R: int) -> torch.Tensor:
     """A per-replica view on stacked ``[R, ...]`` storage (a copy only if a view is impossible)."""
     try:
@@ -1033,7 +1020,7 @@ class Program:
             "REMOTE_VIEW": torch.ops.torch_popxl.remote_slot_view,
             "COPY_UNLESS_SAME": _copy_unless_same,
             "MM_ALL_REDUCE": torch.ops.torch_popxl.mm_all_reduce,
-            "VIEW": _batched_view,
+            "VIEW": view_or_copy,
             "REPLICA_SUM": torch.ops.torch_popxl.replica_sum,
             "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
             "MM_ALL_REDUCE_STACKED": torch.ops.torch_popxl.mm_all_reduce_stacked,
@@ -1219,7 +1206,7 @@ class _Emitter:
     def _torch_plain(self, f: FlatOp, ind: str) -> None:
         target = f.source.attrs.target
         is_aten = isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-        if target is _aten.view.default and self.p.R > 1:
+        if target is _aten.view.default:  # Note [recorded views meet other layouts]
             fn = "VIEW"
         else:
             fn = self.p.aten(target) if is_aten else self.p.literal(target)

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import opdefs
-from ..capture import fake_mode, in_torch_order, record_into
+from ..capture import fake_mode, in_torch_order, record_into, view_or_copy
 from ..errors import PopXLError
 from ..errors import given as _given
 from ..ir import context as _ctx
@@ -237,6 +237,8 @@ class _Replay(Interpreter[torch.Tensor]):
         if op.kind != OpKind.TORCH:
             return self._no_gradient_path(op)
         target = op.attrs.target
+        if target is torch.ops.aten.view.default:  # Note [recorded views meet other layouts]
+            target = view_or_copy
         args = _fill(op.attrs.args, ins)
         kwargs = _fill(op.attrs.kwargs, ins)
         if _has_no_gradient(op):

@@ -13,8 +13,10 @@ Note [batch serialisation]
     The returned graph's first input is a row index ``r`` (``call(0)``). A remote buffer is a
     matrix of ``rows`` rows by ``steps`` columns: step ``s`` with handle row offset ``o``
     addresses entry ``(r + o) * steps + s``; an offset of ``None`` always addresses row 0
-    (entry ``s``). Buffers grow (``entries``) to hold the rows they are addressed with, as in
-    popxl-addons.
+    (entry ``s``); an offset that is a function maps ``r`` (an int32 tensor) to the row itself,
+    entry ``f(r) * steps + s`` (T5's finetuning reads its encoder and decoder masks from the
+    rows of one buffer this way). Buffers grow (``entries``) to hold the rows they are
+    addressed with by an int offset, as in popxl-addons; a function's rows must already fit.
 
     ``batch_serialise_fwd_and_grad`` serialises a forward graph and its gradient graph
     together: each activation the gradient graph needs is stored by the forward loop into a
@@ -70,11 +72,11 @@ IoMode = Literal["compute", "io", "io_overlapped"]
 @dataclass
 class RemoteHandle:
     """Where a tensor lives in streaming memory: a buffer, the row offset into it (``None``:
-    always row 0; see Note [batch serialisation]) and the replica group it is sharded over
-    (``None``: not sharded)."""
+    always row 0; a function of the row index: the row; see Note [batch serialisation]) and
+    the replica group it is sharded over (``None``: not sharded)."""
 
     buffer: RemoteBuffer
-    row_offset: int | None = 0
+    row_offset: int | Callable[[Tensor], Tensor] | None = 0
     shard_group: ReplicaGrouping | None = None
 
     def __iter__(self):
@@ -182,6 +184,8 @@ def _entry(index: Tensor, h: RemoteHandle, steps: int, rows: int) -> Tensor:
     if h.row_offset is None:
         h.buffer.entries = max(h.buffer.entries, steps)
         return index % steps
+    if callable(h.row_offset):  # ``index`` is r * steps + s (Note [batch serialisation])
+        return h.row_offset(index / steps) * steps + index % steps
     h.buffer.entries = max(h.buffer.entries, steps * (h.row_offset + rows))
     return index + h.row_offset * steps if h.row_offset else index
 

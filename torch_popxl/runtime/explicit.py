@@ -531,8 +531,8 @@ def fold_obstacle(loop, plan) -> str | None:
     body = loop.body
     # One pass takes each stream's next ``count`` entries in order: a stream used by two host
     # ops of an iteration would need its entries interleaved.
-    streams = [(f.kind, f.source.attrs.stream._index) for f in body
-               if f.kind in ("host_load", "host_store")]  # fmt: skip
+    streams = [(f.op.kind.name, f.source.attrs.stream._index) for f in body
+               if _runtime_stacked(f)]  # fmt: skip
     if len(set(streams)) != len(streams):
         return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated

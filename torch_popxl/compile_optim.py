@@ -57,7 +57,10 @@ Note [whole-parameter reductions on shards]
     the parameter there is no padding and no mask. The result equals eager's up to float32
     summation order (the shards' partials are added in another order than torch's pairwise
     sum). The probe runs on the full parameter, so it decides which reductions are full
-    (``dim`` None or every dim); any other mixing op stays refused.
+    (``dim`` None or every dim); any other mixing op stays refused. Not covered: the step's
+    shape queries see the shard (``p.numel()`` and ``p.shape`` are the shard's; they are no
+    dispatched ops), so an update that divides by ``p.numel()`` itself (an RMS) differs from
+    eager under RTS, where ``mean()`` counts the real elements.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import copy
 import dataclasses
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -201,8 +205,8 @@ class _ReductionSpy(TorchDispatchMode):
             return False
         return not (
             isinstance(args[0], torch.Tensor)
-            and tuple(args[0].shape) == self.shape
-            and _is_whole(func, args, kwargs, len(self.shape))
+            and args[0].numel() == self.numel
+            and _is_whole(func, args, kwargs, args[0].dim())
         )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -444,33 +448,37 @@ class _ShardedReductions(TorchDispatchMode):
             or not _is_whole(func, args, kwargs, 1)
         ):
             return func(*args, **kwargs)
-        out = self._whole(packet, func, args, kwargs)
+        out = self._whole(packet, args, kwargs)
         keepdim = kwargs.get("keepdim", False)
         if packet in _DIM_ARG and len(args) > _DIM_ARG[packet] + 1:
             keepdim = args[_DIM_ARG[packet] + 1]
         return out.reshape(1) if keepdim else out
 
-    def _whole(self, packet, func, args, kwargs) -> torch.Tensor:
+    def _whole(self, packet, args, kwargs) -> torch.Tensor:
         x = args[0]
         if packet in (aten.dot, aten.vdot):
-            y = args[1]
-            prod = x.conj() * y if packet is aten.vdot else x * y
-            return self._all(self._neutral(prod, 0.0).sum(), "add")
+            x = x.conj() * args[1] if packet is aten.vdot else x * args[1]
+        out_dtype = kwargs.get("dtype") or x.dtype
+        if packet is aten.sum and not out_dtype.is_floating_point and not out_dtype.is_complex:
+            out_dtype = torch.int64  # torch sums integers and booleans as int64
+        # 16-bit values: partials and the all-reduce in float32 (torch accumulates their sums
+        # in float32 too; the collectives take no bfloat16), rounded once at the end
+        wide = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+        x = x.to(wide)
+        return self._reduced(packet, x, args, kwargs).to(out_dtype)
+
+    def _reduced(self, packet, x: torch.Tensor, args, kwargs) -> torch.Tensor:
         if packet in (aten.amax, aten.max):
             return self._all(self._neutral(x, -float("inf")).amax(), "max")
         if packet in (aten.amin, aten.min):
             return self._all(self._neutral(x, float("inf")).amin(), "min")
-        if packet in (aten.sum, aten.mean):
-            dtype = kwargs.get("dtype")
-            total = self._all(self._neutral(x, 0.0).sum(dtype=dtype), "add")
+        if packet in (aten.sum, aten.mean, aten.dot, aten.vdot):
+            total = self._all(self._neutral(x, 0.0).sum(), "add")
             return total / self.sharding.numel if packet is aten.mean else total
-        # norms: torch.linalg.vector_norm(x, ord, dim, keepdim, dtype=) and aten.norm(x, p, ...)
+        # norms: linalg_vector_norm(x, ord=2, dim, keepdim, *, dtype), norm(x, p, dim, ...)
         order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p"))
         order = 2.0 if order is None else float(order)
-        dtype = kwargs.get("dtype")
-        if len(args) > 4 and packet is aten.norm:
-            dtype = args[4]
-        a = x.abs() if dtype is None else x.to(dtype).abs()
+        a = x.abs()
         if order == float("inf"):
             return self._all(self._neutral(a, 0.0).amax(), "max")
         if order == -float("inf"):
@@ -567,13 +575,12 @@ def torch_step(
     """Record ``opt``'s step on graph tensors (Note [captured optimizer steps]); ``sharding``
     where ``p`` is this replica's RTS shard (Note [whole-parameter reductions on shards])."""
     kwargs = {"opt": opt, "layout": layout, "capturable": layout.capturable}
+    fn: Callable[..., None] = _step
+    args = (p, g, step, hyper, *state)
     if found is not None:
         fn, args = _skippable_step, (p, g, step, hyper, found, *state)
-    else:
-        fn, args = _step, (p, g, step, hyper, *state)
     if sharding is not None:
-        kwargs = {"fn": fn, "sharding": sharding, **kwargs}
-        fn = _on_shards
+        fn, kwargs = _on_shards, {"fn": fn, "sharding": sharding, **kwargs}
     call_torch(fn, args, kwargs)
 
 

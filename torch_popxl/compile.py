@@ -717,10 +717,13 @@ class Trainer:
         sharded = self._shard(data.size)
         if sharded and spec.layout is not None and spec.layout.reduces:
             raise ValueError(
-                f"popxl.compile: {type(self.optimizer).__name__}'s step reduces over a whole "
-                f"parameter ({spec.layout.reduces}), so it cannot update a shard of {name!r} "
-                f"({data.size} elements) alone; rts_threshold={self.rts_threshold} would shard "
-                "it. Set rts_threshold above the largest parameter's size or to None."
+                f"popxl.compile: {type(self.optimizer).__name__}'s step runs "
+                f"{spec.layout.reduces} on a parameter-sized tensor, which mixes elements that "
+                f"different shards hold (a reduction over some dims, a matmul, sorting, "
+                f"indexing), so it cannot update a shard of {name!r} ({data.size} elements); "
+                f"rts_threshold={self.rts_threshold} would shard it. Full reductions (a norm, "
+                "a sum or mean over the whole tensor) run on shards. Set rts_threshold above "
+                f"{data.size} (so {name!r} is not sharded) or to None."
             )
         init = self._initial_state(name, spec)
         state, shards, buffers = {}, {}, {}
@@ -853,8 +856,12 @@ class Trainer:
         state = self._load_state(s)
         if s.spec.kind == "torch":  # scalars: hyper/i (Note [captured optimizer steps])
             assert s.spec.layout is not None
+            sharding = None
+            if s.sharded:  # Note [whole-parameter reductions on shards]
+                rg = s.var.ir._check_grouping(None)  # RTS shards over all replicas
+                sharding = _optim.Sharding(int(np.prod(s.var.shape)), rg.group_size, rg.stride)
             _optim.torch_step(p, g, step, scalars, state, opt=self._shadow,
-                              layout=s.spec.layout, found=found)  # fmt: skip
+                              layout=s.spec.layout, found=found, sharding=sharding)  # fmt: skip
         else:
             _optimizer_update(p, g, step, scalars, state, s.spec, found)
         self._finish_update(s, p, state)

@@ -34,10 +34,33 @@ Note [captured optimizer steps]
       (RAdam's ``rho_t > 5``, ASGD's ``mu != 1``) is found by a trial capture and then runs
       its ``capturable=True`` path (tensor arithmetic, ``torch.where``); its scalars then
       round differently from eager's Python floats (relative differences of ~1e-7).
-    * Sharding: the probe watches the ops of the step. An update that reduces over the whole
-      parameter (a norm, a sum, a matmul) cannot run on a shard without the other shards'
-      partial results, so such an optimizer is refused with RTS (``rts_threshold``) on a
-      parameter it would shard; elementwise updates run on shards as SGD/Adam do.
+    * Sharding: the probe watches the ops of the step on a parameter-sized tensor. A full
+      reduction (a norm, a sum, a mean, a max, a dot product: Note [whole-parameter
+      reductions on shards]) runs on shards; any other op that mixes the elements of a
+      parameter (a reduction over one dim, a matmul, sorting, indexing, a transpose) cannot
+      run on a shard without the others, so such an optimizer is refused with RTS
+      (``rts_threshold``) on a parameter it would shard; elementwise updates run on shards as
+      SGD/Adam do.
+
+Note [whole-parameter reductions on shards]
+    LARS/LAMB-style updates scale a parameter's step by ``p.norm() / update.norm()``. Where RTS
+    shards the parameter, each replica's step sees only its shard (1-D, ``ceil(n / G)``
+    elements, the last shards zero-padded: popxl.md §4.5), so under capture a full reduction of
+    a shard-shaped tensor (``aten.sum``, ``mean``, ``linalg_vector_norm``, ``norm``,
+    ``amax``/``amin``/``max``/``min``, ``dot``/``vdot``) is rewritten as: the shard's partial
+    result (a sum, a sum of ``|x|^ord``, a count of nonzeros, a max), padding elements replaced
+    by the neutral value (padding is zero in the parameter, gradient and state, but an update
+    computed from them need not be: ``p + 1``), one ``replicated_all_reduce`` over the
+    sharding group, then the finish (``sqrt``, ``** (1 / ord)``, ``/ n`` with ``n`` the
+    parameter's real element count). Which shard elements are padding comes from this replica's
+    index in the group (a ``'local'`` reduce-scatter of ``arange(G)``); when the shards divide
+    the parameter there is no padding and no mask. The result equals eager's up to float32
+    summation order (the shards' partials are added in another order than torch's pairwise
+    sum). The probe runs on the full parameter, so it decides which reductions are full
+    (``dim`` None or every dim); any other mixing op stays refused. Not covered: the step's
+    shape queries see the shard (``p.numel()`` and ``p.shape`` are the shard's; they are no
+    dispatched ops), so an update that divides by ``p.numel()`` itself (an RMS) differs from
+    eager under RTS, where ``mean()`` counts the real elements.
 """
 
 from __future__ import annotations
@@ -48,6 +71,7 @@ import copy
 import dataclasses
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,19 +85,43 @@ from .ir.ir import Ir
 from .ir.tensor import graph_input
 from .opdefs import scalar_tensor as _scalar_ops
 
-__all__ = ["StateLayout", "probe", "torch_step"]
+__all__ = ["Sharding", "StateLayout", "probe", "torch_step"]
 
 aten = torch.ops.aten
 
 # aten ops that combine the elements of a tensor (an update using one on a parameter-sized
-# tensor cannot run on a shard alone)
+# tensor cannot run on a shard alone, unless it is a full reduction of _WHOLE)
 _REDUCTIONS = {
     aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.amax, aten.amin, aten.max,
     aten.min, aten.prod, aten.std, aten.var, aten.var_mean, aten.std_mean, aten.dot, aten.vdot,
     aten.mm, aten.mv, aten.bmm, aten.addmm, aten.matmul, aten.cumsum, aten.sort, aten.topk,
     aten.median, aten.kthvalue, aten.any, aten.all, aten.argmax, aten.argmin, aten.logsumexp,
-    aten._linalg_svd, aten.linalg_qr,
+    aten._linalg_svd, aten.linalg_qr, aten.index, aten.index_select, aten.gather, aten.flip,
+    aten.roll, aten.cumprod, aten.msort, aten.argsort,
 }  # fmt: skip
+# full reductions that run on shards (Note [whole-parameter reductions on shards])
+_WHOLE = {aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.amax, aten.amin,
+          aten.max, aten.min, aten.dot, aten.vdot}  # fmt: skip
+# where each op takes its ``dim`` (positional index), for the full-reduction test
+_DIM_ARG = {aten.sum: 1, aten.mean: 1, aten.amax: 1, aten.amin: 1, aten.linalg_vector_norm: 2,
+            aten.norm: 2}  # fmt: skip
+
+
+def _is_whole(func, args, kwargs, ndim: int) -> bool:
+    """Whether ``func`` reduces its first argument (of ``ndim`` dims) to one value."""
+    packet = func.overloadpacket
+    if packet not in _WHOLE:
+        return False
+    if packet in (aten.max, aten.min):
+        return func._overloadname == "default"
+    if packet in (aten.dot, aten.vdot):
+        return True
+    i = _DIM_ARG[packet]
+    dim = args[i] if len(args) > i else kwargs.get("dim")
+    if dim is None:
+        return True
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return not dims or {d % max(ndim, 1) for d in dims} == set(range(ndim))
 
 
 @dataclass(frozen=True)
@@ -86,7 +134,9 @@ class StateLayout:
     has_step: bool
     hyper: tuple  # the group's values other than params and lr, frozen
     capturable: bool  # runs torch's capturable=True path (Note [captured optimizer steps])
-    reduces: str | None  # the first reduction op the step runs on a parameter-sized tensor
+    # the first op that mixes a parameter-sized tensor's elements other than a full
+    # reduction (Note [whole-parameter reductions on shards]): refused with RTS
+    reduces: str | None
     # an entry's initial value depends on the gradient or the parameter (made in the first
     # step, as SGD's momentum buffer): the first step runs torch's own initialisation
     lazy: bool = False
@@ -130,21 +180,38 @@ class _InitLog(dict):
 
 
 class _ReductionSpy(TorchDispatchMode):
-    def __init__(self, numel: int):
+    """Finds the first op of a step that mixes the elements of a parameter-sized tensor in a
+    way a shard cannot run alone (Note [whole-parameter reductions on shards])."""
+
+    def __init__(self, shape: tuple):
         super().__init__()
-        self.numel = numel
+        self.shape = shape
+        self.numel = 1
+        for d in shape:
+            self.numel *= d
         self.found: str | None = None
+
+    def _mixes(self, func, args, kwargs) -> bool:
+        packet = getattr(func, "overloadpacket", None)
+        if self.numel <= 1 or not any(
+            isinstance(a, torch.Tensor) and a.numel() == self.numel for a in args
+        ):
+            return False
+        if packet in (aten.slice, aten.select, aten.narrow):
+            return True  # part of a parameter: another replica may hold it
+        if packet in (aten.t, aten.transpose, aten.permute):
+            return len(self.shape) > 1
+        if packet not in _REDUCTIONS or func._overloadname in ("other", "out"):
+            return False
+        return not (
+            isinstance(args[0], torch.Tensor)
+            and args[0].numel() == self.numel
+            and _is_whole(func, args, kwargs, args[0].dim())
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = getattr(func, "overloadpacket", None)
-        if (
-            self.found is None
-            and packet in _REDUCTIONS
-            and func._overloadname not in ("other", "out", "dim_max", "dim_min")
-            and self.numel > 1
-            and any(isinstance(a, torch.Tensor) and a.numel() > 1 for a in args)
-        ):
+        if self.found is None and self._mixes(func, args, kwargs):
             self.found = str(func)
         return func(*args, **kwargs)
 
@@ -202,7 +269,7 @@ def _probe_step(optimizer, values: dict, q: torch.Tensor, grad: float) -> tuple[
     opt.param_groups = [dict(values, params=[q])]
     log = _InitLog()
     opt.state = collections.defaultdict(dict, {q: log})
-    spy = _ReductionSpy(q.numel())
+    spy = _ReductionSpy(tuple(q.shape))
     try:
         with spy:
             _run_step(opt)
@@ -323,6 +390,108 @@ def _captured_helpers(capturable: bool):
             setattr(mod, attr, value)
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How the captured step's parameter is sharded (Note [whole-parameter reductions on
+    shards]): its real element count and the sharding group."""
+
+    numel: int
+    group_size: int
+    stride: int
+
+    @property
+    def shard(self) -> int:
+        return -(-self.numel // self.group_size)
+
+
+class _ShardedReductions(TorchDispatchMode):
+    """Rewrites a full reduction of a shard-shaped tensor as the shard's partial result,
+    all-reduced over the sharding group, then finished (Note [whole-parameter reductions on
+    shards])."""
+
+    def __init__(self, sharding: Sharding):
+        super().__init__()
+        self.sharding = sharding
+        self._mask: torch.Tensor | None = None
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        """True on this replica's real (non-padding) elements; None without padding."""
+        sh = self.sharding
+        if sh.shard * sh.group_size == sh.numel:
+            return None
+        if self._mask is None:
+            ranks = torch.arange(sh.group_size, dtype=torch.float32, device=x.device)
+            mine = torch.ops.torch_popxl.replicated_reduce_scatter(
+                ranks, "local", sh.group_size, sh.stride
+            )
+            start = mine.long() * sh.shard
+            pos = start + torch.arange(sh.shard, dtype=torch.int64, device=x.device)
+            self._mask = pos < sh.numel
+        return self._mask
+
+    def _neutral(self, x: torch.Tensor, value: float) -> torch.Tensor:
+        m = self.mask(x)
+        return x if m is None else torch.where(m, x, torch.full((), value, dtype=x.dtype))
+
+    def _all(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        sh = self.sharding
+        return torch.ops.torch_popxl.replicated_all_reduce(x, op, sh.group_size, sh.stride)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = getattr(func, "overloadpacket", None)
+        x = args[0] if args else None
+        if (
+            packet not in _WHOLE
+            or not isinstance(x, torch.Tensor)
+            or tuple(x.shape) != (self.sharding.shard,)
+            or not _is_whole(func, args, kwargs, 1)
+        ):
+            return func(*args, **kwargs)
+        out = self._whole(packet, args, kwargs)
+        keepdim = kwargs.get("keepdim", False)
+        if packet in _DIM_ARG and len(args) > _DIM_ARG[packet] + 1:
+            keepdim = args[_DIM_ARG[packet] + 1]
+        return out.reshape(1) if keepdim else out
+
+    def _whole(self, packet, args, kwargs) -> torch.Tensor:
+        x = args[0]
+        if packet in (aten.dot, aten.vdot):
+            x = x.conj() * args[1] if packet is aten.vdot else x * args[1]
+        out_dtype = kwargs.get("dtype") or x.dtype
+        if packet is aten.sum and not out_dtype.is_floating_point and not out_dtype.is_complex:
+            out_dtype = torch.int64  # torch sums integers and booleans as int64
+        # 16-bit values: partials and the all-reduce in float32 (torch accumulates their sums
+        # in float32 too; the collectives take no bfloat16), rounded once at the end
+        wide = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+        x = x.to(wide)
+        return self._reduced(packet, x, args, kwargs).to(out_dtype)
+
+    def _reduced(self, packet, x: torch.Tensor, args, kwargs) -> torch.Tensor:
+        if packet in (aten.amax, aten.max):
+            return self._all(self._neutral(x, -float("inf")).amax(), "max")
+        if packet in (aten.amin, aten.min):
+            return self._all(self._neutral(x, float("inf")).amin(), "min")
+        if packet in (aten.sum, aten.mean, aten.dot, aten.vdot):
+            total = self._all(self._neutral(x, 0.0).sum(), "add")
+            return total / self.sharding.numel if packet is aten.mean else total
+        # norms: linalg_vector_norm(x, ord=2, dim, keepdim, *, dtype), norm(x, p, dim, ...)
+        order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p"))
+        order = 2.0 if order is None else float(order)
+        a = x.abs()
+        if order == float("inf"):
+            return self._all(self._neutral(a, 0.0).amax(), "max")
+        if order == -float("inf"):
+            return self._all(self._neutral(a, float("inf")).amin(), "min")
+        if order == 0:
+            return self._all(self._neutral((a != 0).to(a.dtype), 0.0).sum(), "add")
+        if order == 1:
+            return self._all(self._neutral(a, 0.0).sum(), "add")
+        if order == 2:
+            return self._all(self._neutral(a * a, 0.0).sum(), "add").sqrt()
+        return self._all(self._neutral(a.pow(order), 0.0).sum(), "add").pow(1.0 / order)
+
+
 def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool):
     """One step of ``opt`` on ``p`` (a parameter or a shard) with gradient ``g`` and the state
     tensors ``state`` (param-shaped entries, then scalar ones), in place."""
@@ -391,13 +560,33 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
     return False
 
 
-def torch_step(p, g, step, hyper, state, *, opt, layout: StateLayout, found=None) -> None:
-    """Record ``opt``'s step on graph tensors (Note [captured optimizer steps])."""
+def torch_step(
+    p,
+    g,
+    step,
+    hyper,
+    state,
+    *,
+    opt,
+    layout: StateLayout,
+    found=None,
+    sharding: Sharding | None = None,
+) -> None:
+    """Record ``opt``'s step on graph tensors (Note [captured optimizer steps]); ``sharding``
+    where ``p`` is this replica's RTS shard (Note [whole-parameter reductions on shards])."""
     kwargs = {"opt": opt, "layout": layout, "capturable": layout.capturable}
+    fn: Callable[..., None] = _step
+    args = (p, g, step, hyper, *state)
     if found is not None:
-        call_torch(_skippable_step, (p, g, step, hyper, found, *state), kwargs)
-    else:
-        call_torch(_step, (p, g, step, hyper, *state), kwargs)
+        fn, args = _skippable_step, (p, g, step, hyper, found, *state)
+    if sharding is not None:
+        fn, kwargs = _on_shards, {"fn": fn, "sharding": sharding, **kwargs}
+    call_torch(fn, args, kwargs)
+
+
+def _on_shards(*args, fn, sharding: Sharding, **kwargs) -> None:
+    with _ShardedReductions(sharding):
+        fn(*args, **kwargs)
 
 
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

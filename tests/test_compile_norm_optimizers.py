@@ -11,10 +11,10 @@ carries that into the update: rtol 1e-5 / atol 1e-6 as the other captured optimi
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import assert_same_training, eager_step
 
 import torch_popxl as popxl
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 
 
@@ -137,25 +137,6 @@ def batches(n=STEPS, size=16):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(size, 12, generator=g), torch.randn(size, 3, generator=g))
             for _ in range(n)]  # fmt: skip
-
-
-def eager_step(m, opt, x, y):
-    opt.zero_grad()
-    loss = F.mse_loss(m(x), y)
-    loss.backward()
-    opt.step()
-    return loss.item()
-
-
-def assert_same_training(m, opt, m_ref, opt_ref):
-    check = torch.testing.assert_close
-    for (name, p), q in zip(m.named_parameters(), m_ref.parameters(), strict=True):
-        check(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=lambda s, n=name: f"{n}: {s}")
-        assert sorted(opt.state[p]) == sorted(opt_ref.state[q]), name
-        for k, v in opt_ref.state[q].items():
-            atol = ATOL * max(1.0, v.abs().max().item())
-            check(opt.state[p][k], v, rtol=RTOL, atol=atol,
-                  msg=lambda s, n=f"{name}.{k}": f"{n}: {s}")  # fmt: skip
 
 
 @pytest.mark.parametrize("state", ["on_chip", "remote"])

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import assert_same_training, eager_step
 
 import torch_popxl as popxl
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
 EPS = 1e-4  # the adaptive optimizers' (see the tolerances above)
 # (R, GA, rts_threshold, optimizer_state)
@@ -114,33 +114,12 @@ def batches(n=STEPS, size=16):
             for _ in range(n)]  # fmt: skip
 
 
-def eager_step(m, opt, x, y):
-    opt.zero_grad()
-    loss = F.mse_loss(m(x), y)
-    loss.backward()
-    opt.step()
-    return loss.item()
-
-
 def compiled(make, R=1, GA=1, rts=None, state="on_chip"):
     m = model()
     opt = make(m.parameters())
     trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=R, gradient_accumulation=GA,
                             rts_threshold=rts, optimizer_state=state)  # fmt: skip
     return m, opt, trainer
-
-
-def assert_same_training(m, opt, m_ref, opt_ref, exact=False):
-    check = torch.testing.assert_close
-    kw = {"rtol": 0, "atol": 0} if exact else {"rtol": RTOL, "atol": ATOL}
-    for (name, p), q in zip(m.named_parameters(), m_ref.parameters(), strict=True):
-        check(p.detach(), q.detach(), **kw, msg=lambda s, n=name: f"{n}: {s}")
-        assert sorted(opt.state[p]) == sorted(opt_ref.state[q]), name
-        for k, v in opt_ref.state[q].items():
-            # state is not scaled by lr (RMSprop's buffer of g / sqrt(v) reaches ~10): its
-            # absolute tolerance scales with its magnitude
-            kw_state = dict(kw, atol=kw["atol"] * max(1.0, v.abs().max().item()))
-            check(opt.state[p][k], v, **kw_state, msg=lambda s, n=f"{name}.{k}": f"{n}: {s}")
 
 
 @pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS)

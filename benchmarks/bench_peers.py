@@ -12,10 +12,13 @@ float32 GEMM rate.
 
 Models: ``mlp`` (the MNIST MLP 784-512x3-10, Adam, R=4, GA=8, micro-batch 8), ``gpt``
 (GPT-2, 4 layers, width 256, seq 64, vocab 1024, AdamW, R=4, GA=4, 2 sequences per
-micro-batch; Hugging Face's GPT2LMHeadModel when transformers is installed), ``resnet18``
+micro-batch; Hugging Face's GPT2LMHeadModel without dropout when transformers is installed),
+``hf-gpt2`` (the same through GPT2LMHeadModel with its default config: dropout, ``use_cache``;
+needs transformers), ``resnet18``
 (torchvision, 32x32, SGD momentum, R=2, GA=2, micro-batch 8) and ``cnn`` (an MNIST CNN with
 batch norm and dropout, R=2, GA=2, micro-batch 16). The last two are checked for finite
-weights only: batch norm keeps per-replica statistics (as DDP does) and dropout draws.
+weights only: batch norm keeps per-replica statistics (as DDP does) and dropout draws; so is
+``hf-gpt2``.
 
 Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
 [--rounds N] [--no-torch-compile]``.
@@ -80,6 +83,30 @@ def _gpt() -> Workload:
                     g.lm_loss, lambda ps: torch.optim.AdamW(ps, 1e-3), g.R, g.GA, g.MICRO, batch)  # fmt: skip
 
 
+def _hf_gpt2() -> Workload:
+    """Hugging Face's GPT2LMHeadModel with its default config (dropout 0.1 everywhere,
+    ``use_cache=True``, tanh GELU, tied LM head), made small: 4 layers, width 256, vocabulary
+    1024; the step is the usual ``cross_entropy`` on the returned ``logits``."""
+    import bench_gpt2 as g
+    import transformers
+
+    def make_model():
+        config = transformers.GPT2Config(vocab_size=g.VOCAB, n_embd=g.WIDTH, n_layer=g.LAYERS,
+                                         n_head=g.HEADS, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+
+    def loss(out, targets):
+        return g.lm_loss(out.logits, targets)
+
+    def batch(rng, n):
+        tokens = rng.integers(0, g.VOCAB, (n, g.SEQ + 1))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return Workload(f"Hugging Face GPT-2, default config at {g.LAYERS} layers width {g.WIDTH}, "
+                    "AdamW", make_model, loss, lambda ps: torch.optim.AdamW(ps, 1e-3), g.R, g.GA,
+                    g.MICRO, batch)  # fmt: skip
+
+
 def _resnet() -> Workload:
     import bench_resnet as b
 
@@ -118,10 +145,10 @@ def _cnn() -> Workload:
                     lambda ps: torch.optim.SGD(ps, 0.01, momentum=0.9), 2, 2, 16, batch)  # fmt: skip
 
 
-WORKLOADS = {"mlp": _mlp, "gpt": _gpt, "resnet18": _resnet, "cnn": _cnn}
+WORKLOADS = {"mlp": _mlp, "gpt": _gpt, "hf-gpt2": _hf_gpt2, "resnet18": _resnet, "cnn": _cnn}
 # Models whose training draws random numbers (dropout) or keeps per-replica batch-norm
 # statistics: checked for finite losses, not weights equal to eager's.
-_NOT_EQUAL_TO_EAGER = {"cnn", "resnet18"}
+_NOT_EQUAL_TO_EAGER = {"cnn", "resnet18", "hf-gpt2"}
 
 
 def gemm_rate(device: torch.device) -> float:
@@ -316,8 +343,8 @@ def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--models", default="mlp,gpt,resnet18,cnn",
-                        help="comma-separated: mlp, gpt, resnet18, cnn")  # fmt: skip
+    parser.add_argument("--models", default=",".join(WORKLOADS),
+                        help=f"comma-separated: {', '.join(WORKLOADS)}")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
     parser.add_argument("--no-torch-compile", action="store_true",
                         help="leave out the torch.compile peer (its first step compiles)")  # fmt: skip

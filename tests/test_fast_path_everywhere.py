@@ -82,6 +82,11 @@ def _models():
         "gpt2": (bench_gpt2.make_model, lambda n: (np.arange(n * 64).reshape(n, 64) % 1024,
                                                    np.arange(n * 64).reshape(n, 64) % 1024),
                  bench_gpt2.lm_loss, 2, 2),
+        # Hugging Face GPT-2 with its default config: dropout, use_cache
+        "hf_gpt2_default": (bench_peers._hf_gpt2().make_model,
+                            lambda n: (np.arange(n * 64).reshape(n, 64) % 1024,
+                                       np.arange(n * 64).reshape(n, 64) % 1024),
+                            bench_peers._hf_gpt2().loss, 2, 2),
         "dropout_cnn": (bench_peers.DropoutCNN,
                         lambda n: (np.zeros((n, 1, 28, 28), np.float32), np.arange(n) % 10),
                         torch.nn.functional.cross_entropy, 2, 2),
@@ -90,7 +95,7 @@ def _models():
 
 @pytest.mark.parametrize("layout", [{}, {"rts_threshold": 512, "optimizer_state": "remote"}],
                          ids=["on-chip", "remote+rts"])  # fmt: skip
-@pytest.mark.parametrize("model", ["seed", "gpt2", "dropout_cnn"])
+@pytest.mark.parametrize("model", ["seed", "gpt2", "hf_gpt2_default", "dropout_cnn"])
 def test_benchmark_models_train_on_the_fast_path(model, layout, capfd):
     make, batch, loss_fn, R, GA = _models()[model]
     torch.manual_seed(0)

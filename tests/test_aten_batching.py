@@ -181,3 +181,37 @@ def test_pdist_gradient_for_each_norm(p):
         return aten._pdist_backward(s, v, p, aten._pdist_forward(v, p))
 
     _check(grad, (x, seed), (0, 0))
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [None, "causal", "additive [L, S] per replica", "float [B, 1, L, S] shared"],
+)
+def test_cpu_flash_attention_folds_the_replicas_into_its_batch(mask):
+    B, H, L, S, E = 2, 3, 5, 6, 4
+    q = torch.randn(R, B, H, L, E, generator=g)
+    k, v = torch.randn(R, B, H, S, E, generator=g), torch.randn(B, H, S, E, generator=g)  # v shared
+    causal = mask == "causal"
+    if mask == "additive [L, S] per replica":
+        m, m_dim = torch.where(torch.rand(R, L, S, generator=g) > 0.3, 0.0, -1e4), 0
+    elif mask == "float [B, 1, L, S] shared":
+        m, m_dim = torch.randn(B, 1, L, S, generator=g), None
+    else:
+        m, m_dim = None, None
+
+    def forward(q, k, v, m):
+        return _FLASH(q, k, v, 0.0, causal, attn_mask=m)
+
+    _check(forward, (q, k, v, m), (0, 0, None, m_dim) if m is not None else (0, 0, None, None))
+    out, lse = (torch.stack(t) for t in zip(*[forward(q[r], k[r], v, m if m_dim is None else m[r])
+                                               for r in range(R)], strict=True))  # fmt: skip
+    grad = torch.randn_like(out)
+
+    def backward(grad, q, k, out, lse, m):
+        return _FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+
+    _check(backward, (grad, q, k, out, lse, m), (0, 0, 0, 0, 0, m_dim))

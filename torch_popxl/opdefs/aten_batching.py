@@ -14,7 +14,8 @@ A rule sees every tensor argument stacked, ``[R, *per-replica shape]`` (a replic
 argument expanded, no copy), and returns its outputs stacked the same way. The formulations:
 
 * ops whose kernels take a batch dimension already (pooling, unpooling, interpolation, margin
-  losses, ``linalg``): the replicas are folded into it, ``[R, N, ...] -> [R * N, ...]``;
+  losses, CPU flash attention, ``linalg``): the replicas are folded into it,
+  ``[R, N, ...] -> [R * N, ...]``;
 * indexing and scatter ops over flattened values (``take``, ``put``, ``index_reduce``,
   ``masked_scatter``, ``histc``): each replica's indices shifted by ``r * n`` so that one call
   of the op, or of ``gather``/``scatter_add``, covers every replica and rows never mix; an index
@@ -114,6 +115,24 @@ def _leading_batch(core_ranks: dict[int, int]) -> Callable:
         for i, core in core_ranks.items():
             values[i] = _align(values[i], most + core)
         return _call(op, values)
+
+    return rule
+
+
+def _flash_attention(n_tensors: int, mask_arg: int) -> Callable:
+    """CPU flash attention (forward: q, k, v; backward: grad, q, k, v, out, logsumexp), whose
+    tensors all lead with the batch ``B``: the replicas fold into it. The mask, per replica
+    broadcast against ``[B, H, L, S]``, is expanded over ``B`` first so that each replica's
+    rows keep their own mask."""
+
+    def rule(op, R: int, args: list, batched: list[bool]) -> tuple:
+        values = [t.flatten(0, 1) for t in args[:n_tensors]] + list(args[n_tensors:])
+        mask = args[mask_arg]
+        if mask is not None:
+            mask = _align(mask, 5)
+            mask = mask.expand(R, args[1].shape[1], *mask.shape[2:])
+            values[mask_arg] = mask.flatten(0, 1)
+        return tuple(o.unflatten(0, (R, -1)) for o in _call(op, values))
 
     return rule
 
@@ -445,6 +464,8 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten.fractional_max_pool3d.default: _folding({0: 4, 3: 2}),
     aten.fractional_max_pool2d_backward.default: _folding({0: 3, 1: 3, 4: 3}),
     aten.fractional_max_pool3d_backward.default: _folding({0: 4, 1: 4, 4: 4}),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention(3, 5),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention(6, 8),
     aten._upsample_nearest_exact1d.default: _folding({0: 2}),
     aten._upsample_nearest_exact2d.default: _folding({0: 3}),
     aten._upsample_nearest_exact3d.default: _folding({0: 4}),

@@ -82,9 +82,9 @@ _RANDOM_ELEMENTWISE = {
     aten.log_normal_.default,
 }  # fmt: skip
 # ops whose argument 1 is a single dim of the (per-replica) input
-_DIM1 = {aten._softmax.default, aten._log_softmax.default, aten.unsqueeze.default,
-         aten.gather.default, aten.scatter_add.default, aten.squeeze.dim, aten.slice.Tensor,
-         aten.select.int}  # fmt: skip
+_DIM1 = {aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
+         aten.unsqueeze.default, aten.gather.default, aten.scatter_add.default,
+         aten.squeeze.dim, aten.slice.Tensor, aten.select.int}  # fmt: skip
 # ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
 # stashes): stacked when the index is the same on every replica
 _INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}

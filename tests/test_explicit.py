@@ -272,6 +272,70 @@ def test_safe_softmax_runs_stacked_and_keeps_off_chip_state_replica_invariant():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+class _SequenceOps(torch.nn.Module):
+    """An LSTM (``unbind`` and ``unsafe_split`` of its steps and gates), ``F.pad``
+    (``constant_pad_nd``), ``new_zeros`` and a fill with a 0-d tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(6, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 3)
+        self.register_buffer("start", torch.tensor(0.5))
+
+    def forward(self, x):
+        h, _ = self.rnn(torch.nn.functional.pad(x, (0, 0, 1, 0)))
+        extra = h.new_zeros(h.shape[0], 1, 8).fill_(self.start)
+        return self.head(torch.cat([h, extra], 1).mean(1))
+
+
+class _ConvOps(torch.nn.Module):
+    """Convolutions with batch norm in eval mode (its empty saved statistics) and the
+    activations torch does not tag pointwise (hardswish, mish_, leaky_relu, elu, softplus)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4).eval()
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.nn.functional.hardswish(self.bn(self.conv(x)))
+        h = torch.nn.functional.mish(h, inplace=True) + torch.nn.functional.leaky_relu(h, 0.1)
+        h = torch.nn.functional.elu(h) + torch.nn.functional.softplus(h, beta=2.0)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("model,shape", [(_SequenceOps, (5, 6)), (_ConvOps, (2, 6, 6))],
+                         ids=["sequence", "conv"])  # fmt: skip
+def test_more_model_ops_run_stacked_and_train_as_eager(model, shape):
+    """Ops of RNNs, T5/GPT-2 and mobile CNNs have stacked forms: every fragment of the
+    compiled program is explicitly batched (no vmap), and losses and weights equal eager
+    torch's on the whole batch."""
+    R, GA, micro = 2, 2, 3
+    rng = np.random.default_rng(9)
+    data = [(rng.normal(size=(R * GA * micro, *shape)).astype(np.float32),
+             rng.integers(0, 3, R * GA * micro)) for _ in range(2)]  # fmt: skip
+    torch.manual_seed(0)
+    got = model()
+    want = copy.deepcopy(got)
+    trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(got.parameters(), 0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    opt = torch.optim.SGD(want.parameters(), 0.1, momentum=0.9)
+    for x, y in data:
+        loss = trainer.step(x, y)
+        opt.zero_grad()
+        eager = torch.nn.functional.cross_entropy(want(torch.from_numpy(x)), torch.from_numpy(y))
+        eager.backward()
+        opt.step()
+        np.testing.assert_allclose(loss, eager.item(), rtol=1e-5)
+    for name, fn in trainer.session._executor.fns.items():
+        assert fn.explicit, (name, fn.vmap_reason)
+    trainer.sync_weights()
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("GA,dropout", [(1, 0.0), (4, 0.5)], ids=["no_loop", "random_ops"])
 def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
     """Note [one replica, stacked]: R = 1 keeps the stacked lowering only when an accumulation

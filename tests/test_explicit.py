@@ -336,20 +336,22 @@ def test_more_model_ops_run_stacked_and_train_as_eager(model, shape):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("GA,dropout", [(1, 0.0), (4, 0.5)], ids=["no_loop", "random_ops"])
-def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
+@pytest.mark.parametrize("GA,batch_norm", [(1, False), (4, True)],
+                         ids=["no_loop", "running_statistics"])  # fmt: skip
+def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, batch_norm):
     """Note [one replica, stacked]: R = 1 keeps the stacked lowering only when an accumulation
-    loop folds. Without a loop, or with one that cannot fold (dropout draws per iteration),
-    the program runs as the plain per-replica function; with GA = 1 that is eager's
-    arithmetic bit for bit."""
+    loop folds. Without a loop, or with one that cannot fold (batch norm updates its running
+    statistics in every iteration), the program runs as the plain per-replica function; with
+    GA = 1 that is eager's arithmetic bit for bit."""
     rng = np.random.default_rng(7)
     data = [(rng.normal(size=(GA * 4, 12)).astype(np.float32), rng.integers(0, 5, GA * 4))
             for _ in range(3)]  # fmt: skip
 
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Dropout(dropout),
-                                   torch.nn.GELU(), torch.nn.Linear(16, 5))  # fmt: skip
+        norm = torch.nn.BatchNorm1d(16) if batch_norm else torch.nn.Identity()
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), norm, torch.nn.GELU(),
+                                   torch.nn.Linear(16, 5))  # fmt: skip
 
     got, want = model(), model()
     trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
@@ -360,7 +362,7 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
         executor = trainer.session._executor
         assert not executor.program.folded_loops
         assert not any(fn.explicit for fn in executor.fns.values())
-        if dropout == 0.0:
+        if not batch_norm:
             opt.zero_grad()
             eager = torch.nn.functional.cross_entropy(
                 want(torch.from_numpy(x)), torch.from_numpy(y)
@@ -368,11 +370,36 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
             eager.backward()
             opt.step()
             assert loss == eager.item()
-    if dropout == 0.0:
+    if not batch_norm:
         for a, b in zip(got.parameters(), want.parameters(), strict=True):
             assert torch.equal(a, b)
     else:
         assert all(torch.isfinite(p).all() for p in got.parameters())
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_an_accumulation_loop_with_dropout_folds_and_every_row_draws_its_own_mask(R):
+    """Note [fold the accumulation loop]: dropout's ``bernoulli_`` writes only the mask its own
+    iteration made, so the loop folds (one matmul per layer for every micro-batch); every
+    micro-batch and replica still draws its own mask, dropping about p of the elements and
+    scaling the rest by 1 / (1 - p), as eager's dropout does."""
+    GA, micro, width, p = 4, 16, 16, 0.5
+    model = torch.nn.Sequential(torch.nn.Dropout(p), torch.nn.Linear(width, width))
+    with torch.no_grad():  # the identity: the step's outputs are dropout's
+        model[1].weight.copy_(torch.eye(width))
+        model[1].bias.zero_()
+    trainer = popxl.compile(model, lambda out, y: out.pow(2).mean(), torch.optim.SGD(
+        model.parameters(), 0.0), replication_factor=R, gradient_accumulation=GA,
+        return_outputs=True)  # fmt: skip
+    x = np.full((R * GA * micro, width), 2.0, np.float32)
+    _, out = trainer.step(x, np.zeros(R * GA * micro, np.float32))
+    assert trainer.session._executor.program.folded_loops
+    out = torch.as_tensor(np.asarray(out))
+    assert set(out.unique().tolist()) <= {0.0, 4.0}  # kept: 2 / (1 - p)
+    dropped = (out == 0).double().mean().item()
+    assert 0.4 < dropped < 0.6, dropped  # 1,024 or more draws: 4.5 sigma either side
+    masks = (out == 0).reshape(R * GA, micro * width)
+    assert len({tuple(m.tolist()) for m in masks}) == R * GA  # no two micro-batches alike
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -514,7 +514,8 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     matmul, per-row statistics (a loss's mean, anything per micro-batch) stay per iteration
 #     and replica, and ``acc += sum_r x_r`` summed over iterations is ``acc += sum_{i,r} x_ir``.
 #     Folding is refused when anything could observe the iterations one at a time: loop-carried
-#     results, in-place writes other than those accumulations, collectives, remote memory,
+#     results, in-place writes other than those accumulations (or into a value the same
+#     iteration made, as dropout's mask: each row still draws its own), collectives, remote memory,
 #     random ops (no explicit rule), values forced per replica, or a replica sum used for
 #     anything but an accumulation. A per-replica value from outside the loop (a weight whose
 #     state is per replica) is repeated for every iteration first. The sums are taken in a
@@ -529,6 +530,19 @@ def _writes(target) -> bool:
     return schema is not None and any(
         a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
     )
+
+
+def _writes_only_locals(f, plan, defined: set[str]) -> bool:
+    """Whether every tensor ``f`` writes in place was made in the same loop iteration (a
+    dropout mask's ``bernoulli_`` into its ``empty_like``): no other iteration sees it."""
+    args, kwargs = f.op.attrs.args, f.op.attrs.kwargs
+    for i, a in enumerate(f.op.attrs.target._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = kwargs.get(a.name) if a.kwarg_only else args[i] if i < len(args) else None
+        if isinstance(v, Slot) and plan.root_of(f.ins[v.index]) not in defined:
+            return False
+    return True
 
 
 def foldable(loop, plan) -> bool:
@@ -561,6 +575,7 @@ def fold_obstacle(loop, plan) -> str | None:
     if len(set(streams)) != len(streams):
         return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
+    defined = {n for f in body for n in f.outs}
     for f in body:
         what = f"the {_kind_name(f)} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
         if f.kind not in _FOLD_KINDS and not _runtime_stacked(f):
@@ -582,7 +597,7 @@ def fold_obstacle(loop, plan) -> str | None:
                 if not f.presummed and not plan.b(addend):
                     return f"{what} adds a replica-invariant value"
                 continue
-            if _writes(target):
+            if _writes(target) and not _writes_only_locals(f, plan, defined):
                 return f"{what} writes in place"
             if f.rows_summed:  # its weight and bias gradients are replica sums
                 sums.update(n for n, p in zip(f.outs, f.op.attrs.out_paths, strict=True) if p[0])

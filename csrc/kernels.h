@@ -35,4 +35,9 @@ void remote_store_stacked_(
     const at::Tensor& buffer, const at::Tensor& offsets, const at::Tensor& value,
     int64_t buffer_id);
 
+// Note [counter-based bernoulli] (random.cpp): ``self`` filled with 1 with probability ``p``,
+// else 0, from one seed of the default CPU generator; other devices call ``bernoulli_``.
+at::Tensor& bernoulli_p_(at::Tensor& self, double p);
+at::Tensor& bernoulli_p_fallback(at::Tensor& self, double p);
+
 }  // namespace torch_popxl

@@ -1,6 +1,6 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp, step_cache.cpp, gemm.cpp) only define functions, declared in kernels.h /
+// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp) only define functions, declared in kernels.h /
 // traffic.h / step_cache.h / gemm.h; adding an op means one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
@@ -42,6 +42,9 @@ TORCH_LIBRARY(torch_popxl, m) {
   m.def(
       "remote_store_stacked_(Tensor(a!) buffer, Tensor offsets, Tensor value, int buffer_id)"
       " -> ()");
+  // Dropout masks (random.cpp, Note [counter-based bernoulli]).
+  m.set_python_module("torch_popxl.runtime.random");
+  m.def("bernoulli_p_(Tensor(a!) self, float p) -> Tensor(a!)");
   // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
   // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
@@ -72,4 +75,10 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
   m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));
+  m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_fallback));
+}
+
+// The one CPU-only kernel: the counter-based mask (other backends take the fallback above).
+TORCH_LIBRARY_IMPL(torch_popxl, CPU, m) {
+  m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_));
 }

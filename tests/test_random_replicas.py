@@ -134,3 +134,53 @@ def test_attention_and_dropout_with_probability_zero_draw_nothing():
             op = first._graph._producer(first)
             assert explicit.is_random(op.attrs.target)
             assert explicit.draws_random(op) is random, (op.attrs.target, op.attrs.args)
+
+
+# Note [counter-based bernoulli] (csrc/random.cpp): dropout masks in the generated code
+_BERNOULLI = torch.ops.torch_popxl.bernoulli_p_
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_counter_based_bernoulli_draws_ones_at_rate_p(p, dtype):
+    n = 100_001  # odd: the last element has no pair
+    mask = _BERNOULLI(torch.empty(n, dtype=dtype), p).double()
+    assert set(mask.unique().tolist()) <= {0.0, 1.0}
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(mask.mean().item() - p) <= 6 * sigma + 1e-9
+    # the two elements of one 64-bit draw, and neighbours in general, are uncorrelated
+    if 0 < p < 1:
+        even, odd = mask[:-1:2] - p, mask[1::2] - p
+        corr = (even * odd).mean().item() / (p * (1 - p))
+        assert abs(corr) < 6 / math.sqrt(n // 2), corr
+
+
+def test_counter_based_bernoulli_follows_torch_manual_seed_and_never_repeats():
+    torch.manual_seed(3)
+    a = _BERNOULLI(torch.empty(4096), 0.5).clone()
+    b = _BERNOULLI(torch.empty(4096), 0.5).clone()
+    torch.manual_seed(3)
+    assert torch.equal(_BERNOULLI(torch.empty(4096), 0.5), a)
+    assert not torch.equal(a, b)  # each call takes a new seed from the generator
+
+
+def test_counter_based_bernoulli_fills_a_strided_tensor_and_rejects_bad_input():
+    t = torch.full((64, 33), 7.0).t()
+    _BERNOULLI(t, 0.5)
+    assert set(t.unique().tolist()) == {0.0, 1.0}
+    with pytest.raises(RuntimeError, match="expected 0 <= p <= 1, got p=1.5"):
+        _BERNOULLI(torch.empty(3), 1.5)
+    with pytest.raises(RuntimeError, match="floating-point"):
+        _BERNOULLI(torch.empty(3, dtype=torch.int64), 0.5)
+
+
+def test_compiled_dropout_draws_its_masks_through_the_counter_based_kernel():
+    from torch_popxl.runtime.random import bernoulli_
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    trainer = popxl.compile(model, lambda out, y: out.pow(2).mean(),
+                            torch.optim.SGD(model.parameters(), 0.1), replication_factor=2,
+                            gradient_accumulation=2)  # fmt: skip
+    trainer.step(np.ones((8, 8), np.float32), np.zeros(8, np.float32))
+    fns = trainer.session._executor.fns.values()
+    assert any(bernoulli_ in fn.__globals__.values() for fn in fns)

@@ -70,6 +70,7 @@ from ..ir.walk import Effects, Interpreter, effects
 from ..opdefs.registry import Effect, OpDef, registered
 from . import explicit as _explicit
 from .gemm import ATEN_FORMS, gemm
+from .random import RANDOM_FORMS
 
 __all__ = ["Assumptions", "Fragment", "Plan", "Program", "analyse", "lower_fragment"]
 
@@ -1062,8 +1063,10 @@ class Program:
     def aten(self, target: torch._ops.OpOverload) -> str:
         """The literal for an aten overload's raw ``_op`` (skips the OpOverload dispatch); a
         matmul's is its ``gemm`` form (Note [gemm kernel]), an op torch batches wrongly its
-        ``SAFE_FORMS`` one (runtime/explicit.py)."""
-        form = ATEN_FORMS.get(target) or _explicit.SAFE_FORMS.get(target)
+        ``SAFE_FORMS`` one (runtime/explicit.py), dropout's ``bernoulli_`` its counter-based
+        form (runtime/random.py)."""
+        form = (ATEN_FORMS.get(target) or _explicit.SAFE_FORMS.get(target)
+                or RANDOM_FORMS.get(target))  # fmt: skip
         name = self.literal(target._op if form is None else form)
         self.overloads[name] = target
         return name

@@ -96,14 +96,14 @@ def test_programs_with_other_ops_fall_back_to_vmap():
         x = popxl.variable(
             np.ones((2, 2, 3), np.float32), replica_grouping=ir.replica_grouping(1, 1)
         )
-        y = torch.cumsum(x, dim=1)  # no explicit rule
+        y = torch.roll(x.cumsum(dim=1), 1, dims=1)  # roll has no explicit rule
         st = popxl.d2h_stream(y.shape, y.dtype)
         ops.host_store(st, y)
     session = popxl.Session(ir, "ipu_model")
     assert not session._executor.fns["normal"].explicit
     with session:
-        want = np.cumsum(np.ones((2, 3)), axis=1)[None].repeat(2, 0)  # (replicas, 2, 3)
-        np.testing.assert_array_equal(session.run()[st], want)
+        want = np.roll(np.cumsum(np.ones((2, 3)), axis=1), 1, axis=1)[None].repeat(2, 0)
+        np.testing.assert_array_equal(session.run()[st], want)  # (replicas, 2, 3)
 
 
 def _build_remote_rts(R, group_size):
@@ -274,7 +274,8 @@ def test_safe_softmax_runs_stacked_and_keeps_off_chip_state_replica_invariant():
 
 class _SequenceOps(torch.nn.Module):
     """An LSTM (``unbind`` and ``unsafe_split`` of its steps and gates), ``F.pad``
-    (``constant_pad_nd``), ``new_zeros`` and a fill with a 0-d tensor."""
+    (``constant_pad_nd``), ``new_zeros``, a fill with a 0-d tensor, rotary embeddings'
+    rotate-half (``slice_backward`` in the gradient) and ``cumsum``."""
 
     def __init__(self):
         super().__init__()
@@ -284,6 +285,8 @@ class _SequenceOps(torch.nn.Module):
 
     def forward(self, x):
         h, _ = self.rnn(torch.nn.functional.pad(x, (0, 0, 1, 0)))
+        h = h + torch.cat([-h[..., 4:], h[..., :4]], -1)
+        h = h.cumsum(1) / h.shape[1]
         extra = h.new_zeros(h.shape[0], 1, 8).fill_(self.start)
         return self.head(torch.cat([h, extra], 1).mean(1))
 

@@ -91,7 +91,8 @@ _RANDOM_ELEMENTWISE = {
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
          aten.unsqueeze.default, aten.gather.default, aten.scatter_add.default,
-         aten.squeeze.dim, aten.slice.Tensor, aten.select.int}  # fmt: skip
+         aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.cumsum.default,
+         aten.cumprod.default, aten.logcumsumexp.default}  # fmt: skip
 # ops taking (self, dim, index, ...) with a 1-D index along dim (the pipeline's activation
 # stashes): stacked when the index is the same on every replica
 _INDEXED = {aten.index_select.default, aten.index_copy.default, aten.index_add.default}
@@ -184,6 +185,7 @@ _TRANSFORMER = {
     # and of other models (RNNs unbind their time steps, T5 and GPT-2 pad and make zeros)
     aten.unbind.int: _any_ok,
     aten.constant_pad_nd.default: _any_ok,  # pads trailing dims: the rows are untouched
+    aten.flip.default: _any_ok,  # (cumsum's gradient)
     # a fill with a 0-d tensor: the value must be shared, not one per replica
     aten.fill_.Tensor: lambda f, b: not _batched_arg(f, b, 1),
     aten.fill.Tensor: lambda f, b: not _batched_arg(f, b, 1),
@@ -359,7 +361,7 @@ def _ok_torch(f, a, R: int) -> bool:
         return True
     if target in _DIM1 or target in _SOFTMAX_BACKWARD:
         return True
-    if target is aten.select_backward.default:
+    if target in (aten.select_backward.default, aten.slice_backward.default):
         return batched[0]
     if target in _CNN:
         return _CNN[target](f, batched)
@@ -718,9 +720,10 @@ def emit_torch(em, f, ind: str) -> None:
             f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r}{summed})"
         )
         _emit_outputs(em, f, ind, call)
-    elif target is aten.select_backward.default:
+    elif target in (aten.select_backward.default, aten.slice_backward.default):
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
-        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}, {lit(args[3])}"
+        rest = "".join(f", {lit(v)}" for v in args[3:])  # index, or start, end and step
+        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}{rest}"
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({call})")
     elif target in _POOL:
         rendered = [lit(v) for v in args]
@@ -806,6 +809,9 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         dim = args[2] if len(args) > 2 else 0
         call = f"torch.split({rendered[0]}, {rendered[1]}, {_shift(dim)})"
         _emit_outputs(em, f, ind, call)
+    elif target is aten.flip.default:
+        dims = [_shift(d) for d in args[1]]
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({rendered[0]}, {dims!r})")
     elif target is aten.unbind.int:
         dim = args[1] if len(args) > 1 else 0
         _emit_outputs(em, f, ind, f"torch.unbind({rendered[0]}, {_shift(dim)})")

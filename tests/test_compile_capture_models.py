@@ -148,6 +148,46 @@ def test_hugging_face_bert_and_t5_train_as_eager(kind, R, GA):
     train_both(model, None, batches, R, GA)
 
 
+_FAMILIES = {  # (config class, model class, size arguments) of a few layers and width 32
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64,
+              num_key_value_heads=2, max_position_embeddings=32)),  # rotary, grouped queries
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64,
+              num_key_value_heads=2, max_position_embeddings=32)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64,
+                 max_position_embeddings=32)),  # partial rotary
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32,
+            max_position_embeddings=32)),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(intermediate_size=64,
+                max_position_embeddings=40)),  # position ids from a cumsum of the mask
+    "bart": ("BartConfig", "BartForConditionalGeneration", dict(
+        d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, max_position_embeddings=32)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_hugging_face_model_families_train_as_eager_without_vmap(family):
+    """More Hugging Face families from small configs, otherwise their defaults (eval mode: no
+    dropout), returning their loss: they train as eager at R=2, GA=2, and every fragment of the
+    program runs on stacked values (no vmap: rotary embeddings' slices, RoBERTa's cumsum)."""
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls, sizes = _FAMILIES[family]
+    if "d_model" not in sizes:
+        sizes = dict(sizes, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(vocab_size=128, **sizes)
+    model = getattr(transformers, model_cls)(config).eval()
+    batches = [({"input_ids": ids + 3, "labels": ids + 3}, None)
+               for ids in token_batches(n=2, seq=12, vocab=120)]  # fmt: skip
+    train_both(model, None, batches, 2, 2)
+    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    trainer.step(batches[0][0])
+    assert trainer.explain() == []
+    for name, fn in trainer.session._executor.fns.items():
+        assert fn.explicit, (name, fn.vmap_reason)
+
+
 def test_hugging_face_t5_with_dropout_trains():
     """T5's default dropout (0.1) on, also inside its attention (the math path's dropout):
     losses are finite and go down on a repeated batch."""

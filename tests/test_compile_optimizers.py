@@ -84,6 +84,12 @@ OPTIMIZERS = {
         ps, lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True, eps=EPS
     ),  # fmt: skip
     "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, eps=EPS),
+    # factored state (row and column variances of a matrix) and Python numbers from the step
+    # count and norms (Note [steps on whole parameters])
+    "adafactor": lambda ps: torch.optim.Adafactor(ps),
+    "adafactor_wd_maximize": lambda ps: torch.optim.Adafactor(
+        ps, lr=3e-2, weight_decay=0.1, maximize=True, eps=(1e-6, 1e-3), beta2_decay=-0.5, d=2.0
+    ),  # fmt: skip
     "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
     "user_sign_momentum": lambda ps: SignMomentum(ps, lr=1e-2),
@@ -98,7 +104,8 @@ OPTIMIZERS = {
 # bit for bit at R=1: the step's scalars are eager's doubles. RAdam and ASGD branch on the
 # step count and so run torch's capturable path (float32 tensor scalars): an ulp off.
 EXACT = {"adadelta", "rmsprop", "rmsprop_momentum", "rmsprop_centered_wd", "adagrad", "adamax",
-         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize_dampening", "nadam", "nadam_decoupled"}  # fmt: skip
+         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize_dampening", "nadam", "nadam_decoupled", "adafactor",
+         "adafactor_wd_maximize"}  # fmt: skip
 
 
 def model():
@@ -282,7 +289,7 @@ def test_dynamic_loss_scaling_skips_captured_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["adadelta", "rmsprop_momentum", "nadam"])
+@pytest.mark.parametrize("kind", ["adadelta", "rmsprop_momentum", "nadam", "adafactor"])
 def test_half_precision_matches_eager_bit_for_bit(kind, dtype):
     """16-bit parameters and state: torch's own step rounds where eager rounds. Small integer
     data keep the gradients exact, so only the optimizer's arithmetic is compared."""

@@ -17,8 +17,11 @@ Note [captured optimizer steps]
       Rprop's step sizes). An entry of the parameter's shape is a state variable placed as
       SGD/Adam state is (sharded with RTS, remote or on chip); a scalar one (ASGD's ``eta``,
       NAdam's ``mu_product``) is a small on-chip variable; a 0-dim ``step`` is the program's
-      step count. Anything else (Adafactor's factored rows and columns, Python numbers) is
-      refused with an error. A second probe with another parameter and gradient finds state
+      step count; an entry of another shape (Adafactor's row and column variances of a
+      matrix) is a whole variable, remote or on chip (Note [steps on whole parameters]). Each
+      parameter has its own layout (Adafactor keeps ``variance`` for a vector, ``row_var`` and
+      ``col_var`` for a matrix of the same group). State that is no tensor (a Python number)
+      is refused with an error. A second probe with another parameter and gradient finds state
       made from them in the first step (SGD's momentum buffer, a clone of the first
       gradient): for such an optimizer the program runs both torch's first step (empty
       state) and its later step and keeps the first where the step count is 0.
@@ -30,17 +33,37 @@ Note [captured optimizer steps]
       time (``opdefs/scalar_tensor.py``), so the rounding is eager's.
     * The step count: torch's ``_get_value(step)`` calls ``.item()`` unless capturable; under
       capture it gives the step as a float64 tensor, so ``1 - beta2 ** step`` is computed in
-      double as eager computes it in Python. An optimizer whose step branches on such a value
+      double as eager computes it in Python. A step's own ``.item()`` (Adafactor's
+      ``step_t.item()``, ``p.norm().item()``) likewise gives a float64 0-dim tensor, and
+      ``min`` / ``max`` in torch.optim's modules and the optimizer class's module take such
+      tensors (``min(lr, 1 / step ** 0.5)`` is ``clamp_max``) while the step is captured; a
+      ``lerp_`` weight made from them runs in float32 as torch's Python-float weight does.
+      Adafactor is so bit for bit at R=1. An optimizer whose step branches on such a value
       (RAdam's ``rho_t > 5``, ASGD's ``mu != 1``) is found by a trial capture and then runs
       its ``capturable=True`` path (tensor arithmetic, ``torch.where``); its scalars then
       round differently from eager's Python floats (relative differences of ~1e-7).
     * Sharding: the probe watches the ops of the step on a parameter-sized tensor. A full
       reduction (a norm, a sum, a mean, a max, a dot product: Note [whole-parameter
-      reductions on shards]) runs on shards; any other op that mixes the elements of a
-      parameter (a reduction over one dim, a matmul, sorting, indexing, a transpose) cannot
-      run on a shard without the others, so such an optimizer is refused with RTS
-      (``rts_threshold``) on a parameter it would shard; elementwise updates run on shards as
-      SGD/Adam do.
+      reductions on shards]) runs on shards; elementwise updates run on shards as SGD/Adam
+      do; any other op that mixes the elements of a parameter cannot run on a shard alone
+      (Note [steps on whole parameters]).
+
+Note [steps on whole parameters]
+    A captured step that mixes a parameter's elements other than by a full reduction (a
+    reduction over one dim, a matmul, sorting, indexing, a transpose: Adafactor's row and
+    column means of a matrix, ``row_var @ col_var``) or keeps state of another shape than the
+    parameter's cannot update a 1-D RTS shard: a shard holds a run of the flattened parameter,
+    not whole rows or columns. Such a parameter is updated whole even where ``rts_threshold``
+    would shard it: its gradient is all-reduced (not reduce-scattered) and its state is whole
+    on every replica (remote or on chip as ``optimizer_state`` says), as at
+    ``rts_threshold=None``; the other parameters of the model stay sharded. The slot's
+    ``sharded`` flag and the memory report show which. (Gathering the shards for the step
+    and slicing them again would move more and save nothing: the weights are whole on every
+    replica here, and Adafactor's factored state is small: rows + columns.) The probe runs on
+    the full parameter, so it sees the step a matrix takes (``p.dim() > 1``), never a shard's.
+    Where a step does run on shards, ``numel()`` of a shard-shaped tensor is the parameter's
+    element count (an RMS, ``p.norm() / p.numel() ** 0.5``, as Adafactor's vector update);
+    ``p.shape`` stays the shard's.
 
 Note [whole-parameter reductions on shards]
     LARS/LAMB-style updates scale a parameter's step by ``p.norm() / update.norm()``. Where RTS
@@ -57,10 +80,8 @@ Note [whole-parameter reductions on shards]
     the parameter there is no padding and no mask. The result equals eager's up to float32
     summation order (the shards' partials are added in another order than torch's pairwise
     sum). The probe runs on the full parameter, so it decides which reductions are full
-    (``dim`` None or every dim); any other mixing op stays refused. Not covered: the step's
-    shape queries see the shard (``p.numel()`` and ``p.shape`` are the shard's; they are no
-    dispatched ops), so an update that divides by ``p.numel()`` itself (an RMS) differs from
-    eager under RTS, where ``mean()`` counts the real elements.
+    (``dim`` None or every dim); a parameter whose step mixes its elements otherwise is
+    updated whole (Note [steps on whole parameters]).
 """
 
 from __future__ import annotations
@@ -135,11 +156,28 @@ class StateLayout:
     hyper: tuple  # the group's values other than params and lr, frozen
     capturable: bool  # runs torch's capturable=True path (Note [captured optimizer steps])
     # the first op that mixes a parameter-sized tensor's elements other than a full
-    # reduction (Note [whole-parameter reductions on shards]): refused with RTS
+    # reduction: the parameter is updated whole (Note [steps on whole parameters])
     reduces: str | None
     # an entry's initial value depends on the gradient or the parameter (made in the first
     # step, as SGD's momentum buffer): the first step runs torch's own initialisation
     lazy: bool = False
+    # entries of other shapes (Adafactor's row and column variances), with their shapes
+    other_state: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Every state entry but ``step``, in the order the step takes them."""
+        return self.param_state + self.scalar_state + tuple(k for k, _ in self.other_state)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the step needs the whole parameter (Note [steps on whole parameters])."""
+        return self.reduces is not None or bool(self.other_state)
+
+    def state_shape(self, name: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if name in self.scalar_state:
+            return ()
+        return dict(self.other_state).get(name, tuple(param_shape))
 
 
 def _frozen(v):
@@ -238,26 +276,28 @@ def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
     lazy = initial.keys() != other.keys() or any(
         isinstance(v, torch.Tensor) and not torch.equal(v, other[k]) for k, v in initial.items()
     )
-    param_state, scalar_state, has_step, init = [], [], False, {}
+    param_state, scalar_state, other_state, has_step, init = [], [], [], False, {}
     for k, v in initial.items():
-        if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
-            has_step = True
-        elif isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
-            param_state.append(k)
-            init[k] = v
-        elif isinstance(v, torch.Tensor) and v.dim() == 0:
-            scalar_state.append(k)
-            init[k] = v
-        else:
-            what = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        if not isinstance(v, torch.Tensor):
             raise TypeError(
-                f"popxl.compile: {type(optimizer).__name__} keeps optimizer state {k!r} of "
-                f"{what} for a parameter of shape {tuple(p.shape)}; the compiled step keeps "
-                "state of the parameter's shape and 0-dim tensors only."
+                f"popxl.compile: {type(optimizer).__name__} keeps optimizer state {k!r} as a "
+                f"{type(v).__name__} for a parameter of shape {tuple(p.shape)}; the compiled "
+                "step keeps tensor state only (a program variable per entry). Keep it as a "
+                "tensor (torch.tensor(value)) in the optimizer's step."
             )
+        if k == "step" and v.dim() == 0:
+            has_step = True
+            continue
+        if tuple(v.shape) == tuple(p.shape):
+            param_state.append(k)
+        elif v.dim() == 0:
+            scalar_state.append(k)
+        else:  # Note [steps on whole parameters]
+            other_state.append((k, tuple(v.shape)))
+        init[k] = v
     hyper = tuple(sorted((k, _frozen(v)) for k, v in values.items() if k != "lr"))
     layout = StateLayout(type(optimizer), tuple(param_state), tuple(scalar_state), has_step,
-                         hyper, False, reduces, lazy)  # fmt: skip
+                         hyper, False, reduces, lazy, tuple(other_state))  # fmt: skip
     return layout, init
 
 
@@ -303,6 +343,17 @@ class _TensorScalars(TorchFunctionMode):
             return out.copy_(func(*args, **kwargs))
         if out is not None:
             kwargs["out"] = out
+        if name == "item" and len(args) == 1 and not kwargs:
+            # a number the step computes with in Python (Adafactor's ``step_t.item()``,
+            # ``p.norm().item()``): kept as a tensor, a double as Python's float
+            return _tensor_value(args[0])
+        if name in ("lerp", "lerp_") and _is_scalar64(args[2] if len(args) > 2 else None):
+            # ``t.lerp_(end, weight)`` with a weight from the step count (a Python float in
+            # eager torch): torch computes in float32 with the weight as float32 and rounds once
+            # (out of place + copy_: vmap has no rule for lerp_)
+            t, end, weight = args
+            out = torch.lerp(t.float(), end.float(), weight.float()).to(t.dtype)
+            return t.copy_(out) if name == "lerp_" else out
         if name == "__setitem__" and _is_mask(args[1]) and not isinstance(args[2], torch.Tensor):
             # ``t[mask] = 0`` (Rprop): vmap has no rule for boolean-mask indexing
             t, mask, value = args
@@ -337,17 +388,18 @@ def _as_python_float(a, b):
     computes with for a Python float; a 0-dim float64 tensor would promote a 0-dim float32
     one to float64 (NAdam's ``mu_product *= mu``)."""
 
-    def scalar(x):
-        return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64
-
     def low(x):
         return isinstance(x, torch.Tensor) and x.dtype in _HALF_OR_FLOAT
 
-    if scalar(a) and low(b):
+    if _is_scalar64(a) and low(b):
         return a.float(), b
-    if scalar(b) and low(a):
+    if _is_scalar64(b) and low(a):
         return a, b.float()
     return a, b
+
+
+def _is_scalar64(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64
 
 
 def _is_mask(x) -> bool:
@@ -367,27 +419,56 @@ def _with_cpu(orig):
     return devices
 
 
+def _extremum(builtin, clamp: str, pick):
+    """``min`` / ``max`` that also take tensors: a step's numbers are 0-dim tensors under
+    capture (``min(lr, 1 / step ** 0.5)``), where Python's would need a bool of a value."""
+
+    def extremum(*args, **kwargs):
+        if kwargs or len(args) != 2 or not any(isinstance(a, torch.Tensor) for a in args):
+            return builtin(*args, **kwargs)
+        a, b = args
+        if not isinstance(a, torch.Tensor):
+            return getattr(b, clamp)(a)
+        if not isinstance(b, torch.Tensor):
+            return getattr(a, clamp)(b)
+        return pick(a, b)
+
+    return extremum
+
+
+_EXTREMA = {"min": _extremum(min, "clamp_max", torch.minimum),
+            "max": _extremum(max, "clamp_min", torch.maximum)}  # fmt: skip
+
+
 @contextlib.contextmanager
-def _captured_helpers(capturable: bool):
+def _captured_helpers(capturable: bool, cls: type):
     """torch.optim's ``_get_value`` keeps tensors; a capturable step passes torch's device
-    check (the captured tensors are fake CPU tensors)."""
+    check (the captured tensors are fake CPU tensors); ``min`` / ``max`` in torch.optim's
+    modules and the optimizer's own take tensors (Note [captured optimizer steps])."""
     patches = {"_get_value": lambda orig: _tensor_value}
     if capturable:
         patches["_get_capturable_supported_devices"] = _with_cpu
-    saved = []
+    saved, added = [], []
     for name, mod in list(sys.modules.items()):
-        if not name.startswith("torch.optim") or mod is None:
+        own = name == cls.__module__
+        if mod is None or not (own or name.startswith("torch.optim")):
             continue
         for attr, patch in patches.items():
             if hasattr(mod, attr):
                 orig = getattr(mod, attr)
                 saved.append((mod, attr, orig))
                 setattr(mod, attr, patch(orig))
+        for attr, fn in _EXTREMA.items():
+            if attr not in vars(mod):  # (a module's own min/max is left alone)
+                setattr(mod, attr, fn)
+                added.append((mod, attr))
     try:
         yield
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
+        for mod, attr in added:
+            delattr(mod, attr)
 
 
 @dataclass(frozen=True)
@@ -495,7 +576,7 @@ class _ShardedReductions(TorchDispatchMode):
 def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool):
     """One step of ``opt`` on ``p`` (a parameter or a shard) with gradient ``g`` and the state
     tensors ``state`` (param-shaped entries, then scalar ones), in place."""
-    names = layout.param_state + layout.scalar_state
+    names = layout.state_names
     if not layout.lazy:
         entry = dict(zip(names, state, strict=True))
         if layout.has_step:
@@ -524,7 +605,7 @@ def _step_with(p, g, hyper, entry: dict, opt, layout: StateLayout, capturable: b
     opt.state = collections.defaultdict(dict, {p: entry})
     p.grad = g
     try:
-        with _captured_helpers(capturable), _TensorScalars():
+        with _captured_helpers(capturable, type(opt)), _TensorScalars():
             _run_step(opt)
     finally:
         p.grad = None
@@ -552,7 +633,7 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
     with graph:
         args = [inp(p, "p"), inp(p, "g"), inp(torch.zeros(()), "step"),
                 inp(torch.zeros(5, dtype=torch.float64), "hyper")]  # fmt: skip
-        args += [inp(init[k], k) for k in layout.param_state + layout.scalar_state]
+        args += [inp(init[k], k) for k in layout.state_names]
         try:
             call_torch(_step, tuple(args), {"opt": opt, "layout": layout, "capturable": False})
         except DataDependentError:
@@ -584,8 +665,27 @@ def torch_step(
     call_torch(fn, args, kwargs)
 
 
+class _ShardNumel(TorchFunctionMode):
+    """``numel()`` of a shard-shaped tensor is the parameter's real element count, as the
+    full reductions are the parameter's (an RMS: ``p.norm() / p.numel() ** 0.5``)."""
+
+    def __init__(self, sharding: Sharding):
+        super().__init__()
+        self.sharding = sharding
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (
+            getattr(func, "__name__", "") == "numel"
+            and len(args) == 1
+            and isinstance(args[0], torch.Tensor)
+            and tuple(args[0].shape) == (self.sharding.shard,)
+        ):
+            return self.sharding.numel
+        return func(*args, **(kwargs or {}))
+
+
 def _on_shards(*args, fn, sharding: Sharding, **kwargs) -> None:
-    with _ShardedReductions(sharding):
+    with _ShardedReductions(sharding), _ShardNumel(sharding):
         fn(*args, **kwargs)
 
 

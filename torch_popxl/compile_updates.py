@@ -4,7 +4,6 @@ program captures)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,24 +40,33 @@ class _GroupSpec:
     # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
     # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
     fused: tuple[float, float, float, float] | None = None
-    # kind "torch": the state the captured step keeps (Note [captured optimizer steps])
-    layout: _optim.StateLayout | None = None
+    # kind "torch": the state the captured step keeps, per parameter of ``names`` (Note
+    # [captured optimizer steps]; Adafactor keeps other entries for a matrix than a vector)
+    layouts: tuple[_optim.StateLayout, ...] = ()
 
-    @property
-    def state_names(self) -> tuple[str, ...]:
+    def layout_of(self, name: str) -> _optim.StateLayout:
+        return self.layouts[self.names.index(name)]
+
+    def state_of(self, name: str) -> tuple[str, ...]:
+        """The state entries (but ``step``) torch keeps for parameter ``name``."""
         if self.kind == "sgd":
             return ("momentum_buffer",) if self.momentum else ()
-        if self.layout is not None:
-            return self.layout.param_state + self.layout.scalar_state
+        if self.layouts:
+            return self.layout_of(name).state_names
         return ("exp_avg", "exp_avg_sq")
 
     @property
     def has_step(self) -> bool:
         """Whether torch keeps a ``step`` tensor per parameter."""
-        return self.kind != "sgd" if self.layout is None else self.layout.has_step
+        if self.kind != "torch":
+            return self.kind != "sgd"
+        return any(lay.has_step for lay in self.layouts)
 
-    def is_scalar_state(self, name: str) -> bool:
-        return self.layout is not None and name in self.layout.scalar_state
+    def state_shape(self, name: str, key: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of state entry ``key`` of parameter ``name`` (of ``param_shape``)."""
+        if not self.layouts:
+            return tuple(param_shape)
+        return self.layout_of(name).state_shape(key, tuple(param_shape))
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -125,27 +133,17 @@ def _group_specs(
 
 
 def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) -> _GroupSpec:
-    """A captured optimizer's group (Note [captured optimizer steps]): the layout of its first
-    parameter, ``reduces`` if the step reduces over any of its parameters."""
+    """A captured optimizer's group (Note [captured optimizer steps]): each parameter's
+    layout; one step count for all of them."""
     if not names:
         return _GroupSpec("torch", ())
-    layouts = [_optim.cached_probe(optimizer, group, params[n])[0] for n in names]
-    reduces = next((lay.reduces for lay in layouts if lay.reduces), None)
-    first = layouts[0]
-    if any(
-        (lay.param_state, lay.scalar_state, lay.has_step)
-        != (first.param_state, first.scalar_state, first.has_step)
-        for lay in layouts
-    ):
+    layouts = tuple(_optim.cached_probe(optimizer, group, params[n])[0] for n in names)
+    if len({lay.has_step for lay in layouts}) > 1:
         raise TypeError(
-            f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
-            "parameters of one param group; the compiled step expects the same for all."
+            f"popxl.compile: {type(optimizer).__name__} keeps a step count for some parameters "
+            "of one param group and not for others; the compiled step keeps one for all."
         )
-    layout = dataclasses.replace(
-        first, reduces=reduces, lazy=any(lay.lazy for lay in layouts),
-        capturable=any(lay.capturable for lay in layouts),
-    )  # fmt: skip
-    return _GroupSpec("torch", tuple(names), layout=layout)
+    return _GroupSpec("torch", tuple(names), layouts=layouts)
 
 
 def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
@@ -256,7 +254,7 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
 
 def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
     """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
-    n_state = len(spec.state_names)
+    n_state = len(spec.state_of(""))  # (sgd / adam: the same for every parameter)
     state = args[len(args) - n_state :] if n_state else ()
     old = [p.clone(), *[t.clone() for t in state]]
     fn = _sgd_update if spec.kind == "sgd" else _adam_update

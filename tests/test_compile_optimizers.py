@@ -325,3 +325,36 @@ def test_param_groups_with_their_own_values():
         for o in (opt, opt_ref):  # a manual LR change of one group
             o.param_groups[1]["lr"] *= 0.5
     assert_same_training(m, opt, m_ref, opt_ref)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS[1:])
+def test_adafactor_factored_state_round_trips(R, GA, rts, state):
+    """Adafactor's state of other shapes than the parameter (a matrix's row and column
+    variances) is torch's in checkpoints, and an eager optimizer's state continues
+    compiled."""
+    make = OPTIMIZERS["adafactor"]
+    data = batches(6)
+    m, opt, trainer = compiled(make, R, GA, rts, state)
+    for x, y in data[:2]:
+        trainer.step(x.numpy(), y.numpy())
+    ckpt = copy.deepcopy(trainer.state_dict())
+    shapes = {n: {k: tuple(v.shape) for k, v in st.items()}
+              for n, st in ckpt["optimizer"]["state"].items()}  # fmt: skip
+    assert shapes["0.weight"] == {"row_var": (32, 1), "col_var": (1, 12)}
+    assert shapes["0.bias"] == {"variance": (32,)}
+    m2, opt2, trainer2 = compiled(make, R, GA, rts, state)
+    trainer2.load_state_dict(ckpt)
+    m_ref = model()
+    opt_ref = make(m_ref.parameters())
+    for x, y in data[:2]:
+        eager_step(m_ref, opt_ref, x, y)
+    m3, opt3, trainer3 = compiled(make, R, GA, rts, state)
+    m3.load_state_dict(m_ref.state_dict())
+    opt3.load_state_dict(opt_ref.state_dict())
+    for x, y in data[2:]:
+        trainer.step(x.numpy(), y.numpy())
+        trainer2.step(x.numpy(), y.numpy())
+        trainer3.step(x.numpy(), y.numpy())
+        eager_step(m_ref, opt_ref, x, y)
+    assert_same_training(m2, opt2, m, opt, exact=True)
+    assert_same_training(m3, opt3, m_ref, opt_ref)

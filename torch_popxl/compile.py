@@ -1138,7 +1138,7 @@ class Trainer:
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
-        values = _group_values(self.optimizer, _optimizer_kind(self.optimizer))
+        values = _group_values(self.optimizer, prog.specs)
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
                 t.copy_(torch.tensor(values[i], dtype=torch.float64))

@@ -26,11 +26,20 @@ Note [captured optimizer steps]
       gradient): for such an optimizer the program runs both torch's first step (empty
       state) and its later step and keeps the first where the step count is 0.
     * Hyperparameters: ``lr`` is read at run time from ``hyper/i`` (float64, as torch's Python
-      float), so LR schedulers need no rebuild; the other values of a group are structure
+      float), so LR schedulers need no rebuild. So are ``betas`` and ``momentum``, which
+      OneCycleLR and CyclicLR cycle, where the step neither branches on them (a trial
+      capture: RMSprop's ``if momentum > 0`` keeps momentum structure) nor rounds them
+      otherwise than as Python floats (two host steps with them as tensors and as floats
+      must agree bit for bit: torch's Adam casts a tensor beta1 to the parameter's dtype,
+      so a captured Adam keeps its betas structure). The group's other values are structure
       (they pick torch's code paths: ``if weight_decay != 0``, ``centered``): changing one
-      rebuilds the program and carries the state over. A tensor-valued ``alpha=`` / ``value=``
-      (``param.add_(delta, alpha=-lr)``) runs torch's own kernel with the number read at run
-      time (``opdefs/scalar_tensor.py``), so the rounding is eager's.
+      rebuilds the program and carries the state over. A tensor-valued ``alpha=`` /
+      ``value=`` (``param.add_(delta, alpha=-lr)``) runs torch's own kernel with the number
+      read at run time (``opdefs/scalar_tensor.py``), so the rounding is eager's.
+    * ``foreach=True``: torch's multi-tensor step runs, each ``torch._foreach_*`` op as one
+      op per tensor of its lists (``_per_tensor``), which is what torch's CPU kernels for
+      them do, so it rounds as eager's foreach step (NAdam's and Adafactor's differ from
+      their single-tensor steps by an ulp).
     * The step count: torch's ``_get_value(step)`` calls ``.item()`` unless capturable; under
       capture it gives the step as a float64 tensor, so ``1 - beta2 ** step`` is computed in
       double as eager computes it in Python. A step's own ``.item()`` (Adafactor's
@@ -90,6 +99,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -120,6 +130,10 @@ _REDUCTIONS = {
     aten._linalg_svd, aten.linalg_qr, aten.index, aten.index_select, aten.gather, aten.flip,
     aten.roll, aten.cumprod, aten.msort, aten.argsort,
 }  # fmt: skip
+N_HYPER = 5  # the values of a group's ``hyper/i`` variable (lr first)
+# group values an LR scheduler may move besides lr (OneCycleLR and CyclicLR cycle SGD's
+# momentum and Adam's beta1): read at run time where the step does not branch on them
+_SCHEDULED = ("betas", "momentum")
 # full reductions that run on shards (Note [whole-parameter reductions on shards])
 _WHOLE = {aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.amax, aten.amin,
           aten.max, aten.min, aten.dot, aten.vdot}  # fmt: skip
@@ -163,6 +177,9 @@ class StateLayout:
     lazy: bool = False
     # entries of other shapes (Adafactor's row and column variances), with their shapes
     other_state: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # group values read at run time after lr (Note [captured optimizer steps]): (key, n), n
+    # the length of a tuple value (betas) or 0 for a number (momentum)
+    live: tuple[tuple[str, int], ...] = ()
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -260,15 +277,21 @@ def _run_step(opt: torch.optim.Optimizer) -> None:
         type(opt).step(opt)
 
 
+def _step_values(group: dict) -> dict:
+    """A group's values but its params, for the step the program runs: not fused, not
+    differentiable, not capturable (unless it must be); foreach stays (its steps run as
+    torch's per-tensor ops: ``_per_tensor``)."""
+    values = {k: v for k, v in group.items() if k != "params"}
+    for k, v in (("fused", None), ("differentiable", False), ("capturable", False)):
+        if k in values:
+            values[k] = v
+    return values
+
+
 def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
     """The state ``optimizer`` keeps for ``p`` in ``group`` and its initial values, from one
     eager step of a copy of ``p`` with a zero gradient (Note [captured optimizer steps])."""
-    values = {k: v for k, v in group.items() if k != "params"}
-    for k, v in (("foreach", False), ("fused", None), ("differentiable", False)):
-        if k in values:
-            values[k] = v
-    if "capturable" in values:
-        values["capturable"] = False
+    values = _step_values(group)
     initial, reduces = _probe_step(optimizer, values, p.detach().clone(), 0.0)
     # a second probe with another parameter and gradient: does the initial state depend on
     # them (state made from the first gradient)?
@@ -419,6 +442,42 @@ def _with_cpu(orig):
     return devices
 
 
+def _per_tensor(name: str):
+    """``torch._foreach_<op>`` as one ``<op>`` per tensor of its lists, which is what torch's
+    CPU kernels for them do (their slow path), so a ``foreach=True`` step rounds as eager's;
+    the replicas' vmap has no rule for foreach ops, and their scalar lists take no tensors
+    (a step's numbers under capture)."""
+    base = name[len("_foreach_") :]
+    inplace = base.endswith("_")
+
+    def one(args, kwargs):
+        if base.startswith("norm"):  # torch's slow path: linalg_vector_norm of each
+            return torch.linalg.vector_norm(args[0], *(args[1:] or (2,)), **kwargs)
+        if not isinstance(args[0], torch.Tensor):  # _foreach_pow(scalar, tensors)
+            return getattr(torch, base)(*args, **kwargs)
+        method = getattr(torch.Tensor, base, None)
+        if method is not None:
+            return method(*args, **kwargs)
+        assert inplace, name  # (maximum_, minimum_: no Tensor method)
+        return args[0].copy_(getattr(torch, base[:-1])(*args, **kwargs))
+
+    def per_tensor(*args, **kwargs):
+        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)]
+        per_value = base.startswith(("addcdiv", "addcmul")) and len(args) == 4
+        out = []
+        for k in range(len(args[lists[0]])):
+            a = [x[k] if i in lists else x for i, x in enumerate(args)]
+            kw = dict(kwargs)
+            if per_value:  # the scalars: a list, or a tensor of them (each as its .item())
+                value = a.pop()
+                many = isinstance(value, torch.Tensor) and value.dim() > 0
+                kw["value"] = value[k] if many else value
+            out.append(one(a, kw))
+        return None if inplace else out
+
+    return per_tensor
+
+
 def _extremum(builtin, clamp: str, pick):
     """``min`` / ``max`` that also take tensors: a step's numbers are 0-dim tensors under
     capture (``min(lr, 1 / step ** 0.5)``), where Python's would need a bool of a value."""
@@ -444,11 +503,16 @@ _EXTREMA = {"min": _extremum(min, "clamp_max", torch.minimum),
 def _captured_helpers(capturable: bool, cls: type):
     """torch.optim's ``_get_value`` keeps tensors; a capturable step passes torch's device
     check (the captured tensors are fake CPU tensors); ``min`` / ``max`` in torch.optim's
-    modules and the optimizer's own take tensors (Note [captured optimizer steps])."""
+    modules and the optimizer's own take tensors; ``torch._foreach_*`` run per tensor (Note
+    [captured optimizer steps])."""
     patches = {"_get_value": lambda orig: _tensor_value}
     if capturable:
         patches["_get_capturable_supported_devices"] = _with_cpu
     saved, added = [], []
+    for attr in dir(torch):
+        if attr.startswith("_foreach_"):
+            saved.append((torch, attr, getattr(torch, attr)))
+            setattr(torch, attr, _per_tensor(attr))
     for name, mod in list(sys.modules.items()):
         own = name == cls.__module__
         if mod is None or not (own or name.startswith("torch.optim")):
@@ -599,6 +663,10 @@ def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool)
 
 def _step_with(p, g, hyper, entry: dict, opt, layout: StateLayout, capturable: bool) -> None:
     group = dict(layout.hyper, params=[p], lr=hyper[0])
+    i = 1
+    for key, n in layout.live:  # the values after lr in hyper/i, as live_values writes them
+        group[key] = tuple(hyper[i + j] for j in range(n)) if n else hyper[i]
+        i += max(n, 1)
     if capturable:
         group["capturable"] = True
     opt.param_groups = [group]
@@ -624,6 +692,11 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
     """Whether the non-capturable step branches on a tensor value (a trial capture)."""
     if not any(k == "capturable" for k, _ in layout.hyper):
         return False
+    return not _captures(opt, layout, p, init, False)
+
+
+def _captures(opt, layout: StateLayout, p: torch.Tensor, init: dict, capturable: bool) -> bool:
+    """Whether the step captures without a value-dependent branch (a trial capture)."""
     ir = Ir()
     graph = ir.create_empty_graph("optimizer_probe")
 
@@ -632,13 +705,84 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
 
     with graph:
         args = [inp(p, "p"), inp(p, "g"), inp(torch.zeros(()), "step"),
-                inp(torch.zeros(5, dtype=torch.float64), "hyper")]  # fmt: skip
+                inp(torch.zeros(N_HYPER, dtype=torch.float64), "hyper")]  # fmt: skip
         args += [inp(init[k], k) for k in layout.state_names]
+        kwargs = {"opt": opt, "layout": layout, "capturable": capturable}
         try:
-            call_torch(_step, tuple(args), {"opt": opt, "layout": layout, "capturable": False})
+            call_torch(_step, tuple(args), kwargs)
         except DataDependentError:
-            return True
-    return False
+            return False
+    return True
+
+
+def _live_keys(opt, layout: StateLayout, p, init: dict, group: dict) -> tuple:
+    """The values of ``_SCHEDULED`` the step does not branch on (a trial capture with each
+    read at run time), as ``StateLayout.live`` lists them."""
+    live: list[tuple[str, int]] = []
+    used = 1  # lr
+    for key in _SCHEDULED:
+        v = group.get(key)
+        if isinstance(v, tuple | list) and all(isinstance(x, float | int) for x in v):
+            n = len(v)
+        elif isinstance(v, float | int) and not isinstance(v, bool):
+            n = 0
+        else:
+            continue
+        if used + max(n, 1) > N_HYPER:
+            break
+        trial = dataclasses.replace(
+            layout, live=(*live, (key, n)), hyper=tuple(kv for kv in layout.hyper if kv[0] != key)
+        )
+        try:
+            ok = _captures(opt, trial, p, init, layout.capturable)
+            ok = ok and _same_numbers(opt, group, p, key, layout.capturable)
+        except Exception:  # torch's step refuses a tensor there: it stays structure
+            ok = False
+        if ok:
+            live.append((key, n))
+            used += max(n, 1)
+    return tuple(live)
+
+
+def with_live(layout: StateLayout, live: tuple, group: dict) -> StateLayout:
+    """``layout`` reading only ``live`` at run time; the others are structure again."""
+    keys = {k for k, _ in live}
+    back = [(k, _frozen(group[k])) for k, _ in layout.live if k not in keys]
+    return dataclasses.replace(layout, live=live, hyper=tuple(sorted((*layout.hyper, *back))))
+
+
+def _same_numbers(optimizer, group: dict, p: torch.Tensor, key: str, capturable: bool) -> bool:
+    """Whether two host steps with ``group[key]`` as float64 tensors (as the program reads
+    it) give what they give with Python floats, bit for bit: torch's Adam converts a tensor
+    beta1 to the parameter's dtype before ``1 - beta1``, which rounds otherwise."""
+    outcome = []
+    for as_tensor in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        q = p.detach().clone()
+        values = _step_values(group)
+        v = values[key]
+        if as_tensor:
+            as64 = functools.partial(torch.tensor, dtype=torch.float64)
+            values[key] = tuple(as64(x) for x in v) if isinstance(v, tuple | list) else as64(v)
+        if capturable:
+            values["capturable"] = True
+        opt = shadow(optimizer)
+        opt.param_groups = [dict(values, params=[q])]
+        for _ in range(2):
+            q.grad = torch.randn(q.shape, generator=gen).to(q.dtype)
+            with _captured_helpers(capturable, type(opt)), _TensorScalars():
+                _run_step(opt)
+        outcome.append([q.detach(), *[t for t in opt.state[q].values() if torch.is_tensor(t)]])
+    a, b = outcome
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def live_values(group: dict, layout: StateLayout) -> tuple[float, ...]:
+    """What ``hyper/i`` holds for a group: lr, then the live values (``_step_with``)."""
+    out = [float(group["lr"])]
+    for key, n in layout.live:
+        out += [float(x) for x in group[key]] if n else [float(group[key])]
+    return (*out, *[0.0] * (N_HYPER - len(out)))
 
 
 def torch_step(
@@ -693,15 +837,30 @@ _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cached_probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
-    """``probe`` (with the capturable decision), cached per optimizer, parameter and group
-    values."""
+    """``probe`` with the capturable and live-value decisions, cached per optimizer,
+    parameter and the group's values but lr and the live ones."""
     cache = _PROBES.setdefault(optimizer, {})
-    values = tuple(sorted((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr")))
-    key = (id(p), tuple(p.shape), p.dtype, values)
-    hit = cache.get(key)
-    if hit is None:
-        layout, init = probe(optimizer, group, p)
-        if needs_capturable(shadow(optimizer), layout, p, init):
-            layout = dataclasses.replace(layout, capturable=True)
-        hit = cache[key] = (layout, init)
+    values = {k: v for k, v in group.items() if k not in ("params", "lr")}
+    base = (id(p), tuple(p.shape), p.dtype)
+    scheduled = (*base, "live", _frozen_values(values, set(_SCHEDULED)))
+    live = cache.get(scheduled)
+    if live is not None:
+        hit = cache.get((*base, _frozen_values(values, {k for k, _ in live})))
+        if hit is not None:
+            return hit
+    layout, init = probe(optimizer, group, p)
+    opt = shadow(optimizer)
+    if needs_capturable(opt, layout, p, init):
+        layout = dataclasses.replace(layout, capturable=True)
+    if live is None:
+        live = cache[scheduled] = _live_keys(opt, layout, p, init, group)
+    keys = {k for k, _ in live}
+    layout = dataclasses.replace(
+        layout, live=live, hyper=tuple(kv for kv in layout.hyper if kv[0] not in keys)
+    )
+    hit = cache[(*base, _frozen_values(values, keys))] = (layout, init)
     return hit
+
+
+def _frozen_values(values: dict, without: set) -> tuple:
+    return tuple(sorted((k, _frozen(v)) for k, v in values.items() if k not in without))

@@ -25,7 +25,9 @@ from .opdefs import scalar_tensor as _scalar_ops
 #     and carries the state over (``_GroupSpec``). A captured optimizer (Note [captured
 #     optimizer steps]) reads ``lr`` at run time; its other values are structure.
 
-_N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
+# sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps; a
+# captured optimizer: lr and its live values (Note [captured optimizer steps])
+_N_HYPER = _optim.N_HYPER
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,12 @@ def _optimizer_kind(optimizer) -> str:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
+        )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            "popxl.compile: SparseAdam updates sparse gradients (nn.Embedding(sparse=True)) "
+            "and refuses dense ones; the compiled step computes dense gradients. Use "
+            "torch.optim.Adam or AdamW (the same update on dense gradients)."
         )
     captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
     if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
@@ -143,16 +151,25 @@ def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) ->
             f"popxl.compile: {type(optimizer).__name__} keeps a step count for some parameters "
             "of one param group and not for others; the compiled step keeps one for all."
         )
+    lives = {lay.live for lay in layouts}
+    if len(lives) > 1:  # the values read at run time are the group's: those all read so
+        common = tuple(kv for kv in layouts[0].live if all(kv in lv for lv in lives))
+        layouts = tuple(_optim.with_live(lay, common, group) for lay in layouts)
     return _GroupSpec("torch", tuple(names), layouts=layouts)
 
 
-def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
+def _group_values(
+    optimizer: torch.optim.Optimizer, specs: tuple[_GroupSpec, ...]
+) -> tuple[tuple[float, ...], ...]:
     """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
     out = []
-    for g in optimizer.param_groups:
-        if kind == "torch":  # lr only: the rest is structure (Note [captured optimizer steps])
-            out.append((float(g["lr"]), 0.0, 0.0, 0.0, 0.0))
-        elif kind == "sgd":
+    for g, spec in zip(optimizer.param_groups, specs, strict=True):
+        if spec.kind == "torch":  # lr and the live values (Note [captured optimizer steps])
+            live = spec.layouts[0] if spec.layouts else None
+            out.append(
+                _optim.live_values(g, live) if live else (float(g["lr"]), 0.0, 0.0, 0.0, 0.0)
+            )
+        elif spec.kind == "sgd":
             out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
                         float(g["dampening"]), 0.0))  # fmt: skip
         else:

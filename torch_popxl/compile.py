@@ -714,8 +714,9 @@ class Trainer:
         # Only summed over replicas by the update's reduction: the fast executor may keep it
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
         accum._set_hints(replica_sum=True)
-        # Note [steps on whole parameters]: a captured step that mixes a parameter's elements
-        # (other than a full reduction) or keeps state of other shapes updates it whole
+        # Note [steps on whole parameters] (compile_optim.py): a captured step that mixes a
+        # parameter's elements (other than a full reduction) or keeps state of other shapes
+        # updates it whole
         whole = spec.kind == "torch" and spec.layout_of(name).whole
         sharded = self._shard(data.size) and not whole
         init = self._initial_state(name, spec)

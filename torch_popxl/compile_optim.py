@@ -845,7 +845,8 @@ def cached_probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, 
     scheduled = (*base, "live", _frozen_values(values, set(_SCHEDULED)))
     live = cache.get(scheduled)
     if live is not None:
-        hit = cache.get((*base, _frozen_values(values, {k for k, _ in live})))
+        known = (*base, _frozen_values(values, {k for k, _ in live}))
+        hit = cache.get(known)
         if hit is not None:
             return hit
     layout, init = probe(optimizer, group, p)
@@ -858,7 +859,9 @@ def cached_probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, 
     layout = dataclasses.replace(
         layout, live=live, hyper=tuple(kv for kv in layout.hyper if kv[0] not in keys)
     )
-    hit = cache[(*base, _frozen_values(values, keys))] = (layout, init)
+    hit = (layout, init)
+    key = (*base, _frozen_values(values, keys))
+    cache[key] = hit
     return hit
 
 

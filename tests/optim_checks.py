@@ -18,11 +18,13 @@ def eager_step(m, opt, x, y) -> float:
 
 
 def assert_same_training(m, opt, m_ref, opt_ref, exact: bool = False) -> None:
-    """Weights and every optimizer state tensor equal eager's (bit for bit when ``exact``)."""
+    """Weights, the last step's ``p.grad`` and every optimizer state tensor equal eager's (bit
+    for bit when ``exact``)."""
     check = torch.testing.assert_close
     kw = {"rtol": 0, "atol": 0} if exact else {"rtol": RTOL, "atol": ATOL}
     for (name, p), q in zip(m.named_parameters(), m_ref.parameters(), strict=True):
         check(p.detach(), q.detach(), **kw, msg=lambda s, n=name: f"{n}: {s}")
+        check(p.grad, q.grad, **kw, msg=lambda s, n=name: f"{n}.grad: {s}")
         assert sorted(opt.state[p]) == sorted(opt_ref.state[q]), name
         for k, v in opt_ref.state[q].items():
             # state is not scaled by lr (RMSprop's buffer of g / sqrt(v) reaches ~10): its

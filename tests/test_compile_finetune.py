@@ -125,3 +125,40 @@ def test_unfreezing_after_steps_is_refused_with_nothing_changed_and_a_new_optimi
         assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)
     for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
         np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, err_msg=n)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS[:2])
+def test_max_grad_norm_clips_the_optimizers_parameters(R, GA, rts, state):
+    """``max_grad_norm`` is ``clip_grad_norm_`` over the optimizer's parameters: a trainable
+    layer outside the optimizer is frozen (no gradient), so its gradient is not in the norm,
+    which eager's ``clip_grad_norm_(model.parameters())`` would count (a larger norm: the
+    first assert shows the two differ). Bit for bit at R=1."""
+    from torch_popxl.runtime import gemm
+
+    m, ref = model(), model()
+    opt, ref_opt = freeze(m, "not_in_optimizer"), freeze(ref, "not_in_optimizer")
+    trained = [p for g in ref_opt.param_groups for p in g["params"]]
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=R,
+                            gradient_accumulation=GA, rts_threshold=64 if rts else None,
+                            optimizer_state=state, max_grad_norm=0.1)  # fmt: skip
+    exact = R == 1 and GA == 1
+    with gemm.using("aten"):  # torch's matmul: the same gradients as eager at R=1
+        for x, y in batches():
+            trainer.step(x.numpy(), y.numpy())
+            ref_opt.zero_grad()
+            ref.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            everything = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+            norm = torch.nn.utils.clip_grad_norm_(trained, 0.1)
+            assert everything.item() > norm.item() > 0.1  # the frozen layer's gradient counts
+            ref_opt.step()
+            if exact:
+                assert trainer.last_grad_norm == norm.item()
+            else:
+                assert trainer.last_grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    kw = {"rtol": 0, "atol": 0} if exact else {"rtol": RTOL, "atol": ATOL}
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), **kw, msg=n)
+    # frozen (Note [frozen parameters]): no gradient is computed for it, where eager backward()
+    # would fill one the optimizer never reads
+    assert m[0].weight.grad is None

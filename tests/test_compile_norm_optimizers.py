@@ -95,8 +95,7 @@ class RowNormalized(torch.optim.Optimizer):
 class EveryReduction(torch.optim.Optimizer):
     """Scales the gradient step by every full reduction the shards rewrite (a dot product, max
     and min, mean, sum over all dims with keepdim, 1-, 3- and inf-norms), each of a shifted
-    tensor that is non-zero on padding, so a padding element that counted would show. (No
-    ``p.numel()``: on a shard it is the shard's.)"""
+    tensor that is non-zero on padding, so a padding element that counted would show."""
 
     def __init__(self, params, lr=1e-2):
         super().__init__(params, {"lr": lr})
@@ -158,18 +157,40 @@ def test_whole_parameter_norms_on_shards_match_eager(kind, R, GA, state):
     assert_same_training(m, opt, m_ref, opt_ref)
 
 
-def test_reduction_over_one_dim_of_sharded_parameter_refused():
+@pytest.mark.parametrize("state", ["on_chip", "remote"])
+def test_reduction_over_one_dim_updates_the_parameter_whole(state):
+    """A row norm mixes elements that different shards would hold: that matrix is not
+    sharded (its gradient all-reduced, its state whole) and trains as eager; the biases,
+    normalised by a full norm, are still sharded (Note [steps on whole parameters])."""
     m = model()
     opt = RowNormalized(m.parameters())
-    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=2, rts_threshold=1)
-    x, y = batches(1)[0]
-    before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(
-        ValueError, match=r"linalg_vector_norm.*'0\.weight'.*rts_threshold above 84"
-    ):
+    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=2, rts_threshold=1,
+                            optimizer_state=state)  # fmt: skip
+    m_ref = model()
+    opt_ref = RowNormalized(m_ref.parameters())
+    for x, y in batches():
         trainer.step(x.numpy(), y.numpy())
-    for p, b in zip(m.parameters(), before, strict=True):
-        assert torch.equal(p.detach(), b)
+        eager_step(m_ref, opt_ref, x, y)
+    sharded = {s.name: s.sharded for s in trainer._active.slots}
+    assert sharded == {"0.weight": False, "0.bias": True, "2.weight": False, "2.bias": True}
+    assert_same_training(m, opt, m_ref, opt_ref)
+
+
+@pytest.mark.parametrize(("R", "GA"), [(2, 2), (4, 1)])
+def test_adafactor_vectors_on_padded_shards_match_eager(R, GA):
+    """Adafactor's vector update divides norms by ``p.numel() ** 0.5`` (an RMS): on a padded
+    shard ``numel()`` is the parameter's, the norms all-reduced with padding excluded; its
+    matrices (row and column variances) are updated whole."""
+    m, m_ref = model(), model()
+    opt, opt_ref = torch.optim.Adafactor(m.parameters()), torch.optim.Adafactor(m_ref.parameters())
+    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=1, optimizer_state="remote")  # fmt: skip
+    for x, y in batches():
+        trainer.step(x.numpy(), y.numpy())
+        eager_step(m_ref, opt_ref, x, y)
+    sharded = {s.name: s.sharded for s in trainer._active.slots}
+    assert sharded == {"0.weight": False, "0.bias": True, "2.weight": False, "2.bias": True}
+    assert_same_training(m, opt, m_ref, opt_ref)
 
 
 def test_bfloat16_norms_on_shards_match_eager():

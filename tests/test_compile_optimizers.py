@@ -84,6 +84,12 @@ OPTIMIZERS = {
         ps, lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True, eps=EPS
     ),  # fmt: skip
     "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, eps=EPS),
+    # factored state (row and column variances of a matrix) and Python numbers from the step
+    # count and norms (Note [steps on whole parameters])
+    "adafactor": lambda ps: torch.optim.Adafactor(ps),
+    "adafactor_wd_maximize": lambda ps: torch.optim.Adafactor(
+        ps, lr=3e-2, weight_decay=0.1, maximize=True, eps=(1e-6, 1e-3), beta2_decay=-0.5, d=2.0
+    ),  # fmt: skip
     "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
     "user_sign_momentum": lambda ps: SignMomentum(ps, lr=1e-2),
@@ -98,7 +104,8 @@ OPTIMIZERS = {
 # bit for bit at R=1: the step's scalars are eager's doubles. RAdam and ASGD branch on the
 # step count and so run torch's capturable path (float32 tensor scalars): an ulp off.
 EXACT = {"adadelta", "rmsprop", "rmsprop_momentum", "rmsprop_centered_wd", "adagrad", "adamax",
-         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize_dampening", "nadam", "nadam_decoupled"}  # fmt: skip
+         "rprop", "user_sign_momentum", "adam_amsgrad", "adamw_maximize", "sgd_maximize_dampening", "nadam", "nadam_decoupled", "adafactor",
+         "adafactor_wd_maximize"}  # fmt: skip
 
 
 def model():
@@ -282,7 +289,7 @@ def test_dynamic_loss_scaling_skips_captured_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["adadelta", "rmsprop_momentum", "nadam"])
+@pytest.mark.parametrize("kind", ["adadelta", "rmsprop_momentum", "nadam", "adafactor"])
 def test_half_precision_matches_eager_bit_for_bit(kind, dtype):
     """16-bit parameters and state: torch's own step rounds where eager rounds. Small integer
     data keep the gradients exact, so only the optimizer's arithmetic is compared."""
@@ -318,3 +325,36 @@ def test_param_groups_with_their_own_values():
         for o in (opt, opt_ref):  # a manual LR change of one group
             o.param_groups[1]["lr"] *= 0.5
     assert_same_training(m, opt, m_ref, opt_ref)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS[1:])
+def test_adafactor_factored_state_round_trips(R, GA, rts, state):
+    """Adafactor's state of other shapes than the parameter (a matrix's row and column
+    variances) is torch's in checkpoints, and an eager optimizer's state continues
+    compiled."""
+    make = OPTIMIZERS["adafactor"]
+    data = batches(6)
+    m, opt, trainer = compiled(make, R, GA, rts, state)
+    for x, y in data[:2]:
+        trainer.step(x.numpy(), y.numpy())
+    ckpt = copy.deepcopy(trainer.state_dict())
+    shapes = {n: {k: tuple(v.shape) for k, v in st.items()}
+              for n, st in ckpt["optimizer"]["state"].items()}  # fmt: skip
+    assert shapes["0.weight"] == {"row_var": (32, 1), "col_var": (1, 12)}
+    assert shapes["0.bias"] == {"variance": (32,)}
+    m2, opt2, trainer2 = compiled(make, R, GA, rts, state)
+    trainer2.load_state_dict(ckpt)
+    m_ref = model()
+    opt_ref = make(m_ref.parameters())
+    for x, y in data[:2]:
+        eager_step(m_ref, opt_ref, x, y)
+    m3, opt3, trainer3 = compiled(make, R, GA, rts, state)
+    m3.load_state_dict(m_ref.state_dict())
+    opt3.load_state_dict(opt_ref.state_dict())
+    for x, y in data[2:]:
+        trainer.step(x.numpy(), y.numpy())
+        trainer2.step(x.numpy(), y.numpy())
+        trainer3.step(x.numpy(), y.numpy())
+        eager_step(m_ref, opt_ref, x, y)
+    assert_same_training(m2, opt2, m, opt, exact=True)
+    assert_same_training(m3, opt3, m_ref, opt_ref)

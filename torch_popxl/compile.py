@@ -714,24 +714,18 @@ class Trainer:
         # Only summed over replicas by the update's reduction: the fast executor may keep it
         # as that sum (Note [replica-sum accumulators] in runtime/lower.py).
         accum._set_hints(replica_sum=True)
-        sharded = self._shard(data.size)
-        if sharded and spec.layout is not None and spec.layout.reduces:
-            raise ValueError(
-                f"popxl.compile: {type(self.optimizer).__name__}'s step runs "
-                f"{spec.layout.reduces} on a parameter-sized tensor, which mixes elements that "
-                f"different shards hold (a reduction over some dims, a matmul, sorting, "
-                f"indexing), so it cannot update a shard of {name!r} ({data.size} elements); "
-                f"rts_threshold={self.rts_threshold} would shard it. Full reductions (a norm, "
-                "a sum or mean over the whole tensor) run on shards. Set rts_threshold above "
-                f"{data.size} (so {name!r} is not sharded) or to None."
-            )
+        # Note [steps on whole parameters] (compile_optim.py): a captured step that mixes a
+        # parameter's elements (other than a full reduction) or keeps state of other shapes
+        # updates it whole
+        whole = spec.kind == "torch" and spec.layout_of(name).whole
+        sharded = self._shard(data.size) and not whole
         init = self._initial_state(name, spec)
         state, shards, buffers = {}, {}, {}
-        for sname in spec.state_names:
+        for sname in spec.state_of(name):
             zeros = torch_to_numpy(init[sname], _dtype.as_dtype(init[sname].dtype))
             dt = _dtype.as_dtype(init[sname].dtype)
             vname = f"{sname}/{name}"
-            if spec.is_scalar_state(sname):  # small: on chip, replicated
+            if spec.state_shape(name, sname, p.shape) == ():  # small: on chip, replicated
                 state[sname] = variable(zeros, dt, name=vname)
             elif sharded and self.optimizer_state == "remote":
                 buf = _remote.replica_sharded_buffer(zeros.shape, dt)
@@ -855,13 +849,13 @@ class Trainer:
         p = self._update_target(s)
         state = self._load_state(s)
         if s.spec.kind == "torch":  # scalars: hyper/i (Note [captured optimizer steps])
-            assert s.spec.layout is not None
             sharding = None
             if s.sharded:  # Note [whole-parameter reductions on shards]
                 rg = s.var.ir._check_grouping(None)  # RTS shards over all replicas
                 sharding = _optim.Sharding(int(np.prod(s.var.shape)), rg.group_size, rg.stride)
             _optim.torch_step(p, g, step, scalars, state, opt=self._shadow,
-                              layout=s.spec.layout, found=found, sharding=sharding)  # fmt: skip
+                              layout=s.spec.layout_of(s.name), found=found,
+                              sharding=sharding)  # fmt: skip
         else:
             _optimizer_update(p, g, step, scalars, state, s.spec, found)
         self._finish_update(s, p, state)
@@ -920,7 +914,7 @@ class Trainer:
 
     def _load_state(self, s: _Slot) -> list[Tensor]:
         out = []
-        for name in s.spec.state_names:
+        for name in s.spec.state_of(s.name):
             if name in s.buffers:
                 out.append(ops.remote_load(s.buffers[name], 0, f"{name}/{s.name}"))
             elif name in s.shards:
@@ -930,7 +924,7 @@ class Trainer:
         return out
 
     def _store_state(self, s: _Slot, state: list[Tensor]) -> None:
-        for name, t in zip(s.spec.state_names, state, strict=True):
+        for name, t in zip(s.spec.state_of(s.name), state, strict=True):
             if name in s.buffers:
                 ops.remote_store(s.buffers[name], 0, t)
 
@@ -1145,7 +1139,7 @@ class Trainer:
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
-        values = _group_values(self.optimizer, _optimizer_kind(self.optimizer))
+        values = _group_values(self.optimizer, prog.specs)
         if values != prog.hyper_last:
             for i, (v, t) in enumerate(zip(prog.hyper_vars, prog.hyper_t, strict=True)):
                 t.copy_(torch.tensor(values[i], dtype=torch.float64))
@@ -1288,7 +1282,7 @@ class Trainer:
             if name not in specs:  # frozen (Note [frozen parameters])
                 continue
             entry = raw.get(id(p))
-            want = specs[name].state_names
+            want = specs[name].state_of(name)
             if not entry or not want:
                 steps.add(0)
                 continue
@@ -1300,7 +1294,7 @@ class Trainer:
                 )
             for k in want:
                 v = entry[k]
-                shape = () if specs[name].is_scalar_state(k) else tuple(p.shape)
+                shape = specs[name].state_shape(name, k, tuple(p.shape))
                 if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
                     raise ValueError(
                         f"optimizer state {k!r} of {name!r} has shape "
@@ -1309,7 +1303,7 @@ class Trainer:
             by_name[name] = {k: entry[k] for k in want}
             steps.add(int(float(entry["step"])) if "step" in entry else -1)
         steps.discard(-1)  # torch's SGD keeps no step count
-        fresh = sorted(n for n in specs if n not in by_name and specs[n].state_names)
+        fresh = sorted(n for n in specs if n not in by_name and specs[n].state_of(n))
         # (state at step 0 for every parameter is an initial state: torch's Adagrad makes it
         # in its constructor)
         if by_name and (len(steps) > 1 or (0 in steps and fresh)):
@@ -1333,7 +1327,7 @@ class Trainer:
         zeros, or what a captured optimizer's probe found (Note [captured optimizer steps])."""
         p = self._params[name]
         if spec.kind != "torch":
-            return {k: torch.zeros_like(p.detach()) for k in spec.state_names}
+            return {k: torch.zeros_like(p.detach()) for k in spec.state_of(name)}
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
         return _optim.cached_probe(self.optimizer, group, p)[1]
 
@@ -1381,7 +1375,7 @@ class Trainer:
                 f"{n}.{k}": self._initial_state(n, specs[n])[k]
                 for n in self._params
                 if n in specs
-                for k in specs[n].state_names
+                for k in specs[n].state_of(n)
             }
             given = {}
             for n, st in opt["state"].items():

@@ -17,30 +17,62 @@ Note [captured optimizer steps]
       Rprop's step sizes). An entry of the parameter's shape is a state variable placed as
       SGD/Adam state is (sharded with RTS, remote or on chip); a scalar one (ASGD's ``eta``,
       NAdam's ``mu_product``) is a small on-chip variable; a 0-dim ``step`` is the program's
-      step count. Anything else (Adafactor's factored rows and columns, Python numbers) is
-      refused with an error. A second probe with another parameter and gradient finds state
+      step count; an entry of another shape (Adafactor's row and column variances of a
+      matrix) is a whole variable, remote or on chip (Note [steps on whole parameters]). Each
+      parameter has its own layout (Adafactor keeps ``variance`` for a vector, ``row_var`` and
+      ``col_var`` for a matrix of the same group). State that is no tensor (a Python number)
+      is refused with an error. A second probe with another parameter and gradient finds state
       made from them in the first step (SGD's momentum buffer, a clone of the first
       gradient): for such an optimizer the program runs both torch's first step (empty
       state) and its later step and keeps the first where the step count is 0.
     * Hyperparameters: ``lr`` is read at run time from ``hyper/i`` (float64, as torch's Python
-      float), so LR schedulers need no rebuild; the other values of a group are structure
+      float), so LR schedulers need no rebuild. So are ``betas`` and ``momentum``, which
+      OneCycleLR and CyclicLR cycle, where the step neither branches on them (a trial
+      capture: RMSprop's ``if momentum > 0`` keeps momentum structure) nor rounds them
+      otherwise than as Python floats (two host steps with them as tensors and as floats
+      must agree bit for bit: torch's Adam casts a tensor beta1 to the parameter's dtype,
+      so a captured Adam keeps its betas structure). The group's other values are structure
       (they pick torch's code paths: ``if weight_decay != 0``, ``centered``): changing one
-      rebuilds the program and carries the state over. A tensor-valued ``alpha=`` / ``value=``
-      (``param.add_(delta, alpha=-lr)``) runs torch's own kernel with the number read at run
-      time (``opdefs/scalar_tensor.py``), so the rounding is eager's.
+      rebuilds the program and carries the state over. A tensor-valued ``alpha=`` /
+      ``value=`` (``param.add_(delta, alpha=-lr)``) runs torch's own kernel with the number
+      read at run time (``opdefs/scalar_tensor.py``), so the rounding is eager's.
+    * ``foreach=True``: torch's multi-tensor step runs, each ``torch._foreach_*`` op as one
+      op per tensor of its lists (``_per_tensor``), which is what torch's CPU kernels for
+      them do, so it rounds as eager's foreach step (NAdam's and Adafactor's differ from
+      their single-tensor steps by an ulp).
     * The step count: torch's ``_get_value(step)`` calls ``.item()`` unless capturable; under
       capture it gives the step as a float64 tensor, so ``1 - beta2 ** step`` is computed in
-      double as eager computes it in Python. An optimizer whose step branches on such a value
+      double as eager computes it in Python. A step's own ``.item()`` (Adafactor's
+      ``step_t.item()``, ``p.norm().item()``) likewise gives a float64 0-dim tensor, and
+      ``min`` / ``max`` in torch.optim's modules and the optimizer class's module take such
+      tensors (``min(lr, 1 / step ** 0.5)`` is ``clamp_max``) while the step is captured; a
+      ``lerp_`` weight made from them runs in float32 as torch's Python-float weight does.
+      Adafactor is so bit for bit at R=1. An optimizer whose step branches on such a value
       (RAdam's ``rho_t > 5``, ASGD's ``mu != 1``) is found by a trial capture and then runs
       its ``capturable=True`` path (tensor arithmetic, ``torch.where``); its scalars then
       round differently from eager's Python floats (relative differences of ~1e-7).
     * Sharding: the probe watches the ops of the step on a parameter-sized tensor. A full
       reduction (a norm, a sum, a mean, a max, a dot product: Note [whole-parameter
-      reductions on shards]) runs on shards; any other op that mixes the elements of a
-      parameter (a reduction over one dim, a matmul, sorting, indexing, a transpose) cannot
-      run on a shard without the others, so such an optimizer is refused with RTS
-      (``rts_threshold``) on a parameter it would shard; elementwise updates run on shards as
-      SGD/Adam do.
+      reductions on shards]) runs on shards; elementwise updates run on shards as SGD/Adam
+      do; any other op that mixes the elements of a parameter cannot run on a shard alone
+      (Note [steps on whole parameters]).
+
+Note [steps on whole parameters]
+    A captured step that mixes a parameter's elements other than by a full reduction (a
+    reduction over one dim, a matmul, sorting, indexing, a transpose: Adafactor's row and
+    column means of a matrix, ``row_var @ col_var``) or keeps state of another shape than the
+    parameter's cannot update a 1-D RTS shard: a shard holds a run of the flattened parameter,
+    not whole rows or columns. Such a parameter is updated whole even where ``rts_threshold``
+    would shard it: its gradient is all-reduced (not reduce-scattered) and its state is whole
+    on every replica (remote or on chip as ``optimizer_state`` says), as at
+    ``rts_threshold=None``; the other parameters of the model stay sharded. The slot's
+    ``sharded`` flag and the memory report show which. (Gathering the shards for the step
+    and slicing them again would move more and save nothing: the weights are whole on every
+    replica here, and Adafactor's factored state is small: rows + columns.) The probe runs on
+    the full parameter, so it sees the step a matrix takes (``p.dim() > 1``), never a shard's.
+    Where a step does run on shards, ``numel()`` of a shard-shaped tensor is the parameter's
+    element count (an RMS, ``p.norm() / p.numel() ** 0.5``, as Adafactor's vector update);
+    ``p.shape`` stays the shard's.
 
 Note [whole-parameter reductions on shards]
     LARS/LAMB-style updates scale a parameter's step by ``p.norm() / update.norm()``. Where RTS
@@ -57,10 +89,8 @@ Note [whole-parameter reductions on shards]
     the parameter there is no padding and no mask. The result equals eager's up to float32
     summation order (the shards' partials are added in another order than torch's pairwise
     sum). The probe runs on the full parameter, so it decides which reductions are full
-    (``dim`` None or every dim); any other mixing op stays refused. Not covered: the step's
-    shape queries see the shard (``p.numel()`` and ``p.shape`` are the shard's; they are no
-    dispatched ops), so an update that divides by ``p.numel()`` itself (an RMS) differs from
-    eager under RTS, where ``mean()`` counts the real elements.
+    (``dim`` None or every dim); a parameter whose step mixes its elements otherwise is
+    updated whole (Note [steps on whole parameters]).
 """
 
 from __future__ import annotations
@@ -69,6 +99,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -99,6 +130,10 @@ _REDUCTIONS = {
     aten._linalg_svd, aten.linalg_qr, aten.index, aten.index_select, aten.gather, aten.flip,
     aten.roll, aten.cumprod, aten.msort, aten.argsort,
 }  # fmt: skip
+N_HYPER = 5  # the values of a group's ``hyper/i`` variable (lr first)
+# group values an LR scheduler may move besides lr (OneCycleLR and CyclicLR cycle SGD's
+# momentum and Adam's beta1): read at run time where the step does not branch on them
+_SCHEDULED = ("betas", "momentum")
 # full reductions that run on shards (Note [whole-parameter reductions on shards])
 _WHOLE = {aten.sum, aten.mean, aten.norm, aten.linalg_vector_norm, aten.amax, aten.amin,
           aten.max, aten.min, aten.dot, aten.vdot}  # fmt: skip
@@ -135,11 +170,31 @@ class StateLayout:
     hyper: tuple  # the group's values other than params and lr, frozen
     capturable: bool  # runs torch's capturable=True path (Note [captured optimizer steps])
     # the first op that mixes a parameter-sized tensor's elements other than a full
-    # reduction (Note [whole-parameter reductions on shards]): refused with RTS
+    # reduction: the parameter is updated whole (Note [steps on whole parameters])
     reduces: str | None
     # an entry's initial value depends on the gradient or the parameter (made in the first
     # step, as SGD's momentum buffer): the first step runs torch's own initialisation
     lazy: bool = False
+    # entries of other shapes (Adafactor's row and column variances), with their shapes
+    other_state: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # group values read at run time after lr (Note [captured optimizer steps]): (key, n), n
+    # the length of a tuple value (betas) or 0 for a number (momentum)
+    live: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Every state entry but ``step``, in the order the step takes them."""
+        return self.param_state + self.scalar_state + tuple(k for k, _ in self.other_state)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the step needs the whole parameter (Note [steps on whole parameters])."""
+        return self.reduces is not None or bool(self.other_state)
+
+    def state_shape(self, name: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if name in self.scalar_state:
+            return ()
+        return dict(self.other_state).get(name, tuple(param_shape))
 
 
 def _frozen(v):
@@ -222,15 +277,21 @@ def _run_step(opt: torch.optim.Optimizer) -> None:
         type(opt).step(opt)
 
 
+def _step_values(group: dict) -> dict:
+    """A group's values but its params, for the step the program runs: not fused, not
+    differentiable, not capturable (unless it must be); foreach stays (its steps run as
+    torch's per-tensor ops: ``_per_tensor``)."""
+    values = {k: v for k, v in group.items() if k != "params"}
+    for k, v in (("fused", None), ("differentiable", False), ("capturable", False)):
+        if k in values:
+            values[k] = v
+    return values
+
+
 def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
     """The state ``optimizer`` keeps for ``p`` in ``group`` and its initial values, from one
     eager step of a copy of ``p`` with a zero gradient (Note [captured optimizer steps])."""
-    values = {k: v for k, v in group.items() if k != "params"}
-    for k, v in (("foreach", False), ("fused", None), ("differentiable", False)):
-        if k in values:
-            values[k] = v
-    if "capturable" in values:
-        values["capturable"] = False
+    values = _step_values(group)
     initial, reduces = _probe_step(optimizer, values, p.detach().clone(), 0.0)
     # a second probe with another parameter and gradient: does the initial state depend on
     # them (state made from the first gradient)?
@@ -238,26 +299,28 @@ def probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
     lazy = initial.keys() != other.keys() or any(
         isinstance(v, torch.Tensor) and not torch.equal(v, other[k]) for k, v in initial.items()
     )
-    param_state, scalar_state, has_step, init = [], [], False, {}
+    param_state, scalar_state, other_state, has_step, init = [], [], [], False, {}
     for k, v in initial.items():
-        if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
-            has_step = True
-        elif isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
-            param_state.append(k)
-            init[k] = v
-        elif isinstance(v, torch.Tensor) and v.dim() == 0:
-            scalar_state.append(k)
-            init[k] = v
-        else:
-            what = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        if not isinstance(v, torch.Tensor):
             raise TypeError(
-                f"popxl.compile: {type(optimizer).__name__} keeps optimizer state {k!r} of "
-                f"{what} for a parameter of shape {tuple(p.shape)}; the compiled step keeps "
-                "state of the parameter's shape and 0-dim tensors only."
+                f"popxl.compile: {type(optimizer).__name__} keeps optimizer state {k!r} as a "
+                f"{type(v).__name__} for a parameter of shape {tuple(p.shape)}; the compiled "
+                "step keeps tensor state only (a program variable per entry). Keep it as a "
+                "tensor (torch.tensor(value)) in the optimizer's step."
             )
+        if k == "step" and v.dim() == 0:
+            has_step = True
+            continue
+        if tuple(v.shape) == tuple(p.shape):
+            param_state.append(k)
+        elif v.dim() == 0:
+            scalar_state.append(k)
+        else:  # Note [steps on whole parameters]
+            other_state.append((k, tuple(v.shape)))
+        init[k] = v
     hyper = tuple(sorted((k, _frozen(v)) for k, v in values.items() if k != "lr"))
     layout = StateLayout(type(optimizer), tuple(param_state), tuple(scalar_state), has_step,
-                         hyper, False, reduces, lazy)  # fmt: skip
+                         hyper, False, reduces, lazy, tuple(other_state))  # fmt: skip
     return layout, init
 
 
@@ -303,6 +366,17 @@ class _TensorScalars(TorchFunctionMode):
             return out.copy_(func(*args, **kwargs))
         if out is not None:
             kwargs["out"] = out
+        if name == "item" and len(args) == 1 and not kwargs:
+            # a number the step computes with in Python (Adafactor's ``step_t.item()``,
+            # ``p.norm().item()``): kept as a tensor, a double as Python's float
+            return _tensor_value(args[0])
+        if name in ("lerp", "lerp_") and _is_scalar64(args[2] if len(args) > 2 else None):
+            # ``t.lerp_(end, weight)`` with a weight from the step count (a Python float in
+            # eager torch): torch computes in float32 with the weight as float32 and rounds once
+            # (out of place + copy_: vmap has no rule for lerp_)
+            t, end, weight = args
+            out = torch.lerp(t.float(), end.float(), weight.float()).to(t.dtype)
+            return t.copy_(out) if name == "lerp_" else out
         if name == "__setitem__" and _is_mask(args[1]) and not isinstance(args[2], torch.Tensor):
             # ``t[mask] = 0`` (Rprop): vmap has no rule for boolean-mask indexing
             t, mask, value = args
@@ -337,17 +411,18 @@ def _as_python_float(a, b):
     computes with for a Python float; a 0-dim float64 tensor would promote a 0-dim float32
     one to float64 (NAdam's ``mu_product *= mu``)."""
 
-    def scalar(x):
-        return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64
-
     def low(x):
         return isinstance(x, torch.Tensor) and x.dtype in _HALF_OR_FLOAT
 
-    if scalar(a) and low(b):
+    if _is_scalar64(a) and low(b):
         return a.float(), b
-    if scalar(b) and low(a):
+    if _is_scalar64(b) and low(a):
         return a, b.float()
     return a, b
+
+
+def _is_scalar64(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64
 
 
 def _is_mask(x) -> bool:
@@ -367,27 +442,97 @@ def _with_cpu(orig):
     return devices
 
 
+def _per_tensor(name: str):
+    """``torch._foreach_<op>`` as one ``<op>`` per tensor of its lists, which is what torch's
+    CPU kernels for them do (their slow path), so a ``foreach=True`` step rounds as eager's;
+    the replicas' vmap has no rule for foreach ops, and their scalar lists take no tensors
+    (a step's numbers under capture)."""
+    base = name[len("_foreach_") :]
+    inplace = base.endswith("_")
+
+    def one(args, kwargs):
+        if base.startswith("norm"):  # torch's slow path: linalg_vector_norm of each
+            return torch.linalg.vector_norm(args[0], *(args[1:] or (2,)), **kwargs)
+        if not isinstance(args[0], torch.Tensor):  # _foreach_pow(scalar, tensors)
+            return getattr(torch, base)(*args, **kwargs)
+        method = getattr(torch.Tensor, base, None)
+        if method is not None:
+            return method(*args, **kwargs)
+        assert inplace, name  # (maximum_, minimum_: no Tensor method)
+        return args[0].copy_(getattr(torch, base[:-1])(*args, **kwargs))
+
+    def per_tensor(*args, **kwargs):
+        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)]
+        per_value = base.startswith(("addcdiv", "addcmul")) and len(args) == 4
+        out = []
+        for k in range(len(args[lists[0]])):
+            a = [x[k] if i in lists else x for i, x in enumerate(args)]
+            kw = dict(kwargs)
+            if per_value:  # the scalars: a list, or a tensor of them (each as its .item())
+                value = a.pop()
+                many = isinstance(value, torch.Tensor) and value.dim() > 0
+                kw["value"] = value[k] if many else value
+            out.append(one(a, kw))
+        return None if inplace else out
+
+    return per_tensor
+
+
+def _extremum(builtin, clamp: str, pick):
+    """``min`` / ``max`` that also take tensors: a step's numbers are 0-dim tensors under
+    capture (``min(lr, 1 / step ** 0.5)``), where Python's would need a bool of a value."""
+
+    def extremum(*args, **kwargs):
+        if kwargs or len(args) != 2 or not any(isinstance(a, torch.Tensor) for a in args):
+            return builtin(*args, **kwargs)
+        a, b = args
+        if not isinstance(a, torch.Tensor):
+            return getattr(b, clamp)(a)
+        if not isinstance(b, torch.Tensor):
+            return getattr(a, clamp)(b)
+        return pick(a, b)
+
+    return extremum
+
+
+_EXTREMA = {"min": _extremum(min, "clamp_max", torch.minimum),
+            "max": _extremum(max, "clamp_min", torch.maximum)}  # fmt: skip
+
+
 @contextlib.contextmanager
-def _captured_helpers(capturable: bool):
+def _captured_helpers(capturable: bool, cls: type):
     """torch.optim's ``_get_value`` keeps tensors; a capturable step passes torch's device
-    check (the captured tensors are fake CPU tensors)."""
+    check (the captured tensors are fake CPU tensors); ``min`` / ``max`` in torch.optim's
+    modules and the optimizer's own take tensors; ``torch._foreach_*`` run per tensor (Note
+    [captured optimizer steps])."""
     patches = {"_get_value": lambda orig: _tensor_value}
     if capturable:
         patches["_get_capturable_supported_devices"] = _with_cpu
-    saved = []
+    saved, added = [], []
+    for attr in dir(torch):
+        if attr.startswith("_foreach_"):
+            saved.append((torch, attr, getattr(torch, attr)))
+            setattr(torch, attr, _per_tensor(attr))
     for name, mod in list(sys.modules.items()):
-        if not name.startswith("torch.optim") or mod is None:
+        own = name == cls.__module__
+        if mod is None or not (own or name.startswith("torch.optim")):
             continue
         for attr, patch in patches.items():
             if hasattr(mod, attr):
                 orig = getattr(mod, attr)
                 saved.append((mod, attr, orig))
                 setattr(mod, attr, patch(orig))
+        for attr, fn in _EXTREMA.items():
+            if attr not in vars(mod):  # (a module's own min/max is left alone)
+                setattr(mod, attr, fn)
+                added.append((mod, attr))
     try:
         yield
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
+        for mod, attr in added:
+            delattr(mod, attr)
 
 
 @dataclass(frozen=True)
@@ -495,7 +640,7 @@ class _ShardedReductions(TorchDispatchMode):
 def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool):
     """One step of ``opt`` on ``p`` (a parameter or a shard) with gradient ``g`` and the state
     tensors ``state`` (param-shaped entries, then scalar ones), in place."""
-    names = layout.param_state + layout.scalar_state
+    names = layout.state_names
     if not layout.lazy:
         entry = dict(zip(names, state, strict=True))
         if layout.has_step:
@@ -518,13 +663,17 @@ def _step(p, g, step, hyper, *state, opt, layout: StateLayout, capturable: bool)
 
 def _step_with(p, g, hyper, entry: dict, opt, layout: StateLayout, capturable: bool) -> None:
     group = dict(layout.hyper, params=[p], lr=hyper[0])
+    i = 1
+    for key, n in layout.live:  # the values after lr in hyper/i, as live_values writes them
+        group[key] = tuple(hyper[i + j] for j in range(n)) if n else hyper[i]
+        i += max(n, 1)
     if capturable:
         group["capturable"] = True
     opt.param_groups = [group]
     opt.state = collections.defaultdict(dict, {p: entry})
     p.grad = g
     try:
-        with _captured_helpers(capturable), _TensorScalars():
+        with _captured_helpers(capturable, type(opt)), _TensorScalars():
             _run_step(opt)
     finally:
         p.grad = None
@@ -543,6 +692,11 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
     """Whether the non-capturable step branches on a tensor value (a trial capture)."""
     if not any(k == "capturable" for k, _ in layout.hyper):
         return False
+    return not _captures(opt, layout, p, init, False)
+
+
+def _captures(opt, layout: StateLayout, p: torch.Tensor, init: dict, capturable: bool) -> bool:
+    """Whether the step captures without a value-dependent branch (a trial capture)."""
     ir = Ir()
     graph = ir.create_empty_graph("optimizer_probe")
 
@@ -551,13 +705,84 @@ def needs_capturable(opt, layout: StateLayout, p: torch.Tensor, init: dict) -> b
 
     with graph:
         args = [inp(p, "p"), inp(p, "g"), inp(torch.zeros(()), "step"),
-                inp(torch.zeros(5, dtype=torch.float64), "hyper")]  # fmt: skip
-        args += [inp(init[k], k) for k in layout.param_state + layout.scalar_state]
+                inp(torch.zeros(N_HYPER, dtype=torch.float64), "hyper")]  # fmt: skip
+        args += [inp(init[k], k) for k in layout.state_names]
+        kwargs = {"opt": opt, "layout": layout, "capturable": capturable}
         try:
-            call_torch(_step, tuple(args), {"opt": opt, "layout": layout, "capturable": False})
+            call_torch(_step, tuple(args), kwargs)
         except DataDependentError:
-            return True
-    return False
+            return False
+    return True
+
+
+def _live_keys(opt, layout: StateLayout, p, init: dict, group: dict) -> tuple:
+    """The values of ``_SCHEDULED`` the step does not branch on (a trial capture with each
+    read at run time), as ``StateLayout.live`` lists them."""
+    live: list[tuple[str, int]] = []
+    used = 1  # lr
+    for key in _SCHEDULED:
+        v = group.get(key)
+        if isinstance(v, tuple | list) and all(isinstance(x, float | int) for x in v):
+            n = len(v)
+        elif isinstance(v, float | int) and not isinstance(v, bool):
+            n = 0
+        else:
+            continue
+        if used + max(n, 1) > N_HYPER:
+            break
+        trial = dataclasses.replace(
+            layout, live=(*live, (key, n)), hyper=tuple(kv for kv in layout.hyper if kv[0] != key)
+        )
+        try:
+            ok = _captures(opt, trial, p, init, layout.capturable)
+            ok = ok and _same_numbers(opt, group, p, key, layout.capturable)
+        except Exception:  # torch's step refuses a tensor there: it stays structure
+            ok = False
+        if ok:
+            live.append((key, n))
+            used += max(n, 1)
+    return tuple(live)
+
+
+def with_live(layout: StateLayout, live: tuple, group: dict) -> StateLayout:
+    """``layout`` reading only ``live`` at run time; the others are structure again."""
+    keys = {k for k, _ in live}
+    back = [(k, _frozen(group[k])) for k, _ in layout.live if k not in keys]
+    return dataclasses.replace(layout, live=live, hyper=tuple(sorted((*layout.hyper, *back))))
+
+
+def _same_numbers(optimizer, group: dict, p: torch.Tensor, key: str, capturable: bool) -> bool:
+    """Whether two host steps with ``group[key]`` as float64 tensors (as the program reads
+    it) give what they give with Python floats, bit for bit: torch's Adam converts a tensor
+    beta1 to the parameter's dtype before ``1 - beta1``, which rounds otherwise."""
+    outcome = []
+    for as_tensor in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        q = p.detach().clone()
+        values = _step_values(group)
+        v = values[key]
+        if as_tensor:
+            as64 = functools.partial(torch.tensor, dtype=torch.float64)
+            values[key] = tuple(as64(x) for x in v) if isinstance(v, tuple | list) else as64(v)
+        if capturable:
+            values["capturable"] = True
+        opt = shadow(optimizer)
+        opt.param_groups = [dict(values, params=[q])]
+        for _ in range(2):
+            q.grad = torch.randn(q.shape, generator=gen).to(q.dtype)
+            with _captured_helpers(capturable, type(opt)), _TensorScalars():
+                _run_step(opt)
+        outcome.append([q.detach(), *[t for t in opt.state[q].values() if torch.is_tensor(t)]])
+    a, b = outcome
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def live_values(group: dict, layout: StateLayout) -> tuple[float, ...]:
+    """What ``hyper/i`` holds for a group: lr, then the live values (``_step_with``)."""
+    out = [float(group["lr"])]
+    for key, n in layout.live:
+        out += [float(x) for x in group[key]] if n else [float(group[key])]
+    return (*out, *[0.0] * (N_HYPER - len(out)))
 
 
 def torch_step(
@@ -584,8 +809,27 @@ def torch_step(
     call_torch(fn, args, kwargs)
 
 
+class _ShardNumel(TorchFunctionMode):
+    """``numel()`` of a shard-shaped tensor is the parameter's real element count, as the
+    full reductions are the parameter's (an RMS: ``p.norm() / p.numel() ** 0.5``)."""
+
+    def __init__(self, sharding: Sharding):
+        super().__init__()
+        self.sharding = sharding
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (
+            getattr(func, "__name__", "") == "numel"
+            and len(args) == 1
+            and isinstance(args[0], torch.Tensor)
+            and tuple(args[0].shape) == (self.sharding.shard,)
+        ):
+            return self.sharding.numel
+        return func(*args, **(kwargs or {}))
+
+
 def _on_shards(*args, fn, sharding: Sharding, **kwargs) -> None:
-    with _ShardedReductions(sharding):
+    with _ShardedReductions(sharding), _ShardNumel(sharding):
         fn(*args, **kwargs)
 
 
@@ -593,15 +837,33 @@ _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cached_probe(optimizer, group: dict, p: torch.Tensor) -> tuple[StateLayout, dict]:
-    """``probe`` (with the capturable decision), cached per optimizer, parameter and group
-    values."""
+    """``probe`` with the capturable and live-value decisions, cached per optimizer,
+    parameter and the group's values but lr and the live ones."""
     cache = _PROBES.setdefault(optimizer, {})
-    values = tuple(sorted((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr")))
-    key = (id(p), tuple(p.shape), p.dtype, values)
-    hit = cache.get(key)
-    if hit is None:
-        layout, init = probe(optimizer, group, p)
-        if needs_capturable(shadow(optimizer), layout, p, init):
-            layout = dataclasses.replace(layout, capturable=True)
-        hit = cache[key] = (layout, init)
+    values = {k: v for k, v in group.items() if k not in ("params", "lr")}
+    base = (id(p), tuple(p.shape), p.dtype)
+    scheduled = (*base, "live", _frozen_values(values, set(_SCHEDULED)))
+    live = cache.get(scheduled)
+    if live is not None:
+        known = (*base, _frozen_values(values, {k for k, _ in live}))
+        hit = cache.get(known)
+        if hit is not None:
+            return hit
+    layout, init = probe(optimizer, group, p)
+    opt = shadow(optimizer)
+    if needs_capturable(opt, layout, p, init):
+        layout = dataclasses.replace(layout, capturable=True)
+    if live is None:
+        live = cache[scheduled] = _live_keys(opt, layout, p, init, group)
+    keys = {k for k, _ in live}
+    layout = dataclasses.replace(
+        layout, live=live, hyper=tuple(kv for kv in layout.hyper if kv[0] not in keys)
+    )
+    hit = (layout, init)
+    key = (*base, _frozen_values(values, keys))
+    cache[key] = hit
     return hit
+
+
+def _frozen_values(values: dict, without: set) -> tuple:
+    return tuple(sorted((k, _frozen(v)) for k, v in values.items() if k not in without))

@@ -4,7 +4,6 @@ program captures)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +25,9 @@ from .opdefs import scalar_tensor as _scalar_ops
 #     and carries the state over (``_GroupSpec``). A captured optimizer (Note [captured
 #     optimizer steps]) reads ``lr`` at run time; its other values are structure.
 
-_N_HYPER = 5  # sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps
+# sgd: lr, weight_decay, momentum, dampening, -; adam: lr, weight_decay, b1, b2, eps; a
+# captured optimizer: lr and its live values (Note [captured optimizer steps])
+_N_HYPER = _optim.N_HYPER
 
 
 @dataclass(frozen=True)
@@ -41,24 +42,33 @@ class _GroupSpec:
     # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
     # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
     fused: tuple[float, float, float, float] | None = None
-    # kind "torch": the state the captured step keeps (Note [captured optimizer steps])
-    layout: _optim.StateLayout | None = None
+    # kind "torch": the state the captured step keeps, per parameter of ``names`` (Note
+    # [captured optimizer steps]; Adafactor keeps other entries for a matrix than a vector)
+    layouts: tuple[_optim.StateLayout, ...] = ()
 
-    @property
-    def state_names(self) -> tuple[str, ...]:
+    def layout_of(self, name: str) -> _optim.StateLayout:
+        return self.layouts[self.names.index(name)]
+
+    def state_of(self, name: str) -> tuple[str, ...]:
+        """The state entries (but ``step``) torch keeps for parameter ``name``."""
         if self.kind == "sgd":
             return ("momentum_buffer",) if self.momentum else ()
-        if self.layout is not None:
-            return self.layout.param_state + self.layout.scalar_state
+        if self.layouts:
+            return self.layout_of(name).state_names
         return ("exp_avg", "exp_avg_sq")
 
     @property
     def has_step(self) -> bool:
         """Whether torch keeps a ``step`` tensor per parameter."""
-        return self.kind != "sgd" if self.layout is None else self.layout.has_step
+        if self.kind != "torch":
+            return self.kind != "sgd"
+        return any(lay.has_step for lay in self.layouts)
 
-    def is_scalar_state(self, name: str) -> bool:
-        return self.layout is not None and name in self.layout.scalar_state
+    def state_shape(self, name: str, key: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of state entry ``key`` of parameter ``name`` (of ``param_shape``)."""
+        if not self.layouts:
+            return tuple(param_shape)
+        return self.layout_of(name).state_shape(key, tuple(param_shape))
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -67,6 +77,12 @@ def _optimizer_kind(optimizer) -> str:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"popxl.compile expects a torch.optim.Optimizer; got {type(optimizer).__name__}."
+        )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            "popxl.compile: SparseAdam updates sparse gradients (nn.Embedding(sparse=True)) "
+            "and refuses dense ones; the compiled step computes dense gradients. Use "
+            "torch.optim.Adam or AdamW (the same update on dense gradients)."
         )
     captured = any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups)
     if isinstance(optimizer, torch.optim.AdamW) or type(optimizer).__name__ == "AdamW":
@@ -125,36 +141,35 @@ def _group_specs(
 
 
 def _torch_group_spec(optimizer, group: dict, names: list[str], params: dict) -> _GroupSpec:
-    """A captured optimizer's group (Note [captured optimizer steps]): the layout of its first
-    parameter, ``reduces`` if the step reduces over any of its parameters."""
+    """A captured optimizer's group (Note [captured optimizer steps]): each parameter's
+    layout; one step count for all of them."""
     if not names:
         return _GroupSpec("torch", ())
-    layouts = [_optim.cached_probe(optimizer, group, params[n])[0] for n in names]
-    reduces = next((lay.reduces for lay in layouts if lay.reduces), None)
-    first = layouts[0]
-    if any(
-        (lay.param_state, lay.scalar_state, lay.has_step)
-        != (first.param_state, first.scalar_state, first.has_step)
-        for lay in layouts
-    ):
+    layouts = tuple(_optim.cached_probe(optimizer, group, params[n])[0] for n in names)
+    if len({lay.has_step for lay in layouts}) > 1:
         raise TypeError(
-            f"popxl.compile: {type(optimizer).__name__} keeps different state for the "
-            "parameters of one param group; the compiled step expects the same for all."
+            f"popxl.compile: {type(optimizer).__name__} keeps a step count for some parameters "
+            "of one param group and not for others; the compiled step keeps one for all."
         )
-    layout = dataclasses.replace(
-        first, reduces=reduces, lazy=any(lay.lazy for lay in layouts),
-        capturable=any(lay.capturable for lay in layouts),
-    )  # fmt: skip
-    return _GroupSpec("torch", tuple(names), layout=layout)
+    lives = {lay.live for lay in layouts}
+    if len(lives) > 1:  # the values read at run time are the group's: those all read so
+        common = tuple(kv for kv in layouts[0].live if all(kv in lv for lv in lives))
+        layouts = tuple(_optim.with_live(lay, common, group) for lay in layouts)
+    return _GroupSpec("torch", tuple(names), layouts=layouts)
 
 
-def _group_values(optimizer: torch.optim.Optimizer, kind: str) -> tuple[tuple[float, ...], ...]:
+def _group_values(
+    optimizer: torch.optim.Optimizer, specs: tuple[_GroupSpec, ...]
+) -> tuple[tuple[float, ...], ...]:
     """Every group's numeric hyperparameters, as written to the program's ``hyper/i``."""
     out = []
-    for g in optimizer.param_groups:
-        if kind == "torch":  # lr only: the rest is structure (Note [captured optimizer steps])
-            out.append((float(g["lr"]), 0.0, 0.0, 0.0, 0.0))
-        elif kind == "sgd":
+    for g, spec in zip(optimizer.param_groups, specs, strict=True):
+        if spec.kind == "torch":  # lr and the live values (Note [captured optimizer steps])
+            live = spec.layouts[0] if spec.layouts else None
+            out.append(
+                _optim.live_values(g, live) if live else (float(g["lr"]), 0.0, 0.0, 0.0, 0.0)
+            )
+        elif spec.kind == "sgd":
             out.append((float(g["lr"]), float(g["weight_decay"]), float(g["momentum"]),
                         float(g["dampening"]), 0.0))  # fmt: skip
         else:
@@ -256,7 +271,7 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
 
 def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
     """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
-    n_state = len(spec.state_names)
+    n_state = len(spec.state_of(""))  # (sgd / adam: the same for every parameter)
     state = args[len(args) - n_state :] if n_state else ()
     old = [p.clone(), *[t.clone() for t in state]]
     fn = _sgd_update if spec.kind == "sgd" else _adam_update

@@ -465,3 +465,71 @@ def test_autodiff_through_called_graph_with_strided_arguments(executor):
     np.testing.assert_allclose(got[outs[0]], expected.detach().numpy(), rtol=1e-6)
     np.testing.assert_allclose(got[outs[1]], q.grad.numpy(), rtol=1e-5)
     np.testing.assert_allclose(got[outs[2]], k.grad.numpy(), rtol=1e-5)
+
+
+# ---- (h) BERT pretraining (nlp/bert/popxl/pretraining.py) ---------------------------------
+# Its layer graphs apply ``ops.dropout`` and are differentiated (autodiff_with_accumulation,
+# then recompute_graph): upstream's dropout is one DropoutOp, not a modifying op, and its
+# gradient scales the incoming gradient by the forward's mask / (1 - p). Its MLM head calls
+# ``cross_entropy_with_grad`` with (batch, mask_tokens) labels for (batch * mask_tokens, vocab)
+# logits: upstream's loss op reads labels flattened, one per row of logits.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_autodiff_of_dropout_scales_by_the_forward_mask(executor):
+    p, c = 0.25, 3.0
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((16, 32), np.float32), name="x")
+        seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
+
+        def f(x, seed):
+            return ops.dropout(x, seed, p=p) * c
+
+        fwd = ir.create_graph(f, x, seed)
+        grad = autodiff(fwd, grads_required=[fwd.inputs[0]])
+        info = ops.call_with_info(fwd, x, seed)
+        y = info.parent_output(0)
+        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((16, 32), np.float32)),
+                         inputs_dict=grad.inputs_dict(info))  # fmt: skip
+        sy, sdx = _store(y), _store(dx)
+    out = _run(ir, executor)
+    kept = out[sy] != 0
+    # the forward's values: c / (1 - p) where kept; about p of them dropped
+    np.testing.assert_allclose(out[sy][kept], c / (1 - p), rtol=1e-6)
+    assert 0.1 < 1 - kept.mean() < 0.4
+    # the gradient: the same mask, the same scale
+    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_with_grad_reads_labels_one_per_row_of_logits(reduction):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2 * 5, 7)).astype(np.float32)
+    labels = rng.integers(0, 7, size=(2, 5)).astype(np.int32)
+    labels[0, 1] = 0  # an ignored label (BERT's MLM ignore_index=0)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        loss, dx = addons.ops.cross_entropy_with_grad(
+            popxl.constant(logits), popxl.constant(labels), loss_scaling=8, ignore_index=0,
+            reduction=reduction,
+        )  # fmt: skip
+        s_loss, s_dx = _store(loss), _store(dx)
+    out = _run(ir, "fast")
+    tx = torch.tensor(logits, requires_grad=True)
+    tl = torch.nn.functional.cross_entropy(
+        tx, torch.tensor(labels.reshape(-1), dtype=torch.long), ignore_index=0,
+        reduction=reduction,
+    )  # fmt: skip
+    (8 * tl).sum().backward()
+    expected = tl.detach().numpy().reshape(labels.shape) if reduction == "none" else tl.item()
+    np.testing.assert_allclose(out[s_loss], expected, rtol=1e-5)
+    np.testing.assert_allclose(out[s_dx], tx.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_cross_entropy_with_grad_names_a_label_count_that_does_not_match_the_rows():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.zeros((10, 7), np.float32))
+        with pytest.raises(ValueError, match=r"labels have shape \(3, 3\) \(9 labels\).*\(10,\)"):
+            addons.ops.cross_entropy_with_grad(x, popxl.constant(np.zeros((3, 3), np.int32)))

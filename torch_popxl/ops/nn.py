@@ -67,10 +67,24 @@ def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, v
 
 
 def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Tensor:
-    """Dropout with probability ``p``. Replicas draw different masks (vmap randomness)."""
+    """Dropout with probability ``p``. Replicas draw different masks (vmap randomness).
+
+    One out-of-place op as upstream's DropoutOp, so graphs holding it can be differentiated
+    (torch's CPU dropout fills a fresh tensor with ``bernoulli_``, a modifying op autodiff
+    refuses); the mask comes from torch's generator, ``seed_tensor`` (when given) is an input so
+    the sample depends on it in the IR, as in ``ops.random_uniform``.
+    """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1); got {p}.")
-    return call_torch(torch.nn.functional.dropout, (t,), {"p": p, "training": True})
+    keep = 1.0 - float(p)
+
+    def run(x, *_seed):
+        if keep == 1.0:  # draws nothing, as torch's dropout with p = 0
+            return x.clone()
+        mask = torch.rand(x.shape, dtype=torch.float32, device=x.device) < keep
+        return x * mask.to(x.dtype) / keep
+
+    return call_torch(run, (t,) if seed_tensor is None else (t, seed_tensor), {})
 
 
 # ---- pooling and convolution --------------------------------------------------------------

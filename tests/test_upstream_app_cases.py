@@ -533,3 +533,64 @@ def test_cross_entropy_with_grad_names_a_label_count_that_does_not_match_the_row
         x = popxl.constant(np.zeros((10, 7), np.float32))
         with pytest.raises(ValueError, match=r"labels have shape \(3, 3\) \(9 labels\).*\(10,\)"):
             addons.ops.cross_entropy_with_grad(x, popxl.constant(np.zeros((3, 3), np.int32)))
+
+
+# Dropout draws its mask from its seed tensor (Note [dropout masks come from the seed]): BERT's
+# and GPT-3's layer gradients are recomputed (``recompute_graph`` replays the dropout), and the
+# tensor-parallel applications give a tensor-parallel group one seed so their "identical"
+# dropout drops the same elements on every shard.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_dropout_mask_is_a_function_of_the_seed(executor):
+    R, p = 4, 0.5
+    ir = popxl.Ir(replication=R)
+    shared, per_replica = ir.replica_grouping(group_size=R), ir.replica_grouping(group_size=1)
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((16, 32), np.float32), name="x")
+        seed = popxl.variable(np.array([3, 5], np.uint32), popxl.uint32, name="seed",
+                              replica_grouping=shared)  # fmt: skip
+        seeds = popxl.variable(np.array([[1, 2], [1, 2], [9, 4], [6, 6]], np.uint32), popxl.uint32,
+                               name="seeds", replica_grouping=per_replica)  # fmt: skip
+        _, other = ops.split_random_seed(seed)
+        first, again = ops.dropout(x, seed, p), ops.dropout(x, seed, p)
+        new_seed, own = ops.dropout(x, other, p), ops.dropout(x, seeds, p)
+        shaped = ops.shaped_dropout(x, seed, [1, 32], p)
+        shaped_again = ops.shaped_dropout(x, seed, [1, 32], p)
+        s = [_store(t) for t in (first, again, new_seed, own, shaped, shaped_again)]
+    out = _run(ir, executor)
+    first, again, new_seed, own, shaped, shaped_again = (out[t] != 0 for t in s)
+    assert 0.4 < 1 - first.mean() < 0.6
+    np.testing.assert_allclose(out[s[0]][first], 1 / (1 - p))
+    np.testing.assert_array_equal(first, again)  # the same seed, the same mask
+    assert (first != new_seed).mean() > 0.3  # another seed, another mask
+    for r in range(1, R):  # every replica given the seed drops the same elements
+        np.testing.assert_array_equal(first[r], first[0])
+    np.testing.assert_array_equal(own[1], own[0])  # replicas 0 and 1 share seeds [1, 2]
+    assert (own[2] != own[0]).mean() > 0.3 and (own[3] != own[2]).mean() > 0.3
+    np.testing.assert_array_equal(shaped, shaped_again)
+    np.testing.assert_array_equal(shaped, np.broadcast_to(shaped[:, :1], shaped.shape))
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_recomputed_dropout_uses_the_forward_mask(executor):
+    p, c = 0.5, 2.0
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((8, 16), np.float32), name="x")
+        seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
+
+        def f(x, seed):
+            return ops.dropout(x, seed, p=p) * c
+
+        fwd = ir.create_graph(f, x, seed)
+        grad = addons.autodiff(addons.GraphWithNamedArgs(fwd), grads_required=[fwd.inputs[0]])
+        grad = addons.transforms.recompute_graph(grad)  # the gradient replays the forward
+        info = ops.call_with_info(fwd, x, seed)
+        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((8, 16), np.float32)),
+                         inputs_dict=grad.grad_graph_info.inputs_dict(info))  # fmt: skip
+        sy, sdx = _store(info.parent_output(0)), _store(dx)
+    out = _run(ir, executor)
+    kept = out[sy] != 0
+    assert 0.3 < kept.mean() < 0.7
+    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)

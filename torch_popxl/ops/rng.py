@@ -1,5 +1,6 @@
 """Random numbers and seeds: ``random_uniform``, ``random_normal`` and the (2,) uint32 seed ops.
-Replicas draw different samples (vmap randomness); ``dropout`` is in ``nn.py``.
+Replicas draw different samples (vmap randomness); ``dropout`` is in ``nn.py`` and draws its
+mask from its seed tensor (``seeded_uniform``, Note [dropout masks come from the seed]).
 """
 
 from __future__ import annotations
@@ -13,6 +14,51 @@ from ..capture import call_torch
 from ..ir.tensor import Tensor, constant
 
 __all__ = ["random_uniform", "random_normal", "split_random_seed", "create_random_seed"]
+
+
+# Note [dropout masks come from the seed]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Upstream's dropout draws its mask from its (2,) uint32 seed tensor: the same seed gives the
+# same mask wherever the op runs. Programs rely on it: ``recompute_graph`` replays a forward
+# that holds dropout inside the gradient graph, and the gradient must use the forward's mask;
+# tensor-parallel applications give every replica of a tensor-parallel group the same seed
+# (``addons.seed_variable(seed, tp_group)``) so the dropout of their "identical computation"
+# drops the same elements on every shard. Drawing from torch's generator breaks both (the
+# replay draws a new mask; vmap randomness gives each replica its own). So a seeded mask is a
+# counter-based hash of (seed, element index): ``_mix32`` (a 32-bit integer finaliser, its
+# products split in 16-bit halves so they stay exact in int64) applied to the index keyed by
+# the seed words; the top 24 bits make a float32 in [0, 1). Replicas whose seeds differ draw
+# different masks.
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` in int64 without overflow."""
+    lo = (x & 0xFFFF) * c
+    hi = (((x >> 16) * c) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """float32 samples in [0, 1) of ``shape``, a function of the (2,) uint32 ``seed`` only
+    (Note [dropout masks come from the seed]). Torch code: call it inside a captured function."""
+    words = seed.to(torch.int64) & _MASK32
+    key = _mix32(words[0] ^ _mix32(words[1] ^ 0x9E3779B9))
+    n = 1
+    for d in shape:
+        n *= int(d)
+    index = torch.arange(n, dtype=torch.int64, device=seed.device)
+    bits = _mix32(_mix32(index ^ key) ^ words[1])
+    return ((bits >> 8).to(torch.float32) * (1.0 / (1 << 24))).reshape(tuple(shape))
 
 
 def _check_seed(seed: Tensor, op: str) -> None:

@@ -350,6 +350,43 @@ def test_session_device_accepts_upstreams_device_info_and_runs_unchanged():
         session.device = "tpu"
 
 
+# Upstream's session.device is the DeviceInfo: popxl-addons' tests end with
+# session.device.detach(); attach()/detach() move no weights, the context manager does (PopXL's
+# own session test walks this sequence).
+
+
+def test_session_device_attach_and_detach_as_upstreams_device_info():
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        w = popxl.variable(np.zeros(3, np.float32), name="w")
+        ops.var_updates.accumulate_(w, popxl.constant(np.ones(3, np.float32)))
+        s = _store(w * 1.0)
+    session = popxl.Session(ir, "ipu_model")
+    assert session.device == torch.device("cpu") and session.device.type == "cpu"
+    assert not session.device.isAttached
+    with session:  # attaches and writes the weights from the host
+        assert session.device.isAttached
+        np.testing.assert_array_equal(session.run()[s], [1, 1, 1])
+        with session:  # already attached: nothing moves
+            assert session.device.isAttached
+            session.device.detach()  # no weights move
+            assert not session.device.isAttached
+            with pytest.raises(ValueError, match="Must be attached"):
+                session.run()
+            with session:  # a detached session attaches: weights from the host (zeros)
+                assert session.device.isAttached
+                np.testing.assert_array_equal(session.run()[s], [1, 1, 1])
+            # leaving the context that attached it writes the weights back and detaches
+            assert not session.device.isAttached
+            np.testing.assert_array_equal(session.get_tensor_data(w), [1, 1, 1])
+            session.device.attach()  # no weights move
+            assert session.device.isAttached
+            np.testing.assert_array_equal(session.run()[s], [2, 2, 2])
+        assert session.device.isAttached  # this context did not attach it
+    assert not session.device.isAttached
+    np.testing.assert_array_equal(session.get_tensor_data(w), [2, 2, 2])
+
+
 # ---- Session._pb_session: the applications' write_variables_pb ------------------------------
 # Every application's utils.write_variables_pb (nlp/gpt3_2.7B, gpt_j, bloom, ...) writes weights
 # with session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array})) and then, when

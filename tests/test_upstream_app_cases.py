@@ -572,7 +572,7 @@ def test_cross_entropy_with_grad_names_a_label_count_that_does_not_match_the_row
             addons.ops.cross_entropy_with_grad(x, popxl.constant(np.zeros((3, 3), np.int32)))
 
 
-# Dropout draws its mask from its seed tensor (Note [dropout masks come from the seed]): BERT's
+# Dropout draws its mask from its seed tensor (Note [samples come from the seed]): BERT's
 # and GPT-3's layer gradients are recomputed (``recompute_graph`` replays the dropout), and the
 # tensor-parallel applications give a tensor-parallel group one seed so their "identical"
 # dropout drops the same elements on every shard.

@@ -145,7 +145,7 @@ def swish_(t: Tensor) -> Tensor:
 def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: float) -> Tensor:
     """Dropout whose keep-mask has ``shape`` (broadcast to ``t``), so whole features are
     dropped together; kept values are scaled by ``1 / (1 - ratio)``. As ``ops.dropout``, the
-    mask is a function of ``seed_tensor`` (uint32[2]) alone (Note [dropout masks come from the
+    mask is a function of ``seed_tensor`` (uint32[2]) alone (Note [samples come from the
     seed] in ``rng.py``).
 
     Raises:

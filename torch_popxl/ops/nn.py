@@ -72,7 +72,7 @@ def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Ten
 
     One out-of-place op as upstream's DropoutOp, so graphs holding it can be differentiated
     and its gradient uses the forward's mask. With a ``seed_tensor`` (uint32[2]) the mask is a
-    function of the seed alone, as upstream's (Note [dropout masks come from the seed] in
+    function of the seed alone, as upstream's (Note [samples come from the seed] in
     ``rng.py``): the same seed drops the same elements, in a recomputed forward and on every
     replica given that seed. Without one, replicas draw different masks from torch's generator.
     """

@@ -212,8 +212,12 @@ def test_task_session_constructor_keywords_and_positional_max_checkpoints():
     ir = popxl.Ir()
     with ir.main_graph:
         variables = addons.NamedTensors(w=popxl.variable(np.zeros(2, np.float32), name="w"))
-    with pytest.raises(TypeError, match="4th positional parameter is max_checkpoints"):
-        TaskSession([], [], variables, ir, "ipu_hw")
+    # pre-3.4 positional form (inputs, outputs, model, ir, device_desc): the Ir is the
+    # Session's, never a checkpoint count (BERT's squad_inference.py)
+    pre34 = TaskSession([], [], variables, ir, "ipu_hw")
+    assert pre34.ir is ir and pre34.state is variables and pre34._max_checkpoints == 1
+    with pytest.raises(TypeError, match="max_checkpoints must be an int, got str"):
+        TaskSession([], [], variables, "2", ir, "ipu_hw")
     with pytest.raises(TypeError, match="state= .* or model=, not both"):
         TaskSession([], [], variables, model=variables, ir=ir, device_desc="ipu_hw")
     with pytest.raises(ValueError, match="max_checkpoints must be >= 1"):

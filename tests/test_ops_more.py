@@ -294,6 +294,34 @@ def test_random_ops_have_the_requested_distribution_and_seeds_split(executor):
     assert not np.array_equal(y["s0"], y["s1"])
 
 
+def test_random_ops_draw_from_their_seed(executor):
+    # Upstream's samples are a function of the seed tensor: the same seed, the same samples;
+    # replicas differ through their seeds (create_seeds(..., replicas=R)), not by themselves.
+    R = 2
+    per_replica = popxl.create_seeds(7, replicas=R)  # (R, 2)
+
+    def build():
+        ir = popxl.gcg().ir
+        s = popxl.variable(popxl.create_seeds(42), popxl.uint32, name="seed")
+        own = popxl.variable(per_replica, popxl.uint32, name="own",
+                             replica_grouping=ir.replica_grouping(group_size=1))  # fmt: skip
+        return {
+            "u": ops.random_uniform(s, (3000,)), "u_again": ops.random_uniform(s, (3000,)),
+            "n": ops.random_normal(s, (3000,), 1.0, 3.0), "n_again": ops.random_normal(s, (3000,), 1.0, 3.0),
+            "u_own": ops.random_uniform(own, (3000,)),
+            "h": ops.random_uniform(s, (3000,), dtype=popxl.float16),
+        }  # fmt: skip
+
+    y = run(build, executor, replication=R)
+    np.testing.assert_array_equal(y["u"], y["u_again"])
+    np.testing.assert_array_equal(y["n"], y["n_again"])
+    np.testing.assert_array_equal(y["u"][0], y["u"][1])  # one seed on both replicas
+    assert (y["u_own"][0] != y["u_own"][1]).mean() > 0.99  # their own seeds
+    assert abs(y["u"].mean() - 0.5) < 0.03 and y["u"].min() >= 0.0 and y["u"].max() < 1.0
+    assert abs(y["n"].mean() - 1.0) < 0.2 and abs(y["n"].std() - 3.0) < 0.2
+    assert y["h"].dtype == np.float16
+
+
 def test_seed_checks_and_create_seeds_shape():
     assert popxl.create_seeds(1, batches_per_step=3, replicas=2).shape == (3, 2, 2)
     assert popxl.create_seeds(1).dtype == np.uint32

@@ -350,6 +350,43 @@ def test_session_device_accepts_upstreams_device_info_and_runs_unchanged():
         session.device = "tpu"
 
 
+# Upstream's session.device is the DeviceInfo: popxl-addons' tests end with
+# session.device.detach(); attach()/detach() move no weights, the context manager does (PopXL's
+# own session test walks this sequence).
+
+
+def test_session_device_attach_and_detach_as_upstreams_device_info():
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        w = popxl.variable(np.zeros(3, np.float32), name="w")
+        ops.var_updates.accumulate_(w, popxl.constant(np.ones(3, np.float32)))
+        s = _store(w * 1.0)
+    session = popxl.Session(ir, "ipu_model")
+    assert session.device == torch.device("cpu") and session.device.type == "cpu"
+    assert not session.device.isAttached
+    with session:  # attaches and writes the weights from the host
+        assert session.device.isAttached
+        np.testing.assert_array_equal(session.run()[s], [1, 1, 1])
+        with session:  # already attached: nothing moves
+            assert session.device.isAttached
+            session.device.detach()  # no weights move
+            assert not session.device.isAttached
+            with pytest.raises(ValueError, match="Must be attached"):
+                session.run()
+            with session:  # a detached session attaches: weights from the host (zeros)
+                assert session.device.isAttached
+                np.testing.assert_array_equal(session.run()[s], [1, 1, 1])
+            # leaving the context that attached it writes the weights back and detaches
+            assert not session.device.isAttached
+            np.testing.assert_array_equal(session.get_tensor_data(w), [1, 1, 1])
+            session.device.attach()  # no weights move
+            assert session.device.isAttached
+            np.testing.assert_array_equal(session.run()[s], [2, 2, 2])
+        assert session.device.isAttached  # this context did not attach it
+    assert not session.device.isAttached
+    np.testing.assert_array_equal(session.get_tensor_data(w), [2, 2, 2])
+
+
 # ---- Session._pb_session: the applications' write_variables_pb ------------------------------
 # Every application's utils.write_variables_pb (nlp/gpt3_2.7B, gpt_j, bloom, ...) writes weights
 # with session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array})) and then, when
@@ -465,3 +502,132 @@ def test_autodiff_through_called_graph_with_strided_arguments(executor):
     np.testing.assert_allclose(got[outs[0]], expected.detach().numpy(), rtol=1e-6)
     np.testing.assert_allclose(got[outs[1]], q.grad.numpy(), rtol=1e-5)
     np.testing.assert_allclose(got[outs[2]], k.grad.numpy(), rtol=1e-5)
+
+
+# ---- (h) BERT pretraining (nlp/bert/popxl/pretraining.py) ---------------------------------
+# Its layer graphs apply ``ops.dropout`` and are differentiated (autodiff_with_accumulation,
+# then recompute_graph): upstream's dropout is one DropoutOp, not a modifying op, and its
+# gradient scales the incoming gradient by the forward's mask / (1 - p). Its MLM head calls
+# ``cross_entropy_with_grad`` with (batch, mask_tokens) labels for (batch * mask_tokens, vocab)
+# logits: upstream's loss op reads labels flattened, one per row of logits.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_autodiff_of_dropout_scales_by_the_forward_mask(executor):
+    p, c = 0.25, 3.0
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((16, 32), np.float32), name="x")
+        seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
+
+        def f(x, seed):
+            return ops.dropout(x, seed, p=p) * c
+
+        fwd = ir.create_graph(f, x, seed)
+        grad = autodiff(fwd, grads_required=[fwd.inputs[0]])
+        info = ops.call_with_info(fwd, x, seed)
+        y = info.parent_output(0)
+        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((16, 32), np.float32)),
+                         inputs_dict=grad.inputs_dict(info))  # fmt: skip
+        sy, sdx = _store(y), _store(dx)
+    out = _run(ir, executor)
+    kept = out[sy] != 0
+    # the forward's values: c / (1 - p) where kept; about p of them dropped
+    np.testing.assert_allclose(out[sy][kept], c / (1 - p), rtol=1e-6)
+    assert 0.1 < 1 - kept.mean() < 0.4
+    # the gradient: the same mask, the same scale
+    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_with_grad_reads_labels_one_per_row_of_logits(reduction):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2 * 5, 7)).astype(np.float32)
+    labels = rng.integers(0, 7, size=(2, 5)).astype(np.int32)
+    labels[0, 1] = 0  # an ignored label (BERT's MLM ignore_index=0)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        loss, dx = addons.ops.cross_entropy_with_grad(
+            popxl.constant(logits), popxl.constant(labels), loss_scaling=8, ignore_index=0,
+            reduction=reduction,
+        )  # fmt: skip
+        s_loss, s_dx = _store(loss), _store(dx)
+    out = _run(ir, "fast")
+    tx = torch.tensor(logits, requires_grad=True)
+    tl = torch.nn.functional.cross_entropy(
+        tx, torch.tensor(labels.reshape(-1), dtype=torch.long), ignore_index=0,
+        reduction=reduction,
+    )  # fmt: skip
+    (8 * tl).sum().backward()
+    expected = tl.detach().numpy().reshape(labels.shape) if reduction == "none" else tl.item()
+    np.testing.assert_allclose(out[s_loss], expected, rtol=1e-5)
+    np.testing.assert_allclose(out[s_dx], tx.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_cross_entropy_with_grad_names_a_label_count_that_does_not_match_the_rows():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.zeros((10, 7), np.float32))
+        with pytest.raises(ValueError, match=r"labels have shape \(3, 3\) \(9 labels\).*\(10,\)"):
+            addons.ops.cross_entropy_with_grad(x, popxl.constant(np.zeros((3, 3), np.int32)))
+
+
+# Dropout draws its mask from its seed tensor (Note [samples come from the seed]): BERT's
+# and GPT-3's layer gradients are recomputed (``recompute_graph`` replays the dropout), and the
+# tensor-parallel applications give a tensor-parallel group one seed so their "identical"
+# dropout drops the same elements on every shard.
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_dropout_mask_is_a_function_of_the_seed(executor):
+    R, p = 4, 0.5
+    ir = popxl.Ir(replication=R)
+    shared, per_replica = ir.replica_grouping(group_size=R), ir.replica_grouping(group_size=1)
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((16, 32), np.float32), name="x")
+        seed = popxl.variable(np.array([3, 5], np.uint32), popxl.uint32, name="seed",
+                              replica_grouping=shared)  # fmt: skip
+        seeds = popxl.variable(np.array([[1, 2], [1, 2], [9, 4], [6, 6]], np.uint32), popxl.uint32,
+                               name="seeds", replica_grouping=per_replica)  # fmt: skip
+        _, other = ops.split_random_seed(seed)
+        first, again = ops.dropout(x, seed, p), ops.dropout(x, seed, p)
+        new_seed, own = ops.dropout(x, other, p), ops.dropout(x, seeds, p)
+        shaped = ops.shaped_dropout(x, seed, [1, 32], p)
+        shaped_again = ops.shaped_dropout(x, seed, [1, 32], p)
+        s = [_store(t) for t in (first, again, new_seed, own, shaped, shaped_again)]
+    out = _run(ir, executor)
+    first, again, new_seed, own, shaped, shaped_again = (out[t] != 0 for t in s)
+    assert 0.4 < 1 - first.mean() < 0.6
+    np.testing.assert_allclose(out[s[0]][first], 1 / (1 - p))
+    np.testing.assert_array_equal(first, again)  # the same seed, the same mask
+    assert (first != new_seed).mean() > 0.3  # another seed, another mask
+    for r in range(1, R):  # every replica given the seed drops the same elements
+        np.testing.assert_array_equal(first[r], first[0])
+    np.testing.assert_array_equal(own[1], own[0])  # replicas 0 and 1 share seeds [1, 2]
+    assert (own[2] != own[0]).mean() > 0.3 and (own[3] != own[2]).mean() > 0.3
+    np.testing.assert_array_equal(shaped, shaped_again)
+    np.testing.assert_array_equal(shaped, np.broadcast_to(shaped[:, :1], shaped.shape))
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_recomputed_dropout_uses_the_forward_mask(executor):
+    p, c = 0.5, 2.0
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.ones((8, 16), np.float32), name="x")
+        seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
+
+        def f(x, seed):
+            return ops.dropout(x, seed, p=p) * c
+
+        fwd = ir.create_graph(f, x, seed)
+        grad = addons.autodiff(addons.GraphWithNamedArgs(fwd), grads_required=[fwd.inputs[0]])
+        grad = addons.transforms.recompute_graph(grad)  # the gradient replays the forward
+        info = ops.call_with_info(fwd, x, seed)
+        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((8, 16), np.float32)),
+                         inputs_dict=grad.grad_graph_info.inputs_dict(info))  # fmt: skip
+        sy, sdx = _store(info.parent_output(0)), _store(dx)
+    out = _run(ir, executor)
+    kept = out[sy] != 0
+    assert 0.3 < kept.mean() < 0.7
+    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)

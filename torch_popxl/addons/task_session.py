@@ -16,7 +16,9 @@ The API is popxl-addons 3.4's: ``TaskSession(inputs, outputs, state, max_checkpo
 so a restored run continues bit for bit. Loading is all-or-nothing: every file is read and
 every array checked against its variable before anything is written (upstream writes the
 variables before it reads the session info). The older API (``model=``, one ``.npz`` file) is
-still accepted: ``model=`` as a keyword, and ``load_checkpoint`` of an ``.npz`` file.
+still accepted: ``model=`` as a keyword, the ``Ir`` as the 4th positional argument
+(``TaskSession(inputs, outputs, model, ir, device_desc)``), and ``load_checkpoint`` of an
+``.npz`` file.
 """
 
 from __future__ import annotations
@@ -76,16 +78,16 @@ class TaskSession(Session):
                 f"TaskSession: state must be NamedTensors (the variables a checkpoint holds), "
                 f"got {given(state)}."
             )
+        if isinstance(max_checkpoints, Ir):
+            # The pre-3.4 signature TaskSession(inputs, outputs, model, *session_args): the 4th
+            # positional is the Session's ir (BERT's squad_inference.py). An Ir is never a
+            # checkpoint count, so the two signatures cannot be confused.
+            args = (max_checkpoints, *args)
+            max_checkpoints = 1
         if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int):
-            hint = (
-                " The 4th positional parameter is max_checkpoints (popxl-addons 3.4); pass the "
-                "Ir as ir=... ."
-                if isinstance(max_checkpoints, Ir)
-                else ""
-            )
             raise TypeError(
                 f"TaskSession: max_checkpoints must be an int, got "
-                f"{type(max_checkpoints).__name__}.{hint}"
+                f"{type(max_checkpoints).__name__}."
             )
         if max_checkpoints < 1:
             raise ValueError(f"TaskSession: max_checkpoints must be >= 1, got {max_checkpoints}.")

@@ -24,6 +24,7 @@ from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..errors import given
 from ..ir.tensor import Tensor
+from .rng import seeded_uniform
 
 __all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish_",
            "shaped_dropout", "scatter_reduce"]  # fmt: skip
@@ -143,9 +144,9 @@ def swish_(t: Tensor) -> Tensor:
 
 def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: float) -> Tensor:
     """Dropout whose keep-mask has ``shape`` (broadcast to ``t``), so whole features are
-    dropped together; kept values are scaled by ``1 / (1 - ratio)``. As ``ops.dropout`` here,
-    masks come from torch's generator (replicas draw different masks); ``seed_tensor``
-    (uint32[2]) is checked but does not select the mask.
+    dropped together; kept values are scaled by ``1 / (1 - ratio)``. As ``ops.dropout``, the
+    mask is a function of ``seed_tensor`` (uint32[2]) alone (Note [samples come from the
+    seed] in ``rng.py``).
 
     Raises:
         ValueError: ``ratio`` outside [0, 1), or ``shape`` not broadcastable to ``t``.
@@ -171,8 +172,8 @@ def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: 
         ) from None
     keep = 1.0 - float(ratio)
 
-    def run(x, _seed):
-        mask = torch.rand(shape, dtype=torch.float32, device=x.device) < keep
+    def run(x, seed):
+        mask = seeded_uniform(seed, shape).to(x.device) < keep
         return x * mask.to(x.dtype) / keep
 
     return call_torch(run, (t, seed_tensor), {})

@@ -15,6 +15,7 @@ from ..capture import call_torch
 from ..ir.tensor import Tensor
 from ._common import _check_tensor
 from .elementwise import _binary
+from .rng import _check_seed, seeded_uniform
 from .shape import cast
 
 __all__ = [
@@ -67,10 +68,30 @@ def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, v
 
 
 def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Tensor:
-    """Dropout with probability ``p``. Replicas draw different masks (vmap randomness)."""
+    """Dropout with probability ``p``: kept values are scaled by ``1 / (1 - p)``.
+
+    One out-of-place op as upstream's DropoutOp, so graphs holding it can be differentiated
+    and its gradient uses the forward's mask. With a ``seed_tensor`` (uint32[2]) the mask is a
+    function of the seed alone, as upstream's (Note [samples come from the seed] in
+    ``rng.py``): the same seed drops the same elements, in a recomputed forward and on every
+    replica given that seed. Without one, replicas draw different masks from torch's generator.
+    """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1); got {p}.")
-    return call_torch(torch.nn.functional.dropout, (t,), {"p": p, "training": True})
+    keep = 1.0 - float(p)
+    if seed_tensor is not None:
+        _check_seed(seed_tensor, "dropout")
+
+    def run(x, *seed):
+        if keep == 1.0:  # draws nothing, as torch's dropout with p = 0
+            return x.clone()
+        if seed:
+            u = seeded_uniform(seed[0], x.shape).to(x.device)
+        else:
+            u = torch.rand(x.shape, dtype=torch.float32, device=x.device)
+        return x * (u < keep).to(x.dtype) / keep
+
+    return call_torch(run, (t,) if seed_tensor is None else (t, seed_tensor), {})
 
 
 # ---- pooling and convolution --------------------------------------------------------------

@@ -36,6 +36,59 @@ DEVICE_ENV = "TORCH_POPXL_DEVICE"
 _DEVICES = ("ipu_hw", "ipu_model", "cpu")
 
 
+# Note [Session.device attach and detach]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Upstream's ``session.device`` is the popart ``DeviceInfo`` the session runs on, and programs
+# and popxl-addons' own tests end with ``session.device.detach()`` or check
+# ``session.device.isAttached``. Its ``detach()`` and ``attach()`` change the attachment only:
+# no weights move. The session's context manager does the rest as upstream: entering a detached
+# session attaches and writes the weights from the host, and leaving the context that attached
+# it writes them back and detaches. Here the simulator is the device, so attachment is the
+# session's flag; the handle also stands for the torch device the replicas live on.
+
+
+class SessionDevice:
+    """``Session.device``: the torch device of the replicas and upstream's ``DeviceInfo`` calls."""
+
+    def __init__(self, session: Session):
+        self._session = session
+
+    @property
+    def isAttached(self) -> bool:  # noqa: N802  (upstream's name)
+        return self._session._attached
+
+    def attach(self) -> None:
+        """Attach without moving weights (upstream's ``DeviceInfo.attach``)."""
+        self._session._attached = True
+
+    def detach(self) -> None:
+        """Detach without moving weights (upstream's ``DeviceInfo.detach``)."""
+        self._session._attached = False
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._session._torch_device
+
+    def __getattr__(self, name: str) -> Any:  # type, index: the torch device's
+        return getattr(self._session._torch_device, name)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SessionDevice):
+            return self.torch_device == other.torch_device
+        if isinstance(other, (str, torch.device)):
+            return self.torch_device == torch.device(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.torch_device)
+
+    def __str__(self) -> str:
+        return str(self.torch_device)
+
+    def __repr__(self) -> str:
+        return f"SessionDevice({self.torch_device!s}, attached={self.isAttached})"
+
+
 class Session:
     """Compile ``ir`` and run it on the simulator.
 
@@ -114,8 +167,11 @@ class Session:
         return self._ir
 
     @property
-    def device(self) -> torch.device:
-        return self._torch_device
+    def device(self) -> SessionDevice:
+        """Where the replicas live (equal to that ``torch.device``, with its ``type`` and
+        ``index``), answering upstream's ``DeviceInfo`` calls: ``attach()``, ``detach()``,
+        ``isAttached`` (Note [Session.device attach and detach])."""
+        return SessionDevice(self)
 
     @device.setter
     def device(self, device) -> None:

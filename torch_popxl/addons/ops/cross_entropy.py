@@ -28,18 +28,32 @@ def _eps(x: Tensor) -> float:
     return 6.104e-5 if x.dtype == _dtypes.float16 else 1e-7
 
 
-def _check(x: Tensor, labels: Tensor, reduction: str) -> None:
+def _check(x: Tensor, labels: Tensor, reduction: str) -> Tensor:
+    """``labels`` laid out as ``x.shape[:-1]``. Upstream's loss op (PopART's
+    NlllWithSoftmaxGradDirect) reads the logits as rows ``(-1, C)`` and the labels flattened, so
+    any label shape with one label per row is accepted (BERT's MLM head passes ``(batch,
+    mask_tokens)`` labels for ``(batch * mask_tokens, vocab)`` logits)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
-    if tuple(labels.shape) != tuple(x.shape[:-1]):
+    rows = tuple(x.shape[:-1])
+    if torch.Size(labels.shape).numel() != torch.Size(rows).numel():
         raise ValueError(
-            f"cross_entropy: labels have shape {labels.shape}, expected x.shape[:-1] = {x.shape[:-1]} "
-            f"(x has shape {x.shape}; classes are on the last axis)."
+            f"cross_entropy: labels have shape {labels.shape} ({torch.Size(labels.shape).numel()} "
+            f"labels), expected one label per row of x: x.shape[:-1] = {rows} (x has shape "
+            f"{x.shape}; classes are on the last axis)."
         )
     if labels.dtype.is_floating_point:
         raise TypeError(
             f"cross_entropy: labels must be integers (int32/uint32); got {labels.dtype.name}."
         )
+    return labels if tuple(labels.shape) == rows else labels.reshape(rows)
+
+
+def _per_label(loss: _Traced, labels: Tensor, reduction: str) -> _Traced:
+    # reduction "none": one loss per label, in the labels' own shape (as upstream's op).
+    if reduction == "none" and tuple(loss.shape) != tuple(labels.shape):
+        return loss.reshape(tuple(labels.shape))
+    return loss
 
 
 def _parts(
@@ -80,21 +94,22 @@ def cross_entropy(
     x: Tensor, labels: Tensor, ignore_index: int | None = None, reduction: str = "mean"
 ) -> Tensor:
     """Softmax cross entropy of logits ``x`` (classes on the last axis) against ``labels``."""
-    _check(x, labels, reduction)
-    _, _, mask, item_loss = _parts(x, labels, ignore_index)
+    rows = _check(x, labels, reduction)
+    _, _, mask, item_loss = _parts(x, rows, ignore_index)
     num_items = int(torch.Size(labels.shape).numel())
-    return _reduce(item_loss, _divisor(x, mask, reduction, num_items), reduction)
+    loss = _reduce(item_loss, _divisor(x, mask, reduction, num_items), reduction)
+    return _per_label(loss, labels, reduction)
 
 
 def cross_entropy_with_grad(x: Tensor, labels: Tensor, loss_scaling: float | Tensor = 1,
                             ignore_index: int | None = None,
                             reduction: str = "mean") -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(loss, dloss/dx * loss_scaling)``; the loss is not scaled."""
-    _check(x, labels, reduction)
-    p, onehot, mask, item_loss = _parts(x, labels, ignore_index)
+    rows = _check(x, labels, reduction)
+    p, onehot, mask, item_loss = _parts(x, rows, ignore_index)
     num_items = int(torch.Size(labels.shape).numel())
     divisor = _divisor(x, mask, reduction, num_items)
-    loss = _reduce(item_loss, divisor, reduction)
+    loss = _per_label(_reduce(item_loss, divisor, reduction), labels, reduction)
     dx: _Traced = torch.sub(p, onehot)
     if mask is not None:
         dx = dx * mask.unsqueeze(-1).to(dx.dtype.as_torch())

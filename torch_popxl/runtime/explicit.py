@@ -17,11 +17,14 @@ Note [explicit batching]
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
+from ..ir.walk import effects
 from .gemm import gemm
 
 __all__ = [
@@ -32,8 +35,9 @@ __all__ = [
     "draws_random",
     "element_inputs",
     "emit_torch",
+    "FoldPlan",
     "fold_obstacle",
-    "foldable",
+    "fold_plan",
     "is_random",
     "opdef_rule",
     "per_element_ok",
@@ -489,41 +493,95 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     matmul, per-row statistics (a loss's mean, anything per micro-batch) stay per iteration
 #     and replica, and ``acc += sum_r x_r`` summed over iterations is ``acc += sum_{i,r} x_ir``.
 #     Folding is refused when anything could observe the iterations one at a time: loop-carried
-#     results, in-place writes other than those accumulations, collectives, remote memory,
-#     random ops (no explicit rule), values forced per replica, or a replica sum used for
-#     anything but an accumulation. A per-replica value from outside the loop (a weight whose
-#     state is per replica) is repeated for every iteration first. The sums are taken in a
-#     different order than the loop's, so results agree with the reference executor to
-#     rounding, as the replica sums already do.
+#     results, in-place writes other than those below, collectives, remote memory, values
+#     forced per replica, or a replica sum used for anything but an accumulation. A
+#     per-replica value from outside the loop (a weight whose state is per replica) is
+#     repeated for every iteration first. The sums are taken in a different order than the
+#     loop's, so results agree with the reference executor to rounding, as the replica sums
+#     already do.
+#     In-place writes that still fold (Note [fold the accumulation loop: writes]): a write
+#     into a value the iteration itself created (a dropout mask drawn into an ``empty_like``)
+#     touches only that iteration's rows; batch norm's running statistics are updated by one
+#     call per iteration, on that iteration's rows and in order (``_batch_norm_stacked``
+#     splits the rows), while the normalisation and everything else runs once over all rows;
+#     and a counter bumped by a loop-invariant amount (``num_batches_tracked += 1``) is
+#     bumped ``n`` times (``FoldPlan.repeated``). Nothing else in the body may read a value
+#     written that way (batch norm's backward in training reads only its saved statistics).
+#     At R = 1 random draws keep the loop unfolded, so the program stays the plain
+#     per-replica one (Note [one replica, stacked] in lower.py).
 _FOLD_KINDS = {"torch", "alias", "clone", "mm_replica_sum"}  # and the host transfers
 _FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
+_COUNTERS = {aten.add_.Tensor, aten.add_.Scalar}
+_RUNNING_STATS = (3, 4)  # native_batch_norm's running mean and variance arguments
 
 
-def _writes(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
+def _written_names(f) -> list[str]:
+    """The value names ``f`` writes in place (Note [one effects query] in ir/walk.py: batch
+    norm's running statistics included, which its schema does not declare)."""
+    return [f.ins[i] for i in sorted(effects(f.op).writes)]
 
 
-def foldable(loop, plan) -> bool:
-    """Whether an explicitly batched ``loop`` flat op can run as one pass (Note [fold the
-    accumulation loop])."""
-    return fold_obstacle(loop, plan) is None
+@dataclass(frozen=True)
+class FoldPlan:
+    """How a foldable loop runs as one pass: the ops to run once per iteration (counters)
+    and the values from outside the loop it writes in place (not repeated per iteration)."""
+
+    repeated: frozenset = frozenset()
+    written_outside: frozenset[str] = frozenset()
 
 
-def outside_rows(loop, plan) -> list[str]:
+def outside_rows(loop, plan, written: frozenset[str] = frozenset()) -> list[str]:
     """The per-replica values a folded ``loop`` reads from outside it: they have R rows and are
-    repeated for every iteration before the folded pass."""
+    repeated for every iteration before the folded pass (except those the loop ``written``
+    in place, which keep their R rows: Note [fold the accumulation loop])."""
     defined = {n for f in loop.body for n in f.outs}
     found: dict[str, None] = {}
     for f in loop.body:
-        found.update((n, None) for n in f.ins if plan.b(n) and n not in defined)
+        found.update((n, None) for n in f.ins
+                     if plan.b(n) and n not in defined and plan.root_of(n) not in written)  # fmt: skip
     return list(found)
 
 
-def fold_obstacle(loop, plan) -> str | None:
+def fold_obstacle(loop, plan, R: int) -> str | None:
     """Why ``loop`` cannot be folded (Note [fold the accumulation loop]), or None."""
+    found = fold_plan(loop, plan, R)
+    return None if isinstance(found, FoldPlan) else found
+
+
+def _write_obstacle(f, created: set[str], plan, R: int) -> str | None:
+    """Why ``f``'s in-place writes keep its loop unfolded, or None (Note [fold the accumulation
+    loop]: writes)."""
+    target = f.op.attrs.target
+    outside = [n for n in _written_names(f) if plan.root_of(n) not in created]
+    if not outside:
+        if draws_random(f.op) and R == 1:
+            return "draws random numbers at R = 1"
+        return None
+    if target is aten.native_batch_norm.default:
+        args = f.op.attrs.args
+        stats = {f.ins[args[i].index] for i in _RUNNING_STATS if isinstance(args[i], Slot)}
+        return None if set(outside) <= stats else "writes in place"
+    if target in _COUNTERS and len(outside) == 1 and outside[0] == f.ins[0]:
+        other = f.op.attrs.args[1]
+        if not isinstance(other, Slot) or plan.root_of(f.ins[other.index]) not in created:
+            return None
+    return "writes in place"
+
+
+def _reads_written(f, written: set[str], plan) -> bool:
+    """Whether ``f`` reads a value its folded loop writes in place, other than batch norm's
+    backward reading the running statistics it ignores in training."""
+    ignored: set[int] = set()
+    if f.kind == "torch" and f.op.attrs.target is aten.native_batch_norm_backward.default:
+        args = f.op.attrs.args
+        if args[7] is True:  # training
+            ignored = {args[i].index for i in (3, 4) if isinstance(args[i], Slot)}
+    return any(plan.root_of(n) in written for i, n in enumerate(f.ins) if i not in ignored)
+
+
+def fold_plan(loop, plan, R: int) -> FoldPlan | str:
+    """A ``FoldPlan`` for an explicitly batched ``loop`` that can run as one pass, else why
+    it cannot (Note [fold the accumulation loop])."""
     if loop.results:
         return "it carries values from one iteration to the next"
     if loop.count < 2:
@@ -536,17 +594,23 @@ def fold_obstacle(loop, plan) -> str | None:
     if len(set(streams)) != len(streams):
         return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
+    created: set[str] = set()  # values the body itself creates
+    writers: dict[int, set[str]] = {}  # id(op) -> the outside roots it writes in place
+    repeated = set()
     for f in body:
         what = f"the {_kind_name(f)} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
+        new = [n for n in f.outs if n not in f.ins and n not in created]
         if f.kind not in _FOLD_KINDS and not _runtime_stacked(f):
             return f"{what} (not foldable)"
         if any(n in plan.force_batched for n in f.outs):
             return f"{what} makes a value per replica"
         if f.kind == "mm_replica_sum":
             sums.add(f.outs[0])
+            created.update(new)
             continue
         target = f.op.attrs.target if f.kind == "torch" else None
         summed_ins = [n for n in f.ins if n in sums]
+        created.update(new)
         if f.kind == "torch":
             if getattr(target, "namespace", "") != "aten" or f in plan.sum_reads:
                 return f"{what} (not an aten op)"
@@ -557,8 +621,15 @@ def fold_obstacle(loop, plan) -> str | None:
                 if not f.presummed and not plan.b(addend):
                     return f"{what} adds a replica-invariant value"
                 continue
-            if _writes(target):
-                return f"{what} writes in place"
+            if _written_names(f):
+                why = _write_obstacle(f, created, plan, R)
+                if why is not None:
+                    return f"{what} {why}"
+                outside = {plan.root_of(n) for n in _written_names(f)} - created
+                if outside:
+                    writers[id(f)] = outside
+                    if target in _COUNTERS:
+                        repeated.add(f)
             if f.rows_summed:  # its weight and bias gradients are replica sums
                 sums.update(n for n, p in zip(f.outs, f.op.attrs.out_paths, strict=True) if p[0])
                 continue
@@ -569,7 +640,11 @@ def fold_obstacle(loop, plan) -> str | None:
             continue
         if any(plan.b(n) for n in f.ins) and not all(plan.b(n) for n in f.outs):
             return f"{what} reduces over the replicas"
-    return None
+    written = set().union(*writers.values()) if writers else set()
+    for f in body:
+        if id(f) not in writers and written and _reads_written(f, written, plan):
+            return f"the {_kind_name(f)} op reads a value the loop updates in place"
+    return FoldPlan(frozenset(repeated), frozenset(written))
 
 
 def _shift(d: int) -> int:
@@ -587,6 +662,10 @@ def emit_torch(em, f, ind: str) -> None:
     def lit(x):
         return em.literal(x, f)
 
+    if f in em.fold_repeated:  # Note [fold the accumulation loop]: once per iteration
+        em.lines.append(f"{ind}for _ in range({em.fold}):")
+        em._torch_plain(f, ind + "    ")
+        return
     out = f.outs[0] if f.outs else None
     R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     is_popxl = getattr(target, "namespace", "") == "torch_popxl"
@@ -689,7 +768,9 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
-        call = f"{fn}({em.p.aten(target)}, {tensors!r}, {', '.join(rendered)})"
+        kernel = (em.p.literal(_max_pool_channels_last)
+                  if target is aten.max_pool2d_with_indices.default else em.p.aten(target))  # fmt: skip
+        call = f"{fn}({kernel}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
         # the shared index selects along the shifted dim; tensors other than the index are
@@ -887,25 +968,45 @@ def _per_row_channels(t, rows: int):  # [rows * C] -> [rows, C]
 
 def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
     """``aten.native_batch_norm`` per replica on stacked rows (Note [convolutions and batch
-    norm on stacked rows])."""
+    norm on stacked rows]). In a folded loop (Note [fold the accumulation loop]) the running
+    statistics keep their R rows while ``x`` has one block of R rows per iteration: each
+    block is normalised by its own call, in order, so the statistics see every iteration's
+    update as the loop would have made it."""
     rows = x.shape[0]
-    stats = [_per_channel(t, rows, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
-    out, save_mean, save_invstd = aten.native_batch_norm(
-        _channels_in(x), _per_channel(w, rows, flags[1]), _per_channel(b, rows, flags[2]),
-        *stats, training, momentum, eps,
-    )  # fmt: skip
-    for orig, flat in zip((mean, var), stats, strict=True):
-        # a (per-row) running statistic that was not a view of its variable: write it back
-        if training and orig is not None and flat.data_ptr() != orig.data_ptr():
-            orig.copy_(flat.view(orig.shape))
-    return (_channels_out(out, rows), _per_row_channels(save_mean, rows),
-            _per_row_channels(save_invstd, rows))  # fmt: skip
+    per = mean.shape[0] if training and mean is not None and flags[3] else rows
+    out = torch.empty_like(x)
+    saved = []
+    for i in range(0, rows, per):
+        part = slice(i, i + per)
+        stats = [_per_channel(t, per, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
+        y, save_mean, save_invstd = aten.native_batch_norm(
+            _channels_in(x[part]), _per_channel(_rows(w, part, flags[1]), per, flags[1]),
+            _per_channel(_rows(b, part, flags[2]), per, flags[2]), *stats, training,
+            momentum, eps,
+        )  # fmt: skip
+        for orig, flat in zip((mean, var), stats, strict=True):
+            # a (per-row) running statistic that was not a view of its variable: write it back
+            if training and orig is not None and flat.data_ptr() != orig.data_ptr():
+                orig.copy_(flat.view(orig.shape))
+        out[part].copy_(y.view(y.shape[0], per, -1, *y.shape[2:]).transpose(0, 1))
+        saved.append((_per_row_channels(save_mean, per), _per_row_channels(save_invstd, per)))
+    if len(saved) == 1:
+        return out, *saved[0]
+    return out, *(torch.cat(s) for s in zip(*saved, strict=True))
+
+
+def _rows(p, part: slice, batched: bool):
+    """A per-row parameter's rows of one block (a shared one as it is)."""
+    return p[part] if batched and p is not None and p.numel() else p
 
 
 def _batch_norm_backward_stacked(grad, x, w, mean, var, save_mean, save_invstd, training, eps,
                                  mask, *, flags):  # fmt: skip
-    """``aten.native_batch_norm_backward`` per replica on stacked rows."""
+    """``aten.native_batch_norm_backward`` per replica on stacked rows. Training reads only
+    the saved statistics (the running ones may have fewer rows in a folded loop)."""
     rows = x.shape[0]
+    if training:
+        mean = var = None
     grad_x, grad_w, grad_b = aten.native_batch_norm_backward(
         _channels_in(grad), _channels_in(x), _per_channel(w, rows, flags[2]),
         _per_channel(mean, rows, flags[3]), _per_channel(var, rows, flags[4]),
@@ -969,6 +1070,24 @@ def _pool_stacked(fn, tensors, *args):
     if isinstance(out, tuple):
         return tuple(o.view(rows, n, *o.shape[1:]) for o in out)
     return out.view(rows, n, *out.shape[1:])
+
+
+# Note [max pooling channels last]
+#     On CPU, ATen's max pooling kernel for contiguous (NCHW) images walks each plane's windows
+#     one output at a time; its channels-last kernel vectorises over the channels and is about
+#     seven times faster on a conv net's activations, the layout change included. The indices
+#     it returns are the same positions within each image's plane, ties and NaNs resolved
+#     alike (tests/test_compile_conv.py compares both against eager), so the backward is
+#     unchanged; the results are made contiguous again for the ops that view them.
+def _max_pool_channels_last(x, *args):
+    """``aten.max_pool2d_with_indices`` through the channels-last kernel on CPU (Note [max
+    pooling channels last])."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return aten.max_pool2d_with_indices(x, *args)
+    out, indices = aten.max_pool2d_with_indices(
+        x.contiguous(memory_format=torch.channels_last), *args
+    )
+    return out.contiguous(), indices.contiguous()
 
 
 def _expand_stacked(x, size):

@@ -876,12 +876,18 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
 #     per-replica ``[N, C, *S]`` input fold into the batch dim, one call for all replicas. Its
 #     weight and bias gradients are per replica (each replica's own images), so they are one
 #     call per row; the input gradient folds like the forward. Batch norm normalises each
-#     channel over the batch and spatial dims of ONE replica, so the rows fold into the channel
-#     dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``): per-replica statistics
-#     become per-channel ones of the folded tensor, the affine parameters and running
-#     statistics are per row (``[rows * C]``; the running statistics are views of the stacked
-#     variables, so the kernel's in-place update reaches them), and per-channel results come
-#     back as ``[rows, C]``.
+#     channel over the batch and spatial dims of ONE replica. Where a row is large (at least
+#     ``_BN_ROW_NUMEL`` elements) it runs one call per row, each reading its row in place and
+#     writing its results into its row of the stacked outputs (the ``out`` forms): no copy.
+#     Where rows are small and many, the calls would cost more than the data, so the rows fold
+#     into the channel dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``, a copy
+#     each way): per-replica statistics become per-channel ones of the folded tensor, the
+#     affine parameters and running statistics are per row (``[rows * C]``; the running
+#     statistics are views of the stacked variables, so the kernel's in-place update reaches
+#     them), and per-channel results come back as ``[rows, C]``.
+_BN_ROW_NUMEL = 16384  # measured: a call per row and the fold's copies cost the same here
+
+
 def _conv_ok(f, batched) -> bool:
     args = f.op.attrs.args  # input, weight, bias, ...
     x, w, b = args[0], args[1], args[2]
@@ -970,10 +976,12 @@ def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
     """``aten.native_batch_norm`` per replica on stacked rows (Note [convolutions and batch
     norm on stacked rows]). In a folded loop (Note [fold the accumulation loop]) the running
     statistics keep their R rows while ``x`` has one block of R rows per iteration: each
-    block is normalised by its own call, in order, so the statistics see every iteration's
+    block is normalised by its own calls, in order, so the statistics see every iteration's
     update as the loop would have made it."""
     rows = x.shape[0]
     per = mean.shape[0] if training and mean is not None and flags[3] else rows
+    if x[0].numel() >= _BN_ROW_NUMEL:
+        return _batch_norm_rows(x, w, b, mean, var, training, momentum, eps, flags)
     out = torch.empty_like(x)
     saved = []
     for i in range(0, rows, per):
@@ -995,6 +1003,27 @@ def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
     return out, *(torch.cat(s) for s in zip(*saved, strict=True))
 
 
+def _row(p, i: int, batched: bool):
+    """Row ``i`` of a per-row parameter or statistic (whose rows repeat every ``len(p)``
+    rows: the running statistics of a folded loop); a shared one as it is."""
+    return p[i % p.shape[0]] if batched and p is not None else p
+
+
+def _batch_norm_rows(x, w, b, mean, var, training, momentum, eps, flags):
+    """``_batch_norm_stacked`` as one call per row, in row order, each writing into its row
+    of the outputs (Note [convolutions and batch norm on stacked rows])."""
+    rows, channels = x.shape[0], x.shape[2]
+    out = torch.empty_like(x)
+    save_mean, save_invstd = x.new_empty(rows, channels), x.new_empty(rows, channels)
+    for i in range(rows):
+        aten.native_batch_norm.out(
+            x[i], _row(w, i, flags[1]), _row(b, i, flags[2]), _row(mean, i, flags[3]),
+            _row(var, i, flags[4]), training, momentum, eps,
+            out=out[i], save_mean=save_mean[i], save_invstd=save_invstd[i],
+        )  # fmt: skip
+    return out, save_mean, save_invstd
+
+
 def _rows(p, part: slice, batched: bool):
     """A per-row parameter's rows of one block (a shared one as it is)."""
     return p[part] if batched and p is not None and p.numel() else p
@@ -1007,6 +1036,17 @@ def _batch_norm_backward_stacked(grad, x, w, mean, var, save_mean, save_invstd, 
     rows = x.shape[0]
     if training:
         mean = var = None
+    if x[0].numel() >= _BN_ROW_NUMEL:
+        channels = x.shape[2]
+        grads = (torch.empty_like(x), x.new_empty(rows, channels), x.new_empty(rows, channels))
+        for i in range(rows):
+            aten.native_batch_norm_backward.out(
+                grad[i], x[i], _row(w, i, flags[2]), _row(mean, i, flags[3]),
+                _row(var, i, flags[4]), _row(save_mean, i, flags[5]),
+                _row(save_invstd, i, flags[6]), training, eps, mask,
+                out0=grads[0][i], out1=grads[1][i], out2=grads[2][i],
+            )  # fmt: skip
+        return tuple(g if m else None for g, m in zip(grads, mask, strict=True))
     grad_x, grad_w, grad_b = aten.native_batch_norm_backward(
         _channels_in(grad), _channels_in(x), _per_channel(w, rows, flags[2]),
         _per_channel(mean, rows, flags[3]), _per_channel(var, rows, flags[4]),

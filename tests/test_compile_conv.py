@@ -1,0 +1,203 @@
+"""Conv nets on the fast executor's stacked path: max pooling through the channels-last kernel
+(Note [max pooling channels last]), batch norm per row or folded into the channels (Note
+[convolutions and batch norm on stacked rows]) and accumulation loops that fold with batch
+norm's running statistics, counters and dropout (Note [fold the accumulation loop]). Every
+result is compared with eager torch per replica or with the reference executor."""
+
+import numpy as np
+import pytest
+import torch
+
+import torch_popxl as popxl
+import torch_popxl.ops as ops
+from torch_popxl.runtime import explicit
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation,ceil",
+    [(2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 2, 1, 1, True), (2, 1, 0, 2, False)],
+)
+def test_channels_last_max_pooling_gives_eager_values_and_indices(
+    kernel, stride, padding, dilation, ceil
+):
+    """Ties (ReLU's zeros, rounded values), NaN and -inf pick the same positions as ATen's
+    contiguous kernel, so the unchanged backward routes gradients as eager's does."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 11, 12, generator=g).relu().round(decimals=1)
+    x[0, 0, 0, 0], x[1, 1, 2, 3], x[2, 2, :4, :4] = float("nan"), float("-inf"), 0.0
+    args = ([kernel] * 2, [stride] * 2, [padding] * 2, [dilation] * 2, ceil)
+    out, indices = explicit._max_pool_channels_last(x, *args)
+    want_out, want_indices = aten.max_pool2d_with_indices(x, *args)
+    assert out.is_contiguous() and indices.is_contiguous()
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(out, want_out, equal_nan=True, rtol=0, atol=0)
+
+
+def _eager_batch_norm(x, w, b, mean, var, grad, fold):
+    """Per replica and iteration, in the loop's order: eager batch norm's output, running
+    statistics after every update, and the input/weight/bias gradients of ``(y * grad).sum()``
+    (``x``: ``[fold * R, N, C, H, W]``; ``w``, ``b``: ``[C]`` shared or ``[fold * R, C]``)."""
+    mean, var = mean.clone(), var.clone()
+    R = mean.shape[0]
+    ys, gx, gw, gb = [], [], [], []
+    for i in range(x.shape[0]):
+        xi = x[i].clone().requires_grad_()
+        wi = (w[i] if w.dim() == 2 else w).clone().requires_grad_()
+        bi = (b[i] if b.dim() == 2 else b).clone().requires_grad_()
+        y = torch.nn.functional.batch_norm(xi, mean[i % R], var[i % R], wi, bi, True, 0.1, 1e-5)
+        (y * grad[i]).sum().backward()
+        ys.append(y.detach())
+        gx.append(xi.grad)
+        gw.append(wi.grad)
+        gb.append(bi.grad)
+    return torch.stack(ys), mean, var, torch.stack(gx), torch.stack(gw), torch.stack(gb)
+
+
+@pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])
+@pytest.mark.parametrize("fold", [1, 2])
+@pytest.mark.parametrize("per_row_affine", [False, True])
+def test_stacked_batch_norm_matches_eager_per_replica_and_iteration(image, fold, per_row_affine):
+    """Both forms of Note [convolutions and batch norm on stacked rows] (small rows fold into
+    the channels, large rows run one call each) give eager's per-replica output, saved
+    statistics' gradients and running statistics, also when a folded loop's ``fold``
+    iterations share the R rows of running statistics (updated once per iteration, in
+    order, Note [fold the accumulation loop])."""
+    R, N, C = 2, 8, 16
+    assert (N * C * image * image >= explicit._BN_ROW_NUMEL) == (image == 24)
+    g = torch.Generator().manual_seed(1)
+    rows = fold * R
+    x = torch.randn(rows, N, C, image, image, generator=g) * 2 + 0.5
+    grad = torch.randn(x.shape, generator=g)
+    shape = (rows, C) if per_row_affine else (C,)
+    w, b = torch.rand(shape, generator=g) + 0.5, torch.randn(shape, generator=g)
+    mean, var = torch.randn(R, C, generator=g), torch.rand(R, C, generator=g) + 0.5
+    want = _eager_batch_norm(x, w, b, mean, var, grad, fold)
+    flags = [True, per_row_affine, per_row_affine, True, True]
+    got_mean, got_var = mean.clone(), var.clone()
+    out, save_mean, save_invstd = explicit._batch_norm_stacked(
+        x, w, b, got_mean, got_var, True, 0.1, 1e-5, flags=flags
+    )
+    gx, gw, gb = explicit._batch_norm_backward_stacked(
+        grad, x, w, got_mean, got_var, save_mean, save_invstd, True, 1e-5, [True, True, True],
+        flags=[True, True, per_row_affine, True, True, True, True],
+    )  # fmt: skip
+    if not per_row_affine:  # a shared weight's gradient is each row's own
+        gw, gb = gw.reshape(rows, C), gb.reshape(rows, C)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    for name, got, ref in zip(("out", "running mean", "running var", "grad x", "grad w",
+                               "grad b"), (out, got_mean, got_var, gx, gw, gb), want,
+                              strict=True):  # fmt: skip
+        torch.testing.assert_close(got, ref, **tol, msg=name)
+    flat = x.transpose(1, 2).reshape(rows, C, -1)
+    torch.testing.assert_close(save_mean, flat.mean(-1), **tol)
+
+
+def _cnn(dropout: float = 0.0, image: int = 8):
+    side = (image - 2) // 2
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 6, 3), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Dropout(dropout), torch.nn.Flatten(),
+        torch.nn.Linear(6 * side * side, 5),
+    )  # fmt: skip
+
+
+def _train(executor, model_fn, R, GA, batches):
+    torch.manual_seed(0)
+    model = model_fn()
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=GA,
+                            executor=executor)  # fmt: skip
+    losses = [trainer.step(x, y) for x, y in batches]
+    state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    fns = dict(trainer.session._executor.fns) if executor == "fast" else {}
+    return losses, state, fns
+
+
+@pytest.mark.parametrize("image", [8, 24], ids=["channels_fold", "per_row"])
+def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image):
+    """The accumulation loop of a batch-norm CNN runs as one pass (each batch norm's running
+    statistics updated once per micro-batch, ``num_batches_tracked`` counted once per
+    micro-batch): losses, parameters, running statistics and counters equal the reference
+    executor's."""
+    R, GA = 2, 3
+    rng = np.random.default_rng(3)
+    batches = [(rng.normal(size=(R * GA * 4, 2, image, image)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+
+    def model():
+        return _cnn(image=image)
+
+    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
+    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref.items():
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert fast["1.num_batches_tracked"] == 2 * GA  # per micro-batch, as eager counts
+    source = fns["normal"].source
+    assert source.count("iterations folded") == 1
+    assert source.count(f"for _ in range({GA}):") == 2  # the two counters
+    assert "_batch_norm_stacked" in str(fns["normal"].__globals__.values())
+
+
+def test_dropout_cnn_folds_its_loop_at_several_replicas_only():
+    """Dropout draws into values each iteration creates, so the loop folds at R = 2 (every
+    row draws its own mask: the masked fraction is the dropout rate's) and stays unfolded at
+    R = 1 (Note [one replica, stacked])."""
+    for R, folded in ((2, True), (1, False)):
+        rng = np.random.default_rng(4)
+        x = rng.normal(size=(R * 2 * 4, 2, 8, 8)).astype(np.float32)
+        y = rng.integers(0, 5, R * 2 * 4)
+        torch.manual_seed(0)
+        model = _cnn(dropout=0.5)
+        trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                replication_factor=R, gradient_accumulation=2)  # fmt: skip
+        losses = [trainer.step(x, y) for _ in range(3)]
+        assert np.isfinite(losses).all()
+        executor = trainer.session._executor
+        assert bool(executor.program.folded_loops) == folded, R
+
+
+def _build_counter(R, read: bool):
+    """A loop over 4 micro-batches that counts its iterations into a variable (and, with
+    ``read``, multiplies its stored result by the count, which sees every iteration's
+    count: the loop must not fold then)."""
+    ir = popxl.Ir(replication=R)
+    ir.num_host_transfers = 4
+    with ir.main_graph, popxl.in_sequence():
+        W = popxl.variable(np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2), name="W")
+        c = popxl.variable(np.zeros((), np.float32), name="count")
+        xs = popxl.h2d_stream((5, 3), popxl.float32, "x")
+        ys = popxl.d2h_stream((5, 2), popxl.float32, "y")
+
+        def body(W, c):
+            y = ops.host_load(xs) @ W
+            c.add_(1.0)
+            ops.host_store(ys, y * c if read else y)
+
+        info = ops.repeat_with_info(ir.create_graph(body, W, c), 4, W, c)
+        info.set_parent_input_modified(c)
+    return ir, xs, ys, c
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_counter_folds_unless_the_loop_reads_it(read):
+    R = 2
+    x = np.random.default_rng(6).normal(size=(4, R, 5, 3)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, ys, c = _build_counter(R, read)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            assert ("iterations folded" in session._executor.source()) is not read
+        with session:
+            results[executor] = (session.run({xs: x})[ys], session.get_tensor_data(c))
+    np.testing.assert_allclose(results["fast"][0], results["reference"][0], rtol=1e-6)
+    assert results["fast"][1] == results["reference"][1] == 4.0
+    W = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    scale = np.arange(1, 5, dtype=np.float32).reshape(4, 1, 1, 1) if read else 1.0
+    np.testing.assert_allclose(results["fast"][0], (x @ W) * scale, rtol=1e-5, atol=1e-6)

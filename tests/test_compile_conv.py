@@ -216,3 +216,65 @@ def test_stacked_bernoulli_draws_ones_with_probability_p_in_every_row(p):
         assert not torch.equal(x[0], x[1])
     ints = explicit._bernoulli_float_(torch.zeros(1000, dtype=torch.int64), p)
     assert ints.dtype == torch.int64 and set(ints.unique().tolist()) <= {0, 1}
+
+
+@pytest.mark.parametrize(
+    "image,kernel,stride,padding,one_position",
+    [
+        ((1, 1), (3, 3), 1, 1, True),  # resnet's last stage on 32x32 images
+        ((2, 2), (3, 3), 2, 1, True),  # the stride-2 convolution into it
+        ((2, 2), (1, 1), 2, 0, True),  # its downsampling shortcut
+        ((4, 3), (4, 3), 1, 0, True),  # a kernel as large as the image
+        ((5, 3), (3, 4), 5, 1, True),  # input rows and taps left unseen
+        ((1, 1, 1), (3, 3, 3), 1, 1, True),  # 3-d
+        ((3, 3), (3, 3), 2, 1, False),  # two output positions: ATen's kernel
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_convolutions_with_one_output_position_are_matmuls_with_eager_gradients(
+    image, kernel, stride, padding, one_position, bias
+):
+    """Note [convolutions with one output position]: the output and the input, weight and
+    bias gradients equal ATen's convolution's, for every output mask."""
+    g = torch.Generator().manual_seed(2)
+    spatial = len(image)
+    x = torch.randn(6, 5, *image, generator=g)
+    w = torch.randn(7, 5, *kernel, generator=g)
+    b = torch.randn(7, generator=g) if bias else None
+    conv = ([stride] * spatial, [padding] * spatial, [1] * spatial, False, [0] * spatial, 1)
+    assert (explicit._one_position(x.shape, w.shape, *conv) is not None) == one_position
+    out = explicit._convolution(x, w, b, *conv)
+    want = aten.convolution(x, w, b, *conv)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(want.shape, generator=g)
+    for mask in ([True, True, bias], [True, False, False], [False, True, False]):
+        got = explicit._convolution_backward(grad, x, w, [7] if bias else None, *conv, mask)
+        ref = aten.convolution_backward(grad, x, w, [7] if bias else None, *conv, mask)
+        for name, a, r in zip(("x", "w", "b"), got, ref, strict=True):
+            assert (a is None) == (r is None), name
+            if r is not None:
+                torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_resnet_stage_with_one_output_position_trains_as_the_reference():
+    """A conv net whose last convolutions see 1x1 and 2x2 images (their weight gradients
+    summed over replicas, their accumulation loop folded) trains as the reference executor."""
+    R, GA = 2, 2
+    rng = np.random.default_rng(12)
+    batches = [(rng.normal(size=(R * GA * 4, 3, 4, 4)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+
+    def model():
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Flatten(),
+            torch.nn.Linear(16, 5),
+        )  # fmt: skip
+
+    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
+    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref.items():
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert fns["normal"].explicit and "iterations folded" in fns["normal"].source

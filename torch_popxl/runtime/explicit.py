@@ -17,6 +17,7 @@ Note [explicit batching]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -996,6 +997,24 @@ def _one_position(x_shape, w_shape, stride, padding, dilation, transposed, outpu
     return tuple(window), tuple(taps)
 
 
+def _taps(w, taps):
+    """The flat indices of the kernel ``taps`` within ``w``'s ``prod(kernel)`` positions, or
+    None when they are all of them."""
+    kernel = w.shape[2:]
+    index = torch.arange(math.prod(kernel), device=w.device).view(kernel)[taps[2:]]
+    return None if index.numel() == math.prod(kernel) else index
+
+
+def _tap_weights(w, taps):
+    """``w[taps]`` as ``[C_out, C_in * taps]``; gathered along the flattened kernel dim
+    (``index_select``: a strided slice copy of 2-element rows is ten times slower)."""
+    index = _taps(w, taps)
+    if index is None:
+        return w.reshape(w.shape[0], -1)
+    flat = w.reshape(w.shape[0] * w.shape[1], -1)
+    return flat.index_select(1, index.reshape(-1)).view(w.shape[0], -1)
+
+
 def _convolution(x, w, b, *conv):
     """``aten.convolution``, as a matmul where it has one output position (Note
     [convolutions with one output position])."""
@@ -1004,7 +1023,7 @@ def _convolution(x, w, b, *conv):
         return aten.convolution(x, w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
-    weights = w[taps].reshape(w.shape[0], -1).t()
+    weights = _tap_weights(w, taps).t()
     out = torch.mm(cols, weights) if b is None else torch.addmm(b, cols, weights)
     return out.view(x.shape[0], w.shape[0], *[1] * (x.dim() - 2))
 
@@ -1020,13 +1039,21 @@ def _convolution_backward(grad, x, w, bias_sizes, *rest):
     g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
     grad_x = grad_w = grad_b = None
     if mask[0]:
-        cols = torch.mm(g, w[taps].reshape(w.shape[0], -1))
-        grad_x = x.new_zeros(x.shape)
-        grad_x[window] = cols.view(grad_x[window].shape)
+        cols = torch.mm(g, _tap_weights(w, taps))
+        if x[window].shape == x.shape:
+            grad_x = cols.view(x.shape)
+        else:
+            grad_x = x.new_zeros(x.shape)
+            grad_x[window] = cols.view(grad_x[window].shape)
     if mask[1]:
         cols = torch.mm(g.t(), x[window].reshape(x.shape[0], -1))
-        grad_w = w.new_zeros(w.shape)
-        grad_w[taps] = cols.view(grad_w[taps].shape)
+        index = _taps(w, taps)
+        if index is None:
+            grad_w = cols.view(w.shape)
+        else:
+            flat = w.new_zeros(w.shape[0] * w.shape[1], math.prod(w.shape[2:]))
+            flat.index_copy_(1, index.reshape(-1), cols.view(flat.shape[0], -1))
+            grad_w = flat.view(w.shape)
     if mask[2]:
         grad_b = g.sum(0)
     return grad_x, grad_w, grad_b

@@ -1,10 +1,8 @@
 """Conv nets on the fast executor's stacked path: max pooling through the channels-last kernel
-(Note [max pooling channels last]), convolutions as matmuls (Note [convolutions with one output
-position], Note [convolutions of one- and two-channel images]), batch norm per row or folded
-into the channels (Note [convolutions and batch norm on stacked rows]) and accumulation loops
-that fold with batch norm's running statistics, counters and dropout (Note [fold the
-accumulation loop]). Every result is compared with eager torch per replica or with the
-reference executor."""
+(Note [max pooling channels last]), batch norm per row or folded into the channels (Note
+[convolutions and batch norm on stacked rows]) and accumulation loops that fold with batch
+norm's running statistics, counters and dropout (Note [fold the accumulation loop]). Every
+result is compared with eager torch per replica or with the reference executor."""
 
 import numpy as np
 import pytest
@@ -280,22 +278,3 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
     for k, want in ref.items():
         np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
     assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
-
-
-@pytest.mark.parametrize("channels", [1, 2])
-@pytest.mark.parametrize("stride,padding,dilation", [(1, 0, 1), (2, 1, 1), (1, 2, 2)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_convolutions_of_few_channel_images_unfold_to_eager_values(
-    channels, stride, padding, dilation, bias
-):
-    """Note [convolutions of one- and two-channel images]: ``unfold`` and a matmul give
-    ATen's convolution (shape and values)."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, channels, 13, 11, generator=g)
-    w = torch.randn(6, channels, 3, 2, generator=g)
-    b = torch.randn(6, generator=g) if bias else None
-    conv = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], 1)
-    want = aten.convolution(x, w, b, *conv)
-    got = explicit._convolution(x, w, b, *conv)
-    assert got.shape == want.shape and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1015,44 +1015,17 @@ def _tap_weights(w, taps):
     return flat.index_select(1, index.reshape(-1)).view(w.shape[0], -1)
 
 
-# Note [convolutions of one- and two-channel images]
-#     oneDNN's kernels for contiguous (NCHW) images are slow where an image has one or two
-#     channels (an MNIST net's first layer: 5 ms where three channels take 0.9). There the
-#     forward pass runs as ``unfold`` (im2col) and one batched matmul with the weight
-#     ``[C_out, C_in * k * k]``: the same sums, about five times faster. The backward pass
-#     of such a first layer computes only the weight gradient, which oneDNN does well.
-_FEW_CHANNELS = 2
-
-
 def _convolution(x, w, b, *conv):
     """``aten.convolution``, as a matmul where it has one output position (Note
-    [convolutions with one output position]) or its images have one or two channels (Note
-    [convolutions of one- and two-channel images])."""
+    [convolutions with one output position])."""
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        stride, padding, dilation, transposed, _, groups = conv
-        if x.dim() == 4 and x.shape[1] <= _FEW_CHANNELS and not transposed and groups == 1:
-            return _convolution_unfolded(x, w, b, stride, padding, dilation)
         return aten.convolution(x, w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
     weights = _tap_weights(w, taps).t()
     out = torch.mm(cols, weights) if b is None else torch.addmm(b, cols, weights)
     return out.view(x.shape[0], w.shape[0], *[1] * (x.dim() - 2))
-
-
-def _convolution_unfolded(x, w, b, stride, padding, dilation):
-    """A 2-d convolution as ``unfold`` and one batched matmul (Note [convolutions of one- and
-    two-channel images])."""
-    n = x.shape[0]
-    cols = torch.nn.functional.unfold(x, w.shape[2:], dilation, padding, stride)
-    weights = w.reshape(w.shape[0], -1)
-    out = torch.matmul(weights, cols)  # [N, C_out, L]
-    if b is not None:
-        out += b.view(1, -1, 1)
-    size = [(x.shape[i + 2] + 2 * padding[i] - dilation[i] * (w.shape[i + 2] - 1) - 1)
-            // stride[i] + 1 for i in range(2)]  # fmt: skip
-    return out.view(n, w.shape[0], *size)
 
 
 def _convolution_backward(grad, x, w, bias_sizes, *rest):

@@ -1,8 +1,9 @@
 """Conv nets on the fast executor's stacked path: max pooling through the channels-last kernel
-(Note [max pooling channels last]), batch norm per row or folded into the channels (Note
-[convolutions and batch norm on stacked rows]) and accumulation loops that fold with batch
-norm's running statistics, counters and dropout (Note [fold the accumulation loop]). Every
-result is compared with eager torch per replica or with the reference executor."""
+(Note [max pooling channels last]), convolutions as matmuls (Note [convolutions with one output
+position]), batch norm per row or folded into the channels (Note [convolutions and batch norm
+on stacked rows]) and accumulation loops that fold with batch norm's running statistics,
+counters and dropout (Note [fold the accumulation loop]). Every result is compared with eager
+torch per replica or with the reference executor."""
 
 import numpy as np
 import pytest

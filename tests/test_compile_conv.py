@@ -119,12 +119,13 @@ def _train(executor, model_fn, R, GA, batches):
 
 
 @pytest.mark.parametrize("image", [8, 24], ids=["channels_fold", "per_row"])
-def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image):
+@pytest.mark.parametrize("R", [1, 2])
+def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image, R):
     """The accumulation loop of a batch-norm CNN runs as one pass (each batch norm's running
     statistics updated once per micro-batch, ``num_batches_tracked`` counted once per
-    micro-batch): losses, parameters, running statistics and counters equal the reference
-    executor's."""
-    R, GA = 2, 3
+    micro-batch), also at R = 1 (Note [one replica, stacked]): losses, parameters, running
+    statistics and counters equal the reference executor's."""
+    GA = 3
     rng = np.random.default_rng(3)
     batches = [(rng.normal(size=(R * GA * 4, 2, image, image)).astype(np.float32),
                 rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip

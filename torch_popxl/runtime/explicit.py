@@ -37,7 +37,6 @@ __all__ = [
     "element_inputs",
     "emit_torch",
     "FoldPlan",
-    "fold_obstacle",
     "fold_plan",
     "is_random",
     "opdef_rule",
@@ -512,11 +511,11 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     repeated for every iteration first. The sums are taken in a different order than the
 #     loop's, so results agree with the reference executor to rounding, as the replica sums
 #     already do.
-#     In-place writes that still fold (``fold_plan``): a write into a value the iteration itself created (a dropout mask drawn into an ``empty_like``)
-#     touches only that iteration's rows; batch norm's running statistics are updated by one
-#     call per iteration, on that iteration's rows and in order (``_batch_norm_stacked``
-#     splits the rows), while the normalisation and everything else runs once over all rows;
-#     and a counter bumped by a loop-invariant amount (``num_batches_tracked += 1``) is
+#     In-place writes that still fold (``fold_plan``): a write into a value the iteration
+#     itself created (a dropout mask drawn into an ``empty_like``) touches only that
+#     iteration's rows; batch norm's running statistics are updated iteration by iteration,
+#     in order, from each iteration's own rows (``_batch_norm_stacked`` gives them their own
+#     calls), while everything else runs once over all rows; and a counter bumped by a loop-invariant amount (``num_batches_tracked += 1``) is
 #     bumped ``n`` times (``FoldPlan.repeated``). Nothing else in the body may read a value
 #     written that way (batch norm's backward in training reads only its saved statistics).
 #     At R = 1 random draws keep the loop unfolded, so the program stays the plain
@@ -552,12 +551,6 @@ def outside_rows(loop, plan, written: frozenset[str] = frozenset()) -> list[str]
         found.update((n, None) for n in f.ins
                      if plan.b(n) and n not in defined and plan.root_of(n) not in written)  # fmt: skip
     return list(found)
-
-
-def fold_obstacle(loop, plan, R: int) -> str | None:
-    """Why ``loop`` cannot be folded (Note [fold the accumulation loop]), or None."""
-    found = fold_plan(loop, plan, R)
-    return None if isinstance(found, FoldPlan) else found
 
 
 def _write_obstacle(f, created: set[str], plan, R: int) -> str | None:

@@ -145,23 +145,25 @@ def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image, R
     assert "_batch_norm_stacked" in str(fns["normal"].__globals__.values())
 
 
-def test_dropout_cnn_folds_its_loop_at_several_replicas_only():
-    """Dropout draws into values each iteration creates, so the loop folds at R = 2 (every
-    row draws its own mask: the masked fraction is the dropout rate's) and stays unfolded at
-    R = 1 (Note [one replica, stacked])."""
-    for R, folded in ((2, True), (1, False)):
-        rng = np.random.default_rng(4)
-        x = rng.normal(size=(R * 2 * 4, 2, 8, 8)).astype(np.float32)
-        y = rng.integers(0, 5, R * 2 * 4)
-        torch.manual_seed(0)
-        model = _cnn(dropout=0.5)
-        trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
-                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                replication_factor=R, gradient_accumulation=2)  # fmt: skip
-        losses = [trainer.step(x, y) for _ in range(3)]
-        assert np.isfinite(losses).all()
-        executor = trainer.session._executor
-        assert bool(executor.program.folded_loops) == folded, R
+@pytest.mark.parametrize("R", [1, 2])
+def test_dropout_batch_norm_cnn_folds_its_loop(R):
+    """Dropout draws into values each iteration creates and batch norm's running statistics
+    update once per iteration, so the dropout CNN's accumulation loop folds, also at R = 1
+    (Note [one replica, stacked]), and trains to finite weights and statistics (each row
+    draws its own mask: tests/test_explicit.py)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(R * 2 * 4, 2, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 5, R * 2 * 4)
+    torch.manual_seed(0)
+    model = _cnn(dropout=0.5)
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=2)  # fmt: skip
+    losses = [trainer.step(x, y) for _ in range(3)]
+    assert np.isfinite(losses).all()
+    assert trainer.session._executor.program.folded_loops == 1
+    assert all(torch.isfinite(t).all() for t in model.state_dict().values())
+    assert model[1].num_batches_tracked.item() == 3 * 2
 
 
 def _build_counter(R, read: bool):
@@ -280,3 +282,34 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
     for k, want in ref.items():
         np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
     assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
+
+
+@pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])
+def test_stacked_batch_norm_in_evaluation_matches_eager_per_replica(image):
+    """Evaluation normalises with each replica's running statistics, saves none (``[rows,
+    0]``, as the kernel's empty ones) and leaves the statistics as they were; the
+    gradients equal eager's per replica."""
+    R, N, C = 2, 8, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, N, C, image, image, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    mean, var = torch.randn(R, C, generator=g), torch.rand(R, C, generator=g) + 0.5
+    before = mean.clone(), var.clone()
+    out, save_mean, save_invstd = explicit._batch_norm_stacked(
+        x, w, b, mean, var, False, 0.1, 1e-5, flags=[True, False, False, True, True]
+    )
+    assert save_mean.shape == save_invstd.shape == (R, 0)
+    torch.testing.assert_close((mean, var), before, rtol=0, atol=0)
+    gx, gw, gb = explicit._batch_norm_backward_stacked(
+        grad, x, w, mean, var, save_mean, save_invstd, False, 1e-5, [True, True, True],
+        flags=[True, True, False, True, True, True, True],
+    )  # fmt: skip
+    for r in range(R):
+        xr, wr, br = (t.clone().requires_grad_() for t in (x[r], w, b))
+        y = torch.nn.functional.batch_norm(xr, mean[r], var[r], wr, br, False, 0.1, 1e-5)
+        (y * grad[r]).sum().backward()
+        torch.testing.assert_close(out[r], y.detach(), rtol=1e-5, atol=1e-5)
+        for got, want in ((gx[r], xr.grad), (gw.reshape(R, C)[r], wr.grad),
+                          (gb.reshape(R, C)[r], br.grad)):  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -272,20 +272,99 @@ def test_safe_softmax_runs_stacked_and_keeps_off_chip_state_replica_invariant():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("GA,dropout", [(1, 0.0), (4, 0.5)], ids=["no_loop", "random_ops"])
-def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
+class _SequenceOps(torch.nn.Module):
+    """An LSTM (``unbind`` and ``unsafe_split`` of its steps and gates), ``F.pad``
+    (``constant_pad_nd``), ``new_zeros`` and a fill with a 0-d tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(6, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 3)
+        self.register_buffer("start", torch.tensor(0.5))
+
+    def forward(self, x):
+        h, _ = self.rnn(torch.nn.functional.pad(x, (0, 0, 1, 0)))
+        extra = h.new_zeros(h.shape[0], 1, 8).fill_(self.start)
+        return self.head(torch.cat([h, extra], 1).mean(1))
+
+
+class _ConvOps(torch.nn.Module):
+    """Convolutions with batch norm in eval mode (its empty saved statistics) and the
+    activations torch does not tag pointwise (hardswish, mish_, leaky_relu, elu, softplus)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4).eval()
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.nn.functional.hardswish(self.bn(self.conv(x)))
+        h = torch.nn.functional.mish(h, inplace=True) + torch.nn.functional.leaky_relu(h, 0.1)
+        h = torch.nn.functional.elu(h) + torch.nn.functional.softplus(h, beta=2.0)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("model,shape", [(_SequenceOps, (5, 6)), (_ConvOps, (2, 6, 6))],
+                         ids=["sequence", "conv"])  # fmt: skip
+def test_more_model_ops_run_stacked_and_train_as_eager(model, shape):
+    """Ops of RNNs, T5/GPT-2 and mobile CNNs have stacked forms: every fragment of the
+    compiled program is explicitly batched (no vmap), and losses and weights equal eager
+    torch's on the whole batch."""
+    R, GA, micro = 2, 2, 3
+    rng = np.random.default_rng(9)
+    data = [(rng.normal(size=(R * GA * micro, *shape)).astype(np.float32),
+             rng.integers(0, 3, R * GA * micro)) for _ in range(2)]  # fmt: skip
+    torch.manual_seed(0)
+    got = model()
+    want = copy.deepcopy(got)
+    trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(got.parameters(), 0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
+    opt = torch.optim.SGD(want.parameters(), 0.1, momentum=0.9)
+    for x, y in data:
+        loss = trainer.step(x, y)
+        opt.zero_grad()
+        eager = torch.nn.functional.cross_entropy(want(torch.from_numpy(x)), torch.from_numpy(y))
+        eager.backward()
+        opt.step()
+        np.testing.assert_allclose(loss, eager.item(), rtol=1e-5)
+    for name, fn in trainer.session._executor.fns.items():
+        assert fn.explicit, (name, fn.vmap_reason)
+    trainer.sync_weights()
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _Tally(torch.nn.Module):
+    """Adds what it sees to a buffer: every iteration's write depends on that iteration's
+    data, so an accumulation loop through it cannot fold (Note [fold the accumulation
+    loop]; batch norm's running statistics fold)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(x.detach().abs().sum())
+        return x
+
+
+@pytest.mark.parametrize("GA,tally", [(1, False), (4, True)], ids=["no_loop", "tally"])
+def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, tally):
     """Note [one replica, stacked]: R = 1 keeps the stacked lowering only when an accumulation
-    loop folds. Without a loop, or with one that cannot fold (dropout draws per iteration),
-    the program runs as the plain per-replica function; with GA = 1 that is eager's
-    arithmetic bit for bit."""
+    loop folds. Without a loop, or with one that cannot fold (a buffer updated with every
+    iteration's data), the program runs as the plain per-replica function; with GA = 1 that
+    is eager's arithmetic bit for bit."""
     rng = np.random.default_rng(7)
     data = [(rng.normal(size=(GA * 4, 12)).astype(np.float32), rng.integers(0, 5, GA * 4))
             for _ in range(3)]  # fmt: skip
 
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Dropout(dropout),
-                                   torch.nn.GELU(), torch.nn.Linear(16, 5))  # fmt: skip
+        norm = _Tally() if tally else torch.nn.Identity()
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), norm, torch.nn.GELU(),
+                                   torch.nn.Linear(16, 5))  # fmt: skip
 
     got, want = model(), model()
     trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
@@ -296,7 +375,7 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
         executor = trainer.session._executor
         assert not executor.program.folded_loops
         assert not any(fn.explicit for fn in executor.fns.values())
-        if dropout == 0.0:
+        if not tally:
             opt.zero_grad()
             eager = torch.nn.functional.cross_entropy(
                 want(torch.from_numpy(x)), torch.from_numpy(y)
@@ -304,11 +383,36 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, dropout):
             eager.backward()
             opt.step()
             assert loss == eager.item()
-    if dropout == 0.0:
+    if not tally:
         for a, b in zip(got.parameters(), want.parameters(), strict=True):
             assert torch.equal(a, b)
     else:
         assert all(torch.isfinite(p).all() for p in got.parameters())
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_an_accumulation_loop_with_dropout_folds_and_every_row_draws_its_own_mask(R):
+    """Note [fold the accumulation loop]: dropout's ``bernoulli_`` writes only the mask its own
+    iteration made, so the loop folds (one matmul per layer for every micro-batch); every
+    micro-batch and replica still draws its own mask, dropping about p of the elements and
+    scaling the rest by 1 / (1 - p), as eager's dropout does."""
+    GA, micro, width, p = 4, 16, 16, 0.5
+    model = torch.nn.Sequential(torch.nn.Dropout(p), torch.nn.Linear(width, width))
+    with torch.no_grad():  # the identity: the step's outputs are dropout's
+        model[1].weight.copy_(torch.eye(width))
+        model[1].bias.zero_()
+    trainer = popxl.compile(model, lambda out, y: out.pow(2).mean(), torch.optim.SGD(
+        model.parameters(), 0.0), replication_factor=R, gradient_accumulation=GA,
+        return_outputs=True)  # fmt: skip
+    x = np.full((R * GA * micro, width), 2.0, np.float32)
+    _, out = trainer.step(x, np.zeros(R * GA * micro, np.float32))
+    assert trainer.session._executor.program.folded_loops
+    out = torch.as_tensor(np.asarray(out))
+    assert set(out.unique().tolist()) <= {0.0, 4.0}  # kept: 2 / (1 - p)
+    dropped = (out == 0).double().mean().item()
+    assert 0.4 < dropped < 0.6, dropped  # 1,024 or more draws: 4.5 sigma either side
+    masks = (out == 0).reshape(R * GA, micro * width)
+    assert len({tuple(m.tolist()) for m in masks}) == R * GA  # no two micro-batches alike
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

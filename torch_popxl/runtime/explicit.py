@@ -60,6 +60,13 @@ class _Elementwise:
         aten._to_copy.default, aten.zero_.default, aten.fill_.Scalar, aten.copy_.default,
         aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
         aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.masked_fill_.Scalar,
+        # activations and their gradients torch 2.14 leaves untagged
+        aten.gelu_.default, aten.hardswish.default, aten.hardswish_.default,
+        aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
+        aten.hardtanh_backward.default, aten.leaky_relu_backward.default,
+        aten.elu_backward.default, aten.softplus_backward.default, aten.mish_.default,
+        aten.mish_backward.default, aten.threshold_.default, aten.log_sigmoid_backward.default,
+        aten.softshrink_backward.default, aten.hardshrink_backward.default,
     })  # fmt: skip
 
     def __contains__(self, target) -> bool:
@@ -146,6 +153,12 @@ def _embedding_backward_ok(f, batched) -> bool:
     )
 
 
+def _batched_arg(f, batched, i: int) -> bool:
+    """Whether argument ``i`` of ``f`` is a per-replica tensor."""
+    v = f.op.attrs.args[i]
+    return isinstance(v, Slot) and batched[v.index]
+
+
 def _any_ok(f, batched) -> bool:
     return not f.op.attrs.kwargs
 
@@ -164,12 +177,17 @@ def _attention_ok(f, batched, n_tensors: int) -> bool:
             and all(f.op.inputs[v.index].rank == 4 for v in tensors[:4]))  # fmt: skip
 
 
+# ``x.new_zeros(size)`` and friends read only ``x``'s dtype and device; on stacked ``x`` they
+# make the stacked zeros ``[R, *size]``
+_NEW_FACTORIES = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+                  aten.new_full.default)  # fmt: skip
 _TRANSFORMER = {
     aten.embedding.default: _embedding_ok,
     aten.embedding_dense_backward.default: _embedding_backward_ok,
     aten.native_layer_norm.default: _any_ok,
     aten.native_layer_norm_backward.default: _any_ok,
     aten.split.Tensor: _any_ok,
+    aten.unsafe_split.Tensor: _any_ok,
     aten.transpose.int: _any_ok,
     aten.expand.default: _any_ok,
     aten.bmm.default: _any_ok,
@@ -179,6 +197,13 @@ _TRANSFORMER = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
         lambda f, b: _attention_ok(f, b, 6)
     ),
+    # and of other models (RNNs unbind their time steps, T5 and GPT-2 pad and make zeros)
+    aten.unbind.int: _any_ok,
+    aten.constant_pad_nd.default: _any_ok,  # pads trailing dims: the rows are untouched
+    # a fill with a 0-d tensor: the value must be shared, not one per replica
+    aten.fill_.Tensor: lambda f, b: not _batched_arg(f, b, 1),
+    aten.fill.Tensor: lambda f, b: not _batched_arg(f, b, 1),
+    **dict.fromkeys(_NEW_FACTORIES, lambda f, b: True),
 }
 
 
@@ -515,11 +540,12 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     itself created (a dropout mask drawn into an ``empty_like``) touches only that
 #     iteration's rows; batch norm's running statistics are updated iteration by iteration,
 #     in order, from each iteration's own rows (``_batch_norm_stacked`` gives them their own
-#     calls), while everything else runs once over all rows; and a counter bumped by a loop-invariant amount (``num_batches_tracked += 1``) is
-#     bumped ``n`` times (``FoldPlan.repeated``). Nothing else in the body may read a value
-#     written that way (batch norm's backward in training reads only its saved statistics).
-#     At R = 1 random draws keep the loop unfolded, so the program stays the plain
-#     per-replica one (Note [one replica, stacked] in lower.py).
+#     calls), while everything else runs once over all rows; and a counter bumped by a
+#     loop-invariant amount (``num_batches_tracked += 1``) is bumped ``n`` times
+#     (``FoldPlan.repeated``). Nothing else in the body may read a value written that way
+#     (batch norm's backward in training reads only its saved statistics). Every row of a
+#     folded random op still draws its own values (dropout: each micro-batch and replica its
+#     own mask).
 _FOLD_KINDS = {"torch", "alias", "clone", "mm_replica_sum"}  # and the host transfers
 _FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
 _COUNTERS = {aten.add_.Tensor, aten.add_.Scalar}
@@ -553,14 +579,12 @@ def outside_rows(loop, plan, written: frozenset[str] = frozenset()) -> list[str]
     return list(found)
 
 
-def _write_obstacle(f, created: set[str], plan, R: int) -> str | None:
+def _write_obstacle(f, created: set[str], plan) -> str | None:
     """Why ``f``'s in-place writes keep its loop unfolded, or None (the writes that fold:
     Note [fold the accumulation loop])."""
     target, args = f.op.attrs.target, f.op.attrs.args
     outside = [n for n in _written_names(f) if plan.root_of(n) not in created]
     if not outside:
-        if draws_random(f.op) and R == 1:
-            return "draws random numbers at R = 1"
         return None
     if target is aten.native_batch_norm.default:
         stats = {f.ins[args[i].index] for i in _RUNNING_STATS if isinstance(args[i], Slot)}
@@ -583,7 +607,7 @@ def _reads_written(f, written: set[str], plan) -> bool:
     return any(plan.root_of(n) in written for i, n in enumerate(f.ins) if i not in ignored)
 
 
-def fold_plan(loop, plan, R: int) -> FoldPlan | str:
+def fold_plan(loop, plan) -> FoldPlan | str:
     """A ``FoldPlan`` for an explicitly batched ``loop`` that can run as one pass, else why
     it cannot (Note [fold the accumulation loop])."""
     if loop.results:
@@ -626,7 +650,7 @@ def fold_plan(loop, plan, R: int) -> FoldPlan | str:
                     return f"{what} adds a replica-invariant value"
                 continue
             if _written_names(f):
-                why = _write_obstacle(f, created, plan, R)
+                why = _write_obstacle(f, created, plan)
                 if why is not None:
                     return f"{what} {why}"
                 outside = {plan.root_of(n) for n in _written_names(f)} - created
@@ -849,10 +873,19 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         ids_b = isinstance(args[1], Slot) and batched[args[1].index]
         call = f"{em.p.literal(_embedding_backward_stacked)}({', '.join(rendered)}, {ids_b!r})"
         _emit_outputs(em, f, ind, call)
-    elif target is aten.split.Tensor:
+    elif target in (aten.split.Tensor, aten.unsafe_split.Tensor):
         dim = args[2] if len(args) > 2 else 0
         call = f"torch.split({rendered[0]}, {rendered[1]}, {_shift(dim)})"
         _emit_outputs(em, f, ind, call)
+    elif target is aten.unbind.int:
+        dim = args[1] if len(args) > 1 else 0
+        _emit_outputs(em, f, ind, f"torch.unbind({rendered[0]}, {_shift(dim)})")
+    elif target in (aten.constant_pad_nd.default, aten.fill_.Tensor, aten.fill.Tensor):
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
+    elif target in _NEW_FACTORIES:
+        rest = [f"[{R}, *{rendered[1]}]", *rendered[2:]]
+        rest += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({rendered[0]}, {', '.join(rest)})")
     elif target is aten.transpose.int:
         _emit_outputs(em, f, ind, f"{rendered[0]}.transpose({_shift(args[1])}, {_shift(args[2])})")
     elif target is aten.expand.default:
@@ -1060,8 +1093,8 @@ def _channels_out(y, rows: int):  # [N, rows * C, *S] -> [rows, N, C, *S]
 
 
 def _per_channel(p, rows: int, batched: bool):  # [C] or [rows, C] -> [rows * C]
-    if p is None or p.numel() == 0:
-        return p
+    if p is None or p.numel() == 0:  # eval mode's empty saved statistics stay empty, 1-d
+        return None if p is None else p.reshape(0)
     return p.reshape(-1) if batched else p.repeat(rows)
 
 
@@ -1109,7 +1142,8 @@ def _row(p, i: int, batched: bool):
 def _batch_norm_rows(x, w, b, mean, var, training, momentum, eps, flags):
     """``_batch_norm_stacked`` as one call per row, in row order, each writing into its row
     of the outputs (Note [convolutions and batch norm on stacked rows])."""
-    rows, channels = x.shape[0], x.shape[2]
+    rows = x.shape[0]
+    channels = x.shape[2] if training else 0  # evaluation saves no statistics
     out = torch.empty_like(x)
     save_mean, save_invstd = x.new_empty(rows, channels), x.new_empty(rows, channels)
     for i in range(rows):

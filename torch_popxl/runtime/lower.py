@@ -1342,7 +1342,7 @@ class _Emitter:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
         # A repeat of count 0 runs nothing: the carried values are its results (upstream allows
         # count 0, ops/repeat.py); only the general loop below handles it.
-        folding = (_explicit.fold_plan(f, self.a, self.p.R)
+        folding = (_explicit.fold_plan(f, self.a)
                    if self.explicit and self.fold == 1 and f.count > 0 else None)  # fmt: skip
         if isinstance(folding, _explicit.FoldPlan):
             # Note [fold the accumulation loop]: every iteration in one pass

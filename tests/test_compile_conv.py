@@ -207,21 +207,6 @@ def test_a_counter_folds_unless_the_loop_reads_it(read):
     np.testing.assert_allclose(results["fast"][0], (x @ W) * scale, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("p", [0.0, 0.25, 0.75, 1.0])
-def test_stacked_bernoulli_draws_ones_with_probability_p_in_every_row(p):
-    """Note [random ops on stacked rows]: dropout's ``bernoulli_(p)`` as uniforms below ``p``
-    keeps the distribution: only 0 and 1, a fraction p of ones in every row (a binomial's
-    standard deviation here is below 0.0014; 0.01 is seven of them), rows drawn apart."""
-    torch.manual_seed(0)
-    x = explicit._bernoulli_float_(torch.full((4, 100_000), 7.0), p)
-    assert set(x.unique().tolist()) <= {0.0, 1.0}
-    torch.testing.assert_close(x.mean(1), torch.full((4,), p), rtol=0, atol=0.01)
-    if 0 < p < 1:
-        assert not torch.equal(x[0], x[1])
-    ints = explicit._bernoulli_float_(torch.zeros(1000, dtype=torch.int64), p)
-    assert ints.dtype == torch.int64 and set(ints.unique().tolist()) <= {0, 1}
-
-
 @pytest.mark.parametrize(
     "image,kernel,stride,padding,one_position",
     [

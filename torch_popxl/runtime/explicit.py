@@ -82,10 +82,7 @@ _MASKED_FILL_TENSOR = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
 #     defines (tests/test_random_replicas.py checks it statistically; the values differ from
 #     a per-replica loop's, as vmap's do). A replica-invariant operand is expanded to the rows
 #     first, so the call draws a value per row. Ops whose draws depend on each other
-#     (multinomial without replacement, randperm) keep the per-replica path. A float
-#     tensor's ``bernoulli_`` with a number ``p`` (dropout's mask) draws uniforms in place and
-#     keeps those below ``p``: the same distribution, without ATen's per-element CPU kernel
-#     (2.5 times slower on a conv net's activations).
+#     (multinomial without replacement, randperm) keep the per-replica path.
 _RANDOM_ELEMENTWISE = {
     aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
     aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p,
@@ -95,15 +92,6 @@ _RANDOM_ELEMENTWISE = {
     aten.normal.Tensor_Tensor, aten.cauchy_.default, aten.geometric_.default,
     aten.log_normal_.default,
 }  # fmt: skip
-
-
-def _bernoulli_float_(x, p=0.5):
-    """``aten.bernoulli_.float`` on stacked rows (Note [random ops on stacked rows])."""
-    if not x.is_floating_point():
-        return aten.bernoulli_.float(x, p)
-    return x.uniform_().lt_(p)
-
-
 # ops whose argument 1 is a single dim of the (per-replica) input
 _DIM1 = {aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default,
          aten.unsqueeze.default, aten.gather.default, aten.scatter_add.default,
@@ -704,14 +692,12 @@ def emit_torch(em, f, ind: str) -> None:
         em.lines.append(f"{ind}{out} = {call}" if out is not None else f"{ind}{call}")
         return
     if draws_random(f.op):  # Note [random ops on stacked rows]
-        fn = (em.p.literal(_bernoulli_float_) if target is aten.bernoulli_.float
-              else em.p.aten(target))  # fmt: skip
         rendered = [lit(v) for v in args]
         for i, v in enumerate(args):
             if isinstance(v, Slot) and not batched[v.index]:
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
-        _emit_outputs(em, f, ind, f"{fn}({', '.join(rendered)})")
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
         return
     if not any(batched) or target in _ELEMENTWISE or target in PER_ELEMENT or f in a.sum_reads:
         em._torch_plain(f, ind)

@@ -20,8 +20,11 @@ batch norm and dropout, R=2, GA=2, micro-batch 16). The last two are checked for
 weights only: batch norm keeps per-replica statistics (as DDP does) and dropout draws; so is
 ``hf-gpt2``.
 
+On a loaded machine ``--cpu-time --threads 1`` times each step by the process's CPU time on
+one thread, which other processes' load hardly moves (wall-clock time does).
+
 Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
-[--rounds N] [--no-torch-compile]``.
+[--rounds N] [--no-torch-compile] [--cpu-time] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -292,7 +295,7 @@ def check_equal(fns, batches, device, exact: bool = True) -> dict[str, float]:
 
 
 def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: float,
-        local_tensor: bool = False) -> dict:  # fmt: skip
+        local_tensor: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict:  # fmt: skip
     w = WORKLOADS[key]()
     rng = np.random.default_rng(0)
     n = w.R * w.GA * w.micro
@@ -321,9 +324,9 @@ def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: 
         timed(step)()  # warm-up
     for _ in range(rounds):
         for name, (step, _) in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             timed(step)()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
     meds = {k: statistics.median(v) for k, v in samples.items()}
     fastest = min((k for k in meds if not k.startswith("popxl")), key=meds.get)
     print(f"\n{w.name}; R={w.R}, GA={w.GA}, micro-batch {w.micro} ({n} samples per step); "
@@ -350,15 +353,25 @@ def main(argv=None) -> dict:
                         help="leave out the torch.compile peer (its first step compiles)")  # fmt: skip
     parser.add_argument("--local-tensor", action="store_true",
                         help="add DDP simulated by torch's LocalTensorMode (CPU; slow)")  # fmt: skip
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps by process CPU time (CPU; robust on a loaded machine)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (default: torch's own choice)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 everywhere, as the simulator
     rate = gemm_rate(device)
     print(f"device: {device_name(device)} ({device}); torch {torch.__version__}; measured "
-          f"float32 GEMM rate {rate / 1e12:.2f} TFLOP/s")  # fmt: skip
+          f"float32 GEMM rate {rate / 1e12:.2f} TFLOP/s; {torch.get_num_threads()} threads; "
+          f"{'CPU' if args.cpu_time else 'wall-clock'} time per step")  # fmt: skip
     return {
-        key: run(key, device, args.rounds, not args.no_torch_compile, rate, args.local_tensor)
+        key: run(
+            key, device, args.rounds, not args.no_torch_compile, rate, args.local_tensor, clock
+        )
         for key in args.models.split(",")
     }
 

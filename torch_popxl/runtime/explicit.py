@@ -17,11 +17,15 @@ Note [explicit batching]
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.utils._pytree as pytree
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
+from ..ir.walk import effects
 from .gemm import gemm
 
 __all__ = [
@@ -32,8 +36,8 @@ __all__ = [
     "draws_random",
     "element_inputs",
     "emit_torch",
-    "fold_obstacle",
-    "foldable",
+    "FoldPlan",
+    "fold_plan",
     "is_random",
     "opdef_rule",
     "per_element_ok",
@@ -516,55 +520,86 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
 #     matmul, per-row statistics (a loss's mean, anything per micro-batch) stay per iteration
 #     and replica, and ``acc += sum_r x_r`` summed over iterations is ``acc += sum_{i,r} x_ir``.
 #     Folding is refused when anything could observe the iterations one at a time: loop-carried
-#     results, in-place writes other than those accumulations (or into a value the same
-#     iteration made, as dropout's mask: each row still draws its own), collectives, remote memory,
-#     random ops (no explicit rule), values forced per replica, or a replica sum used for
-#     anything but an accumulation. A per-replica value from outside the loop (a weight whose
-#     state is per replica) is repeated for every iteration first. The sums are taken in a
-#     different order than the loop's, so results agree with the reference executor to
-#     rounding, as the replica sums already do.
+#     results, in-place writes other than those below, collectives, remote memory, values
+#     forced per replica, or a replica sum used for anything but an accumulation. A
+#     per-replica value from outside the loop (a weight whose state is per replica) is
+#     repeated for every iteration first. The sums are taken in a different order than the
+#     loop's, so results agree with the reference executor to rounding, as the replica sums
+#     already do.
+#     In-place writes that still fold (``fold_plan``): a write into a value the iteration
+#     itself created (a dropout mask drawn into an ``empty_like``) touches only that
+#     iteration's rows; batch norm's running statistics are updated iteration by iteration,
+#     in order, from each iteration's own rows (``_batch_norm_stacked`` gives them their own
+#     calls), while everything else runs once over all rows; and a counter bumped by a
+#     loop-invariant amount (``num_batches_tracked += 1``) is bumped ``n`` times
+#     (``FoldPlan.repeated``). Nothing else in the body may read a value written that way
+#     (batch norm's backward in training reads only its saved statistics). Every row of a
+#     folded random op still draws its own values (dropout: each micro-batch and replica its
+#     own mask).
 _FOLD_KINDS = {"torch", "alias", "clone", "mm_replica_sum"}  # and the host transfers
 _FOLD_VIEWS = _VIEWS | {aten.t.default, aten.permute.default}
+_COUNTERS = {aten.add_.Tensor, aten.add_.Scalar}
+_RUNNING_STATS = (3, 4)  # batch norm's (and its backward's) running mean and variance
 
 
-def _writes(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
+def _written_names(f) -> list[str]:
+    """The value names ``f`` writes in place (Note [one effects query] in ir/walk.py: batch
+    norm's running statistics included, which its schema does not declare)."""
+    return [f.ins[i] for i in sorted(effects(f.op).writes)]
 
 
-def _writes_only_locals(f, plan, defined: set[str]) -> bool:
-    """Whether every tensor ``f`` writes in place was made in the same loop iteration (a
-    dropout mask's ``bernoulli_`` into its ``empty_like``): no other iteration sees it."""
-    args, kwargs = f.op.attrs.args, f.op.attrs.kwargs
-    for i, a in enumerate(f.op.attrs.target._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = kwargs.get(a.name) if a.kwarg_only else args[i] if i < len(args) else None
-        if isinstance(v, Slot) and plan.root_of(f.ins[v.index]) not in defined:
-            return False
-    return True
+@dataclass(frozen=True)
+class FoldPlan:
+    """How a foldable loop runs as one pass: the ops to run once per iteration (counters)
+    and the values from outside the loop it writes in place (not repeated per iteration)."""
+
+    repeated: frozenset = frozenset()
+    written_outside: frozenset[str] = frozenset()
 
 
-def foldable(loop, plan) -> bool:
-    """Whether an explicitly batched ``loop`` flat op can run as one pass (Note [fold the
-    accumulation loop])."""
-    return fold_obstacle(loop, plan) is None
-
-
-def outside_rows(loop, plan) -> list[str]:
+def outside_rows(loop, plan, written: frozenset[str] = frozenset()) -> list[str]:
     """The per-replica values a folded ``loop`` reads from outside it: they have R rows and are
-    repeated for every iteration before the folded pass."""
+    repeated for every iteration before the folded pass (except those the loop ``written``
+    in place, which keep their R rows: Note [fold the accumulation loop])."""
     defined = {n for f in loop.body for n in f.outs}
     found: dict[str, None] = {}
     for f in loop.body:
-        found.update((n, None) for n in f.ins if plan.b(n) and n not in defined)
+        found.update((n, None) for n in f.ins
+                     if plan.b(n) and n not in defined and plan.root_of(n) not in written)  # fmt: skip
     return list(found)
 
 
-def fold_obstacle(loop, plan) -> str | None:
-    """Why ``loop`` cannot be folded (Note [fold the accumulation loop]), or None."""
+def _write_obstacle(f, created: set[str], plan) -> str | None:
+    """Why ``f``'s in-place writes keep its loop unfolded, or None (the writes that fold:
+    Note [fold the accumulation loop])."""
+    target, args = f.op.attrs.target, f.op.attrs.args
+    outside = [n for n in _written_names(f) if plan.root_of(n) not in created]
+    if not outside:
+        return None
+    if target is aten.native_batch_norm.default:
+        stats = {f.ins[args[i].index] for i in _RUNNING_STATS if isinstance(args[i], Slot)}
+        return None if set(outside) <= stats else "writes in place"
+    if target in _COUNTERS and outside == [f.ins[args[0].index]]:
+        other = args[1]
+        if not isinstance(other, Slot) or plan.root_of(f.ins[other.index]) not in created:
+            return None
+    return "writes in place"
+
+
+def _reads_written(f, written: set[str], plan) -> bool:
+    """Whether ``f`` reads a value its folded loop writes in place, other than batch norm's
+    backward reading the running statistics it ignores in training."""
+    ignored: set[int] = set()
+    if f.kind == "torch" and f.op.attrs.target is aten.native_batch_norm_backward.default:
+        args = f.op.attrs.args
+        if args[7] is True:  # training
+            ignored = {args[i].index for i in _RUNNING_STATS if isinstance(args[i], Slot)}
+    return any(plan.root_of(n) in written for i, n in enumerate(f.ins) if i not in ignored)
+
+
+def fold_plan(loop, plan) -> FoldPlan | str:
+    """A ``FoldPlan`` for an explicitly batched ``loop`` that can run as one pass, else why
+    it cannot (Note [fold the accumulation loop])."""
     if loop.results:
         return "it carries values from one iteration to the next"
     if loop.count < 2:
@@ -577,18 +612,23 @@ def fold_obstacle(loop, plan) -> str | None:
     if len(set(streams)) != len(streams):
         return "it loads or stores one host stream more than once per iteration"
     sums: set[str] = set()  # replica sums over the leading dim: only ever accumulated
-    defined = {n for f in body for n in f.outs}
+    created: set[str] = set()  # values the body itself creates
+    writers: dict[int, set[str]] = {}  # id(op) -> the outside roots it writes in place
+    repeated = set()
     for f in body:
         what = f"the {_kind_name(f)} op {f.op.attrs.target if f.kind == 'torch' else ''}".rstrip()
+        new = [n for n in f.outs if n not in f.ins and n not in created]
         if f.kind not in _FOLD_KINDS and not _runtime_stacked(f):
             return f"{what} (not foldable)"
         if any(n in plan.force_batched for n in f.outs):
             return f"{what} makes a value per replica"
         if f.kind == "mm_replica_sum":
             sums.add(f.outs[0])
+            created.update(new)
             continue
         target = f.op.attrs.target if f.kind == "torch" else None
         summed_ins = [n for n in f.ins if n in sums]
+        created.update(new)
         if f.kind == "torch":
             if getattr(target, "namespace", "") != "aten" or f in plan.sum_reads:
                 return f"{what} (not an aten op)"
@@ -599,8 +639,15 @@ def fold_obstacle(loop, plan) -> str | None:
                 if not f.presummed and not plan.b(addend):
                     return f"{what} adds a replica-invariant value"
                 continue
-            if _writes(target) and not _writes_only_locals(f, plan, defined):
-                return f"{what} writes in place"
+            if _written_names(f):
+                why = _write_obstacle(f, created, plan)
+                if why is not None:
+                    return f"{what} {why}"
+                outside = {plan.root_of(n) for n in _written_names(f)} - created
+                if outside:
+                    writers[id(f)] = outside
+                    if target in _COUNTERS:
+                        repeated.add(f)
             if f.rows_summed:  # its weight and bias gradients are replica sums
                 sums.update(n for n, p in zip(f.outs, f.op.attrs.out_paths, strict=True) if p[0])
                 continue
@@ -611,7 +658,11 @@ def fold_obstacle(loop, plan) -> str | None:
             continue
         if any(plan.b(n) for n in f.ins) and not all(plan.b(n) for n in f.outs):
             return f"{what} reduces over the replicas"
-    return None
+    written = set().union(*writers.values()) if writers else set()
+    for f in body:
+        if id(f) not in writers and written and _reads_written(f, written, plan):
+            return f"the {_kind_name(f)} op reads a value the loop updates in place"
+    return FoldPlan(frozenset(repeated), frozenset(written))
 
 
 def _shift(d: int) -> int:
@@ -629,6 +680,10 @@ def emit_torch(em, f, ind: str) -> None:
     def lit(x):
         return em.literal(x, f)
 
+    if f in em.fold_repeated:  # Note [fold the accumulation loop]: once per iteration
+        em.lines.append(f"{ind}for _ in range({em.fold}):")
+        em._torch_plain(f, ind + "    ")
+        return
     out = f.outs[0] if f.outs else None
     R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     is_popxl = getattr(target, "namespace", "") == "torch_popxl"
@@ -732,7 +787,9 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
-        call = f"{fn}({em.p.aten(target)}, {tensors!r}, {', '.join(rendered)})"
+        kernel = (em.p.literal(_max_pool_channels_last)
+                  if target is aten.max_pool2d_with_indices.default else em.p.aten(target))  # fmt: skip
+        call = f"{fn}({kernel}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
         # the shared index selects along the shifted dim; tensors other than the index are
@@ -850,12 +907,18 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
 #     per-replica ``[N, C, *S]`` input fold into the batch dim, one call for all replicas. Its
 #     weight and bias gradients are per replica (each replica's own images), so they are one
 #     call per row; the input gradient folds like the forward. Batch norm normalises each
-#     channel over the batch and spatial dims of ONE replica, so the rows fold into the channel
-#     dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``): per-replica statistics
-#     become per-channel ones of the folded tensor, the affine parameters and running
-#     statistics are per row (``[rows * C]``; the running statistics are views of the stacked
-#     variables, so the kernel's in-place update reaches them), and per-channel results come
-#     back as ``[rows, C]``.
+#     channel over the batch and spatial dims of ONE replica. Where a row is large (at least
+#     ``_BN_ROW_NUMEL`` elements) it runs one call per row, each reading its row in place and
+#     writing its results into its row of the stacked outputs (the ``out`` forms): no copy.
+#     Where rows are small and many, the calls would cost more than the data, so the rows fold
+#     into the channel dim instead (``[rows, N, C, *S]`` -> ``[N, rows * C, *S]``, a copy
+#     each way): per-replica statistics become per-channel ones of the folded tensor, the
+#     affine parameters and running statistics are per row (``[rows * C]``; the running
+#     statistics are views of the stacked variables, so the kernel's in-place update reaches
+#     them), and per-channel results come back as ``[rows, C]``.
+_BN_ROW_NUMEL = 16384  # measured: a call per row and the fold's copies cost the same here
+
+
 def _conv_ok(f, batched) -> bool:
     args = f.op.attrs.args  # input, weight, bias, ...
     x, w, b = args[0], args[1], args[2]
@@ -892,7 +955,7 @@ def _fold_batch(x):
 
 def _conv_stacked(x, w, b, *rest, flags):
     """``aten.convolution`` on stacked rows with an invariant weight: one call."""
-    out = aten.convolution(_fold_batch(x), w, b, *rest)
+    out = _convolution(_fold_batch(x), w, b, *rest)
     return out.view(x.shape[0], x.shape[1], *out.shape[1:])
 
 
@@ -903,21 +966,112 @@ def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags, summed=False):
     gradients summed over replicas] in lower.py)."""
     *conv, mask = rest
     if summed:
-        grad_x, grad_w, grad_b = aten.convolution_backward(
+        grad_x, grad_w, grad_b = _convolution_backward(
             _fold_batch(grad), _fold_batch(x), w, bias_sizes, *conv, mask
         )
         return (None if grad_x is None else grad_x.view(x.shape)), grad_w, grad_b
     grad_x = grad_w = grad_b = None
     if mask[0]:
-        grad_x = aten.convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,
-                                           *conv, [True, False, False])[0]  # fmt: skip
+        grad_x = _convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,
+                                       *conv, [True, False, False])[0]  # fmt: skip
         grad_x = grad_x.view(x.shape)
     if mask[1] or mask[2]:
-        per_row = [aten.convolution_backward(grad[r], x[r], w, bias_sizes, *conv,
-                                             [False, mask[1], mask[2]])
+        per_row = [_convolution_backward(grad[r], x[r], w, bias_sizes, *conv,
+                                         [False, mask[1], mask[2]])
                    for r in range(x.shape[0])]  # fmt: skip
         grad_w = torch.stack([p[1] for p in per_row]) if mask[1] else None
         grad_b = torch.stack([p[2] for p in per_row]) if mask[2] else None
+    return grad_x, grad_w, grad_b
+
+
+# Note [convolutions with one output position]
+#     Where a convolution's output has a single position (resnet's last stage on 32x32
+#     images: 3x3 kernels over 1x1 images, and the stride-2 convolutions into it), every
+#     output reads the same window of its image through the same kernel taps, so the
+#     convolution is one matmul of the images' windows ``[N, C_in * window]`` with those taps
+#     of the weight ``[C_out, C_in * window]``; its gradients are the two matmuls of that
+#     product (the taps that only see padding get zero). oneDNN runs these shapes at a
+#     tenth of its usual rate (the backward of a 512-channel 3x3 convolution over 32 1x1
+#     images: 12 ms, where the matmuls and the taps' scatter take 1.4 ms on one core). Only
+#     plain convolutions (not transposed, one group, no dilation) take this form.
+def _one_position(x_shape, w_shape, stride, padding, dilation, transposed, output_padding,
+                  groups):  # fmt: skip
+    """``(input window, kernel taps)`` as index tuples when a convolution has one output
+    position (Note [convolutions with one output position]), else None."""
+    spatial = len(x_shape) - 2
+    if (transposed or groups != 1 or len(w_shape) != len(x_shape)
+            or not len(stride) == len(padding) == len(dilation) == spatial):  # fmt: skip
+        return None
+    window, taps = [slice(None)] * 2, [slice(None)] * 2
+    for size, k, s, p, d in zip(x_shape[2:], w_shape[2:], stride, padding, dilation,
+                                strict=True):  # fmt: skip
+        if d != 1 or not 0 <= p < k or (size + 2 * p - k) // s + 1 != 1:
+            return None
+        seen = min(size, k - p)  # input positions 0.. meet taps p..
+        window.append(slice(0, seen))
+        taps.append(slice(p, p + seen))
+    return tuple(window), tuple(taps)
+
+
+def _taps(w, taps):
+    """The flat indices of the kernel ``taps`` within ``w``'s ``prod(kernel)`` positions, or
+    None when they are all of them."""
+    kernel = w.shape[2:]
+    index = torch.arange(math.prod(kernel), device=w.device).view(kernel)[taps[2:]]
+    return None if index.numel() == math.prod(kernel) else index
+
+
+def _tap_weights(w, taps):
+    """``w[taps]`` as ``[C_out, C_in * taps]``; gathered along the flattened kernel dim
+    (``index_select``: a strided slice copy of 2-element rows is ten times slower)."""
+    index = _taps(w, taps)
+    if index is None:
+        return w.reshape(w.shape[0], -1)
+    flat = w.reshape(w.shape[0] * w.shape[1], -1)
+    return flat.index_select(1, index.reshape(-1)).view(w.shape[0], -1)
+
+
+def _convolution(x, w, b, *conv):
+    """``aten.convolution``, as a matmul where it has one output position (Note
+    [convolutions with one output position])."""
+    found = _one_position(x.shape, w.shape, *conv)
+    if found is None:
+        return aten.convolution(x, w, b, *conv)
+    window, taps = found
+    cols = x[window].reshape(x.shape[0], -1)
+    weights = _tap_weights(w, taps).t()
+    out = torch.mm(cols, weights) if b is None else torch.addmm(b, cols, weights)
+    return out.view(x.shape[0], w.shape[0], *[1] * (x.dim() - 2))
+
+
+def _convolution_backward(grad, x, w, bias_sizes, *rest):
+    """``aten.convolution_backward``, as matmuls where the convolution has one output
+    position (Note [convolutions with one output position])."""
+    *conv, mask = rest
+    found = _one_position(x.shape, w.shape, *conv)
+    if found is None:
+        return aten.convolution_backward(grad, x, w, bias_sizes, *rest)
+    window, taps = found
+    g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        cols = torch.mm(g, _tap_weights(w, taps))
+        if x[window].shape == x.shape:
+            grad_x = cols.view(x.shape)
+        else:
+            grad_x = x.new_zeros(x.shape)
+            grad_x[window] = cols.view(grad_x[window].shape)
+    if mask[1]:
+        cols = torch.mm(g.t(), x[window].reshape(x.shape[0], -1))
+        index = _taps(w, taps)
+        if index is None:
+            grad_w = cols.view(w.shape)
+        else:
+            flat = w.new_zeros(w.shape[0] * w.shape[1], math.prod(w.shape[2:]))
+            flat.index_copy_(1, index.reshape(-1), cols.view(flat.shape[0], -1))
+            grad_w = flat.view(w.shape)
+    if mask[2]:
+        grad_b = g.sum(0)
     return grad_x, grad_w, grad_b
 
 
@@ -942,25 +1096,80 @@ def _per_row_channels(t, rows: int):  # [rows * C] -> [rows, C]
 
 def _batch_norm_stacked(x, w, b, mean, var, training, momentum, eps, *, flags):
     """``aten.native_batch_norm`` per replica on stacked rows (Note [convolutions and batch
-    norm on stacked rows])."""
+    norm on stacked rows]). In a folded loop (Note [fold the accumulation loop]) the running
+    statistics keep their R rows while ``x`` has one block of R rows per iteration: each
+    block is normalised by its own calls, in order, so the statistics see every iteration's
+    update as the loop would have made it."""
     rows = x.shape[0]
-    stats = [_per_channel(t, rows, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
-    out, save_mean, save_invstd = aten.native_batch_norm(
-        _channels_in(x), _per_channel(w, rows, flags[1]), _per_channel(b, rows, flags[2]),
-        *stats, training, momentum, eps,
-    )  # fmt: skip
-    for orig, flat in zip((mean, var), stats, strict=True):
-        # a (per-row) running statistic that was not a view of its variable: write it back
-        if training and orig is not None and flat.data_ptr() != orig.data_ptr():
-            orig.copy_(flat.view(orig.shape))
-    return (_channels_out(out, rows), _per_row_channels(save_mean, rows),
-            _per_row_channels(save_invstd, rows))  # fmt: skip
+    per = mean.shape[0] if training and mean is not None and flags[3] else rows
+    if x[0].numel() >= _BN_ROW_NUMEL:
+        return _batch_norm_rows(x, w, b, mean, var, training, momentum, eps, flags)
+    out = torch.empty_like(x)
+    saved = []
+    for i in range(0, rows, per):
+        part = slice(i, i + per)
+        stats = [_per_channel(t, per, flag) for t, flag in ((mean, flags[3]), (var, flags[4]))]
+        y, save_mean, save_invstd = aten.native_batch_norm(
+            _channels_in(x[part]), _per_channel(_rows(w, part, flags[1]), per, flags[1]),
+            _per_channel(_rows(b, part, flags[2]), per, flags[2]), *stats, training,
+            momentum, eps,
+        )  # fmt: skip
+        for orig, flat in zip((mean, var), stats, strict=True):
+            # a (per-row) running statistic that was not a view of its variable: write it back
+            if training and orig is not None and flat.data_ptr() != orig.data_ptr():
+                orig.copy_(flat.view(orig.shape))
+        out[part].copy_(y.view(y.shape[0], per, -1, *y.shape[2:]).transpose(0, 1))
+        saved.append((_per_row_channels(save_mean, per), _per_row_channels(save_invstd, per)))
+    if len(saved) == 1:
+        return out, *saved[0]
+    return out, *(torch.cat(s) for s in zip(*saved, strict=True))
+
+
+def _row(p, i: int, batched: bool):
+    """Row ``i`` of a per-row parameter or statistic (whose rows repeat every ``len(p)``
+    rows: the running statistics of a folded loop); a shared one as it is."""
+    return p[i % p.shape[0]] if batched and p is not None else p
+
+
+def _batch_norm_rows(x, w, b, mean, var, training, momentum, eps, flags):
+    """``_batch_norm_stacked`` as one call per row, in row order, each writing into its row
+    of the outputs (Note [convolutions and batch norm on stacked rows])."""
+    rows = x.shape[0]
+    channels = x.shape[2] if training else 0  # evaluation saves no statistics
+    out = torch.empty_like(x)
+    save_mean, save_invstd = x.new_empty(rows, channels), x.new_empty(rows, channels)
+    for i in range(rows):
+        aten.native_batch_norm.out(
+            x[i], _row(w, i, flags[1]), _row(b, i, flags[2]), _row(mean, i, flags[3]),
+            _row(var, i, flags[4]), training, momentum, eps,
+            out=out[i], save_mean=save_mean[i], save_invstd=save_invstd[i],
+        )  # fmt: skip
+    return out, save_mean, save_invstd
+
+
+def _rows(p, part: slice, batched: bool):
+    """A per-row parameter's rows of one block (a shared one as it is)."""
+    return p[part] if batched and p is not None and p.numel() else p
 
 
 def _batch_norm_backward_stacked(grad, x, w, mean, var, save_mean, save_invstd, training, eps,
                                  mask, *, flags):  # fmt: skip
-    """``aten.native_batch_norm_backward`` per replica on stacked rows."""
+    """``aten.native_batch_norm_backward`` per replica on stacked rows. Training reads only
+    the saved statistics (the running ones may have fewer rows in a folded loop)."""
     rows = x.shape[0]
+    if training:
+        mean = var = None
+    if x[0].numel() >= _BN_ROW_NUMEL:
+        channels = x.shape[2]
+        grads = (torch.empty_like(x), x.new_empty(rows, channels), x.new_empty(rows, channels))
+        for i in range(rows):
+            aten.native_batch_norm_backward.out(
+                grad[i], x[i], _row(w, i, flags[2]), _row(mean, i, flags[3]),
+                _row(var, i, flags[4]), _row(save_mean, i, flags[5]),
+                _row(save_invstd, i, flags[6]), training, eps, mask,
+                out0=grads[0][i], out1=grads[1][i], out2=grads[2][i],
+            )  # fmt: skip
+        return tuple(g if m else None for g, m in zip(grads, mask, strict=True))
     grad_x, grad_w, grad_b = aten.native_batch_norm_backward(
         _channels_in(grad), _channels_in(x), _per_channel(w, rows, flags[2]),
         _per_channel(mean, rows, flags[3]), _per_channel(var, rows, flags[4]),
@@ -1024,6 +1233,24 @@ def _pool_stacked(fn, tensors, *args):
     if isinstance(out, tuple):
         return tuple(o.view(rows, n, *o.shape[1:]) for o in out)
     return out.view(rows, n, *out.shape[1:])
+
+
+# Note [max pooling channels last]
+#     On CPU, ATen's max pooling kernel for contiguous (NCHW) images walks each plane's windows
+#     one output at a time; its channels-last kernel vectorises over the channels and is about
+#     seven times faster on a conv net's activations, the layout change included. The indices
+#     it returns are the same positions within each image's plane, ties and NaNs resolved
+#     alike (tests/test_compile_conv.py compares both against eager), so the backward is
+#     unchanged; the results are made contiguous again for the ops that view them.
+def _max_pool_channels_last(x, *args):
+    """``aten.max_pool2d_with_indices`` through the channels-last kernel on CPU (Note [max
+    pooling channels last])."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return aten.max_pool2d_with_indices(x, *args)
+    out, indices = aten.max_pool2d_with_indices(
+        x.contiguous(memory_format=torch.channels_last), *args
+    )
+    return out.contiguous(), indices.contiguous()
 
 
 def _expand_stacked(x, size):

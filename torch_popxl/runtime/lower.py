@@ -1093,6 +1093,7 @@ class _Emitter:
         # leading dim holds ``fold`` iterations of R replicas.
         self.fold = 1
         self.rows = program.R
+        self.fold_repeated: AbstractSet[FlatOp] = frozenset()  # ops run once per iteration
         self.inplace: dict[FlatOp, str] = {}  # Note [update in place]
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
         self.keep: frozenset[str] = frozenset()  # never released: the fragment's outputs, params
@@ -1344,17 +1345,21 @@ class _Emitter:
                 self.lines.append(f"{ind}{carried} = rt.batch({carried})")
         # A repeat of count 0 runs nothing: the carried values are its results (upstream allows
         # count 0, ops/repeat.py); only the general loop below handles it.
-        if self.explicit and self.fold == 1 and f.count > 0 and _explicit.foldable(f, self.a):
+        folding = (_explicit.fold_plan(f, self.a)
+                   if self.explicit and self.fold == 1 and f.count > 0 else None)  # fmt: skip
+        if isinstance(folding, _explicit.FoldPlan):
             # Note [fold the accumulation loop]: every iteration in one pass
             self.lines.append(f"{ind}# {f.count} iterations folded into the leading dim")
             self.p.folded_loops += 1
-            outside = _explicit.outside_rows(f, self.a)
+            self.fold_repeated = folding.repeated
+            outside = _explicit.outside_rows(f, self.a, folding.written_outside)
             for n in outside:  # R rows -> count * R rows, iteration-major
                 self.lines.append(f"{ind}_o_{n} = {n}")
                 self.lines.append(f"{ind}{n} = {n}.repeat({f.count}, *[1] * ({n}.dim() - 1))")
             self.fold, self.rows = f.count, f.count * self.p.R
             self.block(f.body, ind, self._outer_names(f))
             self.fold, self.rows = 1, self.p.R
+            self.fold_repeated = frozenset()
             for n in outside:
                 self.lines.append(f"{ind}{n} = _o_{n}")
             return

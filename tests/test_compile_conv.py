@@ -1,0 +1,300 @@
+"""Conv nets on the fast executor's stacked path: max pooling through the channels-last kernel
+(Note [max pooling channels last]), convolutions as matmuls (Note [convolutions with one output
+position]), batch norm per row or folded into the channels (Note [convolutions and batch norm
+on stacked rows]) and accumulation loops that fold with batch norm's running statistics,
+counters and dropout (Note [fold the accumulation loop]). Every result is compared with eager
+torch per replica or with the reference executor."""
+
+import numpy as np
+import pytest
+import torch
+
+import torch_popxl as popxl
+import torch_popxl.ops as ops
+from torch_popxl.runtime import explicit
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation,ceil",
+    [(2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 2, 1, 1, True), (2, 1, 0, 2, False)],
+)
+def test_channels_last_max_pooling_gives_eager_values_and_indices(
+    kernel, stride, padding, dilation, ceil
+):
+    """Ties (ReLU's zeros, rounded values), NaN and -inf pick the same positions as ATen's
+    contiguous kernel, so the unchanged backward routes gradients as eager's does."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 11, 12, generator=g).relu().round(decimals=1)
+    x[0, 0, 0, 0], x[1, 1, 2, 3], x[2, 2, :4, :4] = float("nan"), float("-inf"), 0.0
+    args = ([kernel] * 2, [stride] * 2, [padding] * 2, [dilation] * 2, ceil)
+    out, indices = explicit._max_pool_channels_last(x, *args)
+    want_out, want_indices = aten.max_pool2d_with_indices(x, *args)
+    assert out.is_contiguous() and indices.is_contiguous()
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(out, want_out, equal_nan=True, rtol=0, atol=0)
+
+
+def _eager_batch_norm(x, w, b, mean, var, grad, fold):
+    """Per replica and iteration, in the loop's order: eager batch norm's output, running
+    statistics after every update, and the input/weight/bias gradients of ``(y * grad).sum()``
+    (``x``: ``[fold * R, N, C, H, W]``; ``w``, ``b``: ``[C]`` shared or ``[fold * R, C]``)."""
+    mean, var = mean.clone(), var.clone()
+    R = mean.shape[0]
+    ys, gx, gw, gb = [], [], [], []
+    for i in range(x.shape[0]):
+        xi = x[i].clone().requires_grad_()
+        wi = (w[i] if w.dim() == 2 else w).clone().requires_grad_()
+        bi = (b[i] if b.dim() == 2 else b).clone().requires_grad_()
+        y = torch.nn.functional.batch_norm(xi, mean[i % R], var[i % R], wi, bi, True, 0.1, 1e-5)
+        (y * grad[i]).sum().backward()
+        ys.append(y.detach())
+        gx.append(xi.grad)
+        gw.append(wi.grad)
+        gb.append(bi.grad)
+    return torch.stack(ys), mean, var, torch.stack(gx), torch.stack(gw), torch.stack(gb)
+
+
+@pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])
+@pytest.mark.parametrize("fold", [1, 2])
+@pytest.mark.parametrize("per_row_affine", [False, True])
+def test_stacked_batch_norm_matches_eager_per_replica_and_iteration(image, fold, per_row_affine):
+    """Both forms of Note [convolutions and batch norm on stacked rows] (small rows fold into
+    the channels, large rows run one call each) give eager's per-replica output, saved
+    statistics' gradients and running statistics, also when a folded loop's ``fold``
+    iterations share the R rows of running statistics (updated once per iteration, in
+    order, Note [fold the accumulation loop])."""
+    R, N, C = 2, 8, 16
+    assert (N * C * image * image >= explicit._BN_ROW_NUMEL) == (image == 24)
+    g = torch.Generator().manual_seed(1)
+    rows = fold * R
+    x = torch.randn(rows, N, C, image, image, generator=g) * 2 + 0.5
+    grad = torch.randn(x.shape, generator=g)
+    shape = (rows, C) if per_row_affine else (C,)
+    w, b = torch.rand(shape, generator=g) + 0.5, torch.randn(shape, generator=g)
+    mean, var = torch.randn(R, C, generator=g), torch.rand(R, C, generator=g) + 0.5
+    want = _eager_batch_norm(x, w, b, mean, var, grad, fold)
+    flags = [True, per_row_affine, per_row_affine, True, True]
+    got_mean, got_var = mean.clone(), var.clone()
+    out, save_mean, save_invstd = explicit._batch_norm_stacked(
+        x, w, b, got_mean, got_var, True, 0.1, 1e-5, flags=flags
+    )
+    gx, gw, gb = explicit._batch_norm_backward_stacked(
+        grad, x, w, got_mean, got_var, save_mean, save_invstd, True, 1e-5, [True, True, True],
+        flags=[True, True, per_row_affine, True, True, True, True],
+    )  # fmt: skip
+    if not per_row_affine:  # a shared weight's gradient is each row's own
+        gw, gb = gw.reshape(rows, C), gb.reshape(rows, C)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    for name, got, ref in zip(("out", "running mean", "running var", "grad x", "grad w",
+                               "grad b"), (out, got_mean, got_var, gx, gw, gb), want,
+                              strict=True):  # fmt: skip
+        torch.testing.assert_close(got, ref, **tol, msg=name)
+    flat = x.transpose(1, 2).reshape(rows, C, -1)
+    torch.testing.assert_close(save_mean, flat.mean(-1), **tol)
+
+
+def _cnn(dropout: float = 0.0, image: int = 8):
+    side = (image - 2) // 2
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 6, 3), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Dropout(dropout), torch.nn.Flatten(),
+        torch.nn.Linear(6 * side * side, 5),
+    )  # fmt: skip
+
+
+def _train(executor, model_fn, R, GA, batches):
+    torch.manual_seed(0)
+    model = model_fn()
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=GA,
+                            executor=executor)  # fmt: skip
+    losses = [trainer.step(x, y) for x, y in batches]
+    state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    fns = dict(trainer.session._executor.fns) if executor == "fast" else {}
+    return losses, state, fns
+
+
+@pytest.mark.parametrize("image", [8, 24], ids=["channels_fold", "per_row"])
+@pytest.mark.parametrize("R", [1, 2])
+def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image, R):
+    """The accumulation loop of a batch-norm CNN runs as one pass (each batch norm's running
+    statistics updated once per micro-batch, ``num_batches_tracked`` counted once per
+    micro-batch), also at R = 1 (Note [one replica, stacked]): losses, parameters, running
+    statistics and counters equal the reference executor's."""
+    GA = 3
+    rng = np.random.default_rng(3)
+    batches = [(rng.normal(size=(R * GA * 4, 2, image, image)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+
+    def model():
+        return _cnn(image=image)
+
+    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
+    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref.items():
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert fast["1.num_batches_tracked"] == 2 * GA  # per micro-batch, as eager counts
+    source = fns["normal"].source
+    assert source.count("iterations folded") == 1
+    assert source.count(f"for _ in range({GA}):") == 2  # the two counters
+    assert "_batch_norm_stacked" in str(fns["normal"].__globals__.values())
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_dropout_batch_norm_cnn_folds_its_loop(R):
+    """Dropout draws into values each iteration creates and batch norm's running statistics
+    update once per iteration, so the dropout CNN's accumulation loop folds, also at R = 1
+    (Note [one replica, stacked]), and trains to finite weights and statistics (each row
+    draws its own mask: tests/test_explicit.py)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(R * 2 * 4, 2, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 5, R * 2 * 4)
+    torch.manual_seed(0)
+    model = _cnn(dropout=0.5)
+    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=2)  # fmt: skip
+    losses = [trainer.step(x, y) for _ in range(3)]
+    assert np.isfinite(losses).all()
+    assert trainer.session._executor.program.folded_loops == 1
+    assert all(torch.isfinite(t).all() for t in model.state_dict().values())
+    assert model[1].num_batches_tracked.item() == 3 * 2
+
+
+def _build_counter(R, read: bool):
+    """A loop over 4 micro-batches that counts its iterations into a variable (and, with
+    ``read``, multiplies its stored result by the count, which sees every iteration's
+    count: the loop must not fold then)."""
+    ir = popxl.Ir(replication=R)
+    ir.num_host_transfers = 4
+    with ir.main_graph, popxl.in_sequence():
+        W = popxl.variable(np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2), name="W")
+        c = popxl.variable(np.zeros((), np.float32), name="count")
+        xs = popxl.h2d_stream((5, 3), popxl.float32, "x")
+        ys = popxl.d2h_stream((5, 2), popxl.float32, "y")
+
+        def body(W, c):
+            y = ops.host_load(xs) @ W
+            c.add_(1.0)
+            ops.host_store(ys, y * c if read else y)
+
+        info = ops.repeat_with_info(ir.create_graph(body, W, c), 4, W, c)
+        info.set_parent_input_modified(c)
+    return ir, xs, ys, c
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_counter_folds_unless_the_loop_reads_it(read):
+    R = 2
+    x = np.random.default_rng(6).normal(size=(4, R, 5, 3)).astype(np.float32)
+    results = {}
+    for executor in ("fast", "reference"):
+        ir, xs, ys, c = _build_counter(R, read)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            assert ("iterations folded" in session._executor.source()) is not read
+        with session:
+            results[executor] = (session.run({xs: x})[ys], session.get_tensor_data(c))
+    np.testing.assert_allclose(results["fast"][0], results["reference"][0], rtol=1e-6)
+    assert results["fast"][1] == results["reference"][1] == 4.0
+    W = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    scale = np.arange(1, 5, dtype=np.float32).reshape(4, 1, 1, 1) if read else 1.0
+    np.testing.assert_allclose(results["fast"][0], (x @ W) * scale, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "image,kernel,stride,padding,one_position",
+    [
+        ((1, 1), (3, 3), 1, 1, True),  # resnet's last stage on 32x32 images
+        ((2, 2), (3, 3), 2, 1, True),  # the stride-2 convolution into it
+        ((2, 2), (1, 1), 2, 0, True),  # its downsampling shortcut
+        ((4, 3), (4, 3), 1, 0, True),  # a kernel as large as the image
+        ((5, 3), (3, 4), 5, 1, True),  # input rows and taps left unseen
+        ((1, 1, 1), (3, 3, 3), 1, 1, True),  # 3-d
+        ((3, 3), (3, 3), 2, 1, False),  # two output positions: ATen's kernel
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_convolutions_with_one_output_position_are_matmuls_with_eager_gradients(
+    image, kernel, stride, padding, one_position, bias
+):
+    """Note [convolutions with one output position]: the output and the input, weight and
+    bias gradients equal ATen's convolution's, for every output mask."""
+    g = torch.Generator().manual_seed(2)
+    spatial = len(image)
+    x = torch.randn(6, 5, *image, generator=g)
+    w = torch.randn(7, 5, *kernel, generator=g)
+    b = torch.randn(7, generator=g) if bias else None
+    conv = ([stride] * spatial, [padding] * spatial, [1] * spatial, False, [0] * spatial, 1)
+    assert (explicit._one_position(x.shape, w.shape, *conv) is not None) == one_position
+    out = explicit._convolution(x, w, b, *conv)
+    want = aten.convolution(x, w, b, *conv)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(want.shape, generator=g)
+    for mask in ([True, True, bias], [True, False, False], [False, True, False]):
+        got = explicit._convolution_backward(grad, x, w, [7] if bias else None, *conv, mask)
+        ref = aten.convolution_backward(grad, x, w, [7] if bias else None, *conv, mask)
+        for name, a, r in zip(("x", "w", "b"), got, ref, strict=True):
+            assert (a is None) == (r is None), name
+            if r is not None:
+                torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_resnet_stage_with_one_output_position_trains_as_the_reference():
+    """A conv net whose last convolutions see 1x1 and 2x2 images (their weight gradients
+    summed over replicas, their accumulation loop folded) trains as the reference executor."""
+    R, GA = 2, 2
+    rng = np.random.default_rng(12)
+    batches = [(rng.normal(size=(R * GA * 4, 3, 4, 4)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+
+    def model():
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Flatten(),
+            torch.nn.Linear(16, 5),
+        )  # fmt: skip
+
+    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
+    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref.items():
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
+
+
+@pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])
+def test_stacked_batch_norm_in_evaluation_matches_eager_per_replica(image):
+    """Evaluation normalises with each replica's running statistics, saves none (``[rows,
+    0]``, as the kernel's empty ones) and leaves the statistics as they were; the
+    gradients equal eager's per replica."""
+    R, N, C = 2, 8, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, N, C, image, image, generator=g)
+    grad = torch.randn(x.shape, generator=g)
+    w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    mean, var = torch.randn(R, C, generator=g), torch.rand(R, C, generator=g) + 0.5
+    before = mean.clone(), var.clone()
+    out, save_mean, save_invstd = explicit._batch_norm_stacked(
+        x, w, b, mean, var, False, 0.1, 1e-5, flags=[True, False, False, True, True]
+    )
+    assert save_mean.shape == save_invstd.shape == (R, 0)
+    torch.testing.assert_close((mean, var), before, rtol=0, atol=0)
+    gx, gw, gb = explicit._batch_norm_backward_stacked(
+        grad, x, w, mean, var, save_mean, save_invstd, False, 1e-5, [True, True, True],
+        flags=[True, True, False, True, True, True, True],
+    )  # fmt: skip
+    for r in range(R):
+        xr, wr, br = (t.clone().requires_grad_() for t in (x[r], w, b))
+        y = torch.nn.functional.batch_norm(xr, mean[r], var[r], wr, br, False, 0.1, 1e-5)
+        (y * grad[r]).sum().backward()
+        torch.testing.assert_close(out[r], y.detach(), rtol=1e-5, atol=1e-5)
+        for got, want in ((gx[r], xr.grad), (gw.reshape(R, C)[r], wr.grad),
+                          (gb.reshape(R, C)[r], br.grad)):  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

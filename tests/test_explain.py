@@ -37,11 +37,11 @@ X = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
 
 
 def test_an_op_without_a_stacked_rule_runs_traced_on_the_fast_path():
-    # cumsum has no stacked rule of this project: its fragment is traced once under vmap
+    # roll has no stacked rule of this project: its fragment is traced once under vmap
     # (Note [vmap traced once]) and runs as the stacked ops torch's batching rule gives
-    got, lines, session = _run(lambda t: torch.cumsum(t, 0), X)
+    got, lines, session = _run(lambda t: torch.roll(t, 1, 0), X)
     for g in got:
-        np.testing.assert_array_equal(g, np.cumsum(X, axis=1))  # per replica, its dim 0
+        np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))  # per replica, its dim 0
     assert lines == []
     from torch_popxl.runtime.executor import _Traced
 
@@ -74,11 +74,11 @@ def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypat
         raise RuntimeError("tracing refused for this test")
 
     monkeypatch.setattr(executor, "make_fx", refuse)
-    got, lines, _ = _run(lambda t: torch.cumsum(t, 0), X)
+    got, lines, _ = _run(lambda t: torch.roll(t, 1, 0), X)
     for g in got:
-        np.testing.assert_array_equal(g, np.cumsum(X, axis=1))
+        np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))
     assert lines == ["normal: runs under torch.func.vmap at every step (slower): no explicit "
-                     "rule for aten.cumsum.default, and tracing it failed: RuntimeError: "
+                     "rule for aten.roll.default, and tracing it failed: RuntimeError: "
                      "tracing refused for this test"]  # fmt: skip
 
 

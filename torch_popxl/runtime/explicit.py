@@ -777,8 +777,8 @@ def emit_torch(em, f, ind: str) -> None:
         _emit_outputs(em, f, ind, call)
     elif target in (aten.select_backward.default, aten.slice_backward.default):
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
-        rest = "".join(f", {lit(v)}" for v in args[3:])  # index, or start, end and step
-        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}{rest}"
+        trailing = "".join(f", {lit(v)}" for v in args[3:])  # index, or start, end, step
+        call = f"{lit(args[0])}, {sizes!r}, {_shift(args[2])!r}{trailing}"
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({call})")
     elif target in _POOL:
         rendered = [lit(v) for v in args]

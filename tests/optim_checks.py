@@ -1,10 +1,16 @@
-"""Helpers the optimizer tests share: one eager training step, and the comparison of a compiled
-trainer's weights and optimizer state with eager torch's."""
+"""Helpers the compile tests share: one eager training step, the comparison of a compiled
+trainer's weights and optimizer state with eager torch's, training a model both ways side by
+side, and SGD-momentum steps on either executor."""
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+import torch_popxl as popxl
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -31,3 +37,56 @@ def assert_same_training(m, opt, m_ref, opt_ref, exact: bool = False) -> None:
             # absolute tolerance scales with its magnitude
             kw_state = dict(kw, atol=kw["atol"] * max(1.0, v.abs().max().item()))
             check(opt.state[p][k], v, **kw_state, msg=lambda s, n=f"{name}.{k}": f"{n}: {s}")
+
+
+def train_both(model, loss_fn, batches, R, GA, *, lr=0.1, rtol=RTOL, atol=ATOL,
+               optimizer=torch.optim.SGD, **compile_kw):  # fmt: skip
+    """Trains ``model`` eagerly and a copy through popxl.compile (``optimizer(params, lr)``
+    for both; ``compile_kw`` to popxl.compile); compares the losses of every step and the
+    weights at the end; returns the trainer. ``batches`` holds (inputs, targets), tensors or
+    arrays; with ``loss_fn=None`` inputs is a dict of kwargs."""
+    eager = copy.deepcopy(model)
+    opt_e = optimizer(eager.parameters(), lr=lr)
+    trainer = popxl.compile(model, loss_fn, optimizer(model.parameters(), lr=lr),
+                            replication_factor=R, gradient_accumulation=GA, **compile_kw)  # fmt: skip
+    for x, y in batches:
+        opt_e.zero_grad()
+        if loss_fn is None:
+            want = eager(**x).loss
+            got = trainer.step(x)
+        else:
+            want = loss_fn(eager(torch.as_tensor(x)), torch.as_tensor(y))
+            got = trainer.step(x, y)
+        want.backward()
+        opt_e.step()
+        torch.testing.assert_close(torch.tensor(float(got)), want.detach(), rtol=rtol, atol=atol)
+    trainer.sync_weights()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=name)
+    return trainer
+
+
+def _sgd_momentum_run(executor: str, model_fn, R: int, GA: int, batches):
+    torch.manual_seed(0)
+    model = model_fn()
+    trainer = popxl.compile(model, F.cross_entropy,
+                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            replication_factor=R, gradient_accumulation=GA,
+                            executor=executor)  # fmt: skip
+    losses = [trainer.step(x, y) for x, y in batches]
+    state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    fns = dict(trainer.session._executor.fns) if executor == "fast" else {}
+    return np.asarray(losses), state, fns
+
+
+def fast_matches_reference(model_fn, R: int, GA: int, batches):
+    """``model_fn()`` (from seed 0) trained with SGD momentum and cross-entropy through
+    popxl.compile on the fast and on the reference executor: the losses and the module's state
+    afterwards (parameters, running statistics, counters) are equal; returns the fast run's
+    state and its generated fragments."""
+    fast_losses, fast, fns = _sgd_momentum_run("fast", model_fn, R, GA, batches)
+    ref_losses, ref, _ = _sgd_momentum_run("reference", model_fn, R, GA, batches)
+    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, want in ref.items():
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    return fast, fns

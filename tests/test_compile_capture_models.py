@@ -19,33 +19,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import RTOL, train_both
 
 import torch_popxl as popxl
 
-RTOL, ATOL = 1e-5, 1e-6
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2)]
-
-
-def train_both(model, loss_fn, batches, R, GA, *, lr=0.1, rtol=RTOL, atol=ATOL):
-    """Trains ``model`` eagerly and a copy through popxl.compile; compares losses and weights.
-    ``batches`` holds (inputs, targets); with ``loss_fn=None`` inputs is a dict of kwargs."""
-    eager = copy.deepcopy(model)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=lr)
-    trainer = popxl.compile(model, loss_fn, torch.optim.SGD(model.parameters(), lr=lr),
-                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
-    for x, y in batches:
-        opt_e.zero_grad()
-        if loss_fn is None:
-            want = eager(**x).loss
-            got = trainer.step(x)
-        else:
-            want = loss_fn(eager(x), y)
-            got = trainer.step(x, y)
-        want.backward()
-        opt_e.step()
-        torch.testing.assert_close(torch.tensor(float(got)), want.detach(), rtol=rtol, atol=atol)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=name)
 
 
 # ---- Hugging Face models with their default configs --------------------------------------
@@ -179,10 +157,7 @@ def test_hugging_face_model_families_train_as_eager_without_vmap(family):
     model = getattr(transformers, model_cls)(config).eval()
     batches = [({"input_ids": ids + 3, "labels": ids + 3}, None)
                for ids in token_batches(n=2, seq=12, vocab=120)]  # fmt: skip
-    train_both(model, None, batches, 2, 2)
-    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
-    trainer.step(batches[0][0])
+    trainer = train_both(model, None, batches, 2, 2)
     assert trainer.explain() == []
     for name, fn in trainer.session._executor.fns.items():
         assert fn.explicit, (name, fn.vmap_reason)

@@ -8,6 +8,7 @@ torch per replica or with the reference executor."""
 import numpy as np
 import pytest
 import torch
+from optim_checks import fast_matches_reference
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
@@ -105,19 +106,6 @@ def _cnn(dropout: float = 0.0, image: int = 8):
     )  # fmt: skip
 
 
-def _train(executor, model_fn, R, GA, batches):
-    torch.manual_seed(0)
-    model = model_fn()
-    trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
-                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                            replication_factor=R, gradient_accumulation=GA,
-                            executor=executor)  # fmt: skip
-    losses = [trainer.step(x, y) for x, y in batches]
-    state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
-    fns = dict(trainer.session._executor.fns) if executor == "fast" else {}
-    return losses, state, fns
-
-
 @pytest.mark.parametrize("image", [8, 24], ids=["channels_fold", "per_row"])
 @pytest.mark.parametrize("R", [1, 2])
 def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image, R):
@@ -133,11 +121,7 @@ def test_batch_norm_accumulation_loop_folds_and_trains_as_the_reference(image, R
     def model():
         return _cnn(image=image)
 
-    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
-    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
-    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for k, want in ref.items():
-        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    fast, fns = fast_matches_reference(model, R, GA, batches)
     assert fast["1.num_batches_tracked"] == 2 * GA  # per micro-batch, as eager counts
     source = fns["normal"].source
     assert source.count("iterations folded") == 1
@@ -261,11 +245,7 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
             torch.nn.Linear(16, 5),
         )  # fmt: skip
 
-    fast_losses, fast, fns = _train("fast", model, R, GA, batches)
-    ref_losses, ref, _ = _train("reference", model, R, GA, batches)
-    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for k, want in ref.items():
-        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+    fast, fns = fast_matches_reference(model, R, GA, batches)
     assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
 
 

@@ -6,6 +6,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from optim_checks import fast_matches_reference, train_both
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
@@ -216,6 +217,10 @@ def test_compiled_training_runs_explicitly_and_matches_the_reference(R, opt, lay
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _sgd_momentum(params, lr):
+    return torch.optim.SGD(params, lr, momentum=0.9)
+
+
 class _SafeSoftmaxAttention(torch.nn.Module):
     """Single-head attention through ``torch._safe_softmax`` (what torch's math attention,
     taken by ``scaled_dot_product_attention`` with dropout on the CPU, calls): a masked row
@@ -246,30 +251,16 @@ def test_safe_softmax_runs_stacked_and_keeps_off_chip_state_replica_invariant():
     data = [(rng.normal(size=(R * GA * micro, 5, 8)).astype(np.float32),
              rng.integers(0, 3, R * GA * micro)) for _ in range(2)]  # fmt: skip
     torch.manual_seed(0)
-    got = _SafeSoftmaxAttention()
-    want = copy.deepcopy(got)
-    trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
-                            torch.optim.SGD(got.parameters(), 0.1, momentum=0.9), replication_factor=R,
-                            gradient_accumulation=GA, rts_threshold=64,
-                            optimizer_state="remote")  # fmt: skip
     # SGD: Adam would turn the rounding noise of the key bias's (exactly zero) gradient
     # into full steps
-    opt = torch.optim.SGD(want.parameters(), 0.1, momentum=0.9)
-    for x, y in data:
-        loss = trainer.step(x, y)
-        opt.zero_grad()
-        eager = torch.nn.functional.cross_entropy(want(torch.from_numpy(x)), torch.from_numpy(y))
-        eager.backward()
-        opt.step()
-        np.testing.assert_allclose(loss, eager.item(), rtol=1e-5)
+    trainer = train_both(_SafeSoftmaxAttention(), torch.nn.functional.cross_entropy, data, R, GA,
+                         optimizer=_sgd_momentum, rtol=1e-5, atol=1e-6, rts_threshold=64,
+                         optimizer_state="remote")  # fmt: skip
     executor = trainer.session._executor
     for name, fn in executor.fns.items():
         assert fn.explicit, (name, fn.vmap_reason)
     small = {slot.var.id for slot in trainer._active.slots if slot.var.nelms <= 64}
     assert small and small <= executor.uniform, small - executor.uniform
-    trainer.sync_weights()
-    for a, b in zip(got.parameters(), want.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 class _SequenceOps(torch.nn.Module):
@@ -319,24 +310,10 @@ def test_more_model_ops_run_stacked_and_train_as_eager(model, shape):
     data = [(rng.normal(size=(R * GA * micro, *shape)).astype(np.float32),
              rng.integers(0, 3, R * GA * micro)) for _ in range(2)]  # fmt: skip
     torch.manual_seed(0)
-    got = model()
-    want = copy.deepcopy(got)
-    trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
-                            torch.optim.SGD(got.parameters(), 0.1, momentum=0.9),
-                            replication_factor=R, gradient_accumulation=GA)  # fmt: skip
-    opt = torch.optim.SGD(want.parameters(), 0.1, momentum=0.9)
-    for x, y in data:
-        loss = trainer.step(x, y)
-        opt.zero_grad()
-        eager = torch.nn.functional.cross_entropy(want(torch.from_numpy(x)), torch.from_numpy(y))
-        eager.backward()
-        opt.step()
-        np.testing.assert_allclose(loss, eager.item(), rtol=1e-5)
+    trainer = train_both(model(), torch.nn.functional.cross_entropy, data, R, GA,
+                         optimizer=_sgd_momentum, rtol=1e-5, atol=1e-6)  # fmt: skip
     for name, fn in trainer.session._executor.fns.items():
         assert fn.explicit, (name, fn.vmap_reason)
-    trainer.sync_weights()
-    for a, b in zip(got.parameters(), want.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 class _Tally(torch.nn.Module):
@@ -981,24 +958,7 @@ def _cnn_fast_matches_reference(make_model, R: int, GA: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     batches = [(rng.normal(size=(R * GA * 4, 2, 8, 8)).astype(np.float32),
                 rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
-    results, fns = {}, {}
-    for executor in ("fast", "reference"):
-        torch.manual_seed(0)
-        model = make_model()
-        trainer = popxl.compile(model, torch.nn.functional.cross_entropy,
-                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                replication_factor=R, gradient_accumulation=GA,
-                                executor=executor)  # fmt: skip
-        losses = [trainer.step(x, y) for x, y in batches]
-        if executor == "fast":
-            fns = dict(trainer.session._executor.fns)
-        state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
-        results[executor] = (losses, state)
-    (fast_losses, fast_state), (ref_losses, ref_state) = results["fast"], results["reference"]
-    np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for k, want in ref_state.items():  # parameters, running means and variances
-        np.testing.assert_allclose(fast_state[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
-    return fns
+    return fast_matches_reference(make_model, R, GA, batches)[1]
 
 
 @pytest.mark.parametrize("R,GA", [(2, 2), (3, 1)])

@@ -175,12 +175,23 @@ def test_counter_based_bernoulli_fills_a_strided_tensor_and_rejects_bad_input():
 
 
 def test_compiled_dropout_draws_its_masks_through_the_counter_based_kernel():
-    from torch_popxl.runtime.random import bernoulli_
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    """A compiled step's dropout mask is the kernel's for the generator's next seed: after
+    ``torch.manual_seed(5)`` the step's outputs (dropout before an identity layer, on ones)
+    are exactly ``bernoulli_p_(1 - p) / (1 - p)`` drawn after the same seed, over the global
+    batch in order (the accumulation loop folded: one draw for every micro-batch and
+    replica)."""
+    R, GA, micro, width, p = 2, 2, 4, 8, 0.5
+    model = torch.nn.Sequential(torch.nn.Dropout(p), torch.nn.Linear(width, width))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.eye(width))
+        model[1].bias.zero_()
     trainer = popxl.compile(model, lambda out, y: out.pow(2).mean(),
-                            torch.optim.SGD(model.parameters(), 0.1), replication_factor=2,
-                            gradient_accumulation=2)  # fmt: skip
-    trainer.step(np.ones((8, 8), np.float32), np.zeros(8, np.float32))
-    fns = trainer.session._executor.fns.values()
-    assert any(bernoulli_ in fn.__globals__.values() for fn in fns)
+                            torch.optim.SGD(model.parameters(), 0.0), replication_factor=R,
+                            gradient_accumulation=GA, return_outputs=True)  # fmt: skip
+    x, y = np.ones((R * GA * micro, width), np.float32), np.zeros(R * GA * micro, np.float32)
+    trainer.step(x, y)  # builds the program
+    torch.manual_seed(5)
+    _, out = trainer.step(x, y)
+    torch.manual_seed(5)
+    want = _BERNOULLI(torch.empty(R * GA * micro, width), 1 - p) / (1 - p)
+    np.testing.assert_array_equal(np.asarray(out), want.numpy())

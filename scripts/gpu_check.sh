@@ -6,11 +6,13 @@
 # Logs go to $OUT (default /tmp/gpu_check). Each step has its own time limit so that one slow
 # step still leaves the others' results; the whole script fits in about 9 minutes.
 #
-# The probe: on one such machine (g++ 13.3, torch 2.11) every error raised by the extension's
-# own checks crashed the process where torch's own errors raised. Three builds run side by side
-# (default flags; -O2 with unwind tables and frame pointers; the default linked with
-# -static-libgcc), each is asked to raise, and the first that raises is the one tested; where the
-# default crashes, cuda-gdb (the machine has no gdb) prints the crashing stack.
+# The probe: on the lent H200 (2026-11-27) the environment's CXX was /opt/gcc/bin/g++, a newer
+# GCC than the system's libstdc++ the process loads; an extension built with it crashed (SIGSEGV
+# inside std::ostream's number formatting) whenever one of its checks formatted an error
+# message. Builds side by side (VARIANTS: "default" = the environment's CXX, "system" = the g++
+# on PATH, "unwind" = -O2 with unwind tables and frame pointers), each is asked to raise, and the
+# first that raises is the one tested; where none does, cuda-gdb (the machine has no gdb) prints
+# the crashing stack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -22,22 +24,23 @@ t0=$SECONDS
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-  g++ --version | head -1
+  echo "CXX=${CXX:-} ($(${CXX:-c++} --version | head -1)); g++ on PATH: $(g++ --version | head -1)"
   nproc
 } 2>&1 | tee "$OUT/gpu.txt"
 
-echo "== three builds side by side"
-declare -A FLAGS=([default]="-O3" [unwind]="-O2 -g -fasynchronous-unwind-tables -fno-omit-frame-pointer" [staticgcc]="-O3")
-declare -A LDF=([default]="" [unwind]="" [staticgcc]="-static-libgcc")
-for v in default unwind staticgcc; do
+VARIANTS=${VARIANTS:-default system}
+echo "== builds side by side: $VARIANTS"
+declare -A FLAGS=([default]="-O3" [system]="-O3" [unwind]="-O2 -g -fasynchronous-unwind-tables -fno-omit-frame-pointer")
+declare -A CC=([default]="${CXX:-c++}" [system]="$(command -v g++)" [unwind]="${CXX:-c++}")
+for v in $VARIANTS; do
   d=/tmp/tpx_$v
   rm -rf "$d" && mkdir -p "$d" && cp -r setup.py pyproject.toml README.md csrc torch_popxl "$d"/
-  (cd "$d" && MAX_JOBS=6 TORCH_POPXL_CXXFLAGS="${FLAGS[$v]}" TORCH_POPXL_LDFLAGS="${LDF[$v]}" \
-    timeout 240 "$PY" setup.py -q build_ext --inplace >"$OUT/build_$v.log" 2>&1; echo "build $v rc=$?") &
+  (cd "$d" && CXX="${CC[$v]}" MAX_JOBS=8 TORCH_POPXL_CXXFLAGS="${FLAGS[$v]}" \
+    timeout 240 "$PY" setup.py -q build_ext --inplace >"/tmp/build_$v.log" 2>&1; echo "build $v rc=$?") &
 done
 wait
 echo "== built in $((SECONDS - t0)) s"
-tail -5 "$OUT/build_default.log"
+tail -3 /tmp/build_*.log
 
 PROBE='
 import torch, torch_popxl
@@ -55,18 +58,18 @@ try:
 except RuntimeError as e:
     print('torch: RuntimeError raised')
 " 2>&1 | tail -1
-for v in default unwind staticgcc; do
+for v in $VARIANTS; do
   for st in 1 0; do
     (cd /tmp/tpx_$v && PYTHONPATH=/tmp/tpx_$v TORCH_SHOW_CPP_STACKTRACES=$st timeout 60 "$PY" -c "$PROBE" \
-      >"$OUT/probe_${v}_$st.log" 2>&1; echo "probe $v stacktraces=$st rc=$? $(grep -h 'RAISED\|no error' "$OUT/probe_${v}_$st.log")") &
+      >"/tmp/probe_${v}_$st.log" 2>&1; echo "probe $v stacktraces=$st rc=$? $(grep -h 'RAISED\|no error' "/tmp/probe_${v}_$st.log")") &
   done
 done
 wait
 PICK=""
-for v in default unwind staticgcc; do
-  if grep -q RAISED "$OUT/probe_${v}_1.log" && grep -q RAISED "$OUT/probe_${v}_0.log"; then PICK=$v; break; fi
+for v in $VARIANTS; do
+  if grep -q RAISED "/tmp/probe_${v}_1.log" && grep -q RAISED "/tmp/probe_${v}_0.log"; then PICK=$v; break; fi
 done
-if ! grep -q RAISED "$OUT/probe_default_1.log" && command -v cuda-gdb >/dev/null; then
+if [ -z "$PICK" ] && command -v cuda-gdb >/dev/null; then
   echo "== the default build's crash, under cuda-gdb"
   (cd /tmp/tpx_default && PYTHONPATH=/tmp/tpx_default timeout 90 cuda-gdb -q -batch -ex run -ex bt \
     --args "$PY" -c "$PROBE" 2>&1 | grep -v '^\[New Thread\|^\[Thread\|^warning' | tail -45) | tee "$OUT/crash_bt.log"
@@ -80,7 +83,7 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -p no:benchmark -q -rfE --tb=short)
 echo "== tests/test_cuda.py"
 timeout "${CUDA_TESTS_S:-150}" "${PYTEST[@]}" tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -30
 echo "== peers benchmark on the GPU ($((SECONDS - t0)) s)"
-timeout "${BENCH_S:-170}" "$PY" benchmarks/bench_peers.py --device cuda --models "${MODELS:-mlp,gpt,hf-gpt2}" \
+[ -n "${MODELS-x}" ] && timeout "${BENCH_S:-170}" "$PY" benchmarks/bench_peers.py --device cuda --models "${MODELS:-mlp,gpt,hf-gpt2}" \
   --rounds "${ROUNDS:-3}" 2>&1 | grep -v '^\[transformers\]' | tee "$OUT/bench_peers.log" | tail -25
 left=$(( ${BUDGET_S:-530} - (SECONDS - t0) ))
 if [ "$left" -gt 40 ]; then

@@ -346,9 +346,11 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, tally):
         return torch.nn.Sequential(torch.nn.Linear(12, 16), norm, torch.nn.GELU(),
                                    torch.nn.Linear(16, 5))  # fmt: skip
 
-    got, want = model(), model()
+    got = model()
     trainer = popxl.compile(got, torch.nn.functional.cross_entropy,
                             torch.optim.SGD(got.parameters(), 0.1), gradient_accumulation=GA)  # fmt: skip
+    dev = trainer.device  # eager on the simulator's device (TORCH_POPXL_DEVICE=cuda: the GPU)
+    want = model().to(dev)
     opt = torch.optim.SGD(want.parameters(), 0.1)
     for x, y in data:
         loss = trainer.step(x, y)
@@ -358,14 +360,14 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, tally):
         if not tally:
             opt.zero_grad()
             eager = torch.nn.functional.cross_entropy(
-                want(torch.from_numpy(x)), torch.from_numpy(y)
+                want(torch.from_numpy(x).to(dev)), torch.from_numpy(y).to(dev)
             )
             eager.backward()
             opt.step()
             assert loss == eager.item()
     if not tally:
         for a, b in zip(got.parameters(), want.parameters(), strict=True):
-            assert torch.equal(a, b)
+            assert torch.equal(a, b.cpu())
     else:
         assert all(torch.isfinite(p).all() for p in got.parameters())
 

@@ -187,7 +187,8 @@ def test_compiled_dropout_draws_its_masks_through_the_counter_based_kernel():
         model[1].bias.zero_()
     trainer = popxl.compile(model, lambda out, y: out.pow(2).mean(),
                             torch.optim.SGD(model.parameters(), 0.0), replication_factor=R,
-                            gradient_accumulation=GA, return_outputs=True)  # fmt: skip
+                            gradient_accumulation=GA, return_outputs=True,
+                            device="cpu")  # the kernel is the CPU's (a GPU draws through ATen)  # fmt: skip
     x, y = np.ones((R * GA * micro, width), np.float32), np.zeros(R * GA * micro, np.float32)
     trainer.step(x, y)  # builds the program
     torch.manual_seed(5)

@@ -262,7 +262,7 @@ class _Program:
     # per param group: why it runs the per-parameter chain, None where it runs the fused
     # kernel (Note [fused optimizer updates])
     fused_reasons: tuple = ()
-    storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) of bound ones
+    storages: list = field(default_factory=list)  # (name, module tensor, data_ptr) at compile time
     scale_vars: list = field(default_factory=list)  # Note [loss scaling]
     overflow_t: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     # the count of a counted-mean loss over the step (Note [exact losses over micro-batches])
@@ -670,9 +670,10 @@ class Trainer:
 
         for s in prog.slots:
             p = self._params[s.name]
-            if bind(s.var, p.detach()):
-                prog.storages.append((s.name, p, p.data_ptr()))
-            else:
+            # A bound tensor is the variable; a copied one is pushed and pulled at every step:
+            # either way a replaced storage (model.double()) is refused before a step runs.
+            prog.storages.append((s.name, p, p.data_ptr()))
+            if not bind(s.var, p.detach()):
                 prog.copied.append([s.var, p, None])
             init = self._initial_state(s.name, s.spec)
             for sname, v in s.state.items():
@@ -686,15 +687,14 @@ class Trainer:
                 prog.grad_t[n] = t
         for n, v in prog.frozen_vars.items():
             p = self._params[n]
-            if bind(v, p.detach()):
-                prog.storages.append((n, p, p.data_ptr()))
-            else:
+            prog.storages.append((n, p, p.data_ptr()))
+            if not bind(v, p.detach()):
                 prog.copied.append([v, p, None])
         for n, v in prog.buffer_vars.items():
-            if bind(v, self._buffers[n].detach()):
-                prog.storages.append((n, self._buffers[n], self._buffers[n].data_ptr()))
-            else:
-                prog.copied.append([v, self._buffers[n], None])
+            b = self._buffers[n]
+            prog.storages.append((n, b, b.data_ptr()))
+            if not bind(v, b.detach()):
+                prog.copied.append([v, b, None])
         for v, t in zip(prog.hyper_vars, prog.hyper_t, strict=True):
             bind(v, t)
         bind(prog.step_var, prog.step_t)

@@ -1388,6 +1388,7 @@ class Fragment(Protocol):
     plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
     vmap_reason: str | None  # why it runs under vmap (the first op without a rule), if it does
+    vmapped_ops: tuple[str, ...]  # ops run alone through torch's batching rule, if explicit
     written_streams: frozenset[int]  # host streams whose loaded values it updates in place
     source: str  # the generated Python
 
@@ -1445,6 +1446,8 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
     fn.vmap_reason = reason
+    # Note [one op through torch's batching rule] (explicit.py)
+    fn.vmapped_ops = tuple(_explicit.vmapped_ops(flat, plan, program.R)) if explicit else ()
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
     fn.slot_views = tuple(em.slot_views)

@@ -81,7 +81,7 @@ def _lm_loss(out, y):
 
 @dataclass
 class Model:
-    make: Callable[[], torch.nn.Module]
+    make: Callable[..., torch.nn.Module]  # keyword arguments: the config's or constructor's
     batch: Callable[[int], tuple[np.ndarray, np.ndarray]]
     loss: Callable
 
@@ -93,10 +93,11 @@ def _hf(name: str, **config):
 
 
 def _hf_image(cls: str, config: str, **kw) -> Model:
-    def make():
+    def make(**overrides):
         import transformers
 
-        return _Logits(getattr(transformers, cls)(_hf(config, num_labels=10, **kw)))
+        config_ = _hf(config, num_labels=10, **(kw | overrides))
+        return _Logits(getattr(transformers, cls)(config_))
 
     return Model(make, _images, _image_loss)
 
@@ -127,10 +128,10 @@ def _t5() -> Model:
 
 
 def _vision(name: str, side: int = IMAGE) -> Model:
-    def make():
+    def make(**overrides):
         import torchvision
 
-        return getattr(torchvision.models, name)(num_classes=10)
+        return getattr(torchvision.models, name)(num_classes=10, **overrides)
 
     return Model(make, lambda n: _images(n, side), _image_loss)
 

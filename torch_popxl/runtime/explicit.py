@@ -86,7 +86,8 @@ _NO_FACTS = frozenset({
     aten.hardshrink_backward.default, aten.softshrink_backward.default,
 })  # fmt: skip
 _LIKE_FACTORIES = frozenset(  # without a ``size``: shaped like their input
-    op for op in _like_tensor_constructors
+    op
+    for op in _like_tensor_constructors
     if torch.Tag.nondeterministic_seeded not in op.tags
     and not any(a.name == "size" for a in op._schema.arguments)
 )

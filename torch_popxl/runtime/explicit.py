@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -1524,9 +1525,16 @@ def vmapped_ops(flat, a, R: int) -> list[str]:
     return list(found)
 
 
+_MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
+
+
 class _OneOpVmap:
     """``target`` called on its captured arguments under ``torch.func.vmap`` over the rows of
-    its per-replica tensors (``in_dims`` 0; None for replica-invariant ones)."""
+    its per-replica tensors (``in_dims`` 0; None for replica-invariant ones). The vmapped call
+    is traced once per input layout into the stacked ops torch's batching rule produces (as a
+    whole fragment is: Note [vmap traced once] in executor.py), which later calls with that
+    layout run without vmap's dispatch; an input's shape, strides, storage offset, dtype and
+    device are its layout, so a recorded view's strides and offsets stay true."""
 
     def __init__(self, target, args, kwargs, batched: list[bool], device):
         leaves, self.spec = pytree.tree_flatten((list(args), dict(kwargs)))
@@ -1534,7 +1542,21 @@ class _OneOpVmap:
         self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
         self.target = target
         in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
-        self.call = torch.func.vmap(self._one, in_dims=in_dims)
+        self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
+        self.traces: dict[tuple, Any] = {}
+
+    def call(self, *tensors):
+        key = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+                    for t in tensors)  # fmt: skip
+        graph = self.traces.get(key)
+        if graph is None and len(self.traces) < _MAX_TRACES:
+            try:
+                graph = make_fx(self.vmapped, tracing_mode="fake",
+                                _allow_non_fake_inputs=True)(*tensors)  # fmt: skip
+            except Exception:  # noqa: BLE001 - any failure keeps calling vmap
+                graph = self.vmapped
+            self.traces[key] = graph
+        return (graph or self.vmapped)(*tensors)
 
     def _one(self, *tensors):
         leaves = list(self.leaves)

@@ -87,8 +87,9 @@ def test_an_op_batched_by_the_projects_table_runs_on_the_fast_path():
     assert lines == []
 
 
-def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch,
-                                                                      no_single_op_vmap):
+def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(
+    monkeypatch, no_single_op_vmap
+):
     from torch_popxl.runtime import executor
 
     def refuse(*args, **kwargs):
@@ -101,6 +102,21 @@ def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypat
     assert lines == ["normal: runs under torch.func.vmap at every step (slower): no explicit "
                      "rule for aten.roll.default, and tracing it failed: RuntimeError: "
                      "tracing refused for this test"]  # fmt: skip
+
+
+def test_an_op_alone_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch):
+    from torch_popxl.runtime import explicit
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("tracing refused for this test")
+
+    monkeypatch.setattr(explicit, "_trace_fake", refuse)
+    got, lines, session = _run(lambda t: torch.roll(t, 1, 0), X)
+    for g in got:
+        np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))
+    assert session._executor.fns["normal"].explicit
+    assert lines == ["normal: aten.roll.default runs alone under torch.func.vmap at every step "
+                     "(slower): tracing it failed: RuntimeError: tracing refused for this test"]  # fmt: skip
 
 
 def test_the_reference_executor_says_it_is_the_reference():

@@ -51,7 +51,6 @@ __all__ = [
     "rank_padding",
     "scalar_tensor_args",
     "vmap_reason",
-    "vmapped_ops",
 ]
 
 aten = torch.ops.aten
@@ -1513,19 +1512,12 @@ def _one_op_vmap_ok(f, a) -> bool:
     return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)
 
 
-def vmapped_ops(flat, a, R: int) -> list[str]:
-    """The ops of an explicitly batched ``flat`` that run through torch's batching rule one
-    at a time (Note [one op through torch's batching rule])."""
-    found: dict[str, None] = {}
-    for f in flat:
-        if f.kind == "torch" and not _stacked_rule(f, a, R):
-            found[str(f.op.attrs.target)] = None
-        elif f.kind == "loop":
-            found.update(dict.fromkeys(vmapped_ops(f.body, a, R)))
-    return list(found)
-
-
 _MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
+
+
+def _trace_fake(fn, tensors):
+    """``fn`` traced on fake tensors shaped like ``tensors``."""
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
 
 
 class _OneOpVmap:
@@ -1544,6 +1536,7 @@ class _OneOpVmap:
         in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
         self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
         self.traces: dict[tuple, Any] = {}
+        self.failed: str | None = None  # why a trace failed (it then runs under vmap)
 
     def call(self, *tensors):
         key = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -1551,10 +1544,11 @@ class _OneOpVmap:
         graph = self.traces.get(key)
         if graph is None and len(self.traces) < _MAX_TRACES:
             try:
-                graph = make_fx(self.vmapped, tracing_mode="fake",
-                                _allow_non_fake_inputs=True)(*tensors)  # fmt: skip
-            except Exception:  # noqa: BLE001 - any failure keeps calling vmap
+                graph = _trace_fake(self.vmapped, tensors)
+            except Exception as e:  # noqa: BLE001 - any failure keeps calling vmap (reported)
                 graph = self.vmapped
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                self.failed = f"{type(e).__name__}: {first[:200]}"
             self.traces[key] = graph
         return (graph or self.vmapped)(*tensors)
 
@@ -1577,6 +1571,7 @@ def _emit_one_op_vmap(em, f, ind: str) -> None:
     fn = _OneOpVmap(attrs.target, attrs.args, attrs.kwargs, batched, em.p.device)
     leaves, _ = pytree.tree_flatten((list(attrs.args), dict(attrs.kwargs)))
     names = [f.ins[v.index] for v in leaves if isinstance(v, Slot)]
+    em.one_op_vmaps.append(fn)
     _emit_outputs(em, f, ind, f"{em.p.literal(fn)}({', '.join(names)})")
 
 

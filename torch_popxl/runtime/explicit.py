@@ -10,9 +10,11 @@ Note [explicit batching]
     taking a ``dim`` shift it past the replica dimension. A ``torch_popxl`` op brings its own
     rule: its definition's ``explicit`` rule (``opdefs/registry.py``) says whether it has a
     stacked form for the given batched inputs and returns the callable that runs it (a
-    full-group all-reduce is one call of the stacked kernel). When every op of a fragment has such a rule the fragment is emitted in
-    this form and runs on the physical stacked tensors with no ``vmap``; otherwise the whole
-    fragment runs under ``vmap`` as before. The reference executor checks both.
+    full-group all-reduce is one call of the stacked kernel). An aten op without a rule runs
+    alone through torch's batching rule (Note [one op through torch's batching rule]). When
+    every op of a fragment has a rule or that form the fragment is emitted in this form and
+    runs on the physical stacked tensors with no ``vmap``; otherwise the whole fragment runs
+    under ``vmap`` as before. The reference executor checks both.
 """
 
 from __future__ import annotations

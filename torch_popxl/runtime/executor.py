@@ -367,7 +367,7 @@ class FastExecutor:
             # Note [one op through torch's batching rule] (explicit.py)
             for op in getattr(fn, "one_op_vmaps", ()):
                 if op.failed is not None:
-                    lines.append(f"{name}: {op.target} runs alone under torch.func.vmap at "
+                    lines.append(f"{name}: {op.name} runs alone under torch.func.vmap at "
                                  f"every step (slower): tracing it failed: {op.failed}")  # fmt: skip
             if self.global_R == 1 or getattr(fn, "explicit", True):
                 continue

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch._decomp import decomposition_table
 from torch._subclasses.fake_impls import _like_tensor_constructors
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
@@ -200,16 +201,18 @@ def _decomposes_elementwise(target) -> bool:
 def _probe_code(fn, values, shape) -> str | None:
     """The code of ``fn`` traced on ``values`` (None: a float tensor of ``shape``) when every
     op it calls is elementwise or a 0-d constant; None otherwise."""
-    tensors = [torch.rand(shape) for v in values if v is None]
 
     def call(*ts):
         it = iter(ts)
         return fn(*[next(it) if v is None else v for v in values])
 
-    try:
-        graph = make_fx(call)(*tensors)
-    except Exception:  # noqa: BLE001 - the probe's arguments do not fit: no fact derived
-        return None
+    # outside any mode of the caller's (a fake or tracing mode), drawing no random numbers
+    with _disable_current_modes():
+        tensors = [torch.full(shape, 0.5) for v in values if v is None]
+        try:
+            graph = make_fx(call)(*tensors)
+        except Exception:  # noqa: BLE001 - the probe's arguments do not fit: no fact derived
+            return None
     nodes = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     if not nodes or not all(t in _CONSTANTS or _is_elementwise(t) for t in nodes):
         return None
@@ -1491,12 +1494,14 @@ def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale, ids_
 #     per-replica tensors batched on their leading dim and replica-invariant ones shared, so
 #     torch's own batching rule for it computes every replica's result in one call (a view
 #     stays a view of the stacked rows, an in-place op writes its stacked target). The rest of
-#     the fragment keeps its stacked forms; the op costs one vmap dispatch per step. Taken
+#     the fragment keeps its stacked forms. The vmapped call is traced once (per input layout)
+#     into the stacked ops torch's rule produces, so later steps pay no vmap dispatch. Taken
 #     only for an op torch has a batching rule for (its ``FuncTorchBatched`` kernel, or the
 #     project's, Note [aten batching rules]), that draws no random numbers, and whose every
 #     output is per replica (as the analysis makes the outputs of an op with a per-replica
 #     input); any other op keeps its fragment on the vmap path. The fragment's
-#     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them).
+#     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them); one whose
+#     trace failed runs under vmap at every step, and ``explain()`` says so.
 _BATCHING_KEYS = ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
 
 
@@ -1534,7 +1539,8 @@ class _OneOpVmap:
         leaves, self.spec = pytree.tree_flatten((list(args), dict(kwargs)))
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, Slot)]
         self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
-        self.target = target
+        self.name = str(target)
+        self.target = SAFE_FORMS.get(target, target)  # as the generated code calls it
         in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
         self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
         self.traces: dict[tuple, Any] = {}

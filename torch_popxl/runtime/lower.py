@@ -1451,7 +1451,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.vmap_reason = reason
     # Note [one op through torch's batching rule] (explicit.py)
     fn.one_op_vmaps = tuple(em.one_op_vmaps)
-    fn.vmapped_ops = tuple(dict.fromkeys(str(o.target) for o in em.one_op_vmaps))
+    fn.vmapped_ops = tuple(dict.fromkeys(o.name for o in em.one_op_vmaps))
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
     fn.slot_views = tuple(em.slot_views)

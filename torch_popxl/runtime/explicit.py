@@ -180,7 +180,7 @@ def _decomposes_elementwise(target) -> bool:
     fn = decomposition_table.get(target)
     if fn is None:
         return False
-    choices = []
+    choices: list[tuple[float | bool | None, ...]] = []
     for a in target._schema.arguments:
         if a.has_default_value() or str(a.type).endswith("?"):
             break

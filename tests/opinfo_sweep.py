@@ -13,6 +13,9 @@ Kinds of outcome:
 * ``error``: capture, build or run raised (``detail`` says what);
 * ``skip``: the case is outside what a PopXL program carries (``detail``: why), decided
   before the program is built.
+
+A pass or slow case also says which of its fragments are not explicitly batched (``traced``:
+they run torch's batching rules traced under vmap, Note [vmap traced once]), and why.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Outcome:
     sample: int
     kind: str  # pass, slow, wrong, error, skip
     detail: str = ""
+    # the fragments (a pass or slow case's) that are not explicitly batched (Note [explicit
+    # batching]), with the op that kept each off it: traced under vmap, or slow
+    traced: str = ""
 
 
 def _replica_data(t: torch.Tensor, r: int) -> torch.Tensor:
@@ -148,7 +154,8 @@ def _run_case(op, sample, backward: bool = False) -> Outcome:
             if not np.allclose(g, e, rtol=1e-4, atol=1e-5 * max(scale, 1.0), equal_nan=True):
                 diff = np.nanmax(np.abs(g.astype(np.float64) - e.astype(np.float64)))
                 return Outcome(name, 0, "wrong", f"output {k} replica {r}: max |diff| {diff:.3g}")
-    return Outcome(name, 0, "slow" if slow else "pass", "; ".join(slow))
+    slow, traced = slow
+    return Outcome(name, 0, "slow" if slow else "pass", "; ".join(slow), traced)
 
 
 class _NotDifferentiable(Exception):
@@ -195,7 +202,9 @@ def _execute(ir, outs, feed):
     with popxl.Session(ir) as session:
         got = session.run(feed)
         slow = session.explain()
-    return [got[d].reshape(R, *tuple(d.shape)) for d in outs], slow, random
+        fns = session._executor.fns
+    traced = "; ".join(f"{k}: {fn.vmap_reason}" for k, fn in fns.items() if not fn.explicit)
+    return [got[d].reshape(R, *tuple(d.shape)) for d in outs], (slow, traced), random
 
 
 def _feed(streams, per_replica, extra=()):
@@ -267,7 +276,7 @@ def sweep(ops_filter=None, backward: bool = False) -> list[Outcome]:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
                 o = _run_case(op, sample, backward)
-            results.append(Outcome(o.op, k, o.kind, o.detail))
+            results.append(Outcome(o.op, k, o.kind, o.detail, o.traced))
     return results
 
 
@@ -284,3 +293,7 @@ if __name__ == "__main__":
     for o in res:
         if o.kind not in ("pass", "skip") or "-v" in sys.argv:
             print(f"{o.kind:6} {o.op}[{o.sample}]: {o.detail}")
+    traced = [o for o in res if o.traced]
+    print(f"{len(traced)} cases with a fragment not explicitly batched:")
+    for o in traced:
+        print(f"  {o.op}[{o.sample}]: {o.traced}")

@@ -36,7 +36,27 @@ def _run(build, x, executor="fast", **session_kw):
 X = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
 
 
-def test_an_op_without_a_stacked_rule_runs_traced_on_the_fast_path():
+@pytest.fixture
+def no_single_op_vmap(monkeypatch):
+    """roll's fragment off the explicit path: without Note [one op through torch's batching
+    rule] (runtime/explicit.py) an op with no stacked rule sends its fragment to vmap."""
+    from torch_popxl.runtime import explicit
+
+    monkeypatch.setattr(explicit, "_one_op_vmap_ok", lambda f, a: False)
+
+
+def test_an_op_without_a_stacked_rule_runs_alone_through_torchs_batching_rule():
+    # roll has no stacked rule of this project: it runs under vmap by itself, and its
+    # fragment stays explicitly batched (Note [one op through torch's batching rule])
+    got, lines, session = _run(lambda t: torch.roll(t, 1, 0) * 2.0, X)
+    for g in got:
+        np.testing.assert_array_equal(g, np.roll(X, 1, axis=1) * 2.0)  # per replica, its dim 0
+    assert lines == []
+    fn = session._executor.fns["normal"]
+    assert fn.explicit and fn.vmapped_ops == ("aten.roll.default",)
+
+
+def test_an_op_without_a_stacked_rule_runs_traced_on_the_fast_path(no_single_op_vmap):
     # roll has no stacked rule of this project: its fragment is traced once under vmap
     # (Note [vmap traced once]) and runs as the stacked ops torch's batching rule gives
     got, lines, session = _run(lambda t: torch.roll(t, 1, 0), X)
@@ -67,7 +87,9 @@ def test_an_op_batched_by_the_projects_table_runs_on_the_fast_path():
     assert lines == []
 
 
-def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch):
+def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(
+    monkeypatch, no_single_op_vmap
+):
     from torch_popxl.runtime import executor
 
     def refuse(*args, **kwargs):
@@ -80,6 +102,21 @@ def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypat
     assert lines == ["normal: runs under torch.func.vmap at every step (slower): no explicit "
                      "rule for aten.roll.default, and tracing it failed: RuntimeError: "
                      "tracing refused for this test"]  # fmt: skip
+
+
+def test_an_op_alone_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch):
+    from torch_popxl.runtime import explicit
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("tracing refused for this test")
+
+    monkeypatch.setattr(explicit, "_trace_fake", refuse)
+    got, lines, session = _run(lambda t: torch.roll(t, 1, 0), X)
+    for g in got:
+        np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))
+    assert session._executor.fns["normal"].explicit
+    assert lines == ["normal: aten.roll.default runs alone under torch.func.vmap at every step "
+                     "(slower): tracing it failed: RuntimeError: tracing refused for this test"]  # fmt: skip
 
 
 def test_the_reference_executor_says_it_is_the_reference():

@@ -2,6 +2,10 @@
 written to stderr: each Session they create reports ``explain() == []`` after it runs (no
 fragment under vmap at every step, no op run once per replica), and torch prints no
 "performance drop" lines. The examples train a few steps only (accuracy is theirs to test).
+The model zoo of benchmarks/bench_generality.py (Hugging Face families and torchvision CNNs)
+trains with every fragment explicitly batched (Note [explicit batching]), the ops without a
+stacked rule run alone through torch's batching rule, and its models without batch norm or
+random draws train to eager torch's numbers that way.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_generality  # noqa: E402
 import common  # noqa: E402
+from optim_checks import train_both  # noqa: E402
 
 
 @pytest.fixture
@@ -106,3 +112,41 @@ def test_benchmark_models_train_on_the_fast_path(model, layout, capfd):
     assert np.isfinite(trainer.step(x, y))
     assert trainer.explain() == []
     assert capfd.readouterr().err == ""
+
+
+# the ops each zoo model runs alone through torch's batching rule (Note [one op through
+# torch's batching rule]); a model not listed has a stacked rule for every op
+_VMAPPED_OPS = {
+    "hf_swin": {"aten.roll.default", "aten.as_strided.default", "aten.index_put.default"},
+    "convnext_tiny": {"aten.as_strided.default"},
+    "efficientnet_b0": {"aten.new_empty_strided.default"},
+}
+
+
+@pytest.mark.parametrize("model", list(bench_generality.MODELS))
+def test_model_zoo_trains_with_every_fragment_explicitly_batched(model, capfd):
+    trainer, (x, y) = bench_generality.trainer(model)
+    assert np.isfinite(trainer.step(x, y))
+    assert bench_generality.fallbacks(trainer) == {}
+    assert set(bench_generality.vmapped_ops(trainer)) == _VMAPPED_OPS.get(model, set())
+    assert trainer.explain() == []
+    assert "performance drop" not in capfd.readouterr().err
+
+
+# without their random draws (stochastic depth): per-sample models, so R replicas' step on
+# the global batch is eager torch's step on it
+_DETERMINISTIC = {
+    "hf_swin": {"drop_path_rate": 0.0},
+    "convnext_tiny": {"stochastic_depth_prob": 0.0},
+}
+
+
+@pytest.mark.parametrize("model", list(_DETERMINISTIC))
+def test_models_with_ops_run_through_vmap_alone_match_eager(model):
+    spec = bench_generality.MODELS[model]()
+    torch.manual_seed(0)
+    m = spec.make(**_DETERMINISTIC[model])
+    batches = [spec.batch(4), spec.batch(4)]
+    trainer = train_both(m, spec.loss, batches, R=2, GA=1, lr=0.05, rtol=1e-4, atol=1e-5)
+    assert bench_generality.fallbacks(trainer) == {}
+    assert set(bench_generality.vmapped_ops(trainer)) == _VMAPPED_OPS[model]

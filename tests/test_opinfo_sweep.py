@@ -6,7 +6,9 @@ Claims: no op gives a wrong value; an op raises only for a reason listed below, 
 listed reason still applies; the cases off the fast path (ops with no batching rule, torch's or
 the project's (Note [aten batching rules]), which run once per replica, and fragments that
 could not be traced and run under vmap at every step: ``session.explain()``) do not grow, and
-stay within 2 % of the tested cases.
+stay within 2 % of the tested cases; nor do the cases with a fragment that is not explicitly
+batched (Note [explicit batching]: its ops traced under vmap as a whole, not each op that has
+no stacked rule through torch's batching rule alone).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ ALLOWED_BACKWARD_ERRORS = {
 SLOW_CEILING = {"forward": 6, "backward": 0}
 # The bound the project holds: at most this share of the tested cases off the fast path
 SLOW_SHARE = 0.02
+# Cases with a fragment not explicitly batched (of ~1,150 forward, ~950 backward; before Note
+# [one op through torch's batching rule]: 534 and 468); they may only shrink: a random op
+# without a stacked rule (multinomial), ops torch has no batching rule for (nonzero_static,
+# embedding_bag), binary_cross_entropy_with_logits, resize_as_, tril_'s gradient, torch_nn's
+# chunked linear cross entropy
+TRACED_CEILING = {"forward": 14, "backward": 6}
 
 
 @pytest.fixture(scope="module", params=["forward", "backward"])
@@ -95,6 +103,8 @@ def test_the_sweep_covers_the_database_and_the_slow_path_does_not_grow(results):
     assert counts.get("slow", 0) <= SLOW_CEILING[direction], counts
     tested = len(found) - counts.get("skip", 0)
     assert counts.get("slow", 0) <= SLOW_SHARE * tested, counts
+    traced = [f"{o.op}[{o.sample}]: {o.traced}" for o in found if o.traced]
+    assert len(traced) <= TRACED_CEILING[direction], "\n".join(traced)
 
 
 def test_every_allowed_error_still_happens(results):

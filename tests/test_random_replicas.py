@@ -196,3 +196,27 @@ def test_compiled_dropout_draws_its_masks_through_the_counter_based_kernel():
     torch.manual_seed(5)
     want = _BERNOULLI(torch.empty(R * GA * micro, width), 1 - p) / (1 - p)
     np.testing.assert_array_equal(np.asarray(out), want.numpy())
+
+
+class _DrawsBySize(torch.nn.Module):
+    """A random factory given a size (as stochastic depth draws its mask): ``torch.rand``."""
+
+    def forward(self, x):
+        return x + torch.rand(x.shape, dtype=x.dtype, device=x.device)
+
+
+def test_a_random_factory_draws_every_replica_at_once_like_the_reference():
+    x = np.zeros((2 * 2, N // 2), np.float32)  # two samples per replica
+    out = {}
+    for executor in ("fast", "reference"):
+        torch.manual_seed(0)
+        program = popxl.compile(_DrawsBySize(), replication_factor=2, executor=executor)
+        out[executor] = np.asarray(program(x)).reshape(2, -1).astype(np.float64)
+        if executor == "fast":  # Note [random ops on stacked rows]: one draw, no vmap
+            assert program.session._executor.fns["normal"].explicit
+    fast, ref = out["fast"], out["reference"]
+    assert not np.array_equal(fast[0], fast[1])
+    assert abs(np.corrcoef(fast[0], fast[1])[0, 1]) < 6 / math.sqrt(fast.shape[1])
+    for r in range(2):
+        d = _ks_statistic(fast[r], ref[r])
+        assert d < _ks_critical(fast[r].size, ref[r].size), (r, d)

@@ -357,10 +357,18 @@ class FastExecutor:
         (Note [vmap traced once]). Off it: a fragment that could not be traced runs under
         ``torch.func.vmap`` at every step (tens of µs of dispatch per op), as do fragments
         whose replicas span several processes; ops torch has no batching rule for run once
-        per replica. Under ``backend="inductor"`` a fragment that runs the plain generated
+        per replica; an op of an explicitly batched fragment that runs alone through its
+        batching rule (Note [one op through torch's batching rule]) runs under vmap at every
+        step where its trace failed.
+        Under ``backend="inductor"`` a fragment that runs the plain generated
         function says why as well (known from its first run)."""
         lines = []
         for name, fn in self.fns.items():
+            # Note [one op through torch's batching rule] (explicit.py)
+            for op in getattr(fn, "one_op_vmaps", ()):
+                if op.failed is not None:
+                    lines.append(f"{name}: {op.name} runs alone under torch.func.vmap at "
+                                 f"every step (slower): tracing it failed: {op.failed}")  # fmt: skip
             if self.global_R == 1 or getattr(fn, "explicit", True):
                 continue
             slow = f"{name}: runs under torch.func.vmap at every step (slower)"

@@ -10,22 +10,31 @@ Note [explicit batching]
     taking a ``dim`` shift it past the replica dimension. A ``torch_popxl`` op brings its own
     rule: its definition's ``explicit`` rule (``opdefs/registry.py``) says whether it has a
     stacked form for the given batched inputs and returns the callable that runs it (a
-    full-group all-reduce is one call of the stacked kernel). When every op of a fragment has such a rule the fragment is emitted in
-    this form and runs on the physical stacked tensors with no ``vmap``; otherwise the whole
-    fragment runs under ``vmap`` as before. The reference executor checks both.
+    full-group all-reduce is one call of the stacked kernel). An aten op without a rule runs
+    alone through torch's batching rule (Note [one op through torch's batching rule]). When
+    every op of a fragment has a rule or that form the fragment is emitted in this form and
+    runs on the physical stacked tensors with no ``vmap``; otherwise the whole fragment runs
+    under ``vmap`` as before. The reference executor checks both.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._decomp import decomposition_table
+from torch._subclasses.fake_impls import _like_tensor_constructors
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import opdefs
 from ..ir.graph import Op, Slot
 from ..ir.walk import effects
+from ..opdefs.aten_batching import COVERED
 from .gemm import gemm
 
 __all__ = [
@@ -43,6 +52,7 @@ __all__ = [
     "per_element_ok",
     "per_element_stacked",
     "rank_padding",
+    "scalar_tensor_args",
     "vmap_reason",
 ]
 
@@ -50,31 +60,175 @@ aten = torch.ops.aten
 _DEBUG = False
 
 
-class _Elementwise:
-    """The ops computed element by element with broadcasting: every aten overload torch tags
-    ``pointwise`` (torch enumerates them), plus the ops shaped like their input that it does
-    not tag. On stacked values they broadcast as they do per replica (Note [broadcasting on
-    stacked values])."""
+# Note [elementwise ops from torch's facts]
+#     An op computed element by element with broadcasting runs on stacked values as it does
+#     per replica (Note [broadcasting on stacked values]). torch enumerates most such ops: it
+#     tags them ``pointwise``. For the others this module derives the fact from what torch
+#     declares about the op, once per overload (``_derive_elementwise``), in this order:
+#     * torch's factories shaped like their input (``empty_like``, ``zeros_like``, ...; the
+#       fake-tensor table ``_like_tensor_constructors``): they read only the input's shape,
+#       dtype and device, so on stacked values they make the stacked result;
+#     * an in-place overload (``Tag.inplace``: ``hardswish_``, ``mish_``, ``fill_.Scalar``) is
+#       elementwise when its functional overload (the same name without ``_``) is;
+#     * an overload that differs from an elementwise sibling only in taking a Tensor where the
+#       sibling takes a Scalar (``masked_fill.Tensor``): elementwise, with those tensors 0-d
+#       by torch's contract, so they must be the same on every replica
+#       (``scalar_tensor_args``; a per-replica one goes through torch's batching rule);
+#     * an overload whose decomposition in torch's table (``torch._decomp``: ``hardswish``,
+#       the activation gradients) traces, on tiny tensors, into elementwise ops and 0-d
+#       constants only: a composition of elementwise ops is elementwise.
+#     The decomposition is torch's declaration that the op equals that composition; nothing is
+#     inferred from values. ``_NO_FACTS`` lists the ops torch gives none of these facts for.
 
-    UNTAGGED = frozenset({
-        aten._to_copy.default, aten.zero_.default, aten.fill_.Scalar, aten.copy_.default,
-        aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-        aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.masked_fill_.Scalar,
-        # activations and their gradients torch 2.14 leaves untagged
-        aten.gelu_.default, aten.hardswish.default, aten.hardswish_.default,
-        aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
-        aten.hardtanh_backward.default, aten.leaky_relu_backward.default,
-        aten.elu_backward.default, aten.softplus_backward.default, aten.mish_.default,
-        aten.mish_backward.default, aten.threshold_.default, aten.log_sigmoid_backward.default,
-        aten.softshrink_backward.default, aten.hardshrink_backward.default,
-    })  # fmt: skip
+
+_NO_FACTS = frozenset({
+    # copy_(self, src) broadcasts src into self: torch neither tags it nor decomposes it
+    aten.copy_.default,
+    # torch 2.14 has no decomposition for these two activation gradients (their forward
+    # ops and every other activation gradient have one)
+    aten.hardshrink_backward.default, aten.softshrink_backward.default,
+})  # fmt: skip
+_LIKE_FACTORIES = frozenset(  # without a ``size``: shaped like their input
+    op
+    for op in _like_tensor_constructors
+    if torch.Tag.nondeterministic_seeded not in op.tags
+    and not any(a.name == "size" for a in op._schema.arguments)
+)
+_CONSTANTS = frozenset({aten.scalar_tensor.default})  # 0-d: broadcast like a Scalar
+_known: dict = {}  # overload -> whether it is elementwise (False while being derived)
+
+
+def _is_elementwise(target) -> bool:
+    """Whether ``target`` is computed element by element with broadcasting (Note
+    [elementwise ops from torch's facts])."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target not in _known:
+        _known[target] = False  # a decomposition that reaches the op itself proves nothing
+        _known[target] = _derive_elementwise(target)
+    return _known[target]
+
+
+def _derive_elementwise(target: torch._ops.OpOverload) -> bool:
+    if any(a.is_out for a in target._schema.arguments):
+        return False  # an ``out=`` form: the captured programs call the functional ones
+    if torch.Tag.pointwise in target.tags or target in _LIKE_FACTORIES or target in _NO_FACTS:
+        return True
+    if target.namespace == "prims":  # a prim is elementwise where its aten namesake is
+        packet = getattr(aten, target._schema.name.split("::")[-1], None)
+        return packet is not None and any(
+            torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()
+        )
+    functional = _functional_form(target)
+    if functional is not None:
+        return _is_elementwise(functional)
+    if _scalar_sibling(target) is not None:
+        return True
+    return _decomposes_elementwise(target)
+
+
+def _functional_form(target):
+    """The functional overload of an in-place aten overload (``add_.Tensor`` ->
+    ``add.Tensor``), or None."""
+    name = target._schema.name.split("::")[-1]
+    if torch.Tag.inplace not in target.tags or not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    overload = target._overloadname
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+def _scalar_sibling(target):
+    """The argument positions where ``target`` takes a Tensor and an overload of the same op
+    tagged pointwise takes a Scalar, all other argument types equal; None when there is no
+    such sibling."""
+    packet = getattr(aten, target._schema.name.split("::")[-1], None)
+    if packet is None:
+        return None
+    mine = [str(a.type) for a in target._schema.arguments]
+    for name in packet.overloads():
+        sibling = getattr(packet, name)
+        if sibling is target or torch.Tag.pointwise not in sibling.tags:
+            continue
+        theirs = [str(a.type) for a in sibling._schema.arguments]
+        if len(theirs) != len(mine):
+            continue
+        swapped = [i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
+        if swapped and all(mine[i] == "Tensor" and theirs[i] in _SCALARS for i in swapped):
+            return tuple(swapped)
+    return None
+
+
+def scalar_tensor_args(target) -> tuple[int, ...]:
+    """The positions of ``target``'s 0-d tensor arguments that stand for a Scalar (Note
+    [elementwise ops from torch's facts]): one value for every replica on stacked values."""
+    if torch.Tag.pointwise in getattr(target, "tags", ()):
+        return ()
+    return _scalar_sibling(target) or ()
+
+
+_SCALARS = ("Scalar", "number")  # how a schema prints a Scalar argument
+_PROBE_VALUES = {"Scalar": (0.5,), "number": (0.5,), "float": (0.5,), "bool": (False, True)}
+_PROBE_SHAPES = ((2, 3), (4, 1, 5))
+
+
+def _decomposes_elementwise(target) -> bool:
+    """Whether torch's decomposition of ``target`` traces into elementwise ops and 0-d
+    constants only, the same code for tensors of two shapes (a constant computed from a shape,
+    as a mean's ``1 / numel``, is not elementwise) and for either value of every bool argument.
+    The other required arguments must be numbers (an int may select a reduction)."""
+    fn = decomposition_table.get(target)
+    if fn is None:
+        return False
+    choices: list[tuple[float | bool | None, ...]] = []
+    for a in target._schema.arguments:
+        if a.has_default_value() or str(a.type).endswith("?"):
+            break
+        kind = str(a.type)
+        if kind == "Tensor":
+            choices.append((None,))  # a probe tensor
+        elif kind in _PROBE_VALUES:
+            choices.append(_PROBE_VALUES[kind])
+        else:
+            return False
+    for values in itertools.product(*choices):
+        codes = {_probe_code(fn, values, shape) for shape in _PROBE_SHAPES}
+        if len(codes) != 1 or None in codes:
+            return False
+    return True
+
+
+def _probe_code(fn, values, shape) -> str | None:
+    """The code of ``fn`` traced on ``values`` (None: a float tensor of ``shape``) when every
+    op it calls is elementwise or a 0-d constant; None otherwise."""
+
+    def call(*ts):
+        it = iter(ts)
+        return fn(*[next(it) if v is None else v for v in values])
+
+    # outside any mode of the caller's (a fake or tracing mode), drawing no random numbers
+    with _disable_current_modes():
+        tensors = [torch.full(shape, 0.5) for v in values if v is None]
+        try:
+            graph = make_fx(call)(*tensors)
+        except Exception:  # noqa: BLE001 - the probe's arguments do not fit: no fact derived
+            return None
+    nodes = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    if not nodes or not all(t in _CONSTANTS or _is_elementwise(t) for t in nodes):
+        return None
+    return graph.code
+
+
+class _Elementwise:
+    """The ops computed element by element with broadcasting (Note [elementwise ops from
+    torch's facts]). On stacked values they broadcast as they do per replica (Note
+    [broadcasting on stacked values])."""
 
     def __contains__(self, target) -> bool:
-        return target in self.UNTAGGED or torch.Tag.pointwise in getattr(target, "tags", ())
+        return _is_elementwise(target)
 
 
 ELEMENTWISE = _ELEMENTWISE = _Elementwise()
-_MASKED_FILL_TENSOR = {aten.masked_fill.Tensor, aten.masked_fill_.Tensor}
 # Note [random ops on stacked rows]
 #     Random ops whose every output element is an independent draw (given its own element of
 #     the parameters) draw every replica's values in one call on the stacked rows: replicas
@@ -331,23 +485,31 @@ def draws_random(op: Op) -> bool:
 
 
 def _ok_torch(f, a, R: int) -> bool:
+    """Whether ``f`` runs in an explicitly batched fragment: by a stacked rule, or alone
+    through torch's batching rule (Note [one op through torch's batching rule])."""
+    return _stacked_rule(f, a, R) or _one_op_vmap_ok(f, a)
+
+
+def _stacked_rule(f, a, R: int) -> bool:
+    """Whether ``f`` has a stacked rule of this project for its inputs."""
     target = f.op.attrs.target
     if f in a.sum_reads:
         return True  # rt.sum_read finishes it on either layout
     if f in a.sum_adds:  # acc += (sum over replicas of x): x.sum(0) on stacked values
         return target in _ELEMENTWISE
     if draws_random(f.op):  # Note [random ops on stacked rows]
-        return target in _RANDOM_ELEMENTWISE and "generator" not in f.op.attrs.kwargs
+        if "generator" in f.op.attrs.kwargs:
+            return False
+        return target in _RANDOM_ELEMENTWISE or _random_factory(f.op)
     batched = [a.b(n) for n in f.ins]
     if getattr(target, "namespace", "") == "torch_popxl":
         return opdef_rule(f.op, batched, R) is not None
     if not any(batched):
         return getattr(target, "namespace", "") == "aten"  # unbatched: runs as is
-    if target in _MASKED_FILL_TENSOR:  # the fill value must stay 0-d: shared, not per replica
-        value = f.op.attrs.args[2]
-        return not (isinstance(value, Slot) and batched[value.index])
-    if target in _ELEMENTWISE:
-        return True  # any ranks: Note [broadcasting on stacked values]
+    if target in _ELEMENTWISE:  # any ranks: Note [broadcasting on stacked values]
+        args = f.op.attrs.args  # a tensor standing for a Scalar must stay 0-d: shared
+        return not any(i < len(args) and isinstance(args[i], Slot) and batched[args[i].index]
+                       for i in scalar_tensor_args(target))  # fmt: skip
     if target in PER_ELEMENT:
         return per_element_ok(f.op, batched)
     if target is aten.mm.default or target in _VIEWS or target in _SUMS:
@@ -684,6 +846,9 @@ def emit_torch(em, f, ind: str) -> None:
         em.lines.append(f"{ind}for _ in range({em.fold}):")
         em._torch_plain(f, ind + "    ")
         return
+    if not _stacked_rule(f, a, em.p.R):  # Note [one op through torch's batching rule]
+        _emit_one_op_vmap(em, f, ind)
+        return
     out = f.outs[0] if f.outs else None
     R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     is_popxl = getattr(target, "namespace", "") == "torch_popxl"
@@ -692,6 +857,11 @@ def emit_torch(em, f, ind: str) -> None:
         call_args = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
         call = f"{em.p.literal(stacked_form)}({', '.join(call_args)})"
         em.lines.append(f"{ind}{out} = {call}" if out is not None else f"{ind}{call}")
+        return
+    if draws_random(f.op) and _random_factory(f.op):  # a size: the rows' values in one draw
+        rendered = [f"[{R}, *{lit(args[0])}]", *[lit(v) for v in args[1:]]]
+        rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
         return
     if draws_random(f.op):  # Note [random ops on stacked rows]
         rendered = [lit(v) for v in args]
@@ -1315,3 +1485,106 @@ def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale, ids_
     table = grad.new_zeros(rows * num_weights, width)
     table.index_add_(0, (ids + offsets * num_weights).reshape(-1), flat_grad)
     return table.view(rows, num_weights, width)
+
+
+# Note [one op through torch's batching rule]
+#     An aten op without a stacked rule of this project (``roll``, ``as_strided``, a
+#     convolution with a per-replica weight) need not send its whole fragment to vmap: inside
+#     an explicitly batched fragment it runs alone under ``torch.func.vmap`` over the rows,
+#     per-replica tensors batched on their leading dim and replica-invariant ones shared, so
+#     torch's own batching rule for it computes every replica's result in one call (a view
+#     stays a view of the stacked rows, an in-place op writes its stacked target). The rest of
+#     the fragment keeps its stacked forms. The vmapped call is traced once (per input layout)
+#     into the stacked ops torch's rule produces, so later steps pay no vmap dispatch. Taken
+#     only for an op torch has a batching rule for (its ``FuncTorchBatched`` kernel, or the
+#     project's, Note [aten batching rules]), that draws no random numbers, and whose every
+#     output is per replica (as the analysis makes the outputs of an op with a per-replica
+#     input); any other op keeps its fragment on the vmap path. The fragment's
+#     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them); one whose
+#     trace failed runs under vmap at every step, and ``explain()`` says so.
+_BATCHING_KEYS = ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
+
+
+def _one_op_vmap_ok(f, a) -> bool:
+    """Whether ``f`` can run alone through torch's batching rule in an explicitly batched
+    fragment (Note [one op through torch's batching rule])."""
+    target = f.op.attrs.target
+    if (not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten"
+            or f in a.sum_adds or f in a.sum_reads or draws_random(f.op)
+            or target in PER_ELEMENT):  # fmt: skip
+        return False
+    if not any(a.b(n) for n in f.ins) or not all(a.b(n) for n in f.outs):
+        return False
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)
+
+
+_MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
+
+
+def _trace_fake(fn, tensors):
+    """``fn`` traced on fake tensors shaped like ``tensors``."""
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+
+
+class _OneOpVmap:
+    """``target`` called on its captured arguments under ``torch.func.vmap`` over the rows of
+    its per-replica tensors (``in_dims`` 0; None for replica-invariant ones). The vmapped call
+    is traced once per input layout into the stacked ops torch's batching rule produces (as a
+    whole fragment is: Note [vmap traced once] in executor.py), which later calls with that
+    layout run without vmap's dispatch; an input's shape, strides, storage offset, dtype and
+    device are its layout, so a recorded view's strides and offsets stay true."""
+
+    def __init__(self, target, args, kwargs, batched: list[bool], device):
+        leaves, self.spec = pytree.tree_flatten((list(args), dict(kwargs)))
+        self.slots = [i for i, v in enumerate(leaves) if isinstance(v, Slot)]
+        self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
+        self.name = str(target)
+        self.target = SAFE_FORMS.get(target, target)  # as the generated code calls it
+        in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
+        self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
+        self.traces: dict[tuple, Any] = {}
+        self.failed: str | None = None  # why a trace failed (it then runs under vmap)
+
+    def call(self, *tensors):
+        key = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+                    for t in tensors)  # fmt: skip
+        graph = self.traces.get(key)
+        if graph is None and len(self.traces) < _MAX_TRACES:
+            try:
+                graph = _trace_fake(self.vmapped, tensors)
+            except Exception as e:  # noqa: BLE001 - any failure keeps calling vmap (reported)
+                graph = self.vmapped
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                self.failed = f"{type(e).__name__}: {first[:200]}"
+            self.traces[key] = graph
+        return (graph or self.vmapped)(*tensors)
+
+    def _one(self, *tensors):
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return self.target(*args, **kwargs)
+
+    def __call__(self, *tensors):
+        return self.call(*tensors)
+
+
+def _emit_one_op_vmap(em, f, ind: str) -> None:
+    """``f`` through torch's batching rule (Note [one op through torch's batching rule]): its
+    tensors are passed as they are (no rank padding: vmap aligns each replica's own)."""
+    attrs = f.op.attrs
+    batched = [em.a.b(n) for n in f.ins]
+    fn = _OneOpVmap(attrs.target, attrs.args, attrs.kwargs, batched, em.p.device)
+    leaves, _ = pytree.tree_flatten((list(attrs.args), dict(attrs.kwargs)))
+    names = [f.ins[v.index] for v in leaves if isinstance(v, Slot)]
+    em.one_op_vmaps.append(fn)
+    _emit_outputs(em, f, ind, f"{em.p.literal(fn)}({', '.join(names)})")
+
+
+def _random_factory(op: Op) -> bool:
+    """A random factory (``rand``, ``randn``, ``randint``): no tensor argument, its first
+    argument the result's ``size``; on stacked rows it draws ``[rows, *size]``."""
+    schema = op.attrs.target._schema.arguments
+    return not op.inputs and bool(schema) and schema[0].name == "size"

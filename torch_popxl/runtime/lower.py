@@ -1104,6 +1104,8 @@ class _Emitter:
         self.views: set[FlatOp] = set()  # Note [remote slot views]
         self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
         self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
+        # Note [one op through torch's batching rule] (explicit.py): the callables emitted
+        self.one_op_vmaps: list[Any] = []
 
     def literal(self, x: Any, f: FlatOp) -> str:
         if isinstance(x, Slot):
@@ -1388,6 +1390,8 @@ class Fragment(Protocol):
     plan: Plan  # the analysis the code was generated from
     explicit: bool  # Note [explicit batching]: runs on stacked tensors, not under vmap
     vmap_reason: str | None  # why it runs under vmap (the first op without a rule), if it does
+    vmapped_ops: tuple[str, ...]  # ops run alone through torch's batching rule, if explicit
+    one_op_vmaps: tuple[Any, ...]  # their callables (``failed``: why one runs under vmap)
     written_streams: frozenset[int]  # host streams whose loaded values it updates in place
     source: str  # the generated Python
 
@@ -1445,6 +1449,9 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
     fn.out_batched = [plan.b(n) for n in out_names]
     fn.explicit = explicit
     fn.vmap_reason = reason
+    # Note [one op through torch's batching rule] (explicit.py)
+    fn.one_op_vmaps = tuple(em.one_op_vmaps)
+    fn.vmapped_ops = tuple(dict.fromkeys(o.name for o in em.one_op_vmaps))
     fn.plan = plan
     fn.written_streams = _written_streams(flat, plan)
     fn.slot_views = tuple(em.slot_views)

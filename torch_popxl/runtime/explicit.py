@@ -68,8 +68,9 @@ _DEBUG = False
 #     * torch's factories shaped like their input (``empty_like``, ``zeros_like``, ...; the
 #       fake-tensor table ``_like_tensor_constructors``): they read only the input's shape,
 #       dtype and device, so on stacked values they make the stacked result;
-#     * an in-place overload (``Tag.inplace``: ``hardswish_``, ``mish_``, ``fill_.Scalar``) is
-#       elementwise when its functional overload (the same name without ``_``) is;
+#     * an in-place overload (its schema writes ``self``: ``hardswish_``, ``mish_``,
+#       ``fill_.Scalar``) is elementwise when its functional overload (the same name without
+#       ``_``) is;
 #     * an overload that differs from an elementwise sibling only in taking a Tensor where the
 #       sibling takes a Scalar (``masked_fill.Tensor``): elementwise, with those tensors 0-d
 #       by torch's contract, so they must be the same on every replica
@@ -131,7 +132,9 @@ def _functional_form(target):
     """The functional overload of an in-place aten overload (``add_.Tensor`` ->
     ``add.Tensor``), or None."""
     name = target._schema.name.split("::")[-1]
-    if torch.Tag.inplace not in target.tags or not name.endswith("_"):
+    first = target._schema.arguments[0].alias_info if target._schema.arguments else None
+    # in place: writes its first argument (the schema's fact; torch < 2.12 has no Tag.inplace)
+    if first is None or not first.is_write or not name.endswith("_"):
         return None
     packet = getattr(aten, name[:-1], None)
     overload = target._overloadname

@@ -25,15 +25,17 @@
 // rounding whatever the instruction width, so the AVX-512, AVX2 and scalar paths give the
 // same bits, and the elements are independent, so neither the thread split nor the vector
 // tails change any bit. The file writes every fused multiply-add explicitly and never adds a
-// product, so no compiler contraction can change a rounding.
+// product, so no compiler contraction can change a rounding. The vector bodies load and store
+// whole vectors (masked loads and stores in the body ran at half speed on an AMD EPYC); only
+// the last partial vector is masked.
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 #include <c10/util/Exception.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
-#include <climits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -101,33 +103,48 @@ __attribute__((target("avx2,fma"))) void sgd_avx2(const SgdScalars& s, const Sgd
   for (; i < end; ++i) sgd_scalar(s, x, i);  // std::fma is one vfmadd here
 }
 
-// The tails run the same instructions on masked lanes (the masked-off lanes are never stored).
-__attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t rest) {
-  return rest >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rest) - 1u);
+// The tail runs the same instructions on masked lanes (the masked-off lanes are never stored).
+template <bool kTail>
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const float* a,
+                                                                        __mmask16 m) {
+  return kTail ? _mm512_maskz_loadu_ps(m, a) : _mm512_loadu_ps(a);
+}
+
+template <bool kTail>
+__attribute__((target("avx512f"), always_inline)) inline void store16(float* a, __mmask16 m,
+                                                                       __m512 v) {
+  if (kTail) {
+    _mm512_mask_storeu_ps(a, m, v);
+  } else {
+    _mm512_storeu_ps(a, v);
+  }
+}
+
+template <bool kTail>
+__attribute__((target("avx512f"), always_inline)) inline void sgd_avx512_step(
+    const SgdScalars& s, const SgdPointers& x, int64_t i, __mmask16 m) {
+  const __m512 neg_lr = _mm512_set1_ps(s.neg_lr), wd = _mm512_set1_ps(s.wd);
+  const __m512 mom = _mm512_set1_ps(s.momentum), omd = _mm512_set1_ps(s.one_minus_dampening);
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // negation flips the sign bit only
+  __m512 g = load16<kTail>(x.g + i, m);
+  for (int64_t k = 0; k < s.num_factors; ++k) g = _mm512_mul_ps(g, _mm512_set1_ps(s.factors[k]));
+  if (x.grad_out != nullptr) store16<kTail>(x.grad_out + i, m, g);
+  if (s.maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+  const __m512 p = load16<kTail>(x.p + i, m);
+  if (s.use_wd) g = _mm512_fmadd_ps(wd, p, g);
+  if (s.use_momentum) {
+    const __m512 b = s.first ? g : _mm512_fmadd_ps(omd, g, _mm512_mul_ps(load16<kTail>(x.buf + i, m), mom));
+    store16<kTail>(x.buf + i, m, b);
+    g = s.nesterov ? _mm512_fmadd_ps(mom, b, g) : b;
+  }
+  store16<kTail>(x.p + i, m, _mm512_fmadd_ps(neg_lr, g, p));
 }
 
 __attribute__((target("avx512f"))) void sgd_avx512(const SgdScalars& s, const SgdPointers& x,
                                                     int64_t begin, int64_t end) {
-  const __m512 neg_lr = _mm512_set1_ps(s.neg_lr), wd = _mm512_set1_ps(s.wd);
-  const __m512 mom = _mm512_set1_ps(s.momentum), omd = _mm512_set1_ps(s.one_minus_dampening);
-  const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // negation flips the sign bit only
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = lanes(end - i);
-    __m512 g = _mm512_maskz_loadu_ps(m, x.g + i);
-    for (int64_t k = 0; k < s.num_factors; ++k) g = _mm512_mul_ps(g, _mm512_set1_ps(s.factors[k]));
-    if (x.grad_out != nullptr) _mm512_mask_storeu_ps(x.grad_out + i, m, g);
-    if (s.maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-    __m512 p = _mm512_maskz_loadu_ps(m, x.p + i);
-    if (s.use_wd) g = _mm512_fmadd_ps(wd, p, g);
-    if (s.use_momentum) {
-      const __m512 b =
-          s.first ? g
-                  : _mm512_fmadd_ps(omd, g, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x.buf + i), mom));
-      _mm512_mask_storeu_ps(x.buf + i, m, b);
-      g = s.nesterov ? _mm512_fmadd_ps(mom, b, g) : b;
-    }
-    _mm512_mask_storeu_ps(x.p + i, m, _mm512_fmadd_ps(neg_lr, g, p));
-  }
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) sgd_avx512_step<false>(s, x, i, 0xFFFF);
+  if (i < end) sgd_avx512_step<true>(s, x, i, __mmask16((1u << (end - i)) - 1u));
 }
 
 #endif
@@ -141,13 +158,6 @@ SgdPass pick_pass() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return sgd_avx2;
 #endif
   return sgd_generic;
-}
-
-// The tensors the kernel walks as flat float32 arrays in one element order: the same sizes
-// and strides, non-overlapping and dense (contiguous, or channels-last alike).
-bool same_dense_layout(const at::Tensor& ref, const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.sizes() == ref.sizes() &&
-         t.strides() == ref.strides() && t.is_non_overlapping_and_dense();
 }
 
 void check_args(const at::Tensor& param, const std::optional<at::Tensor>& buf,
@@ -182,20 +192,6 @@ void sgd_update_(const at::Tensor& param, const std::optional<at::Tensor>& momen
                  const at::Tensor& hyper, const at::Tensor& step, const at::Tensor& factors,
                  bool weight_decay, bool nesterov, bool maximize) {
   check_args(param, momentum_buffer, grad_out, grad, hyper, step, factors);
-  const bool dense = param.is_non_overlapping_and_dense() && same_dense_layout(param, grad) &&
-                     (!momentum_buffer || same_dense_layout(param, *momentum_buffer)) &&
-                     (!grad_out || same_dense_layout(param, *grad_out));
-  if (!dense) {  // strided views (a stacked value's expansion): run on copies, write back
-    at::Tensor p = param.contiguous(), g = grad.contiguous();
-    std::optional<at::Tensor> b, o;
-    if (momentum_buffer) b = momentum_buffer->contiguous();
-    if (grad_out) o = at::empty_like(p);
-    sgd_update_(p, b, o, g, hyper, step, factors, weight_decay, nesterov, maximize);
-    if (!p.is_same(param)) param.copy_(p);
-    if (b && !b->is_same(*momentum_buffer)) momentum_buffer->copy_(*b);
-    if (o) grad_out->copy_(*o);
-    return;
-  }
   const at::Tensor h = hyper.to(at::kDouble).contiguous().cpu();
   const double* hv = h.data_ptr<double>();
   const at::Tensor f = factors.contiguous().cpu();
@@ -212,15 +208,43 @@ void sgd_update_(const at::Tensor& param, const std::optional<at::Tensor>& momen
   s.first = step.item<double>() == 0.0;
   s.nesterov = nesterov;
   s.maximize = maximize;
-  SgdPointers x{param.data_ptr<float>(),
-                momentum_buffer ? momentum_buffer->data_ptr<float>() : nullptr,
-                grad_out ? grad_out->data_ptr<float>() : nullptr, grad.data_ptr<float>()};
+  // The elements in TensorIterator's order, split over torch's intra-op threads by its
+  // for_each (compiled into libtorch with torch's OpenMP: this extension's at::parallel_for,
+  // built without -fopenmp, would run on one thread). The tensors it writes are outputs that
+  // the loop also reads.
+  at::TensorIteratorConfig config;
+  config.set_check_mem_overlap(false).check_all_same_dtype(true).resize_outputs(false);
+  config.add_output(param);
+  if (momentum_buffer) config.add_output(*momentum_buffer);
+  if (grad_out) config.add_output(*grad_out);
+  config.add_const_input(grad);
+  at::TensorIterator iter = config.build();
+  const int b = momentum_buffer ? 1 : -1;
+  const int o = grad_out ? 1 + (b > 0) : -1;
+  const int gi = iter.ntensors() - 1;
   static const SgdPass pass = pick_pass();
-  // Chunks of 64 KiB per array and thread: large enough to amortise the thread hand-off,
-  // multiples of 16 so every chunk but the last runs whole vectors.
-  constexpr int64_t kGrain = 16384;
-  at::parallel_for(0, param.numel(), kGrain,
-                   [&](int64_t begin, int64_t end) { pass(s, x, begin, end); });
+  // 2^15 elements (128 KiB per array) per task at least: the thread hand-off is amortised.
+  iter.for_each(
+      [&](char** data, const int64_t* strides, int64_t n) {
+        SgdPointers x{reinterpret_cast<float*>(data[0]),
+                      b > 0 ? reinterpret_cast<float*>(data[b]) : nullptr,
+                      o > 0 ? reinterpret_cast<float*>(data[o]) : nullptr,
+                      reinterpret_cast<const float*>(data[gi])};
+        bool contiguous = true;
+        for (int k = 0; k < iter.ntensors(); ++k) contiguous &= strides[k] == sizeof(float);
+        if (contiguous) {
+          pass(s, x, 0, n);
+          return;
+        }
+        for (int64_t i = 0; i < n; ++i) {  // strided: one element at a time
+          SgdPointers e{reinterpret_cast<float*>(data[0] + i * strides[0]),
+                        b > 0 ? reinterpret_cast<float*>(data[b] + i * strides[b]) : nullptr,
+                        o > 0 ? reinterpret_cast<float*>(data[o] + i * strides[o]) : nullptr,
+                        reinterpret_cast<const float*>(data[gi] + i * strides[gi])};
+          sgd_scalar(s, e, 0);
+        }
+      },
+      32768);
 }
 
 }  // namespace torch_popxl

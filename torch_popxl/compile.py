@@ -473,8 +473,9 @@ class Trainer:
     @property
     def fused_reasons(self) -> tuple[str | None, ...] | None:
         """Per param group of the current program: None where the update runs as one fused
-        kernel call (Adam/AdamW with ``fused=True``), else why it runs per parameter
-        (Note [fused optimizer updates]). None before the first step builds a program."""
+        kernel call (Adam/AdamW with ``fused=True``; SGD: one pass per parameter), else why
+        it runs as the per-parameter op chain (Note [fused optimizer updates], Note [one-pass
+        SGD update] in opdefs/sgd.py). None before the first step builds a program."""
         return None if self._active is None else self._active.fused_reasons
 
     # ---- building -------------------------------------------------------------------------
@@ -1169,7 +1170,8 @@ class Trainer:
             gradient of the global batch's loss, unscaled and clipped where the step unscales
             and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
             parameter. The program copies the gradient its update uses into a ``grad/<name>``
-            variable (a sharded one all-gathered first), which is the ``.grad`` tensor itself
+            variable (a sharded one all-gathered first; the one-pass SGD kernel writes an
+            unsharded one as it reads the gradient), which is the ``.grad`` tensor itself
             where the simulator keeps one copy for all replicas (Note [live torch tensors])
             and is copied into ``.grad`` otherwise. It costs a parameter's size per
             parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.

@@ -320,7 +320,8 @@ def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) 
 #     apply, the group keeps the per-parameter chain and ``Trainer.fused_reasons`` says why:
 #     dynamic loss scaling (its skipped step is written for the chain), mixed dtypes in one
 #     group (eager torch splits such a group into one call per dtype), a CUDA simulator
-#     (untested).
+#     (untested). SGD has its own kernel for the default (single-tensor) update: Note
+#     [one-pass SGD update] in opdefs/sgd.py.
 
 
 def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, eps: float,

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "traffic.h"
 
@@ -39,5 +40,12 @@ void remote_store_stacked_(
 // else 0, from one seed of the default CPU generator; other devices call ``bernoulli_``.
 at::Tensor& bernoulli_p_(at::Tensor& self, double p);
 at::Tensor& bernoulli_p_fallback(at::Tensor& self, double p);
+
+// Note [one-pass SGD update] (sgd.cpp, torch_popxl/opdefs/sgd.py): torch's single-tensor SGD
+// step on one float32 CPU parameter in one pass, rounded as eager's ATen kernels round it.
+void sgd_update_(const at::Tensor& param, const std::optional<at::Tensor>& momentum_buffer,
+                 const std::optional<at::Tensor>& grad_out, const at::Tensor& grad,
+                 const at::Tensor& hyper, const at::Tensor& step, const at::Tensor& factors,
+                 bool weight_decay, bool nesterov, bool maximize);
 
 }  // namespace torch_popxl

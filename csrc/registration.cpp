@@ -1,6 +1,6 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp) only define functions, declared in kernels.h /
+// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp, sgd.cpp) only define functions, declared in kernels.h /
 // traffic.h / step_cache.h / gemm.h; adding an op means one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
@@ -45,6 +45,12 @@ TORCH_LIBRARY(torch_popxl, m) {
   // Dropout masks (random.cpp, Note [counter-based bernoulli]).
   m.set_python_module("torch_popxl.runtime.random");
   m.def("bernoulli_p_(Tensor(a!) self, float p) -> Tensor(a!)");
+  // The one-pass SGD update (sgd.cpp, Note [one-pass SGD update]).
+  m.set_python_module("torch_popxl.opdefs.sgd");
+  m.def(
+      "sgd_update_(Tensor(a!) param, Tensor(b!)? momentum_buffer, Tensor(c!)? grad_out, "
+      "Tensor grad, Tensor hyper, Tensor step, Tensor factors, bool weight_decay, bool nesterov, "
+      "bool maximize) -> ()");
   // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
   // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
@@ -78,7 +84,9 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_fallback));
 }
 
-// The one CPU-only kernel: the counter-based mask (other backends take the fallback above).
+// The CPU-only kernels: the counter-based mask (other backends take the fallback above) and the
+// one-pass SGD update (the compiled step calls it on CPU parameters only).
 TORCH_LIBRARY_IMPL(torch_popxl, CPU, m) {
   m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_));
+  m.impl("sgd_update_", TORCH_FN(torch_popxl::sgd_update_));
 }

@@ -73,12 +73,14 @@ from .compile_updates import (
     _any_positive,
     _clip_coefficient,
     _count_factor,
+    _factors,
     _fused_adam_group,
     _fused_reason,
     _group_scalars,
     _group_specs,
     _group_values,
     _GroupSpec,
+    _inverse_scale,
     _loss_scaling,
     _nonfinite_count,
     _norm,
@@ -87,12 +89,12 @@ from .compile_updates import (
     _rescale,
     _scale,
     _seed,
+    _sgd_one_pass,
     _sharded_norm,
     _step_increment,
     _sum_of_squares,
     _total_norm,
     _unpad,
-    _unscale,
     _update_scale,
 )
 from .dtypes import dtype as _dtype
@@ -471,8 +473,9 @@ class Trainer:
     @property
     def fused_reasons(self) -> tuple[str | None, ...] | None:
         """Per param group of the current program: None where the update runs as one fused
-        kernel call (Adam/AdamW with ``fused=True``), else why it runs per parameter
-        (Note [fused optimizer updates]). None before the first step builds a program."""
+        kernel call (Adam/AdamW with ``fused=True``; SGD: one pass per parameter), else why
+        it runs as the per-parameter op chain (Note [fused optimizer updates], Note [one-pass
+        SGD update] in opdefs/sgd.py). None before the first step builds a program."""
         return None if self._active is None else self._active.fused_reasons
 
     # ---- building -------------------------------------------------------------------------
@@ -588,51 +591,91 @@ class Trainer:
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
 
+            dynamic = scaling is not None and scaling.dynamic
+            fused_reasons = [
+                _fused_reason(spec, [s for s in slots if s.group == i], dynamic, self.device)
+                for i, spec in enumerate(specs)
+            ]
+            one_pass = [specs[s.group].kind == "sgd" and fused_reasons[s.group] is None
+                        for s in slots]  # fmt: skip
             scalars = [  # a captured step reads its lr from hyper/i itself
                 h
                 if spec.kind == "torch"
+                else None  # the one-pass kernel reads hyper/i itself
+                if spec.kind == "sgd" and reason is None
                 else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
-                for h, spec in zip(hyper_vars, specs, strict=True)
+                for h, spec, reason in zip(hyper_vars, specs, fused_reasons, strict=True)
             ]
             reduced = [self._reduce(s, R) for s in slots]
+            # The gradients' multipliers (how each multiplies, by what), applied as they come
+            # except for the one-pass kernel, which applies those after the last one a
+            # gradient needed whole (Note [one-pass SGD update] in opdefs/sgd.py).
+            pending: list[tuple[Callable, Tensor]] = []
+            applied = [0] * len(slots)
+
+            def settle(k: int) -> None:
+                for fn, f in pending[applied[k] :]:
+                    reduced[k] = call_torch(fn, (reduced[k], f), {})
+                applied[k] = len(pending)
+
             if count_var is not None and total_var is not None:  # divide once by the count
                 total: Any = count_var
                 if R > 1:
                     total = ops.collectives.replicated_all_reduce(count_var, "add")
                 ops.var_updates.copy_var_update_(total_var, total)
                 factor = call_torch(_count_factor, (total,), {"bound": self._loss_bound})
-                reduced = [call_torch(_rescale, (g, factor), {}) for g in reduced]
+                pending.append((_rescale, factor))
                 ops.var_updates.accumulator_zero_(count_var)
             found = None
             if scale_vars:
-                reduced = [call_torch(_unscale, (g, scale_vars[0]), {}) for g in reduced]
-                if scaling is not None and scaling.dynamic:
+                pending.append((_rescale, call_torch(_inverse_scale, (scale_vars[0],), {})))
+                if dynamic:
+                    for k in range(len(slots)):
+                        settle(k)
                     found = self._overflow(slots, reduced)
             norm_var = None
             if self.max_grad_norm is not None:
-                reduced, total_norm = self._clip(slots, reduced)
+                for k in range(len(slots)):
+                    settle(k)
+                coef, total_norm = self._clip(slots, reduced)
+                pending.append((_scale, coef))
                 norm_var = variable(np.float32(0), name="grad_norm")
                 if total_norm.dtype != _float32:
                     total_norm = ops.cast(total_norm, _float32)
                 ops.var_updates.copy_var_update_(norm_var, total_norm)
             grad_vars = {}
-            if self.keep_grads:  # Note [p.grad after a step]
-                for s, g in zip(slots, reduced, strict=True):
+            for k, s in enumerate(slots):
+                if not one_pass[k]:
+                    settle(k)
+                if self.keep_grads:  # Note [p.grad after a step]
                     zeros = np.zeros_like(_host(self._params[s.name]))
                     grad_vars[s.name] = variable(zeros, s.var.dtype, name=f"grad/{s.name}")
-                    ops.var_updates.copy_var_update_(grad_vars[s.name], self._gather(s, g))
-            fused_reasons = []
+                    if one_pass[k] and not s.sharded:
+                        continue  # the kernel writes it
+                    settle(k)
+                    ops.var_updates.copy_var_update_(grad_vars[s.name], self._gather(s, reduced[k]))
+            factor_lists: dict[int, Tensor] = {}
+            for k in range(len(slots)):
+                if one_pass[k] and applied[k] not in factor_lists:
+                    factor_lists[applied[k]] = (
+                        call_torch(_factors, tuple(f for _, f in pending[applied[k] :]), {})
+                        if applied[k] < len(pending)
+                        else constant(np.zeros((0,), np.float32), _float32, "no_factors")
+                    )
             for i, spec in enumerate(specs):
-                members = [(s, g) for s, g in zip(slots, reduced, strict=True) if s.group == i]
-                reason = _fused_reason(
-                    spec, [s for s, _ in members], found is not None, self.device
-                )
-                fused_reasons.append(reason)
-                if reason is None and members:
-                    self._fused_update(members, spec, step, hyper_vars[i])
+                members = [k for k, s in enumerate(slots) if s.group == i]
+                if fused_reasons[i] is not None or not members:
+                    for k in members:
+                        self._update(slots[k], reduced[k], step, scalars[i], found)
+                elif spec.kind == "sgd":
+                    for k in members:
+                        s = slots[k]
+                        grad_out = None if s.sharded else grad_vars.get(s.name)
+                        self._one_pass_update(s, reduced[k], step, hyper_vars[i],
+                                              factor_lists[applied[k]], grad_out)  # fmt: skip
                 else:
-                    for s, g in members:
-                        self._update(s, g, step, scalars[s.group], found)
+                    self._fused_update([(slots[k], reduced[k]) for k in members], spec, step,
+                                       hyper_vars[i])  # fmt: skip
             if found is None:
                 ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
             else:  # a skipped step is no step (GradScaler skips optimizer.step())
@@ -827,10 +870,10 @@ class Trainer:
             counts.append(c)
         return call_torch(_any_positive, tuple(counts), {})
 
-    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """``clip_grad_norm_`` over the full, replica-reduced gradients; returns the clipped
-        gradients and the total norm before clipping (Note [gradient clipping as torch
-        rounds it])."""
+    def _clip(self, slots: list[_Slot], grads: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """``clip_grad_norm_`` over the full, replica-reduced gradients; returns the clip
+        coefficient the gradients are multiplied by (``_scale``) and the total norm before
+        clipping (Note [gradient clipping as torch rounds it])."""
         by_dtype: dict[Any, list[Tensor]] = {}  # torch's grouping: first-seen dtype order
         for s, g in zip(slots, grads, strict=True):
             if s.sharded:  # the shards partition the gradient (padding is 0)
@@ -843,7 +886,7 @@ class Trainer:
         norms = tuple(n for group in by_dtype.values() for n in group)
         total = call_torch(_total_norm, norms, {})
         coef = call_torch(_clip_coefficient, (total,), {"max_norm": self.max_grad_norm})
-        return [call_torch(_scale, (g, coef), {}) for g in grads], total
+        return coef, total
 
     def _update(self, s: _Slot, g, step, scalars, found=None) -> None:
         p = self._update_target(s)
@@ -858,6 +901,17 @@ class Trainer:
                               sharding=sharding)  # fmt: skip
         else:
             _optimizer_update(p, g, step, scalars, state, s.spec, found)
+        self._finish_update(s, p, state)
+
+    def _one_pass_update(self, s: _Slot, g, step, hyper, factors, grad_out) -> None:
+        """One parameter's SGD step by the one-pass kernel (Note [one-pass SGD update] in
+        opdefs/sgd.py): ``g`` multiplied by ``factors`` is the gradient, written to
+        ``grad_out`` (``p.grad``) unless None; parameter and state prepared as ``_update``
+        prepares them."""
+        p = self._update_target(s)
+        state = self._load_state(s)
+        buf = state[0] if state else None
+        call_torch(_sgd_one_pass, (p, buf, grad_out, g, hyper, step, factors), {"spec": s.spec})
         self._finish_update(s, p, state)
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
@@ -1116,7 +1170,8 @@ class Trainer:
             gradient of the global batch's loss, unscaled and clipped where the step unscales
             and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
             parameter. The program copies the gradient its update uses into a ``grad/<name>``
-            variable (a sharded one all-gathered first), which is the ``.grad`` tensor itself
+            variable (a sharded one all-gathered first; the one-pass SGD kernel writes an
+            unsharded one as it reads the gradient), which is the ``.grad`` tensor itself
             where the simulator keeps one copy for all replicas (Note [live torch tensors])
             and is copied into ``.grad`` otherwise. It costs a parameter's size per
             parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.

@@ -12,6 +12,7 @@ import torch
 from . import compile_optim as _optim
 from .capture import call_torch
 from .opdefs import scalar_tensor as _scalar_ops
+from .opdefs import sgd as _sgd_ops
 
 # ---- optimizers: torch's formulas, written as in-place torch ops ------------------------
 #
@@ -39,6 +40,7 @@ class _GroupSpec:
     momentum: bool = False
     nesterov: bool = False
     weight_decay: bool = False
+    maximize: bool = False  # SGD's (Adam/AdamW with maximize run torch's own step)
     # Adam/AdamW built with ``fused=True``: (beta1, beta2, eps, weight_decay), which torch's
     # fused kernel takes as plain numbers (Note [fused optimizer updates]); None otherwise.
     fused: tuple[float, float, float, float] | None = None
@@ -90,7 +92,7 @@ def _optimizer_kind(optimizer) -> str:
     if isinstance(optimizer, torch.optim.Adam):
         return "torch" if captured else "adam"
     if isinstance(optimizer, torch.optim.SGD):
-        return "torch" if captured else "sgd"
+        return "sgd"  # maximize included
     return "torch"  # Note [captured optimizer steps]
 
 
@@ -114,15 +116,14 @@ def _group_specs(
         if kind == "torch":  # maximize, if any, is torch's business here
             specs.append(_torch_group_spec(optimizer, group, names, params))
             continue
-        if group.get("maximize"):
-            raise ValueError("popxl.compile does not support maximize=True.")
         if kind == "sgd":
             if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
                 raise ValueError(
                     "Nesterov momentum needs momentum > 0 and dampening == 0 (as in torch)."
                 )
             specs.append(_GroupSpec(kind, tuple(names), float(group["momentum"]) != 0,
-                                    bool(group["nesterov"]), float(group["weight_decay"]) != 0))  # fmt: skip
+                                    bool(group["nesterov"]), float(group["weight_decay"]) != 0,
+                                    bool(group.get("maximize", False))))  # fmt: skip
         else:
             if group.get("amsgrad"):
                 raise ValueError(
@@ -230,9 +231,9 @@ def _group_scalars(h, step, *, kind: str):
 def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
     # Every ``add(..., alpha=a)`` of torch's SGD runs torch's kernel with ``a`` read at run
     # time (Note [optimizer arithmetic as torch rounds it]).
-    d_p = g
+    d_p = -g if spec.maximize else g
     if spec.weight_decay:
-        d_p = g.clone()
+        d_p = d_p.clone()
         _scalar_ops.add_alpha_(d_p, p, wd)  # grad.add(param, alpha=weight_decay)
     if spec.momentum:
         (buf,) = state
@@ -246,6 +247,14 @@ def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec:
         else:
             d_p = buf
     _scalar_ops.add_alpha_(p, d_p, -lr)  # param.add_(grad, alpha=-lr)
+
+
+def _sgd_one_pass(p, buf, grad_out, g, hyper, step, factors, *, spec: _GroupSpec) -> None:
+    """``_sgd_update`` after the gradient's ``factors`` and its copy into ``grad_out``
+    (``p.grad``, or None), in one pass (Note [one-pass SGD update] in opdefs/sgd.py); ``hyper``
+    is the group's hyperparameter vector, ``buf`` the momentum buffer or None."""
+    _sgd_ops.sgd_update_(p, buf, grad_out, g, hyper, step, factors, spec.weight_decay,
+                         spec.nesterov, spec.maximize)  # fmt: skip
 
 
 def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps,
@@ -311,7 +320,8 @@ def _optimizer_update(p, g, step, scalars, state, spec: _GroupSpec, found=None) 
 #     apply, the group keeps the per-parameter chain and ``Trainer.fused_reasons`` says why:
 #     dynamic loss scaling (its skipped step is written for the chain), mixed dtypes in one
 #     group (eager torch splits such a group into one call per dtype), a CUDA simulator
-#     (untested).
+#     (untested). SGD has its own kernel for the default (single-tensor) update: Note
+#     [one-pass SGD update] in opdefs/sgd.py.
 
 
 def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, eps: float,
@@ -330,7 +340,9 @@ def _fused_adam_group(*tensors, n: int, kind: str, beta1: float, beta2: float, e
 
 def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device):
     """Why a param group keeps the per-parameter update chain, or None when it runs the fused
-    kernel (Note [fused optimizer updates])."""
+    kernel (Note [fused optimizer updates], Note [one-pass SGD update] in opdefs/sgd.py)."""
+    if spec.kind == "sgd":
+        return _sgd_kernel_reason(slots, dynamic_scaling, device)
     if spec.fused is None:
         return "the optimizer was not built with fused=True"
     if torch.device(device).type != "cpu":
@@ -342,6 +354,22 @@ def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device):
     if len(dtypes) > 1:
         return f"the group mixes parameter dtypes {sorted(dtypes)}"
     return None
+
+
+def _sgd_kernel_reason(slots: list, dynamic_scaling: bool, device) -> str | None:
+    if torch.device(device).type != "cpu":
+        return f"the one-pass SGD kernel runs on the CPU simulator only (device={str(device)!r})"
+    if dynamic_scaling:
+        return "dynamic loss scaling skips steps in the per-parameter update"
+    dtypes = sorted({s.var.dtype.name for s in slots} - {"float32"})
+    if dtypes:
+        return f"the one-pass SGD kernel takes float32 parameters; the group has {dtypes}"
+    return None
+
+
+def _factors(*factors):
+    """The gradient's pending multipliers as the one-pass kernel takes them (float32)."""
+    return torch.stack([f.reshape(()).float() for f in factors])
 
 
 # ---- loss scaling (Note [loss scaling]) ----------------------------------------------------
@@ -394,9 +422,8 @@ def _seed(scale, *, ga: int, dtype: torch.dtype):
     return (scale / ga).to(dtype)
 
 
-def _unscale(g, scale):
-    inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-    return (g.float() * inv).to(g.dtype)
+def _inverse_scale(scale):
+    return scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
 
 
 def _nonfinite_count(g):

@@ -7,7 +7,7 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
 stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
-scalar is a tensor) and
+scalar is a tensor), ``sgd`` (the one-pass SGD update) and
 ``compute`` (FLOP counts of captured matmuls), ``attention`` (the CPU flash-attention ops a
 captured program records, on other devices: Note [portable attention]), ``aten_batching``
 (vmap rules for the aten ops torch has none for: Note [aten batching rules]). Shared infrastructure: ``registry``,
@@ -36,6 +36,7 @@ from . import (
     registry,
     remote,
     scalar_tensor,
+    sgd,
     take_own,
 )
 from .registry import Effect, MissingRuleError, OpDef, Traffic, lookup, registered
@@ -63,5 +64,6 @@ __all__ = [
     "registry",
     "remote",
     "scalar_tensor",
+    "sgd",
     "take_own",
 ]

@@ -206,9 +206,12 @@ def _passthrough(op: Op) -> bool:
 
 
 def _finish_sum(
-    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
+    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False, alias=False
 ) -> Tensor:
-    result = value.clone() if op_name == "add" else value / num_replicas
+    if op_name == "add":  # the sum itself, or a copy (Note [replica-sum accumulators])
+        result = value if alias else value.clone()
+    else:
+        result = value / num_replicas
     add_collective_traffic(
         all_reduce_bytes(num_replicas, num_replicas, value.numel() * value.element_size()), 1
     )

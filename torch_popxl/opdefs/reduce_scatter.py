@@ -275,7 +275,7 @@ def _explicit_alias(op: Op, batched, num_replicas: int):
 
 
 def _finish_sum(
-    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False
+    op_name: str, num_replicas: int, value: Tensor, batch, stacked_layout=False, alias=False
 ) -> Tensor:
     if op_name == "mean":
         value = value / num_replicas
@@ -287,8 +287,10 @@ def _finish_sum(
     )
     if stacked_layout:  # explicit batching: replica i's chunk is row i of the padded sum
         add_collective_traffic(nbytes, 1)
-        if op_name == "mean" and value.numel() % num_replicas == 0 and value.is_contiguous():
-            # the quotient is a fresh tensor and needs no padding: its rows are the chunks
+        if ((op_name == "mean" or alias) and value.numel() % num_replicas == 0
+                and value.is_contiguous()):  # fmt: skip
+            # the quotient is a fresh tensor (or the sum may be shared: Note [replica-sum
+            # accumulators] in runtime/lower.py) and needs no padding: its rows are the chunks
             return value.view(num_replicas, value.numel() // num_replicas)
         return _chunks(value, num_replicas)
     add_collective_traffic(nbytes, 0)

@@ -132,11 +132,13 @@ class _RunContext:
     def count_collective_call(self) -> None:
         backends.add_collective_traffic(0, 1)
 
-    def sum_read(self, finish, value: torch.Tensor) -> torch.Tensor:
+    def sum_read(self, finish, value: torch.Tensor, alias: bool = False) -> torch.Tensor:
         """Finish a full-group reduction of a replica-sum accumulator whose ``value`` is
         already the sum over replicas, with the collective's ``sum_read`` rule (which counts
-        the bytes the real collective moves)."""
-        return finish(value, self.batch, stacked_layout=self.explicit_R is not None)
+        the bytes the real collective moves); ``alias``: the result may share ``value``'s
+        memory (Note [replica-sum accumulators] in runtime/lower.py)."""
+        stacked = self.explicit_R is not None
+        return finish(value, self.batch, stacked_layout=stacked, alias=alias)
 
     def batch(self, value: torch.Tensor) -> torch.Tensor:
         """A per-replica copy of a replica-invariant value (Note [replica-invariant values])."""

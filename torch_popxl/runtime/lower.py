@@ -41,7 +41,12 @@ Note [replica-sum accumulators]
     builder, ``popxl.compile``) are stored as that sum, unbatched: ``acc += x_r`` becomes
     ``acc += sum_r x_r`` (one matmul for a weight gradient, Note [fold replicas into the
     matmul]) and the final reduction divides or slices it, counting the traffic the real
-    collective would move. Any other use keeps the per-replica layout.
+    collective would move. Any other use keeps the per-replica layout. An ``add`` reduction's
+    result is the accumulator itself (a reduce-scatter's: its rows, when they divide it) where
+    nothing can see the sharing (``_alias_sum_reads``): the result is no fragment output, goes
+    to no host store or print, and neither it nor the accumulator is written until the
+    result's last use (the optimizer update reads it, then the accumulator is zeroed). Else
+    the reduction copies it.
 
 Note [fold replicas into the matmul]
     ``all_reduce(mm(a_r, b_r))`` over all replicas equals one matmul with the replicas folded
@@ -900,6 +905,28 @@ def _alias_collectives(flat: list[FlatOp], plan: Plan, out_names: list[str], R: 
     return chosen
 
 
+def _alias_sum_reads(flat: list[FlatOp], plan: Plan, out_names: list[str]) -> set[FlatOp]:
+    """Note [replica-sum accumulators]: the top-level sum reads whose result may be the
+    accumulator's memory."""
+    chosen: set[FlatOp] = set()
+    outputs = {plan.root_of(n) for n in out_names}
+    for i, f in enumerate(flat):
+        if f not in plan.sum_reads or len(f.outs) != 1:
+            continue
+        acc, out = plan.root_of(f.ins[0]), plan.root_of(f.outs[0])
+        if out in outputs:
+            continue
+        later = flat[i + 1 :]
+        last = max((j for j, g in enumerate(later) if _rooted(plan, _names(g), out)), default=-1)
+        live = later[: last + 1]
+        if any(plan.root_of(n) in (acc, out) for g in live for n in _written_names(g)):
+            continue
+        if any(_to_host(g) and _rooted(plan, _names(g), out) for g in live):
+            continue
+        chosen.add(f)
+    return chosen
+
+
 # Note [RTS updates in place]
 #     A replica-sharded update of a replica-invariant weight ``w`` reads
 #         s = reduce_scatter(w, 'local')  ... s updated in place ...
@@ -1103,6 +1130,7 @@ class _Emitter:
         self.repeats = 1
         self.views: set[FlatOp] = set()  # Note [remote slot views]
         self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
+        self.sum_aliases: set[FlatOp] = set()  # Note [replica-sum accumulators]
         self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
         # Note [one op through torch's batching rule] (explicit.py): the callables emitted
         self.one_op_vmaps: list[Any] = []
@@ -1283,7 +1311,8 @@ class _Emitter:
     def _sum_read(self, f: FlatOp, ind: str) -> None:
         """The full-group reduction of a replica-sum accumulator (its value is the sum)."""
         finish = self.p.literal(self.a.sum_reads[f])
-        self.lines.append(f"{ind}{f.outs[0]} = rt.sum_read({finish}, {f.ins[0]})")
+        alias = ", alias=True" if f in self.sum_aliases else ""
+        self.lines.append(f"{ind}{f.outs[0]} = rt.sum_read({finish}, {f.ins[0]}{alias})")
 
     def _mm_all_reduce(self, f: FlatOp, ind: str) -> None:
         a, b = f.ins
@@ -1437,6 +1466,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
         em.aliasing = _alias_collectives(flat, plan, out_names, program.R, em.views)
         shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
         em.aliasing.update(shards)
+        em.sum_aliases = _alias_sum_reads(flat, plan, out_names)
     em.keep = frozenset(out_names) | frozenset(param_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")

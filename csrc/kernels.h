@@ -40,4 +40,11 @@ void remote_store_stacked_(
 at::Tensor& bernoulli_p_(at::Tensor& self, double p);
 at::Tensor& bernoulli_p_fallback(at::Tensor& self, double p);
 
+// Note [Adam chain in one pass] (adam.cpp): torch's single-tensor Adam step, per parameter.
+void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, const at::Tensor& one_minus_beta1,
+                 const at::Tensor& beta2, const at::Tensor& one_minus_beta2,
+                 const at::Tensor& step_size, const at::Tensor& bias_correction2_sqrt,
+                 const at::Tensor& eps);
+
 }  // namespace torch_popxl

@@ -1,6 +1,6 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp) only define functions, declared in kernels.h /
+// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp, adam.cpp) only define functions, declared in kernels.h /
 // traffic.h / step_cache.h / gemm.h; adding an op means one m.def below plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
@@ -45,6 +45,12 @@ TORCH_LIBRARY(torch_popxl, m) {
   // Dropout masks (random.cpp, Note [counter-based bernoulli]).
   m.set_python_module("torch_popxl.runtime.random");
   m.def("bernoulli_p_(Tensor(a!) self, float p) -> Tensor(a!)");
+  // torch's single-tensor Adam step in one pass (adam.cpp, Note [Adam chain in one pass]).
+  m.set_python_module("torch_popxl.opdefs.scalar_tensor");
+  m.def(
+      "adam_chain_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,"
+      " Tensor(c!)[] exp_avg_sqs, Tensor one_minus_beta1, Tensor beta2, Tensor one_minus_beta2,"
+      " Tensor step_size, Tensor bias_correction2_sqrt, Tensor eps) -> ()");
   // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
   // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
@@ -76,6 +82,7 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
   m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));
   m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_fallback));
+  m.impl("adam_chain_", TORCH_FN(torch_popxl::adam_chain_));
 }
 
 // The one CPU-only kernel: the counter-based mask (other backends take the fallback above).

@@ -1,7 +1,7 @@
-// torch's single-tensor Adam step (the default on CPU) as one pass over each parameter.
+// torch's single-tensor Adam step (the default on CPU) in three passes over each parameter.
 //
-// Note [Adam chain in one pass]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [Adam chain in three passes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // torch.optim.Adam without ``foreach``/``fused`` (the CPU default) updates each parameter with
 // a chain of in-place ops, each a full pass over parameter-sized tensors:
 //
@@ -24,7 +24,7 @@
 // so the result does not depend on where an element falls in its tensor.) This file is
 // compiled without contraction, so each intrinsic below is one rounding.
 //
-// The one-pass kernel runs on contiguous float32 CPU tensors of one size on a processor with
+// The three-pass kernel runs on contiguous float32 CPU tensors of one size on a processor with
 // AVX-512; anything else runs the chain itself through ATen's ops (the same numbers).
 #pragma GCC optimize("fp-contract=off")
 

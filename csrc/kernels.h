@@ -40,7 +40,7 @@ void remote_store_stacked_(
 at::Tensor& bernoulli_p_(at::Tensor& self, double p);
 at::Tensor& bernoulli_p_fallback(at::Tensor& self, double p);
 
-// Note [Adam chain in one pass] (adam.cpp): torch's single-tensor Adam step, per parameter.
+// Note [Adam chain in three passes] (adam.cpp): torch's single-tensor Adam step, per parameter.
 void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, const at::Tensor& one_minus_beta1,
                  const at::Tensor& beta2, const at::Tensor& one_minus_beta2,

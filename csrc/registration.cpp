@@ -45,7 +45,7 @@ TORCH_LIBRARY(torch_popxl, m) {
   // Dropout masks (random.cpp, Note [counter-based bernoulli]).
   m.set_python_module("torch_popxl.runtime.random");
   m.def("bernoulli_p_(Tensor(a!) self, float p) -> Tensor(a!)");
-  // torch's single-tensor Adam step in one pass (adam.cpp, Note [Adam chain in one pass]).
+  // torch's single-tensor Adam step (adam.cpp, Note [Adam chain in three passes]).
   m.set_python_module("torch_popxl.opdefs.scalar_tensor");
   m.def(
       "adam_chain_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,"

@@ -1,7 +1,7 @@
-"""Note [Adam chain in one pass] (csrc/adam.cpp): ``torch_popxl::adam_chain_`` equals eager
+"""Note [Adam chain in three passes] (csrc/adam.cpp): ``torch_popxl::adam_chain_`` equals eager
 torch's single-tensor Adam step bit for bit, whatever the tensor size (vectorised body and
 tail), the lerp branch (1 - beta1 below or above 0.5), the thread count and the layout (the
-one-pass kernel and the chain it falls back to); the compiled Adam step's equality with eager
+three-pass kernel and the chain it falls back to); the compiled Adam step's equality with eager
 torch is tests/test_compile_optimizer_exact.py's."""
 
 import pytest

@@ -259,7 +259,8 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
     if all(
         t.dtype == torch.float32 and t.device.type == "cpu" for t in (p, g, exp_avg, exp_avg_sq)
     ):
-        # the rest of the chain in one pass, bit for bit (Note [Adam chain in one pass])
+        # the rest of the chain in three passes, bit for bit (Note [Adam chain in three
+        # passes] in csrc/adam.cpp)
         _scalar_ops.adam_chain(p, g, exp_avg, exp_avg_sq, one_minus_b1, b2, one_minus_b2,
                                step_size, bc2_sqrt, eps)  # fmt: skip
         return

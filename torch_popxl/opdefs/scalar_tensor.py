@@ -14,10 +14,11 @@ kernel with the tensor's value as the number, and the update equals eager torch'
 
 * ``adam_chain(p, g, exp_avg, exp_avg_sq, 1 - beta1, beta2, 1 - beta2, step_size,
   bias_correction2_sqrt, eps)``: torch's single-tensor Adam step after the weight decay
-  (``exp_avg.lerp_``, ``exp_avg_sq.mul_().addcmul_()``, the denominator, ``p.addcdiv_``) in one
-  pass, bit for bit (Note [Adam chain in one pass] in csrc/adam.cpp); its op,
-  ``torch_popxl::adam_chain_``, takes lists (one element per parameter) and updates each
-  element on its own (Note [per-element list ops] in runtime/explicit.py).
+  (``exp_avg.lerp_``, ``exp_avg_sq.mul_().addcmul_()``, the denominator, ``p.addcdiv_``) in
+  three passes instead of seven, bit for bit (Note [Adam chain in three passes] in
+  csrc/adam.cpp); its op, ``torch_popxl::adam_chain_``, takes lists and updates each element
+  on its own; on stacked values it runs once over the rows, or once per replica row where a
+  scalar differs per replica.
 
 ``value`` / ``alpha`` is a one-element tensor. The ops move nothing between replicas; on
 stacked ``[R, ...]`` values (Note [explicit batching] in runtime/explicit.py) they run as they
@@ -142,7 +143,7 @@ def _adam_stacked(lists_batched: list[list[bool]], scalars_batched: list[bool]):
     element is all stacked ``[R, ...]`` or all replica-invariant (elementwise either way) and
     the scalars are shared; else one call per replica row (a per-replica step count or
     learning rate, a shared gradient for a per-replica state). Non-contiguous operands go
-    through contiguous copies, written back (the kernel's one pass wants flat memory)."""
+    through contiguous copies, written back (the kernel's passes want flat memory)."""
     uniform = not any(scalars_batched) and all(
         len(set(flags)) <= 1 for flags in zip(*lists_batched, strict=True)
     )

@@ -30,10 +30,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import dtypes as _dtypes
 from ..ir.graph import Op, Slot
 from .registry import Effect, OpDef, register
 
-__all__ = ["adam_chain", "add_alpha_", "addcdiv_value_", "addcmul_value_", "opdef"]
+__all__ = [
+    "adam_chain",
+    "adam_chain_pieces",
+    "add_alpha_",
+    "addcdiv_value_",
+    "addcmul_value_",
+    "opdef",
+]
 
 
 def _number(t: Tensor) -> float | int | bool:
@@ -187,6 +195,26 @@ def _adam_vmap(info, in_dims, *args):
     _adam_stacked([[d is not None for d in ds] for ds in in_dims[:4]],
                   [d is not None for d in in_dims[4:]])(*lists, *scalars)  # fmt: skip
     return None, None
+
+
+def adam_chain_pieces(op: Op) -> list[int]:
+    """The elementwise pieces of work (bytes each reads and writes) of the op-by-op chain one
+    ``adam_chain_`` stands for, per parameter: what an IPU program runs for torch's Adam step
+    (the cost model prices these, as it priced the captured chain; the published table it was
+    fitted to ran the chain op by op). Per parameter of ``S`` bytes and scalars of ``s``:
+    ``sqrt``; ``mul``, ``div``, ``add`` and addcmul's scalar term with a scalar; two copies back
+    into the state; ``lerp`` and ``addcdiv`` with a scalar; the negated step size."""
+    params, scalars = op.attrs.args[0], op.attrs.args[4:]
+    s = _nbytes(op.inputs[scalars[0].index])
+    out: list[int] = []
+    for p in params:
+        S = _nbytes(op.inputs[p.index])
+        out += [2 * S, *[2 * S + s] * 4, 3 * S, 3 * S, 3 * S + s, 3 * S + s, 2 * s]
+    return out
+
+
+def _nbytes(t) -> int:
+    return _dtypes.nbytes(t.shape, t.dtype)
 
 
 # ---- what the fast compiler asks -------------------------------------------------------------

@@ -47,5 +47,11 @@ void sgd_update_(const at::Tensor& param, const std::optional<at::Tensor>& momen
                  const std::optional<at::Tensor>& grad_out, const at::Tensor& grad,
                  const at::Tensor& hyper, const at::Tensor& step, const at::Tensor& factors,
                  bool weight_decay, bool nesterov, bool maximize);
+// Note [Adam chain in three passes] (adam.cpp): torch's single-tensor Adam step, per parameter.
+void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, const at::Tensor& one_minus_beta1,
+                 const at::Tensor& beta2, const at::Tensor& one_minus_beta2,
+                 const at::Tensor& step_size, const at::Tensor& bias_correction2_sqrt,
+                 const at::Tensor& eps);
 
 }  // namespace torch_popxl

@@ -1,7 +1,8 @@
 // Operator schemas and kernel registrations for the torch_popxl namespace: the ONE place
 // where C++ ops are registered. Kernel files (collectives.cpp, fused.cpp, remote.cpp,
-// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp, sgd.cpp) only define functions, declared in kernels.h /
-// traffic.h / step_cache.h / gemm.h; adding an op means one m.def below plus one line in register_kernels.
+// traffic.cpp, step_cache.cpp, gemm.cpp, random.cpp, sgd.cpp, adam.cpp) only define functions,
+// declared in kernels.h / traffic.h / step_cache.h / gemm.h; adding an op means one m.def below
+// plus one line in register_kernels.
 //
 // Only the "stacked" kernels (replica dim first) live in C++. The per-replica ops that the IR
 // records (torch_popxl::replicated_all_reduce, ...) are torch.library.custom_ops defined in
@@ -51,6 +52,12 @@ TORCH_LIBRARY(torch_popxl, m) {
       "sgd_update_(Tensor(a!) param, Tensor(b!)? momentum_buffer, Tensor(c!)? grad_out, "
       "Tensor grad, Tensor hyper, Tensor step, Tensor factors, bool weight_decay, bool nesterov, "
       "bool maximize) -> ()");
+  // torch's single-tensor Adam step (adam.cpp, Note [Adam chain in three passes]).
+  m.set_python_module("torch_popxl.opdefs.scalar_tensor");
+  m.def(
+      "adam_chain_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,"
+      " Tensor(c!)[] exp_avg_sqs, Tensor one_minus_beta1, Tensor beta2, Tensor one_minus_beta2,"
+      " Tensor step_size, Tensor bias_correction2_sqrt, Tensor eps) -> ()");
   // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
   // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));
@@ -82,6 +89,7 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
   m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));
   m.impl("bernoulli_p_", TORCH_FN(torch_popxl::bernoulli_p_fallback));
+  m.impl("adam_chain_", TORCH_FN(torch_popxl::adam_chain_));
 }
 
 // The CPU-only kernels: the counter-based mask (other backends take the fallback above) and the

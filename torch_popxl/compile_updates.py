@@ -265,6 +265,14 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
     elif spec.weight_decay:
         g = g.clone()
         _scalar_ops.add_alpha_(g, p, wd)  # grad.add(param, alpha=weight_decay)
+    if all(
+        t.dtype == torch.float32 and t.device.type == "cpu" for t in (p, g, exp_avg, exp_avg_sq)
+    ):
+        # the rest of the chain in three passes, bit for bit (Note [Adam chain in three
+        # passes] in csrc/adam.cpp)
+        _scalar_ops.adam_chain(p, g, exp_avg, exp_avg_sq, one_minus_b1, b2, one_minus_b2,
+                               step_size, bc2_sqrt, eps)  # fmt: skip
+        return
     # Out-of-place + copy_ because vmap has no batching rule for lerp_ (it would fall back
     # to a slow per-replica loop).
     exp_avg.copy_(_r(torch.lerp(_f(exp_avg), _f(g), one_minus_b1), exp_avg))

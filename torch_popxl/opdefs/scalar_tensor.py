@@ -12,6 +12,14 @@ kernel with the tensor's value as the number, and the update equals eager torch'
 * ``addcdiv_value_(self, t1, t2, value)``: ``self.addcdiv_(t1, t2, value=value.item())``
 * ``add_alpha_(self, other, alpha)``: ``self.add_(other, alpha=alpha.item())``
 
+* ``adam_chain(p, g, exp_avg, exp_avg_sq, 1 - beta1, beta2, 1 - beta2, step_size,
+  bias_correction2_sqrt, eps)``: torch's single-tensor Adam step after the weight decay
+  (``exp_avg.lerp_``, ``exp_avg_sq.mul_().addcmul_()``, the denominator, ``p.addcdiv_``) in
+  three passes instead of seven, bit for bit (Note [Adam chain in three passes] in
+  csrc/adam.cpp); its op, ``torch_popxl::adam_chain_``, takes lists and updates each element
+  on its own; on stacked values it runs once over the rows, or once per replica row where a
+  scalar differs per replica.
+
 ``value`` / ``alpha`` is a one-element tensor. The ops move nothing between replicas; on
 stacked ``[R, ...]`` values (Note [explicit batching] in runtime/explicit.py) they run as they
 are when the scalar is the same on every replica (the tensors broadcast as per replica).
@@ -22,10 +30,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import dtypes as _dtypes
 from ..ir.graph import Op, Slot
 from .registry import Effect, OpDef, register
 
-__all__ = ["add_alpha_", "addcdiv_value_", "addcmul_value_", "opdef"]
+__all__ = [
+    "adam_chain",
+    "adam_chain_pieces",
+    "add_alpha_",
+    "addcdiv_value_",
+    "addcmul_value_",
+    "opdef",
+]
 
 
 def _number(t: Tensor) -> float | int | bool:
@@ -73,6 +89,19 @@ def _fake(*args) -> None:
     return None
 
 
+torch.library.register_fake("torch_popxl::adam_chain_")(_fake)
+_ADAM = torch.ops.torch_popxl.adam_chain_.default
+
+
+def adam_chain(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, one_minus_b1: Tensor,
+               b2: Tensor, one_minus_b2: Tensor, step_size: Tensor, bc2_sqrt: Tensor,
+               eps: Tensor) -> None:  # fmt: skip
+    """One parameter's Adam step (after weight decay), in place on ``p``, ``exp_avg`` and
+    ``exp_avg_sq``: ``torch_popxl::adam_chain_`` on one-element lists."""
+    _ADAM([p], [g], [exp_avg], [exp_avg_sq], one_minus_b1, b2, one_minus_b2, step_size,
+          bc2_sqrt, eps)  # fmt: skip
+
+
 for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
     _op.register_fake(_fake)
 
@@ -117,6 +146,77 @@ for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
     _op.register_vmap(_vmap_rule(_op))
 
 
+def _adam_stacked(lists_batched: list[list[bool]], scalars_batched: list[bool]):
+    """``adam_chain_`` on stacked values: the op on the physical tensors when every list
+    element is all stacked ``[R, ...]`` or all replica-invariant (elementwise either way) and
+    the scalars are shared; else one call per replica row (a per-replica step count or
+    learning rate, a shared gradient for a per-replica state). Non-contiguous operands go
+    through contiguous copies, written back (the kernel's passes want flat memory)."""
+    uniform = not any(scalars_batched) and all(
+        len(set(flags)) <= 1 for flags in zip(*lists_batched, strict=True)
+    )
+
+    def run(*args):
+        lists, scalars = args[:4], args[4:]
+        if uniform:
+            copies = [[t if t.is_contiguous() else t.contiguous() for t in ts] for ts in lists]
+            _ADAM(*copies, *scalars)
+            for ts, cs in zip(lists, copies, strict=True):
+                for t, c in zip(ts, cs, strict=True):
+                    if c is not t and not any(
+                        st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)
+                    ):
+                        t.copy_(c)
+            return
+        rows = next(t.shape[0] for ts, fs in zip(lists, lists_batched, strict=True)
+                    for t, b in zip(ts, fs, strict=True) if b)  # fmt: skip
+        for r in range(rows):
+            pick = [[t[r] if b else t for t, b in zip(ts, fs, strict=True)]
+                    for ts, fs in zip(lists, lists_batched, strict=True)]  # fmt: skip
+            _ADAM(*pick, *[s[r] if b else s for s, b in zip(scalars, scalars_batched, strict=True)])
+
+    return run
+
+
+@torch.library.register_vmap("torch_popxl::adam_chain_")
+def _adam_vmap(info, in_dims, *args):
+    """Under vmap (a fragment on the per-replica path): the stacked form on the unwrapped rows."""
+    lists = [[t.movedim(d, 0) if d is not None else t for t, d in zip(ts, ds, strict=True)]
+             for ts, ds in zip(args[:4], in_dims[:4], strict=True)]  # fmt: skip
+    scalars = [
+        s.movedim(d, 0) if d is not None else s for s, d in zip(args[4:], in_dims[4:], strict=True)
+    ]
+    if not any(d is not None for ds in in_dims[:4] for d in ds):
+        if any(d is not None for d in in_dims[4:]):
+            raise ValueError(
+                "adam_chain_: the parameters are the same on every replica but the step's "
+                "scalars differ per replica; write per-replica parameters instead."
+            )
+    _adam_stacked([[d is not None for d in ds] for ds in in_dims[:4]],
+                  [d is not None for d in in_dims[4:]])(*lists, *scalars)  # fmt: skip
+    return None, None
+
+
+def adam_chain_pieces(op: Op) -> list[int]:
+    """The elementwise pieces of work (bytes each reads and writes) of the op-by-op chain one
+    ``adam_chain_`` stands for, per parameter: what an IPU program runs for torch's Adam step
+    (the cost model prices these, as it priced the captured chain; the published table it was
+    fitted to ran the chain op by op). Per parameter of ``S`` bytes and scalars of ``s``:
+    ``sqrt``; ``mul``, ``div``, ``add`` and addcmul's scalar term with a scalar; two copies back
+    into the state; ``lerp`` and ``addcdiv`` with a scalar; the negated step size."""
+    params, scalars = op.attrs.args[0], op.attrs.args[4:]
+    s = _nbytes(op.inputs[scalars[0].index])
+    out: list[int] = []
+    for p in params:
+        S = _nbytes(op.inputs[p.index])
+        out += [2 * S, *[2 * S + s] * 4, 3 * S, 3 * S, 3 * S + s, 3 * S + s, 2 * s]
+    return out
+
+
+def _nbytes(t) -> int:
+    return _dtypes.nbytes(t.shape, t.dtype)
+
+
 # ---- what the fast compiler asks -------------------------------------------------------------
 
 
@@ -135,6 +235,23 @@ def _explicit(op: Op, batched, num_replicas: int):
         return None
     return op.attrs.target
 
+
+def _adam_explicit(op: Op, batched, num_replicas: int):
+    """Note [explicit batching]: ``adam_chain_``'s stacked form for these batched inputs (the
+    analysis makes what it writes per replica wherever any of its inputs is)."""
+    args = op.attrs.args
+    if not all(isinstance(t, Slot) for ts in args[:4] for t in ts):
+        return None
+    if not all(isinstance(s, Slot) for s in args[4:]):
+        return None
+    lists = [[batched[t.index] for t in ts] for ts in args[:4]]
+    return _adam_stacked(lists, [batched[s.index] for s in args[4:]])
+
+
+register(
+    OpDef("adam_chain", Effect.INPLACE, {"explicit": _adam_explicit}),
+    torch.ops.torch_popxl.adam_chain_.default,
+)
 
 opdef = register(
     OpDef("scalar_tensor_update", Effect.INPLACE, {"explicit": _explicit}),

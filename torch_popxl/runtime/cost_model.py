@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import torch
 
 from .. import dtypes as _dtypes
 from .. import opdefs
@@ -54,6 +55,9 @@ from ..ir.graph import OpKind
 from ..ir.walk import executed_ops
 from ..opdefs.compute import matmul_flops
 from ..opdefs.registry import TRAFFIC_KINDS
+from ..opdefs.scalar_tensor import adam_chain_pieces
+
+_ADAM_CHAIN = torch.ops.torch_popxl.adam_chain_.default  # Note [Adam chain in three passes]
 
 if TYPE_CHECKING:
     from ..ir import Ir
@@ -160,6 +164,10 @@ class _Walker:
     def _torch(self, op: Op, times: int, io: bool) -> None:
         if _is_view(op.attrs.target):
             return  # an alias: no work on the device
+        if op.attrs.target is _ADAM_CHAIN:  # the chain it stands for, op by op
+            for nbytes in adam_chain_pieces(op):
+                self.add("compute", times, nbytes, io=io)
+            return
         nbytes = sum(_dtypes.nbytes(t.shape, t.dtype) for t in (*op.inputs, *op.outputs))
         flops = matmul_flops(op)
         if flops is not None:

@@ -787,8 +787,9 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
-        kernel = (em.p.literal(_max_pool_channels_last)
-                  if target is aten.max_pool2d_with_indices.default else em.p.aten(target))  # fmt: skip
+        kernel = (
+            em.p.literal(_POOL_KERNELS[target]) if target in _POOL_KERNELS else em.p.aten(target)
+        )
         call = f"{fn}({kernel}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
@@ -1031,12 +1032,58 @@ def _tap_weights(w, taps):
     return flat.index_select(1, index.reshape(-1)).view(w.shape[0], -1)
 
 
+# Note [convolutions channels last]
+#     oneDNN computes a convolution over channels-last (NHWC) images in place, but an NCHW one
+#     through its blocked layout: it reorders the input, and the output back, on every call,
+#     and the backward reorders the output gradient twice and the input gradient back (on the
+#     dropout CNN's 26x26 activations about a quarter of the convolutions' time, one core).
+#     So stacked convolutions over images of at least ``_CHANNELS_LAST_POSITIONS`` positions
+#     run on channels-last images: a conv net's activations stay in that layout from one
+#     convolution to the next (batch norm, ReLU, pooling and the gradients of each keep the
+#     layout of their input), and only an image that comes in NCHW (the step's input, with
+#     more than one channel) pays one conversion. On smaller images (resnet's later stages:
+#     4x4, 2x2) oneDNN's channels-last kernels are slower, up to twice, than its blocked ones,
+#     so those run NCHW, converted back where a channels-last activation reaches them (oneDNN
+#     takes a channels-last input as a request for that layout). The values are the same; a
+#     view that the layout does not allow is a copy (Note [recorded views meet other
+#     layouts] in capture.py). A single-channel image is both layouts at once: it is given
+#     channels-last strides (a view), since oneDNN reads such ambiguous strides as NCHW.
+_CHANNELS_LAST_POSITIONS = 64  # measured: 8x8 images gain 4-8 %, 4x4 ones lose 0-60 %
+
+
+def _is_channels_last(x) -> bool:
+    """Whether ``x`` is 4-d images with channels-last strides (more than one channel)."""
+    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1
+            and x.is_contiguous(memory_format=torch.channels_last))  # fmt: skip
+
+
+def _conv_layout(x, positions: int):
+    """4-d CPU images in the layout for a convolution over images of ``positions`` positions
+    (Note [convolutions channels last])."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return x
+    if positions < _CHANNELS_LAST_POSITIONS:
+        return x.contiguous()
+    return _channels_last(x)
+
+
+def _channels_last(x):
+    """4-d images as channels-last: a view where they already are, or have one channel."""
+    _, c, h, w = x.shape
+    strides = (c * h * w, 1, w * c, c)
+    if x.stride() == strides:
+        return x
+    if x.is_contiguous(memory_format=torch.channels_last):  # size-1 dims: the same elements
+        return x.as_strided(x.shape, strides)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
 def _convolution(x, w, b, *conv):
     """``aten.convolution``, as a matmul where it has one output position (Note
     [convolutions with one output position])."""
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        return aten.convolution(x, w, b, *conv)
+        return aten.convolution(_conv_layout(x, math.prod(x.shape[2:])), w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
     weights = _tap_weights(w, taps).t()
@@ -1050,7 +1097,9 @@ def _convolution_backward(grad, x, w, bias_sizes, *rest):
     *conv, mask = rest
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        return aten.convolution_backward(grad, x, w, bias_sizes, *rest)
+        positions = math.prod(x.shape[2:])
+        return aten.convolution_backward(_conv_layout(grad, positions),
+                                         _conv_layout(x, positions), w, bias_sizes, *rest)  # fmt: skip
     window, taps = found
     g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
     grad_x = grad_w = grad_b = None
@@ -1240,17 +1289,34 @@ def _pool_stacked(fn, tensors, *args):
 #     one output at a time; its channels-last kernel vectorises over the channels and is about
 #     seven times faster on a conv net's activations, the layout change included. The indices
 #     it returns are the same positions within each image's plane, ties and NaNs resolved
-#     alike (tests/test_compile_conv.py compares both against eager), so the backward is
-#     unchanged; the results are made contiguous again for the ops that view them.
+#     alike (tests/test_compile_conv.py compares both against eager). Images that come in
+#     NCHW get their results back in NCHW; a convolution's channels-last output (Note
+#     [convolutions channels last]) keeps its layout, results and gradient alike: the
+#     backward's channels-last kernel wants its output gradient and indices in that layout
+#     too (given NCHW ones it runs the plane-walking kernel and copies into the image).
 def _max_pool_channels_last(x, *args):
     """``aten.max_pool2d_with_indices`` through the channels-last kernel on CPU (Note [max
     pooling channels last])."""
-    if x.device.type != "cpu" or x.dim() != 4:
+    if x.device.type != "cpu" or x.dim() != 4 or _is_channels_last(x):
         return aten.max_pool2d_with_indices(x, *args)
     out, indices = aten.max_pool2d_with_indices(
         x.contiguous(memory_format=torch.channels_last), *args
     )
     return out.contiguous(), indices.contiguous()
+
+
+def _max_pool_backward_channels_last(grad, x, *args):
+    """``aten.max_pool2d_with_indices_backward`` in the layout of a channels-last image (Note
+    [max pooling channels last])."""
+    if x.device.type == "cpu" and _is_channels_last(x):
+        grad, args = _channels_last(grad), (*args[:-1], _channels_last(args[-1]))
+    return aten.max_pool2d_with_indices_backward(grad, x, *args)
+
+
+_POOL_KERNELS = {
+    aten.max_pool2d_with_indices.default: _max_pool_channels_last,
+    aten.max_pool2d_with_indices_backward.default: _max_pool_backward_channels_last,
+}
 
 
 def _expand_stacked(x, size):

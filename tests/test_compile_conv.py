@@ -280,19 +280,25 @@ def test_stacked_batch_norm_in_evaluation_matches_eager_per_replica(image):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("image", [(9, 8), (4, 4)], ids=["channels_last", "small"])
-@pytest.mark.parametrize("channels_in", [1, 3])
+@pytest.mark.parametrize("image", [(9, 8), (4, 4)], ids=["large", "small"])
+@pytest.mark.parametrize("channels_in,given_channels_last", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("summed", [False, True])
-def test_stacked_convolutions_run_channels_last_with_eager_values(image, channels_in, summed):
-    """Note [convolutions channels last]: NCHW rows (one channel: both layouts at once) of
-    images large enough give channels-last outputs and input gradients, small ones NCHW,
-    whose values are eager's per replica; the weight and bias gradients are each row's (or,
+def test_stacked_convolutions_run_channels_last_with_eager_values(
+    image, channels_in, given_channels_last, summed
+):
+    """Note [convolutions channels last]: rows of images large enough that have one channel
+    (both layouts at once) or come channels-last (a convolution's output) give channels-last
+    outputs and input gradients, NCHW ones with more channels and small images NCHW, whose
+    values are eager's per replica; the weight and bias gradients are each row's (or,
     ``summed``, their sum over the rows)."""
     R, N, C_out = 2, 3, 5
     g = torch.Generator().manual_seed(7)
     x = torch.randn(R, N, channels_in, *image, generator=g)
-    channels_last = image[0] * image[1] >= explicit._CHANNELS_LAST_POSITIONS
+    if given_channels_last:  # [R, N, H, W, C] in memory
+        x = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
     w, b = torch.randn(C_out, channels_in, 3, 3, generator=g), torch.randn(C_out, generator=g)
+    large = image[0] * image[1] >= explicit._CHANNELS_LAST_POSITIONS
+    channels_last = large and (channels_in == 1 or given_channels_last)
     conv = ([1, 1], [1, 0], [1, 1], False, [0, 0], 1)
     out = explicit._conv_stacked(x, w, b, *conv, flags=[True, False, False])
     assert out.shape == (R, N, C_out, image[0], image[1] - 2)

@@ -1037,17 +1037,20 @@ def _tap_weights(w, taps):
 #     through its blocked layout: it reorders the input, and the output back, on every call,
 #     and the backward reorders the output gradient twice and the input gradient back (on the
 #     dropout CNN's 26x26 activations about a quarter of the convolutions' time, one core).
-#     So stacked convolutions over images of at least ``_CHANNELS_LAST_POSITIONS`` positions
-#     run on channels-last images: a conv net's activations stay in that layout from one
+#     A single-channel image is both layouts at once, so a conv net on such images (MNIST)
+#     runs its stacked convolutions over images of at least ``_CHANNELS_LAST_POSITIONS``
+#     positions channels-last: the input is given channels-last strides (a view: oneDNN reads
+#     ambiguous strides as NCHW), and the activations stay in that layout from one
 #     convolution to the next (batch norm, ReLU, pooling and the gradients of each keep the
-#     layout of their input), and only an image that comes in NCHW (the step's input, with
-#     more than one channel) pays one conversion. On smaller images (resnet's later stages:
-#     4x4, 2x2) oneDNN's channels-last kernels are slower, up to twice, than its blocked ones,
-#     so those run NCHW, converted back where a channels-last activation reaches them (oneDNN
-#     takes a channels-last input as a request for that layout). The values are the same; a
-#     view that the layout does not allow is a copy (Note [recorded views meet other
-#     layouts] in capture.py). A single-channel image is both layouts at once: it is given
-#     channels-last strides (a view), since oneDNN reads such ambiguous strides as NCHW.
+#     layout of their input). An NCHW image with more channels stays NCHW, and so does the
+#     net after it: the channels-last kernels sum in another order, and a chaotic net
+#     (resnet18 on random labels, tests/test_compile_ported_examples.py) would then drift
+#     from eager's NCHW numbers by more than rounding; resnet18 at 32x32 gained nothing from
+#     the layout either. On smaller images (4x4, 2x2) oneDNN's channels-last kernels are
+#     slower, up to twice, than its blocked ones, so those run NCHW, converted back where a
+#     channels-last activation reaches them (oneDNN takes a channels-last input as a request
+#     for that layout). A view that the layout does not allow is a copy (Note [recorded views
+#     meet other layouts] in capture.py).
 _CHANNELS_LAST_POSITIONS = 64  # measured: 8x8 images gain 4-8 %, 4x4 ones lose 0-60 %
 
 
@@ -1057,14 +1060,25 @@ def _is_channels_last(x) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last))  # fmt: skip
 
 
-def _conv_layout(x, positions: int):
-    """4-d CPU images in the layout for a convolution over images of ``positions`` positions
-    (Note [convolutions channels last])."""
+def _conv_layout(x):
+    """4-d CPU images in the layout their convolution runs in (Note [convolutions channels
+    last]): channels-last where they are (or have one channel) and are large enough."""
     if x.device.type != "cpu" or x.dim() != 4:
         return x
-    if positions < _CHANNELS_LAST_POSITIONS:
+    if math.prod(x.shape[2:]) < _CHANNELS_LAST_POSITIONS:
         return x.contiguous()
-    return _channels_last(x)
+    if x.shape[1] == 1 or _is_channels_last(x):
+        return _channels_last(x)
+    return x
+
+
+def _like(grad, x):
+    """The output gradient of a convolution over ``x`` (in its layout) in the same layout."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return grad
+    if x.stride(1) == 1 and x.is_contiguous(memory_format=torch.channels_last):
+        return _channels_last(grad)
+    return grad.contiguous()
 
 
 def _channels_last(x):
@@ -1083,7 +1097,7 @@ def _convolution(x, w, b, *conv):
     [convolutions with one output position])."""
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        return aten.convolution(_conv_layout(x, math.prod(x.shape[2:])), w, b, *conv)
+        return aten.convolution(_conv_layout(x), w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
     weights = _tap_weights(w, taps).t()
@@ -1097,9 +1111,8 @@ def _convolution_backward(grad, x, w, bias_sizes, *rest):
     *conv, mask = rest
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        positions = math.prod(x.shape[2:])
-        return aten.convolution_backward(_conv_layout(grad, positions),
-                                         _conv_layout(x, positions), w, bias_sizes, *rest)  # fmt: skip
+        x = _conv_layout(x)
+        return aten.convolution_backward(_like(grad, x), x, w, bias_sizes, *rest)
     window, taps = found
     g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
     grad_x = grad_w = grad_b = None

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -39,20 +40,57 @@ uint64_t draw_seed() {
   return gen->random64();
 }
 
+// Elements 2k and 2k + 1 for k in [begin, end): one draw per pair.
+template <typename scalar_t>
+inline void fill_pairs(
+    scalar_t* out, int64_t begin, int64_t end, uint64_t seed, uint64_t threshold) {
+  const auto one = static_cast<scalar_t>(1), zero = static_cast<scalar_t>(0);
+  for (int64_t k = begin; k < end; ++k) {
+    const uint64_t bits = splitmix64(seed + static_cast<uint64_t>(k) * kGolden);
+    out[2 * k] = (bits & 0xFFFFFFFFULL) < threshold ? one : zero;
+    out[2 * k + 1] = (bits >> 32) < threshold ? one : zero;
+  }
+}
+
+// Note [vectorised mask draws]
+//     SplitMix64 is two 64-bit multiplies per pair: the baseline x86-64 code the extension
+//     is built for has no vector form of them, so the compiler leaves the loop scalar
+//     (~5 ns a pair). AVX-512 (vpmullq) runs it about twenty times faster. The float and
+//     double loops are compiled for several targets and the loader picks the best the CPU
+//     has (GCC's target clones); the values do not depend on the target.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define TORCH_POPXL_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define TORCH_POPXL_TARGET_CLONES
+#endif
+
+TORCH_POPXL_TARGET_CLONES void fill_pairs_float(
+    float* out, int64_t begin, int64_t end, uint64_t seed, uint64_t threshold) {
+  fill_pairs(out, begin, end, seed, threshold);
+}
+
+TORCH_POPXL_TARGET_CLONES void fill_pairs_double(
+    double* out, int64_t begin, int64_t end, uint64_t seed, uint64_t threshold) {
+  fill_pairs(out, begin, end, seed, threshold);
+}
+
 template <typename scalar_t>
 void fill_mask(scalar_t* out, int64_t n, uint64_t seed, uint64_t threshold) {
-  const auto one = static_cast<scalar_t>(1), zero = static_cast<scalar_t>(0);
-  // element pairs share one 64-bit draw: the pairs in parallel chunks, an odd last one after
-  at::parallel_for(0, n / 2, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const uint64_t bits = splitmix64(seed + static_cast<uint64_t>(k) * kGolden);
-      out[2 * k] = (bits & 0xFFFFFFFFULL) < threshold ? one : zero;
-      out[2 * k + 1] = (bits >> 32) < threshold ? one : zero;
+  // element pairs share one 64-bit draw: the pairs in parallel chunks, an odd last one after;
+  // a chunk of 2^17 pairs takes ~30 us vectorised, less would cost more in waking threads
+  at::parallel_for(0, n / 2, int64_t{1} << 17, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      fill_pairs_float(out, begin, end, seed, threshold);
+    } else if constexpr (std::is_same_v<scalar_t, double>) {
+      fill_pairs_double(out, begin, end, seed, threshold);
+    } else {
+      fill_pairs(out, begin, end, seed, threshold);
     }
   });
   if (n % 2 == 1) {
     const uint64_t bits = splitmix64(seed + static_cast<uint64_t>(n / 2) * kGolden);
-    out[n - 1] = (bits & 0xFFFFFFFFULL) < threshold ? one : zero;
+    out[n - 1] = (bits & 0xFFFFFFFFULL) < threshold ? static_cast<scalar_t>(1)
+                                                     : static_cast<scalar_t>(0);
   }
 }
 

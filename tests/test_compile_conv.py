@@ -278,3 +278,67 @@ def test_stacked_batch_norm_in_evaluation_matches_eager_per_replica(image):
         for got, want in ((gx[r], xr.grad), (gw.reshape(R, C)[r], wr.grad),
                           (gb.reshape(R, C)[r], br.grad)):  # fmt: skip
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("image", [(9, 8), (4, 4)], ids=["large", "small"])
+@pytest.mark.parametrize("channels_in,given_channels_last", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("summed", [False, True])
+def test_stacked_convolutions_run_channels_last_with_eager_values(
+    image, channels_in, given_channels_last, summed
+):
+    """Note [convolutions channels last]: rows of images large enough that have one channel
+    (both layouts at once) or come channels-last (a convolution's output) give channels-last
+    outputs and input gradients, NCHW ones with more channels and small images NCHW, whose
+    values are eager's per replica; the weight and bias gradients are each row's (or,
+    ``summed``, their sum over the rows)."""
+    R, N, C_out = 2, 3, 5
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(R, N, channels_in, *image, generator=g)
+    if given_channels_last:  # [R, N, H, W, C] in memory
+        x = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+    w, b = torch.randn(C_out, channels_in, 3, 3, generator=g), torch.randn(C_out, generator=g)
+    large = image[0] * image[1] >= explicit._CHANNELS_LAST_POSITIONS
+    channels_last = large and (channels_in == 1 or given_channels_last)
+    conv = ([1, 1], [1, 0], [1, 1], False, [0, 0], 1)
+    out = explicit._conv_stacked(x, w, b, *conv, flags=[True, False, False])
+    assert out.shape == (R, N, C_out, image[0], image[1] - 2)
+    assert (out[0].stride(1) == 1) == channels_last
+    grad = torch.randn(out.shape, generator=g)
+    gx, gw, gb = explicit._conv_backward_stacked(
+        grad, x, w, [C_out], *conv, [True, True, True],
+        flags=[True, True, False], summed=summed,
+    )  # fmt: skip
+    assert (gx[0].stride(1) == 1) == (channels_last and channels_in > 1)
+    want_w, want_b = [], []
+    for r in range(R):
+        xr, wr, br = (t.clone().requires_grad_() for t in (x[r], w, b))
+        y = torch.nn.functional.conv2d(xr, wr, br, padding=(1, 0))
+        (y * grad[r]).sum().backward()
+        torch.testing.assert_close(out[r], y.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gx[r], xr.grad, rtol=1e-5, atol=1e-5)
+        want_w.append(wr.grad)
+        want_b.append(br.grad)
+    want_w, want_b = torch.stack(want_w), torch.stack(want_b)
+    if summed:
+        want_w, want_b = want_w.sum(0), want_b.sum(0)
+    torch.testing.assert_close(gw, want_w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gb, want_b, rtol=1e-4, atol=1e-4)
+
+
+def test_max_pooling_keeps_a_channels_last_image_channels_last_with_eager_gradients():
+    """Note [max pooling channels last]: a convolution's channels-last output is pooled in
+    its layout (no copies), with eager's values and indices; the backward, given an NCHW
+    output gradient, routes it as eager's does."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 6, 10, 10, generator=g).relu().round(decimals=1)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    args = ([2, 2], [2, 2], [0, 0], [1, 1], False)
+    out, indices = explicit._max_pool_channels_last(x_cl, *args)
+    want_out, want_indices = aten.max_pool2d_with_indices(x, *args)
+    assert out.stride(1) == 1  # the layout kept
+    assert torch.equal(indices, want_indices)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    grad = torch.randn(want_out.shape, generator=g)
+    got = explicit._max_pool_backward_channels_last(grad, x_cl, *args, indices)
+    want = aten.max_pool2d_with_indices_backward(grad, x, *args, want_indices)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

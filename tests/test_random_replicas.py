@@ -155,6 +155,32 @@ def test_counter_based_bernoulli_draws_ones_at_rate_p(p, dtype):
         assert abs(corr) < 6 / math.sqrt(n // 2), corr
 
 
+def _splitmix64_mask(torch_seed: int, n: int, p: float) -> np.ndarray:
+    """Note [counter-based bernoulli] in numpy: the kernel's seed is the first 64 bits of
+    torch's generator after ``torch.manual_seed(torch_seed)`` (its Mersenne Twister is the
+    standard one, numpy's legacy ``RandomState`` seeding: two 32-bit words, the first high),
+    element pair k takes SplitMix64 at ``seed + k * golden``, low half first."""
+    words = np.random.RandomState(torch_seed)._bit_generator.random_raw(2).astype(np.uint64)
+    seed = (words[0] << np.uint64(32)) | words[1]
+    z = seed + np.arange((n + 1) // 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    threshold = np.uint64(int(math.ldexp(p, 32)))
+    pairs = np.stack([(z & np.uint64(0xFFFFFFFF)) < threshold, (z >> np.uint64(32)) < threshold])
+    return pairs.T.reshape(-1)[:n].astype(np.float64)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 2 * (1 << 17) + 3, 5 * (1 << 17) + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_counter_based_bernoulli_is_splitmix64_of_the_generators_seed(n, dtype):
+    """The kernel's values are the formula's, element for element, whichever vector code the
+    CPU runs (Note [vectorised mask draws]) and across its parallel chunks (2^17 pairs)."""
+    torch.manual_seed(11)
+    got = _BERNOULLI(torch.empty(n, dtype=dtype), 0.3).double().numpy()
+    np.testing.assert_array_equal(got, _splitmix64_mask(11, n, 0.3))
+
+
 def test_counter_based_bernoulli_follows_torch_manual_seed_and_never_repeats():
     torch.manual_seed(3)
     a = _BERNOULLI(torch.empty(4096), 0.5).clone()

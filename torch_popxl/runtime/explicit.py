@@ -960,8 +960,9 @@ def emit_torch(em, f, ind: str) -> None:
             if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
                 rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
-        kernel = (em.p.literal(_max_pool_channels_last)
-                  if target is aten.max_pool2d_with_indices.default else em.p.aten(target))  # fmt: skip
+        kernel = (
+            em.p.literal(_POOL_KERNELS[target]) if target in _POOL_KERNELS else em.p.aten(target)
+        )
         call = f"{fn}({kernel}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
@@ -1204,12 +1205,72 @@ def _tap_weights(w, taps):
     return flat.index_select(1, index.reshape(-1)).view(w.shape[0], -1)
 
 
+# Note [convolutions channels last]
+#     oneDNN computes a convolution over channels-last (NHWC) images in place, but an NCHW one
+#     through its blocked layout: it reorders the input, and the output back, on every call,
+#     and the backward reorders the output gradient twice and the input gradient back (on the
+#     dropout CNN's 26x26 activations about a quarter of the convolutions' time, one core).
+#     A single-channel image is both layouts at once, so a conv net on such images (MNIST)
+#     runs its stacked convolutions over images of at least ``_CHANNELS_LAST_POSITIONS``
+#     positions channels-last: the input is given channels-last strides (a view: oneDNN reads
+#     ambiguous strides as NCHW), and the activations stay in that layout from one
+#     convolution to the next (batch norm, ReLU, pooling and the gradients of each keep the
+#     layout of their input). An NCHW image with more channels stays NCHW, and so does the
+#     net after it: the channels-last kernels sum in another order, and a chaotic net
+#     (resnet18 on random labels, tests/test_compile_ported_examples.py) would then drift
+#     from eager's NCHW numbers by more than rounding; resnet18 at 32x32 gained nothing from
+#     the layout either. On smaller images (4x4, 2x2) oneDNN's channels-last kernels are
+#     slower, up to twice, than its blocked ones, so those run NCHW, converted back where a
+#     channels-last activation reaches them (oneDNN takes a channels-last input as a request
+#     for that layout). A view that the layout does not allow is a copy (Note [recorded views
+#     meet other layouts] in capture.py).
+_CHANNELS_LAST_POSITIONS = 64  # measured: 8x8 images gain 4-8 %, 4x4 ones lose 0-60 %
+
+
+def _is_channels_last(x) -> bool:
+    """Whether ``x`` is 4-d images with channels-last strides (more than one channel)."""
+    return (x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1
+            and x.is_contiguous(memory_format=torch.channels_last))  # fmt: skip
+
+
+def _conv_layout(x):
+    """4-d CPU images in the layout their convolution runs in (Note [convolutions channels
+    last]): channels-last where they are (or have one channel) and are large enough."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return x
+    if math.prod(x.shape[2:]) < _CHANNELS_LAST_POSITIONS:
+        return x.contiguous()
+    if x.shape[1] == 1 or _is_channels_last(x):
+        return _channels_last(x)
+    return x
+
+
+def _like(grad, x):
+    """The output gradient of a convolution over ``x`` (in its layout) in the same layout."""
+    if x.device.type != "cpu" or x.dim() != 4:
+        return grad
+    if x.stride(1) == 1 and x.is_contiguous(memory_format=torch.channels_last):
+        return _channels_last(grad)
+    return grad.contiguous()
+
+
+def _channels_last(x):
+    """4-d images as channels-last: a view where they already are, or have one channel."""
+    _, c, h, w = x.shape
+    strides = (c * h * w, 1, w * c, c)
+    if x.stride() == strides:
+        return x
+    if x.is_contiguous(memory_format=torch.channels_last):  # size-1 dims: the same elements
+        return x.as_strided(x.shape, strides)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
 def _convolution(x, w, b, *conv):
     """``aten.convolution``, as a matmul where it has one output position (Note
     [convolutions with one output position])."""
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        return aten.convolution(x, w, b, *conv)
+        return aten.convolution(_conv_layout(x), w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
     weights = _tap_weights(w, taps).t()
@@ -1223,7 +1284,8 @@ def _convolution_backward(grad, x, w, bias_sizes, *rest):
     *conv, mask = rest
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
-        return aten.convolution_backward(grad, x, w, bias_sizes, *rest)
+        x = _conv_layout(x)
+        return aten.convolution_backward(_like(grad, x), x, w, bias_sizes, *rest)
     window, taps = found
     g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
     grad_x = grad_w = grad_b = None
@@ -1413,17 +1475,34 @@ def _pool_stacked(fn, tensors, *args):
 #     one output at a time; its channels-last kernel vectorises over the channels and is about
 #     seven times faster on a conv net's activations, the layout change included. The indices
 #     it returns are the same positions within each image's plane, ties and NaNs resolved
-#     alike (tests/test_compile_conv.py compares both against eager), so the backward is
-#     unchanged; the results are made contiguous again for the ops that view them.
+#     alike (tests/test_compile_conv.py compares both against eager). Images that come in
+#     NCHW get their results back in NCHW; a convolution's channels-last output (Note
+#     [convolutions channels last]) keeps its layout, results and gradient alike: the
+#     backward's channels-last kernel wants its output gradient and indices in that layout
+#     too (given NCHW ones it runs the plane-walking kernel and copies into the image).
 def _max_pool_channels_last(x, *args):
     """``aten.max_pool2d_with_indices`` through the channels-last kernel on CPU (Note [max
     pooling channels last])."""
-    if x.device.type != "cpu" or x.dim() != 4:
+    if x.device.type != "cpu" or x.dim() != 4 or _is_channels_last(x):
         return aten.max_pool2d_with_indices(x, *args)
     out, indices = aten.max_pool2d_with_indices(
         x.contiguous(memory_format=torch.channels_last), *args
     )
     return out.contiguous(), indices.contiguous()
+
+
+def _max_pool_backward_channels_last(grad, x, *args):
+    """``aten.max_pool2d_with_indices_backward`` in the layout of a channels-last image (Note
+    [max pooling channels last])."""
+    if x.device.type == "cpu" and _is_channels_last(x):
+        grad, args = _channels_last(grad), (*args[:-1], _channels_last(args[-1]))
+    return aten.max_pool2d_with_indices_backward(grad, x, *args)
+
+
+_POOL_KERNELS = {
+    aten.max_pool2d_with_indices.default: _max_pool_channels_last,
+    aten.max_pool2d_with_indices_backward.default: _max_pool_backward_channels_last,
+}
 
 
 def _expand_stacked(x, size):

@@ -1597,6 +1597,11 @@ def _one_op_vmap_ok(f, a) -> bool:
         return False
     if not any(a.b(n) for n in f.ins) or not all(a.b(n) for n in f.outs):
         return False
+    if any(str(r.type) != "Tensor" for r in target._schema.returns):
+        # a list of results (split_with_sizes in the tensor-parallel GPT-2 block of
+        # tests/test_addons_gpt2_tp.py): that fragment, explicit, returned NaN gradients; the
+        # cause is not found yet, so such ops keep the fragment under vmap
+        return False
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)
 

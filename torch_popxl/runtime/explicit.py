@@ -1026,14 +1026,20 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
     elif target is aten.native_layer_norm.default:
         affine_b = flag(args[2]) or flag(args[3])
+        rendered[0] = stacked_arg(args[0])  # an input stored once, per-replica affine
         call = f"{em.p.literal(_layer_norm_stacked)}({', '.join(rendered)}, {affine_b!r})"
         _emit_outputs(em, f, ind, call)
     elif target is aten.native_layer_norm_backward.default:
         affine_b = flag(args[5]) or flag(args[6])
+        # grad, input, mean and rstd as stacked rows: one of them may be stored once (a gradient
+        # all-reduced over the replicas), which ATen would read out of bounds
+        for i in (0, 1, 3, 4):
+            rendered[i] = stacked_arg(args[i])
         call = f"{em.p.literal(_layer_norm_backward_stacked)}({', '.join(rendered)}, {affine_b!r})"
         _emit_outputs(em, f, ind, call)
     elif target is aten.embedding_dense_backward.default:
         ids_b = isinstance(args[1], Slot) and batched[args[1].index]
+        rendered[0] = stacked_arg(args[0])  # a gradient stored once: every row's own table
         call = f"{em.p.literal(_embedding_backward_stacked)}({', '.join(rendered)}, {ids_b!r})"
         _emit_outputs(em, f, ind, call)
     elif target in (aten.split.Tensor, aten.unsafe_split.Tensor):
@@ -1596,11 +1602,6 @@ def _one_op_vmap_ok(f, a) -> bool:
             or target in PER_ELEMENT):  # fmt: skip
         return False
     if not any(a.b(n) for n in f.ins) or not all(a.b(n) for n in f.outs):
-        return False
-    if any(str(r.type) != "Tensor" for r in target._schema.returns):
-        # a list of results (split_with_sizes in the tensor-parallel GPT-2 block of
-        # tests/test_addons_gpt2_tp.py): that fragment, explicit, returned NaN gradients; the
-        # cause is not found yet, so such ops keep the fragment under vmap
         return False
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)

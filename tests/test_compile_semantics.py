@@ -558,3 +558,28 @@ def test_float16_model_trains_like_eager_float16():
         # One float16 ulp at |p| < 0.5: the update rounds as torch's (Note [optimizer
         # arithmetic as torch rounds it]); the replicas' addmm rounds before its bias.
         np.testing.assert_allclose(p.float().detach(), q.float().detach(), rtol=0, atol=2.5e-4)
+
+
+def test_a_trainer_collected_inside_a_fake_mode_still_publishes_its_optimizer_state():
+    """The collector may delete a trainer while a fragment is traced on fake tensors; its
+    last step's off-chip, sharded optimizer state still reaches ``optimizer.state`` as real
+    tensors, equal to eager's after the same step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.Adam(model.parameters()), torch.optim.Adam(ref.parameters())
+    trainer = popxl.compile(model, torch.nn.functional.mse_loss, opt, replication_factor=2,
+                            optimizer_state="remote", rts_threshold=1)  # fmt: skip
+    x, y = np.ones((4, 5), np.float32), np.ones((4, 1), np.float32)
+    trainer.step(x, y)
+    torch.nn.functional.mse_loss(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    ref_opt.step()
+    with FakeTensorMode():
+        del trainer
+        gc.collect()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        got, want = opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

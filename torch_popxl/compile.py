@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import compile_optim as _optim
 from . import ops
@@ -427,7 +428,10 @@ class Trainer:
         # Note [live torch tensors]: the last step's optimizer state outlives the trainer
         # (not at interpreter exit, when the modules it needs may already be gone).
         if getattr(self, "_opt_stale", False) and not sys.is_finalizing():
-            self._publish_optimizer_state()
+            # The collector may run this inside a fake or tracing mode (a fragment traced on
+            # fake tensors): the state is read as the real tensors it is.
+            with _disable_current_modes():
+                self._publish_optimizer_state()
 
     @property
     def programs(self) -> tuple[tuple[bool, str], ...]:

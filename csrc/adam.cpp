@@ -39,6 +39,7 @@
 #endif
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace torch_popxl {
 namespace {
@@ -147,12 +148,13 @@ void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp
       float* mp = m.data_ptr<float>();
       float* vp = v.data_ptr<float>();
       const int64_t numel = p.numel();
-      at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      // Note [threads in the extension]
+      parallel_range(numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
         moments_avx512(gp, mp, vp, begin, end, s);
       });
       const at::Tensor root = v.sqrt();  // torch's own sqrt (see the note)
       const float* rp = root.const_data_ptr<float>();
-      at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      parallel_range(numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
         params_avx512(pp, mp, rp, begin, end, s);
       });
       continue;

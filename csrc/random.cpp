@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace torch_popxl {
 namespace {
@@ -78,7 +79,8 @@ template <typename scalar_t>
 void fill_mask(scalar_t* out, int64_t n, uint64_t seed, uint64_t threshold) {
   // element pairs share one 64-bit draw: the pairs in parallel chunks, an odd last one after;
   // a chunk of 2^17 pairs takes ~30 us vectorised, less would cost more in waking threads
-  at::parallel_for(0, n / 2, int64_t{1} << 17, [&](int64_t begin, int64_t end) {
+  // Note [threads in the extension]
+  parallel_range(n / 2, int64_t{1} << 17, [&](int64_t begin, int64_t end) {
     if constexpr (std::is_same_v<scalar_t, float>) {
       fill_pairs_float(out, begin, end, seed, threshold);
     } else if constexpr (std::is_same_v<scalar_t, double>) {

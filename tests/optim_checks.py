@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torch_popxl as popxl
 
 RTOL, ATOL = 1e-5, 1e-6
+SGD_LR = 0.1  # the learning rate of ``fast_matches_reference``'s SGD momentum
 
 
 def eager_step(m, opt, x, y) -> float:
@@ -70,7 +71,7 @@ def _sgd_momentum_run(executor: str, model_fn, R: int, GA: int, batches):
     torch.manual_seed(0)
     model = model_fn()
     trainer = popxl.compile(model, F.cross_entropy,
-                            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9),
                             replication_factor=R, gradient_accumulation=GA,
                             executor=executor)  # fmt: skip
     losses = [trainer.step(x, y) for x, y in batches]
@@ -79,14 +80,18 @@ def _sgd_momentum_run(executor: str, model_fn, R: int, GA: int, batches):
     return np.asarray(losses), state, fns
 
 
-def fast_matches_reference(model_fn, R: int, GA: int, batches):
+def fast_matches_reference(model_fn, R: int, GA: int, batches, first_loss=None,
+                           state_atol: float = 1e-5):  # fmt: skip
     """``model_fn()`` (from seed 0) trained with SGD momentum and cross-entropy through
     popxl.compile on the fast and on the reference executor: the losses and the module's state
-    afterwards (parameters, running statistics, counters) are equal; returns the fast run's
-    state and its generated fragments."""
+    afterwards (parameters, running statistics, counters) are equal (the state to
+    ``state_atol``), and the first loss is ``first_loss`` (eager's, when given); returns the
+    fast run's state and its generated fragments."""
     fast_losses, fast, fns = _sgd_momentum_run("fast", model_fn, R, GA, batches)
     ref_losses, ref, _ = _sgd_momentum_run("reference", model_fn, R, GA, batches)
     np.testing.assert_allclose(fast_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    if first_loss is not None:
+        np.testing.assert_allclose(fast_losses[0], first_loss, rtol=1e-5, atol=1e-6)
     for k, want in ref.items():
-        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=state_atol, err_msg=k)
     return fast, fns

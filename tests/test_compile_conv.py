@@ -8,7 +8,7 @@ torch per replica or with the reference executor."""
 import numpy as np
 import pytest
 import torch
-from optim_checks import fast_matches_reference
+from optim_checks import SGD_LR, fast_matches_reference
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
@@ -342,3 +342,41 @@ def test_max_pooling_keeps_a_channels_last_image_channels_last_with_eager_gradie
     got = explicit._max_pool_backward_channels_last(grad, x_cl, *args, indices)
     want = aten.max_pool2d_with_indices_backward(grad, x, *args, want_indices)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_efficientnet_b0_with_folded_accumulation_trains_as_the_reference_and_eager():
+    """torchvision's efficientnet_b0 (depthwise convolutions, squeeze-excitation, SiLU, batch
+    norm in training, its last stages at one output position) at R = 2, GA = 2: the folded
+    loop's first loss is eager's mean over the four micro-batches (each its own batch norm
+    statistics), and the step's weights are the reference executor's to float32's own
+    accuracy on this net: the tolerance is ``lr`` times eager's largest float32 gradient error
+    against float64 (about 2e-4 on gradients up to 16), times 4.
+    Images of 64x64 and micro-batches of 4 keep the run well conditioned: with 32x32 images
+    and micro-batches of 2 the last stages' batch norm normalises two values per channel, and
+    eager's loss changes from 7.7 to 4.7 when its input is scaled by 1 + 1e-7 (4.9 in
+    float64), so no two float32 summation orders agree there."""
+    torchvision = pytest.importorskip("torchvision")
+    R, GA, micro = 2, 2, 4
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.normal(size=(R * GA * micro, 3, 64, 64)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 10, R * GA * micro))
+
+    def model():
+        return torchvision.models.efficientnet_b0(num_classes=10, stochastic_depth_prob=0.0,
+                                                  dropout=0.0)  # fmt: skip
+
+    losses, grads = {}, {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        eager = model().to(dtype)
+        loss = sum(torch.nn.functional.cross_entropy(eager(x[i:i + micro].to(dtype)),
+                                                     y[i:i + micro])
+                   for i in range(0, len(x), micro)) / (R * GA)  # fmt: skip
+        loss.backward()
+        losses[dtype] = loss.item()
+        grads[dtype] = [p.grad.double() for p in eager.parameters()]
+    err = max((a - b).abs().max().item()
+              for a, b in zip(grads[torch.float32], grads[torch.float64], strict=True))  # fmt: skip
+    _, fns = fast_matches_reference(model, R, GA, [(x.numpy(), y.numpy())],
+                                    first_loss=losses[torch.float32], state_atol=SGD_LR * 4 * err)  # fmt: skip
+    assert fns["normal"].explicit and "iterations folded" in fns["normal"].source

@@ -162,12 +162,16 @@ def test_reduction_over_one_dim_updates_the_parameter_whole(state):
     """A row norm mixes elements that different shards would hold: that matrix is not
     sharded (its gradient all-reduced, its state whole) and trains as eager; the biases,
     normalised by a full norm, are still sharded (Note [steps on whole parameters])."""
-    m = model()
-    opt = RowNormalized(m.parameters())
-    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=2, rts_threshold=1,
-                            optimizer_state=state)  # fmt: skip
-    m_ref = model()
-    opt_ref = RowNormalized(m_ref.parameters())
+    _matrices_whole_biases_sharded(RowNormalized, R=2, GA=1, state=state)
+
+
+def _matrices_whole_biases_sharded(make, R, GA, state):
+    """``make``'s optimizer trained under RTS against eager: the weight matrices are updated
+    whole, the biases sharded, and everything trains as eager."""
+    m, m_ref = model(), model()
+    opt, opt_ref = make(m.parameters()), make(m_ref.parameters())
+    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=1, optimizer_state=state)  # fmt: skip
     for x, y in batches():
         trainer.step(x.numpy(), y.numpy())
         eager_step(m_ref, opt_ref, x, y)
@@ -181,16 +185,7 @@ def test_adafactor_vectors_on_padded_shards_match_eager(R, GA):
     """Adafactor's vector update divides norms by ``p.numel() ** 0.5`` (an RMS): on a padded
     shard ``numel()`` is the parameter's, the norms all-reduced with padding excluded; its
     matrices (row and column variances) are updated whole."""
-    m, m_ref = model(), model()
-    opt, opt_ref = torch.optim.Adafactor(m.parameters()), torch.optim.Adafactor(m_ref.parameters())
-    trainer = popxl.compile(m, F.mse_loss, opt, replication_factor=R, gradient_accumulation=GA,
-                            rts_threshold=1, optimizer_state="remote")  # fmt: skip
-    for x, y in batches():
-        trainer.step(x.numpy(), y.numpy())
-        eager_step(m_ref, opt_ref, x, y)
-    sharded = {s.name: s.sharded for s in trainer._active.slots}
-    assert sharded == {"0.weight": False, "0.bias": True, "2.weight": False, "2.bias": True}
-    assert_same_training(m, opt, m_ref, opt_ref)
+    _matrices_whole_biases_sharded(torch.optim.Adafactor, R=R, GA=GA, state="remote")
 
 
 def test_bfloat16_norms_on_shards_match_eager():

@@ -87,15 +87,16 @@ def test_an_op_batched_by_the_projects_table_runs_on_the_fast_path():
     assert lines == []
 
 
+def _refuse_tracing(*args, **kwargs):
+    raise RuntimeError("tracing refused for this test")
+
+
 def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(
     monkeypatch, no_single_op_vmap
 ):
     from torch_popxl.runtime import executor
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("tracing refused for this test")
-
-    monkeypatch.setattr(executor, "make_fx", refuse)
+    monkeypatch.setattr(executor, "make_fx", _refuse_tracing)
     got, lines, _ = _run(lambda t: torch.roll(t, 1, 0), X)
     for g in got:
         np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))
@@ -107,10 +108,7 @@ def test_a_fragment_that_cannot_be_traced_runs_under_vmap_and_says_why(
 def test_an_op_alone_that_cannot_be_traced_runs_under_vmap_and_says_why(monkeypatch):
     from torch_popxl.runtime import explicit
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("tracing refused for this test")
-
-    monkeypatch.setattr(explicit, "_trace_fake", refuse)
+    monkeypatch.setattr(explicit, "_trace_fake", _refuse_tracing)
     got, lines, session = _run(lambda t: torch.roll(t, 1, 0), X)
     for g in got:
         np.testing.assert_array_equal(g, np.roll(X, 1, axis=1))

@@ -512,31 +512,42 @@ def test_autodiff_through_called_graph_with_strided_arguments(executor):
 # logits: upstream's loss op reads labels flattened, one per row of logits.
 
 
-@pytest.mark.parametrize("executor", ["fast", "reference"])
-def test_autodiff_of_dropout_scales_by_the_forward_mask(executor):
-    p, c = 0.25, 3.0
+def _dropout_and_gradient(executor, p, c, shape, differentiate):
+    """``ops.dropout(x, seed, p) * c`` on ones and its gradient for ones, the backward graph
+    made by ``differentiate(fwd)`` -> (graph, inputs_dict(info)); returns (y, dx)."""
     ir = popxl.Ir()
     with ir.main_graph, popxl.in_sequence():
-        x = popxl.variable(np.ones((16, 32), np.float32), name="x")
+        x = popxl.variable(np.ones(shape, np.float32), name="x")
         seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
 
         def f(x, seed):
             return ops.dropout(x, seed, p=p) * c
 
         fwd = ir.create_graph(f, x, seed)
-        grad = autodiff(fwd, grads_required=[fwd.inputs[0]])
+        graph, inputs_dict = differentiate(fwd)
         info = ops.call_with_info(fwd, x, seed)
-        y = info.parent_output(0)
-        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((16, 32), np.float32)),
-                         inputs_dict=grad.inputs_dict(info))  # fmt: skip
-        sy, sdx = _store(y), _store(dx)
+        (dx,) = ops.call(graph, popxl.constant(np.ones(shape, np.float32)),
+                         inputs_dict=inputs_dict(info))  # fmt: skip
+        sy, sdx = _store(info.parent_output(0)), _store(dx)
     out = _run(ir, executor)
-    kept = out[sy] != 0
+    return out[sy], out[sdx]
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_autodiff_of_dropout_scales_by_the_forward_mask(executor):
+    p, c = 0.25, 3.0
+
+    def differentiate(fwd):
+        grad = autodiff(fwd, grads_required=[fwd.inputs[0]])
+        return grad.graph, grad.inputs_dict
+
+    y, dx = _dropout_and_gradient(executor, p, c, (16, 32), differentiate)
+    kept = y != 0
     # the forward's values: c / (1 - p) where kept; about p of them dropped
-    np.testing.assert_allclose(out[sy][kept], c / (1 - p), rtol=1e-6)
+    np.testing.assert_allclose(y[kept], c / (1 - p), rtol=1e-6)
     assert 0.1 < 1 - kept.mean() < 0.4
     # the gradient: the same mask, the same scale
-    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)
+    np.testing.assert_allclose(dx, np.where(kept, c / (1 - p), 0.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -612,22 +623,13 @@ def test_dropout_mask_is_a_function_of_the_seed(executor):
 @pytest.mark.parametrize("executor", ["fast", "reference"])
 def test_recomputed_dropout_uses_the_forward_mask(executor):
     p, c = 0.5, 2.0
-    ir = popxl.Ir()
-    with ir.main_graph, popxl.in_sequence():
-        x = popxl.variable(np.ones((8, 16), np.float32), name="x")
-        seed = popxl.variable(np.array([7, 11], np.uint32), popxl.uint32, name="seed")
 
-        def f(x, seed):
-            return ops.dropout(x, seed, p=p) * c
-
-        fwd = ir.create_graph(f, x, seed)
+    def differentiate(fwd):
         grad = addons.autodiff(addons.GraphWithNamedArgs(fwd), grads_required=[fwd.inputs[0]])
         grad = addons.transforms.recompute_graph(grad)  # the gradient replays the forward
-        info = ops.call_with_info(fwd, x, seed)
-        (dx,) = ops.call(grad.graph, popxl.constant(np.ones((8, 16), np.float32)),
-                         inputs_dict=grad.grad_graph_info.inputs_dict(info))  # fmt: skip
-        sy, sdx = _store(info.parent_output(0)), _store(dx)
-    out = _run(ir, executor)
-    kept = out[sy] != 0
+        return grad.graph, grad.grad_graph_info.inputs_dict
+
+    y, dx = _dropout_and_gradient(executor, p, c, (8, 16), differentiate)
+    kept = y != 0
     assert 0.3 < kept.mean() < 0.7
-    np.testing.assert_allclose(out[sdx], np.where(kept, c / (1 - p), 0.0), rtol=1e-6)
+    np.testing.assert_allclose(dx, np.where(kept, c / (1 - p), 0.0), rtol=1e-6)

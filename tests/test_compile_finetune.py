@@ -162,3 +162,40 @@ def test_max_grad_norm_clips_the_optimizers_parameters(R, GA, rts, state):
     # frozen (Note [frozen parameters]): no gradient is computed for it, where eager backward()
     # would fill one the optimizer never reads
     assert m[0].weight.grad is None
+
+
+class WithUnused(torch.nn.Module):
+    """A model with a layer its forward never runs (an auxiliary head, a leftover layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = model()
+        self.aux = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS)
+def test_a_parameter_the_loss_does_not_reach_keeps_no_grad_and_no_state_as_in_eager(R, GA, rts,
+                                                                                   state):  # fmt: skip
+    # Note [parameters without a gradient]: AdamW with weight decay would move the unused
+    # layer if the program updated it; eager leaves it as it is, grad None, no state.
+    m, ref = WithUnused(), WithUnused()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=64 if rts else None, optimizer_state=state)  # fmt: skip
+    for x, y in batches():
+        assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        # Adam normalises gradients: rounding where one is about 0 is amplified
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, err_msg=n)
+        assert (p.grad is None) == (q.grad is None), n
+    assert torch.equal(m.aux.weight, ref.aux.weight) and m.aux.weight.grad is None
+    assert m.aux.weight not in opt.state and len(opt.state) == len(ref_opt.state) == 6
+    # the checkpoint round trip keeps the layer out of the state, and training goes on
+    trainer.load_state_dict(trainer.state_dict())
+    x, y = batches(1)[0]
+    assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)

@@ -12,12 +12,18 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from .errors import DataDependentError
 from .ir.attrs import TorchCall
@@ -88,6 +94,13 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: Graph, on_unknown=None):
         super().__init__()
         self.graph = graph
+        # Note [no_grad in captured code]: torch code may compute part of its result under
+        # ``torch.no_grad()`` (a scale it does not differentiate, spectral norm's power
+        # iteration writing its buffers): eager autograd passes no gradient through those ops.
+        # They are recorded with ``no_grad`` and autodiff replays them without a gradient. Only
+        # relative to the grad mode the capture started in: popxl programs built under
+        # no_grad differentiate as ever.
+        self._grad_at_start = torch.is_grad_enabled()
         # Called for fake inputs that are not handles of this graph (autodiff maps saved
         # forward tensors to grad-graph inputs this way). Returns a handle or None.
         self.on_unknown = on_unknown
@@ -306,7 +319,13 @@ class _Recorder(TorchDispatchMode):
             name=str(func),
             inputs=tuple(inputs),
             outputs=tuple(outputs),
-            attrs=TorchCall(func, tuple(args_t), kwargs_t, tuple(paths)),
+            attrs=TorchCall(
+                func,
+                tuple(args_t),
+                kwargs_t,
+                tuple(paths),
+                no_grad=self._grad_at_start and not torch.is_grad_enabled(),
+            ),
         )
         self.graph._append_op(op)
 
@@ -337,8 +356,173 @@ def _tensor_leaves_with_paths(out, prefix=()):
 def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
     # oneDNN off (Note [no oneDNN in captured code]).
-    with _onednn_off(), fake_mode(), _Recorder(graph, on_unknown):
+    recorder = _Recorder(graph, on_unknown)
+    with _onednn_off(), fake_mode(), recorder, _functions_recorded_by(recorder):
         yield
+
+
+# ---- custom autograd Functions (Note [custom autograd Functions], transforms/functions.py) ----
+#
+# ``Fn.apply`` is torch's C++ code (and a program may hold it bound: ``ste = STE.apply``), but
+# it calls ``Fn.forward`` (and ``Fn.setup_context``) by name. While something records, every
+# Function class of the program's own (those that exist when recording starts, and those
+# created during it) has them replaced by hooks that hand the call to the handler, which
+# records the Function with its backward; they are put back when recording ends.
+
+# (recorder, cls, forward, setup_context or None, args, kwargs) -> outputs; set by
+# transforms/functions.py.
+_function_handler: Callable[..., Any] | None = None
+_recording: list[_Recorder] = []  # the recorders in use, innermost last
+# class -> (its own "forward", "setup_context" entries or None, the resolved functions)
+_hooked: dict[type, tuple[Any, Any, Callable, Callable | None]] = {}
+_skip_setup: list[bool] = [False]  # the handler ran setup_context already
+
+
+def handle_functions(handler: Callable[..., Any]) -> None:
+    """Route custom autograd Functions run in captured code to ``handler``."""
+    global _function_handler
+    _function_handler = handler
+    _find_users_classes()
+    torch.autograd.function.FunctionMeta.__init__ = _meta_init  # type: ignore[method-assign]
+
+
+def _is_users(cls) -> bool:
+    """A Function of the program's own, not torch's or torch_popxl's (``torch.utils.checkpoint``
+    is differentiated through its ops)."""
+    module = getattr(cls, "__module__", "") or ""
+    return not module.startswith(("torch.", "torch_popxl."))
+
+
+def _has_setup_context(cls) -> bool:
+    return torch.autograd.function._is_setup_context_defined(cls.setup_context)
+
+
+def _hook(cls) -> None:
+    if cls in _hooked or not _is_users(cls) or _function_handler is None:
+        return
+    setup = cls.setup_context if _has_setup_context(cls) else None
+    _hooked[cls] = (cls.__dict__.get("forward"), cls.__dict__.get("setup_context"),
+                    cls.forward, setup)  # fmt: skip
+
+    def forward(*args, **kwargs):
+        _, _, fwd, setup_context = _hooked[cls]
+        if not _recording:  # called outside recording (cannot happen while hooked)
+            return fwd(*args, **kwargs)
+        if setup_context is None:
+            args = args[1:]  # torch's ctx: the handler fills its own
+        result = _function_handler(_recording[-1], cls, fwd, setup_context, args, kwargs)
+        _skip_setup[0] = setup_context is not None
+        return result
+
+    cls.forward = staticmethod(forward)
+    if setup is not None:
+
+        def setup_context(ctx, inputs, output):
+            if _skip_setup[0]:  # torch's own call after the hooked forward
+                _skip_setup[0] = False
+                return None
+            return _hooked[cls][3](ctx, inputs, output)
+
+        cls.setup_context = staticmethod(setup_context)
+
+
+def _unhook_all() -> None:
+    for cls, (own_forward, own_setup, _, setup) in _hooked.items():
+        for name, own in (("forward", own_forward), ("setup_context", own_setup)):
+            if name == "setup_context" and setup is None:
+                continue
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+    _hooked.clear()
+
+
+# The program's own Function classes: those that existed when the handler was set and every
+# one created since (torch's metaclass tells), so recording need not search torch's classes.
+_users_classes: weakref.WeakSet = weakref.WeakSet()
+_META_INIT = torch.autograd.function.FunctionMeta.__init__
+
+
+def _meta_init(cls, name, bases, attrs):
+    _META_INIT(cls, name, bases, attrs)
+    if _is_users(cls):
+        _users_classes.add(cls)
+        if _recording:
+            _hook(cls)
+
+
+def _find_users_classes() -> None:
+    todo, seen = list(torch.autograd.Function.__subclasses__()), set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        if _is_users(cls):
+            _users_classes.add(cls)
+
+
+@contextlib.contextmanager
+def _functions_recorded_by(recorder: _Recorder) -> Iterator[None]:
+    """Custom Functions go to the handler while ``recorder`` records."""
+    first = not _recording
+    if first:
+        for cls in list(_users_classes):
+            _hook(cls)
+    _recording.append(recorder)
+    try:
+        yield
+    finally:
+        _recording.pop()
+        if first:
+            _unhook_all()
+
+
+@contextlib.contextmanager
+def recording_instead(old: _Recorder, graph: Graph, on_unknown, *,
+                      keep_above: bool) -> Iterator[None]:  # fmt: skip
+    """Record into ``graph`` where ``old`` recorded: a new recorder takes ``old``'s place on
+    the dispatch-mode stack. The modes above it (a loss splitter following batch data) keep
+    seeing the ops with ``keep_above``; without, they are set aside until the end."""
+    stack = _get_current_dispatch_mode_stack()
+    if old not in stack:
+        raise AssertionError("the recorder to replace is not on the dispatch-mode stack")
+    above = []
+    while (mode := _pop_mode()) is not old:
+        above.append(mode)
+    new = _Recorder(graph, on_unknown)
+    _push_mode(new)
+    if keep_above:
+        for mode in reversed(above):
+            _push_mode(mode)
+    try:
+        with graph, _functions_recorded_by(new), in_torch_order():
+            yield
+    finally:
+        if keep_above:
+            for _ in above:
+                _pop_mode()
+        _pop_mode()
+        _push_mode(old)
+        for mode in reversed(above):
+            _push_mode(mode)
+
+
+@contextlib.contextmanager
+def modes_set_aside() -> Iterator[None]:
+    """No torch dispatch mode but fake mode (graph building from inside captured code)."""
+    modes = []
+    while (stack := _get_current_dispatch_mode_stack()) and not isinstance(
+        stack[-1], torch._subclasses.fake_tensor.FakeTensorMode
+    ):
+        modes.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
 
 
 @contextlib.contextmanager

@@ -228,6 +228,19 @@ class _Batch:
         )
 
 
+# Note [parameters without a gradient]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A trained parameter the loss does not depend on (a layer the forward skips, a head used only
+# in eval, a weight a custom Function reads by closure) gets no gradient in eager torch: its
+# ``.grad`` stays None and torch's optimizers skip it (no update, no weight decay, no state).
+# The program finds such parameters when it differentiates the loss (``_NoGradientPath``);
+# the trainer then freezes them (Note [frozen parameters]) and builds the program again.
+class _NoGradientPath(Exception):
+    def __init__(self, names: frozenset[str]):
+        super().__init__(sorted(names))
+        self.names = names
+
+
 @dataclass
 class _Program:
     """One built training program (per train/eval mode) and how its variables reach torch.
@@ -408,6 +421,9 @@ class Trainer:
         # the copy of the optimizer whose step() is captured (Note [captured optimizer steps])
         self._shadow = _optim.shadow(optimizer)
         _group_specs(optimizer, self._params)  # validate now, not at the first step
+        # Trained parameters the loss has no gradient path to (Note [parameters without a
+        # gradient]): found by the first program that lacks one; from then on frozen.
+        self._no_grad_path: frozenset[str] = frozenset()
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
         self.max_programs = _MAX_PROGRAMS
@@ -484,6 +500,10 @@ class Trainer:
 
     # ---- building -------------------------------------------------------------------------
 
+    def _specs(self) -> tuple[_GroupSpec, ...]:
+        """The optimizer's param groups as the program trains them."""
+        return _group_specs(self.optimizer, self._params, self._no_grad_path)
+
     def _shard(self, numel: int) -> bool:
         return (
             self.rts_threshold is not None
@@ -555,7 +575,13 @@ class Trainer:
                 grads_provided=fwd.outputs[:1],
                 grads_required=param_inputs,
                 _allow_modifying=True,
+                _missing_ok=True,
             )
+            with_grad = {e.fwd_tensor.id for e in bwd.expected_outputs}
+            missing = [s.name for s, t in zip(slots, param_inputs, strict=True)
+                       if t.id not in with_grad]  # fmt: skip
+            if missing:
+                raise _NoGradientPath(frozenset(missing))
 
             body = ir.create_empty_graph("micro_batch")
             with body:
@@ -1041,7 +1067,7 @@ class Trainer:
         """The program for the model's current mode and optimizer structure, built or
         rebuilt as needed, with the torch-side state it must start from."""
         self._check_module_tensors()
-        specs = _group_specs(self.optimizer, self._params)
+        specs = self._specs()
         # Note [a program per input signature]: one program per train/eval mode and input
         # shapes, built when first seen (a DataLoader's short last batch, eval batches) and
         # kept, the least recently used dropped beyond ``max_programs``.
@@ -1050,7 +1076,11 @@ class Trainer:
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
         if prog is None:
-            prog = self._build(batch, specs)
+            try:
+                prog = self._build(batch, specs)
+            except _NoGradientPath as e:
+                self._no_grad_path |= e.names
+                prog = self._build(batch, specs := self._specs())
         self._programs[key] = prog  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             # (a dropped active program still hands its state over below)
@@ -1335,7 +1365,7 @@ class Trainer:
         if isinstance(state, _LiveState):
             state._sync()
         raw = {id(k): v for k, v in dict.items(state)}
-        specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
+        specs = {n: spec for spec in self._specs() for n in spec.names}
         by_name, steps = {}, set()
         for name, p in self._params.items():
             if name not in specs:  # frozen (Note [frozen parameters])
@@ -1379,7 +1409,7 @@ class Trainer:
     # ---- state ----------------------------------------------------------------------------
 
     def _has_step(self) -> bool:
-        return any(s.has_step for s in _group_specs(self.optimizer, self._params))
+        return any(s.has_step for s in self._specs())
 
     def _initial_state(self, name: str, spec: _GroupSpec) -> dict[str, torch.Tensor]:
         """A parameter's optimizer state before its first step, as torch initialises it:
@@ -1428,7 +1458,7 @@ class Trainer:
         step = opt["step"]
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"load_state_dict: optimizer step must be an int >= 0; got {step!r}.")
-        specs = {n: spec for spec in _group_specs(self.optimizer, self._params) for n in spec.names}
+        specs = {n: spec for spec in self._specs() for n in spec.names}
         if opt["state"]:
             expected = {
                 f"{n}.{k}": self._initial_state(n, specs[n])[k]

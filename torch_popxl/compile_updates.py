@@ -97,7 +97,9 @@ def _optimizer_kind(optimizer) -> str:
 
 
 def _group_specs(
-    optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.nn.Parameter],
+    no_grad_path: frozenset[str] = frozenset(),
 ) -> tuple[_GroupSpec, ...]:
     kind = _optimizer_kind(optimizer)
     by_id = {id(p): n for n, p in params.items()}
@@ -110,7 +112,9 @@ def _group_specs(
                     "popxl.compile: the optimizer holds a parameter that is not a parameter of the "
                     "model. Build the optimizer from model.parameters()."
                 )
-            if p.requires_grad:  # torch's optimizers skip a frozen one (its grad is None)
+            # torch's optimizers skip a frozen one, or one the loss does not reach (its grad
+            # is None: Note [parameters without a gradient] in compile.py)
+            if p.requires_grad and by_id[id(p)] not in no_grad_path:
                 names.append(by_id[id(p)])
         seen.update(names)
         if kind == "torch":  # maximize, if any, is torch's business here

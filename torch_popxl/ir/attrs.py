@@ -19,12 +19,15 @@ __all__ = ["CallSite", "HostTransfer", "PrintOptions", "RemoteTransfer", "TorchC
 @dataclass(frozen=True, slots=True)
 class TorchCall:
     """A captured aten / ``torch_popxl`` op: ``target(*args, **kwargs)`` with ``Slot``
-    placeholders for the tensor inputs; ``out_paths[i]`` locates output i in the result."""
+    placeholders for the tensor inputs; ``out_paths[i]`` locates output i in the result;
+    ``no_grad``: the captured code ran it under ``torch.no_grad()`` (Note [no_grad in captured
+    code], capture.py)."""
 
     target: Any  # torch._ops.OpOverload
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     out_paths: tuple[tuple[int, ...], ...]
+    no_grad: bool = False
 
     def argument(self, name: str) -> Any:
         """The value of the schema argument ``name`` (positional, keyword or default)."""

@@ -55,6 +55,9 @@ class Ir:
         # (graph holding the load, graph whose code is loaded, destination), in creation order.
         self._code_loads: list[tuple[Graph, Graph, str]] = []
         self._param_variables: dict[int, Any] = {}
+        # Gradient graphs of the custom autograd Functions captured in this Ir: {forward
+        # graph: GradGraphInfo} (Note [custom autograd Functions], transforms/functions.py).
+        self._function_grads: dict[Graph, Any] = {}
         self._num_host_transfers = 1
         self._sessions = 0
         self._instance_index = 0

@@ -241,7 +241,7 @@ class _Replay(Interpreter[torch.Tensor]):
             target = view_or_copy
         args = _fill(op.attrs.args, ins)
         kwargs = _fill(op.attrs.kwargs, ins)
-        if _has_no_gradient(op):
+        if op.attrs.no_grad or _has_no_gradient(op):  # Note [no_grad in captured code]
             with torch.no_grad():
                 result = target(*args, **kwargs)
         elif self._depth == 0 and _is_modifying(op):
@@ -426,14 +426,16 @@ def _stitch_output(graph: Graph, t: Tensor) -> None:
 def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
              grads_required: Iterable[Tensor] | None = None,
              called_graphs_grad_info: dict | None = None,
-             return_all_grad_graphs: bool = False, *, _allow_modifying: bool = False):  # fmt: skip
+             return_all_grad_graphs: bool = False, *, _allow_modifying: bool = False,
+             _missing_ok: bool = False):  # fmt: skip
     """Differentiate ``graph``; returns a ``GradGraphInfo`` (see spec §8).
 
     ``called_graphs_grad_info`` ({called graph: its ``GradGraphInfo``}) makes calls of those
     graphs, at any depth, use the given gradient graphs (Note [given gradient graphs]).
 
     ``_allow_modifying`` (used by ``popxl.compile``) accepts in-place updates of inputs that
-    carry no gradient, such as BatchNorm running statistics.
+    carry no gradient, such as BatchNorm running statistics; ``_missing_ok`` leaves a required
+    input without a gradient path out of the outputs instead of raising.
     """
     if not isinstance(graph, Graph):
         raise TypeError(f"autodiff expects a popxl Graph; got {_given(graph)}.")
@@ -457,7 +459,8 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
                 f"input of {graph.id!r}."
             )
 
-    given_in = given_grad_graphs(called_graphs_grad_info)
+    # Custom autograd Functions' gradient graphs first: the caller's map may replace them.
+    given_in = {**graph.ir._function_grads, **given_grad_graphs(called_graphs_grad_info)}
     given = with_intermediate_grads(graph, given_in, autodiff)
     replay = _Replay(graph, required, given)
     ir = graph.ir
@@ -519,7 +522,7 @@ def autodiff(graph: Graph, grads_provided: Iterable[Tensor] | None = None,
         for t in required:
             g = grads[t.id]
             if g is None:
-                if explicit_required:
+                if explicit_required and not _missing_ok:
                     raise PopXLError(
                         f"[Autodiff] Unable to provide required gradient output for {t.id!r}: no "
                         f"gradient path from the provided outputs of {graph.id!r}."

@@ -257,3 +257,44 @@ def test_spectral_norm_power_iteration_under_no_grad_trains_as_eager(R, GA):
         torch.nn.Linear(16, 3),
     )
     train_both(model, F.cross_entropy, _batches(3), R, GA, rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_writing_a_trained_parameter_in_place_is_refused_with_nothing_changed():
+    # nn.Embedding(max_norm=...) renormalises the rows it reads in place under no_grad: eager
+    # then trains the renormalised rows; the compiled step would train the old ones.
+    class Renormed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8, max_norm=1.0)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    torch.manual_seed(0)
+    model = Renormed()
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(
+        ValueError, match=r"writes the trained parameters \['emb.weight'\] in place"
+    ):
+        trainer.step(torch.randint(0, 20, (8, 5)), torch.randint(0, 3, (8,)))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["hook", "pre_hook"])
+def test_module_backward_hooks_are_refused_with_nothing_changed(kind):
+    # eager runs them (they scale this layer's input gradient); the compiled step would not
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    if kind == "hook":
+        model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    else:
+        model[2].register_full_backward_pre_hook(lambda m, go: (go[0] * 0.5,))
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"modules \['2'\] have backward hooks"):
+        trainer.step(*_batches(1)[0])
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.modules.module as _nn_module
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -106,6 +107,7 @@ from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
 from .ir.streams import d2h_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
+from .ir.walk import mutated_inputs
 from .runtime import distributed as _distributed
 from .runtime.session import Session, check_backend, resolve_device
 from .transforms.autodiff import autodiff
@@ -225,6 +227,21 @@ class _Batch:
             tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
             tuple((a.shape, str(a.dtype)) for a in self.targets),
             self.targets_tuple,
+        )
+
+
+def _refuse_backward_hooks(model: torch.nn.Module) -> None:
+    """Module backward hooks change gradients in eager torch; the compiled step differentiates
+    the captured ops and would silently leave them out, so they are refused."""
+    hooked = [name or type(model).__name__ for name, m in model.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]  # fmt: skip
+    if hooked or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks:
+        where = f"modules {hooked}" if hooked else "all modules (a global hook)"
+        raise ValueError(
+            f"popxl.compile: {where} have backward hooks (register_full_backward_hook / "
+            "register_full_backward_pre_hook); the compiled step does not run them. Remove "
+            "them, or express the gradient change as a custom torch.autograd.Function in "
+            "forward (its backward runs: docs/compile.md)."
         )
 
 
@@ -512,6 +529,7 @@ class Trainer:
         )
 
     def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
+        _refuse_backward_hooks(self.model)
         R, GA = self.replication_factor, self.gradient_accumulation
         micro = batch.size // (_distributed.local_replicas(R) * GA)
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
@@ -570,6 +588,16 @@ class Trainer:
                 inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
+            written = mutated_inputs(fwd)
+            written = [s.name for i, s in enumerate(slots) if n_io + i in written]
+            if written:
+                raise ValueError(
+                    f"popxl.compile: the forward writes the trained parameters {written} in "
+                    "place (nn.Embedding(max_norm=...) renormalises its rows so); the compiled "
+                    "step keeps parameters as the optimizer leaves them and cannot follow such "
+                    "a write. Renormalise outside the step (under torch.no_grad(), between "
+                    "steps), or compute the normalised weight out of place in forward."
+                )
             bwd = autodiff(
                 fwd,
                 grads_provided=fwd.outputs[:1],

@@ -298,3 +298,43 @@ def test_module_backward_hooks_are_refused_with_nothing_changed(kind):
         trainer.step(*_batches(1)[0])
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_layers_train_as_eager(reentrant):
+    # torch's reentrant checkpoint runs its forward under no_grad (and recomputes in backward):
+    # its ops are differentiated, not taken for the program's own no_grad
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.mid, self.b = (torch.nn.Linear(12, 16), torch.nn.Linear(16, 16),
+                                        torch.nn.Linear(16, 3))  # fmt: skip
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(lambda t: F.gelu(self.mid(t)), self.a(x),
+                                                  use_reentrant=reentrant)  # fmt: skip
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    train_both(model, F.cross_entropy, _batches(3), 2, 2, rtol=1e-5, atol=1e-6)
+    assert model.mid.weight.grad is not None
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_tensor_hooks_registered_in_forward_change_the_gradient_as_in_eager(guarded):
+    # Note [requires_grad in captured code]: captured tensors that depend on trained weights
+    # require grad, so a guarded hook is registered too, and autodiff runs it
+    class Hooked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if h.requires_grad or not guarded:
+                h.register_hook(lambda g: g * 0.5 + 0.01)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    train_both(Hooked(), F.cross_entropy, _batches(3), 2, 2, rtol=1e-5, atol=1e-6)

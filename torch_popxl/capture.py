@@ -98,8 +98,9 @@ class _Recorder(TorchDispatchMode):
         # ``torch.no_grad()`` (a scale it does not differentiate, spectral norm's power
         # iteration writing its buffers): eager autograd passes no gradient through those ops.
         # They are recorded with ``no_grad`` and autodiff replays them without a gradient. Only
-        # relative to the grad mode the capture started in: popxl programs built under
-        # no_grad differentiate as ever.
+        # relative to the grad mode the capture started in (popxl programs built under
+        # no_grad differentiate as ever), and not inside torch's own autograd Functions
+        # (``_inside_torch_function``: the reentrant checkpoint's forward).
         self._grad_at_start = torch.is_grad_enabled()
         # Called for fake inputs that are not handles of this graph (autodiff maps saved
         # forward tensors to grad-graph inputs this way). Returns a handle or None.
@@ -324,7 +325,9 @@ class _Recorder(TorchDispatchMode):
                 tuple(args_t),
                 kwargs_t,
                 tuple(paths),
-                no_grad=self._grad_at_start and not torch.is_grad_enabled(),
+                no_grad=self._grad_at_start
+                and not torch.is_grad_enabled()
+                and not _inside_torch_function[0],
             ),
         )
         self.graph._append_op(op)
@@ -452,6 +455,25 @@ def _meta_init(cls, name, bases, attrs):
             _hook(cls)
 
 
+# Torch's own Functions run their forward without grad (C++ ``apply``; the reentrant
+# checkpoint says ``torch.no_grad()`` itself): that is how a Function works, not a choice of
+# the program, so their ops are differentiated (not marked ``no_grad``: Note [no_grad in
+# captured code]) while ``_inside_torch_function`` counts the calls in progress.
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
+_inside_torch_function = [0]
+
+
+def _apply(cls, *args, **kwargs):
+    apply = _FUNCTION_APPLY.__get__(None, cls)
+    if _is_users(cls):  # its forward is hooked
+        return apply(*args, **kwargs)
+    _inside_torch_function[0] += 1
+    try:
+        return apply(*args, **kwargs)
+    finally:
+        _inside_torch_function[0] -= 1
+
+
 def _find_users_classes() -> None:
     todo, seen = list(torch.autograd.Function.__subclasses__()), set()
     while todo:
@@ -471,12 +493,14 @@ def _functions_recorded_by(recorder: _Recorder) -> Iterator[None]:
     if first:
         for cls in list(_users_classes):
             _hook(cls)
+        torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
     _recording.append(recorder)
     try:
         yield
     finally:
         _recording.pop()
         if first:
+            torch.autograd.Function.apply = _FUNCTION_APPLY  # type: ignore[method-assign]
             _unhook_all()
 
 

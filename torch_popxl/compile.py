@@ -36,6 +36,7 @@ Modules: this one holds the trainer and ``compile``; ``compile_updates`` the ste
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import sys
 import weakref
@@ -103,6 +104,7 @@ from .dtypes import dtype as _dtype
 from .dtypes import float32 as _float32
 from .dtypes import numpy_to_torch, torch_to_numpy
 from .ir.context import in_sequence
+from .ir.graph import Graph
 from .ir.ir import Ir
 from .ir.remote_buffer import remote_buffer
 from .ir.streams import d2h_stream
@@ -228,6 +230,36 @@ class _Batch:
             tuple((a.shape, str(a.dtype)) for a in self.targets),
             self.targets_tuple,
         )
+
+
+# Note [requires_grad in captured code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Torch code reads ``requires_grad``: a tensor hook is registered only on a tensor that needs a
+# gradient (torch raises otherwise, so code guards it with ``if t.requires_grad:``), the
+# reentrant checkpoint warns where none of its inputs does, attention picks its kernel by it.
+# So while the forward is captured the trained parameters' fakes require grad, as the module's
+# parameters do in eager torch, and torch's autograd follows them through the captured ops
+# (on fake tensors: no values). A hook registered on a captured tensor is kept on its graph
+# (``Graph._grad_hooks``); autodiff registers it on the tensor's replayed value, so it sees and
+# may replace that tensor's gradient as in eager torch.
+@contextlib.contextmanager
+def _requiring_grad(handles: list[Tensor]):
+    for h in handles:
+        h._fake.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h._fake.requires_grad_(False)
+
+
+def _grad_hooks_of(graph: Graph) -> dict[str, tuple]:
+    """The tensor hooks torch code registered on the graph's captured tensors."""
+    return {
+        t.id: tuple(fake._backward_hooks.values())
+        for fake, t in graph._by_fake.values()
+        if getattr(fake, "_backward_hooks", None)
+    }
 
 
 def _refuse_backward_hooks(model: torch.nn.Module) -> None:
@@ -862,6 +894,7 @@ class Trainer:
                 for n, p in self._params.items()
                 if n not in frozen_vars
             }
+            trained = [h for h in params.values() if h.dtype.as_torch().is_floating_point]
             params.update({n: graph_input(v.shape, v.dtype, n) for n, v in frozen_vars.items()})
             bufs = {
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
@@ -869,12 +902,13 @@ class Trainer:
             }
             chunks = self.replication_factor * self.gradient_accumulation
             inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
-            with _attributes_restored(self.model):
+            with _attributes_restored(self.model), _requiring_grad(trained):
                 captured = call_torch(
                     _forward_and_loss,
                     (self.model, {**params, **bufs}, args, kwargs, t, inv),
                     {"loss_fn": self.loss_fn, "chunks": chunks},
                 )
+            graph._grad_hooks.update(_grad_hooks_of(graph))
             obj, count, bound, n_host, outputs = captured
             outputs = _without_caches(outputs)
             graph_output(obj)

@@ -189,6 +189,10 @@ class Graph:
         g._ops = []
         g._op_context = "normal"
         g._hooks = {}
+        # tensor id -> gradient hooks torch code registered on it while it was captured
+        # (``Tensor.register_hook``; autodiff registers them again: Note [requires_grad in
+        # captured code])
+        g._grad_hooks = {}
         g._hook_ids = itertools.count()
         g._version = 0
         return g

@@ -215,11 +215,19 @@ class _Replay(Interpreter[torch.Tensor]):
     def _bind(self, t: Tensor, fake: torch.Tensor) -> None:
         self.value[t.id] = fake
         self._note(fake, t)
+        self._hook(t, fake)
 
     def _note_outputs(self, op: Op, values) -> None:
         if self._depth == 0:
             for t, v in zip(op.outputs, values, strict=True):
                 self._note(v, t)
+                self._hook(t, v)
+
+    def _hook(self, t: Tensor, fake: torch.Tensor) -> None:
+        # the capture's tensor hooks (Note [requires_grad in captured code], compile.py)
+        for hook in self.graph._grad_hooks.get(t.id, ()):
+            if fake.requires_grad:
+                fake.register_hook(hook)
 
     def constant(self, t: Constant) -> torch.Tensor:
         with fake_mode() as fm:

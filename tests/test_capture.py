@@ -228,6 +228,9 @@ DATA_DEPENDENT = {
     "module_forward_branch": (lambda t: _BranchyModule()(t), "not known"),
     "tolist": (lambda t: t.tolist(), r"\.tolist\(\)"),
     "numpy": (lambda t: t.numpy(), r"\.numpy\(\)"),
+    # ops whose result's shape depends on values
+    "nonzero": (lambda t: torch.nonzero(t > 0), "static shapes"),
+    "masked_select": (lambda t: torch.masked_select(t, t > 0), "static shapes"),
 }
 
 

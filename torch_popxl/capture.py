@@ -130,7 +130,16 @@ class _Recorder(TorchDispatchMode):
                 math_out = self._attention_math(args, kwargs)
                 if math_out is not None:
                     return math_out
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+            raise DataDependentError(
+                f"{func}: the shape of its result depends on tensor values (for example "
+                "nonzero, masked_select, unique, or pack_padded_sequence's lengths), which are "
+                "not known while the graph is captured; a popxl graph has static shapes. Keep "
+                "shapes fixed: pad and mask (run the RNN on the padded batch and select each "
+                "sequence's last step with gather), or use torch.where."
+            ) from e
         if func in _CONSTANT_LIFTS:
             real = args[0]
             const = _constant_from_torch(self.graph, real, "constant")

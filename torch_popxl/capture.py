@@ -502,14 +502,14 @@ def _functions_recorded_by(recorder: _Recorder) -> Iterator[None]:
     if first:
         for cls in list(_users_classes):
             _hook(cls)
-        torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+        torch.autograd.Function.apply = classmethod(_apply)
     _recording.append(recorder)
     try:
         yield
     finally:
         _recording.pop()
         if first:
-            torch.autograd.Function.apply = _FUNCTION_APPLY  # type: ignore[method-assign]
+            torch.autograd.Function.apply = _FUNCTION_APPLY
             _unhook_all()
 
 

@@ -255,11 +255,12 @@ def _requiring_grad(handles: list[Tensor]):
 
 def _grad_hooks_of(graph: Graph) -> dict[str, tuple]:
     """The tensor hooks torch code registered on the graph's captured tensors."""
-    return {
-        t.id: tuple(fake._backward_hooks.values())
-        for fake, t in graph._by_fake.values()
-        if getattr(fake, "_backward_hooks", None)
-    }
+    hooks = {}
+    for fake, t in graph._by_fake.values():
+        registered = getattr(fake, "_backward_hooks", None)
+        if registered:
+            hooks[t.id] = tuple(registered.values())
+    return hooks
 
 
 def _refuse_backward_hooks(model: torch.nn.Module) -> None:
@@ -620,8 +621,8 @@ class Trainer:
                 inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
-            written = mutated_inputs(fwd)
-            written = [s.name for i, s in enumerate(slots) if n_io + i in written]
+            mutated = mutated_inputs(fwd)
+            written = [s.name for i, s in enumerate(slots) if n_io + i in mutated]
             if written:
                 raise ValueError(
                     f"popxl.compile: the forward writes the trained parameters {written} in "

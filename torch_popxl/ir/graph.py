@@ -169,6 +169,7 @@ class Graph:
     _ops: list[Op]
     _op_context: str
     _hooks: dict[int, Callable[[Op], None]]
+    _grad_hooks: dict[str, tuple[Callable[..., Any], ...]]
     _hook_ids: Iterator[int]
     _version: int
 

@@ -34,12 +34,13 @@
 
 #include <cmath>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "cpu.h"
 #include "kernels.h"
 #include "parallel.h"
+
+#ifdef TORCH_POPXL_X86
+#include <immintrin.h>
+#endif
 
 namespace torch_popxl {
 namespace {
@@ -53,7 +54,7 @@ struct AdamScalars {
   float neg_step;  // -lr / (1 - beta1 ** step)
 };
 
-#if defined(__x86_64__)
+#ifdef TORCH_POPXL_X86
 __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
 }
@@ -90,13 +91,6 @@ __attribute__((target("avx512f"))) void params_avx512(float* p, const float* m,
     _mm512_mask_storeu_ps(p + i, k, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(ns, mi), denom)));
   }
 }
-
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-#else
-bool has_avx512() { return false; }
 #endif
 
 float scalar_of(const at::Tensor& t, const char* name) {
@@ -120,7 +114,7 @@ bool one_pass_ok(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
   for (int a = 0; a < 4; ++a)
     for (int b = a + 1; b < 4; ++b)
       if (p.numel() > 0 && ptrs[a] == ptrs[b]) return false;
-  return has_avx512();
+  return cpu_has_avx512f();
 }
 
 }  // namespace
@@ -141,7 +135,7 @@ void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp
                       scalar_of(eps, "eps"), -scalar_of(step_size, "step_size")};
   for (size_t k = 0; k < n; ++k) {
     const at::Tensor &p = params[k], &g = grads[k], &m = exp_avgs[k], &v = exp_avg_sqs[k];
-#if defined(__x86_64__)
+#ifdef TORCH_POPXL_X86
     if (one_pass_ok(p, g, m, v)) {
       float* pp = p.data_ptr<float>();
       const float* gp = g.const_data_ptr<float>();

@@ -52,6 +52,7 @@ void adam_chain_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  at::TensorList exp_avg_sqs, const at::Tensor& one_minus_beta1,
                  const at::Tensor& beta2, const at::Tensor& one_minus_beta2,
                  const at::Tensor& step_size, const at::Tensor& bias_correction2_sqrt,
-                 const at::Tensor& eps);
+                 const at::Tensor& eps, std::optional<at::TensorList> grad_outs,
+                 const std::optional<at::Tensor>& factors);
 
 }  // namespace torch_popxl

@@ -57,7 +57,8 @@ TORCH_LIBRARY(torch_popxl, m) {
   m.def(
       "adam_chain_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,"
       " Tensor(c!)[] exp_avg_sqs, Tensor one_minus_beta1, Tensor beta2, Tensor one_minus_beta2,"
-      " Tensor step_size, Tensor bias_correction2_sqrt, Tensor eps) -> ()");
+      " Tensor step_size, Tensor bias_correction2_sqrt, Tensor eps, Tensor(d!)[]? grad_outs=None,"
+      " Tensor? factors=None) -> ()");
   // Traffic counters (traffic.cpp). No tensor arguments, so there is nothing to dispatch on:
   // one catch-all kernel for every backend, given with the schema.
   m.def("traffic_counters() -> int[]", TORCH_FN(torch_popxl::traffic_counters));

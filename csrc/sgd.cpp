@@ -28,6 +28,7 @@
 // product, so no compiler contraction can change a rounding. The vector bodies load and store
 // whole vectors (masked loads and stores in the body ran at half speed on an AMD EPYC); only
 // the last partial vector is masked.
+#include "cpu.h"
 #include "kernels.h"
 
 #include <ATen/TensorIterator.h>
@@ -37,9 +38,8 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef TORCH_POPXL_X86
 #include <immintrin.h>
-#define TORCH_POPXL_X86 1
 #endif
 
 namespace torch_popxl {
@@ -153,9 +153,8 @@ using SgdPass = void (*)(const SgdScalars&, const SgdPointers&, int64_t, int64_t
 
 SgdPass pick_pass() {
 #ifdef TORCH_POPXL_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return sgd_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return sgd_avx2;
+  if (cpu_has_avx512f()) return sgd_avx512;
+  if (cpu_has_avx2_fma()) return sgd_avx2;
 #endif
   return sgd_generic;
 }

@@ -73,6 +73,7 @@ from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
 from .compile_updates import (
     _N_HYPER,
+    _adam_one_pass,
     _any_positive,
     _clip_coefficient,
     _count_factor,
@@ -87,6 +88,7 @@ from .compile_updates import (
     _loss_scaling,
     _nonfinite_count,
     _norm,
+    _one_pass_reason,
     _optimizer_kind,
     _optimizer_update,
     _rescale,
@@ -687,8 +689,12 @@ class Trainer:
                 _fused_reason(spec, [s for s in slots if s.group == i], dynamic, self.device)
                 for i, spec in enumerate(specs)
             ]
-            one_pass = [specs[s.group].kind == "sgd" and fused_reasons[s.group] is None
-                        for s in slots]  # fmt: skip
+            group_one_pass = [
+                _one_pass_reason(spec, [s for s in slots if s.group == i], dynamic, self.device)
+                is None
+                for i, spec in enumerate(specs)
+            ]
+            one_pass = [group_one_pass[s.group] for s in slots]
             scalars = [  # a captured step reads its lr from hyper/i itself
                 h
                 if spec.kind == "torch"
@@ -699,8 +705,9 @@ class Trainer:
             ]
             reduced = [self._reduce(s, R) for s in slots]
             # The gradients' multipliers (how each multiplies, by what), applied as they come
-            # except for the one-pass kernel, which applies those after the last one a
-            # gradient needed whole (Note [one-pass SGD update] in opdefs/sgd.py).
+            # except for the one-pass kernels, which apply those after the last one a
+            # gradient needed whole (Note [one-pass SGD update] in opdefs/sgd.py, Note [Adam
+            # chain in three passes] in csrc/adam.cpp).
             pending: list[tuple[Callable, Tensor]] = []
             applied = [0] * len(slots)
 
@@ -755,15 +762,15 @@ class Trainer:
                     )
             for i, spec in enumerate(specs):
                 members = [k for k, s in enumerate(slots) if s.group == i]
-                if fused_reasons[i] is not None or not members:
-                    for k in members:
-                        self._update(slots[k], reduced[k], step, scalars[i], found)
-                elif spec.kind == "sgd":
+                if group_one_pass[i]:
                     for k in members:
                         s = slots[k]
                         grad_out = None if s.sharded else grad_vars.get(s.name)
-                        self._one_pass_update(s, reduced[k], step, hyper_vars[i],
+                        self._one_pass_update(s, reduced[k], step, hyper_vars[i], scalars[i],
                                               factor_lists[applied[k]], grad_out)  # fmt: skip
+                elif fused_reasons[i] is not None or not members:
+                    for k in members:
+                        self._update(slots[k], reduced[k], step, scalars[i], found)
                 else:
                     self._fused_update([(slots[k], reduced[k]) for k in members], spec, step,
                                        hyper_vars[i])  # fmt: skip
@@ -996,15 +1003,22 @@ class Trainer:
             _optimizer_update(p, g, step, scalars, state, s.spec, found)
         self._finish_update(s, p, state)
 
-    def _one_pass_update(self, s: _Slot, g, step, hyper, factors, grad_out) -> None:
-        """One parameter's SGD step by the one-pass kernel (Note [one-pass SGD update] in
-        opdefs/sgd.py): ``g`` multiplied by ``factors`` is the gradient, written to
-        ``grad_out`` (``p.grad``) unless None; parameter and state prepared as ``_update``
-        prepares them."""
+    def _one_pass_update(self, s: _Slot, g, step, hyper, scalars, factors, grad_out) -> None:
+        """One parameter's step by its kernel with the gradient's finishing inside: ``g``
+        multiplied by ``factors`` is the gradient, written to ``grad_out`` (``p.grad``) unless
+        None (SGD: Note [one-pass SGD update] in opdefs/sgd.py, reading ``hyper``; Adam: Note
+        [Adam chain in three passes] in csrc/adam.cpp, reading the group's ``scalars``);
+        parameter and state prepared as ``_update`` prepares them."""
         p = self._update_target(s)
         state = self._load_state(s)
-        buf = state[0] if state else None
-        call_torch(_sgd_one_pass, (p, buf, grad_out, g, hyper, step, factors), {"spec": s.spec})
+        if s.spec.kind == "sgd":
+            buf = state[0] if state else None
+            args = (p, buf, grad_out, g, hyper, step, factors)
+            call_torch(_sgd_one_pass, args, {"spec": s.spec})
+        else:
+            call_torch(
+                _adam_one_pass, (p, grad_out, g, factors, *scalars, *state), {"spec": s.spec}
+            )
         self._finish_update(s, p, state)
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
@@ -1267,8 +1281,9 @@ class Trainer:
             gradient of the global batch's loss, unscaled and clipped where the step unscales
             and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
             parameter. The program copies the gradient its update uses into a ``grad/<name>``
-            variable (a sharded one all-gathered first; the one-pass SGD kernel writes an
-            unsharded one as it reads the gradient), which is the ``.grad`` tensor itself
+            variable (a sharded one all-gathered first; the one-pass SGD kernel and the Adam
+            chain kernel write an unsharded one as they read the gradient), which is the
+            ``.grad`` tensor itself
             where the simulator keeps one copy for all replicas (Note [live torch tensors])
             and is copied into ``.grad`` otherwise. It costs a parameter's size per
             parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.

@@ -290,6 +290,18 @@ def _adam_update(p, g, step, decay, wd, one_minus_b1, b2, one_minus_b2, step_siz
     _scalar_ops.addcdiv_value_(p, exp_avg, denom, -step_size)  # param.addcdiv_(.., -step_size)
 
 
+def _adam_one_pass(p, grad_out, g, factors, decay, wd, one_minus_b1, b2, one_minus_b2, step_size,
+                   bc2_sqrt, eps, exp_avg, exp_avg_sq, *, spec: _GroupSpec) -> None:  # fmt: skip
+    """``_adam_update`` after the gradient's ``factors`` and its copy into ``grad_out``
+    (``p.grad``, or None), both inside the chain kernel's first pass (Note [Adam chain in three
+    passes] in csrc/adam.cpp); ``_one_pass_reason`` says when it applies (float32 CPU tensors,
+    no coupled weight decay)."""
+    if spec.kind == "adamw" and spec.weight_decay:
+        p.mul_(decay)  # param.mul_(1 - lr * weight_decay): float32 scalar, one rounding
+    _scalar_ops.adam_chain(p, g, exp_avg, exp_avg_sq, one_minus_b1, b2, one_minus_b2, step_size,
+                           bc2_sqrt, eps, grad_out, factors)  # fmt: skip
+
+
 def _skippable_update(p, g, step, found, *args, spec: _GroupSpec):
     """The update, undone where ``found`` says the gradients overflowed (Note [loss scaling])."""
     n_state = len(spec.state_of(""))  # (sgd / adam: the same for every parameter)
@@ -376,6 +388,27 @@ def _sgd_kernel_reason(slots: list, dynamic_scaling: bool, device) -> str | None
     dtypes = sorted({s.var.dtype.name for s in slots} - {"float32"})
     if dtypes:
         return f"the one-pass SGD kernel takes float32 parameters; the group has {dtypes}"
+    return None
+
+
+def _one_pass_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device) -> str | None:
+    """Why a param group's update does not take the gradient's rescaling and its ``p.grad``
+    copy into its kernel (SGD: Note [one-pass SGD update] in opdefs/sgd.py; Adam and AdamW
+    without ``fused=True``: the chain kernel, Note [Adam chain in three passes] in
+    csrc/adam.cpp), or None when it does."""
+    if spec.kind == "sgd":
+        return _sgd_kernel_reason(slots, dynamic_scaling, device)
+    if spec.kind not in ("adam", "adamw") or spec.fused is not None:
+        return f"the {spec.kind} update{' (fused)' if spec.fused else ''} has no one-pass form"
+    if spec.kind == "adam" and spec.weight_decay:
+        return "Adam's weight decay adds the parameter to the rescaled gradient"
+    if torch.device(device).type != "cpu":
+        return f"the chain kernel runs on the CPU simulator only (device={str(device)!r})"
+    if dynamic_scaling:
+        return "dynamic loss scaling skips steps in the per-parameter update"
+    dtypes = sorted({s.var.dtype.name for s in slots} - {"float32"})
+    if dtypes:
+        return f"the chain kernel takes float32 parameters; the group has {dtypes}"
     return None
 
 

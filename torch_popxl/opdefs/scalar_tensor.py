@@ -18,7 +18,9 @@ kernel with the tensor's value as the number, and the update equals eager torch'
   three passes instead of seven, bit for bit (Note [Adam chain in three passes] in
   csrc/adam.cpp); its op, ``torch_popxl::adam_chain_``, takes lists and updates each element
   on its own; on stacked values it runs once over the rows, or once per replica row where a
-  scalar differs per replica.
+  scalar differs per replica. Its optional ``grad_outs`` and ``factors`` let the compiled
+  step hand it the unscaled gradient: the multipliers apply in turn, the product goes to
+  ``grad_outs`` (``p.grad``) and is the gradient the chain uses.
 
 ``value`` / ``alpha`` is a one-element tensor. The ops move nothing between replicas; on
 stacked ``[R, ...]`` values (Note [explicit batching] in runtime/explicit.py) they run as they
@@ -95,11 +97,29 @@ _ADAM = torch.ops.torch_popxl.adam_chain_.default
 
 def adam_chain(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, one_minus_b1: Tensor,
                b2: Tensor, one_minus_b2: Tensor, step_size: Tensor, bc2_sqrt: Tensor,
-               eps: Tensor) -> None:  # fmt: skip
+               eps: Tensor, grad_out: Tensor | None = None,
+               factors: Tensor | None = None) -> None:  # fmt: skip
     """One parameter's Adam step (after weight decay), in place on ``p``, ``exp_avg`` and
-    ``exp_avg_sq``: ``torch_popxl::adam_chain_`` on one-element lists."""
+    ``exp_avg_sq``: ``torch_popxl::adam_chain_`` on one-element lists. The gradient is ``g``
+    times each of ``factors`` (a 1-D float32 tensor) in turn, written to ``grad_out`` unless
+    None."""
     _ADAM([p], [g], [exp_avg], [exp_avg_sq], one_minus_b1, b2, one_minus_b2, step_size,
-          bc2_sqrt, eps)  # fmt: skip
+          bc2_sqrt, eps, None if grad_out is None else [grad_out], factors)  # fmt: skip
+
+
+def _adam_args(args) -> tuple[list, list]:
+    """``adam_chain_``'s arguments as its five tensor lists (params, grads, exp_avgs,
+    exp_avg_sqs, grad_outs: empty when p.grad is not kept) and seven scalars (the six of the
+    step, then ``factors`` or None)."""
+    args = list(args)
+    return [*args[:4], (args[10] if len(args) > 10 else None) or []], [
+        *args[4:10],
+        args[11] if len(args) > 11 else None,
+    ]
+
+
+def _adam_call(lists, scalars) -> None:
+    _ADAM(*lists[:4], *scalars[:6], lists[4] or None, scalars[6])
 
 
 for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
@@ -147,20 +167,22 @@ for _op in (addcmul_value_, addcdiv_value_, add_alpha_):
 
 
 def _adam_stacked(lists_batched: list[list[bool]], scalars_batched: list[bool]):
-    """``adam_chain_`` on stacked values: the op on the physical tensors when every list
-    element is all stacked ``[R, ...]`` or all replica-invariant (elementwise either way) and
-    the scalars are shared; else one call per replica row (a per-replica step count or
-    learning rate, a shared gradient for a per-replica state). Non-contiguous operands go
-    through contiguous copies, written back (the kernel's passes want flat memory)."""
+    """``adam_chain_`` on stacked values (``_adam_args``'s lists and scalars): the op on the
+    physical tensors when every list element is all stacked ``[R, ...]`` or all
+    replica-invariant (elementwise either way) and the scalars are shared; else one call per
+    replica row (a per-replica step count or learning rate, a shared gradient for a
+    per-replica state). Non-contiguous operands go through contiguous copies, written back (the
+    kernel's passes want flat memory)."""
+    present = [fs for fs in lists_batched if fs]  # grad_outs may be empty
     uniform = not any(scalars_batched) and all(
-        len(set(flags)) <= 1 for flags in zip(*lists_batched, strict=True)
+        len(set(flags)) <= 1 for flags in zip(*present, strict=True)
     )
 
     def run(*args):
-        lists, scalars = args[:4], args[4:]
+        lists, scalars = _adam_args(args)
         if uniform:
             copies = [[t if t.is_contiguous() else t.contiguous() for t in ts] for ts in lists]
-            _ADAM(*copies, *scalars)
+            _adam_call(copies, scalars)
             for ts, cs in zip(lists, copies, strict=True):
                 for t, c in zip(ts, cs, strict=True):
                     if c is not t and not any(
@@ -173,7 +195,8 @@ def _adam_stacked(lists_batched: list[list[bool]], scalars_batched: list[bool]):
         for r in range(rows):
             pick = [[t[r] if b else t for t, b in zip(ts, fs, strict=True)]
                     for ts, fs in zip(lists, lists_batched, strict=True)]  # fmt: skip
-            _ADAM(*pick, *[s[r] if b else s for s, b in zip(scalars, scalars_batched, strict=True)])
+            _adam_call(pick, [s[r] if b else s for s, b in zip(scalars, scalars_batched,
+                                                               strict=True)])  # fmt: skip
 
     return run
 
@@ -181,19 +204,22 @@ def _adam_stacked(lists_batched: list[list[bool]], scalars_batched: list[bool]):
 @torch.library.register_vmap("torch_popxl::adam_chain_")
 def _adam_vmap(info, in_dims, *args):
     """Under vmap (a fragment on the per-replica path): the stacked form on the unwrapped rows."""
+    lists, scalars = _adam_args(args)
+    list_dims, scalar_dims = _adam_args(in_dims)
+    list_dims = [ds or [None] * len(ts) for ts, ds in zip(lists, list_dims, strict=True)]
     lists = [[t.movedim(d, 0) if d is not None else t for t, d in zip(ts, ds, strict=True)]
-             for ts, ds in zip(args[:4], in_dims[:4], strict=True)]  # fmt: skip
-    scalars = [
-        s.movedim(d, 0) if d is not None else s for s, d in zip(args[4:], in_dims[4:], strict=True)
-    ]
-    if not any(d is not None for ds in in_dims[:4] for d in ds):
-        if any(d is not None for d in in_dims[4:]):
+             for ts, ds in zip(lists, list_dims, strict=True)]  # fmt: skip
+    scalars = [s.movedim(d, 0) if d is not None else s
+               for s, d in zip(scalars, scalar_dims, strict=True)]  # fmt: skip
+    if not any(d is not None for ds in list_dims for d in ds):
+        if any(d is not None for d in scalar_dims):
             raise ValueError(
                 "adam_chain_: the parameters are the same on every replica but the step's "
                 "scalars differ per replica; write per-replica parameters instead."
             )
-    _adam_stacked([[d is not None for d in ds] for ds in in_dims[:4]],
-                  [d is not None for d in in_dims[4:]])(*lists, *scalars)  # fmt: skip
+    _adam_stacked([[d is not None for d in ds] for ds in list_dims],
+                  [d is not None for d in scalar_dims])(*lists[:4], *scalars[:6], lists[4],
+                                                        scalars[6])  # fmt: skip
     return None, None
 
 
@@ -201,14 +227,17 @@ def adam_chain_pieces(op: Op) -> list[int]:
     """The elementwise pieces of work (bytes each reads and writes) of the op-by-op chain one
     ``adam_chain_`` stands for, per parameter: what an IPU program runs for torch's Adam step
     (the cost model prices these, as it priced the captured chain; the published table it was
-    fitted to ran the chain op by op). Per parameter of ``S`` bytes and scalars of ``s``:
+    fitted to ran the chain op by op). Per parameter of ``S`` bytes and scalars of ``s``: the
+    gradient's multiply by each factor and its copy into ``p.grad`` (when the op does them);
     ``sqrt``; ``mul``, ``div``, ``add`` and addcmul's scalar term with a scalar; two copies back
     into the state; ``lerp`` and ``addcdiv`` with a scalar; the negated step size."""
-    params, scalars = op.attrs.args[0], op.attrs.args[4:]
+    lists, scalars = _adam_args(op.attrs.args)
     s = _nbytes(op.inputs[scalars[0].index])
+    num_factors = 0 if scalars[6] is None else op.inputs[scalars[6].index].shape[0]
     out: list[int] = []
-    for p in params:
+    for p in lists[0]:
         S = _nbytes(op.inputs[p.index])
+        out += [2 * S + s] * num_factors + [2 * S] * bool(lists[4])
         out += [2 * S, *[2 * S + s] * 4, 3 * S, 3 * S, 3 * S + s, 3 * S + s, 2 * s]
     return out
 
@@ -239,13 +268,13 @@ def _explicit(op: Op, batched, num_replicas: int):
 def _adam_explicit(op: Op, batched, num_replicas: int):
     """Note [explicit batching]: ``adam_chain_``'s stacked form for these batched inputs (the
     analysis makes what it writes per replica wherever any of its inputs is)."""
-    args = op.attrs.args
-    if not all(isinstance(t, Slot) for ts in args[:4] for t in ts):
+    lists, scalars = _adam_args(op.attrs.args)
+    if not all(isinstance(t, Slot) for ts in lists for t in ts):
         return None
-    if not all(isinstance(s, Slot) for s in args[4:]):
+    if not all(isinstance(s, Slot) for s in scalars[:6]) or not isinstance(scalars[6], Slot | None):
         return None
-    lists = [[batched[t.index] for t in ts] for ts in args[:4]]
-    return _adam_stacked(lists, [batched[s.index] for s in args[4:]])
+    return _adam_stacked([[batched[t.index] for t in ts] for ts in lists],
+                         [s is not None and batched[s.index] for s in scalars])  # fmt: skip
 
 
 register(

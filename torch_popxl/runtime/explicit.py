@@ -1464,7 +1464,7 @@ def needs_rows(op: Op) -> set[int]:
     rule needs with rows])."""
     positions = _ROWS.get(op.attrs.target, ())
     args, kwargs = op.attrs.args, op.attrs.kwargs
-    if positions == _EVERY:
+    if isinstance(positions, str):  # _EVERY
         leaves = pytree.tree_flatten((list(args), dict(kwargs)))[0]
     else:
         leaves = pytree.tree_flatten([args[i] for i in positions if i < len(args)])[0]

@@ -1615,7 +1615,10 @@ def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale):
 #     only for an op torch has a batching rule for (its ``FuncTorchBatched`` kernel, or the
 #     project's, Note [aten batching rules]), that draws no random numbers, and whose every
 #     output is per replica (as the analysis makes the outputs of an op with a per-replica
-#     input); any other op keeps its fragment on the vmap path. The fragment's
+#     input); any other op keeps its fragment on the vmap path. An op torch has no batching
+#     rule for but a decomposition (``torch._decomp``: ``binary_cross_entropy_with_logits``,
+#     ``tril_``) runs that decomposition under vmap instead (``_batching_form``): torch
+#     declares the op equal to it, and its ops have batching rules. The fragment's
 #     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them); one whose
 #     trace failed runs under vmap at every step, and ``explain()`` says so.
 _BATCHING_KEYS = ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
@@ -1631,8 +1634,17 @@ def _one_op_vmap_ok(f, a) -> bool:
         return False
     if not any(a.b(n) for n in f.ins) or not all(a.b(n) for n in f.outs):
         return False
+    return _batching_form(target) is not None
+
+
+def _batching_form(target):
+    """What runs ``target`` under vmap with a batching rule (Note [one op through torch's
+    batching rule]): the op itself where torch or the project has a rule for it, else torch's
+    decomposition of it, else None."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)
+    if target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS):
+        return SAFE_FORMS.get(target, target)  # as the generated code calls it
+    return decomposition_table.get(target)
 
 
 _MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
@@ -1656,7 +1668,7 @@ class _OneOpVmap:
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, Slot)]
         self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
         self.name = str(target)
-        self.target = SAFE_FORMS.get(target, target)  # as the generated code calls it
+        self.target = _batching_form(target) or target
         in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
         self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
         self.traces: dict[tuple, Any] = {}

@@ -62,6 +62,11 @@ def _ln_backward(g, x, w, b):
     return aten.native_layer_norm_backward(g, x, [5], mean, rstd, w, b, [True, True, True])
 
 
+def _ln_backward_bias_only(g, x, b):
+    _, mean, rstd = aten.native_layer_norm(x, [5], None, b, 1e-5)
+    return aten.native_layer_norm_backward(g, x, [5], mean, rstd, None, b, [True, False, True])
+
+
 def _nll_backward(reduction):
     def fn(g, x, t):
         _, total = aten.nll_loss_forward(x, t, None, reduction, -100)
@@ -142,6 +147,10 @@ CASES = [
     Case("layer_norm_backward", aten.native_layer_norm_backward.default, _ln_backward,
          lambda r: (_randn(_gen(r), 3, 5), _randn(_gen(r + 9), 3, 5), _randn(_gen(r + 5), 5),
                     _randn(_gen(r + 6), 5)), also=(aten.native_layer_norm.default,)),
+    Case("layer_norm_backward_bias_only", aten.native_layer_norm_backward.default,
+         _ln_backward_bias_only,
+         lambda r: (_randn(_gen(r), 3, 5), _randn(_gen(r + 9), 3, 5), _randn(_gen(r + 5), 5)),
+         also=(aten.native_layer_norm.default,)),
     *[Case(f"embedding_dense_backward_{pad}", aten.embedding_dense_backward.default,
            lambda g, i, pad=pad: aten.embedding_dense_backward(g, i, 7, pad, False),
            lambda r: (_randn(_gen(r), 2, 3, 4), _ints(_gen(r), 7, 2, 3))) for pad in (-1, 2)],

@@ -57,7 +57,6 @@ ALLOWED_BACKWARD_ERRORS = {
     "index_fill": _DATA_DEPENDENT_SHAPE + " (its gradient takes unique indices)",
     "nn.functional.embedding_bag": "its gradient asks autograd for an integer offset's",
     "bfloat16": "a bfloat16 gradient seed: numpy has no bfloat16",
-    "native_layer_norm": "a per-replica bias of a shape layer norm's gradient rejects",
     "to": "a channels_last conversion of a value whose rank is not 4",
     "to_sparse": "a sparse output",
 }

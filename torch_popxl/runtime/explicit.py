@@ -1572,9 +1572,11 @@ def _layer_norm_stacked(x, shape, weight, bias, eps, affine_batched):
 def _layer_norm_backward_stacked(grad, x, shape, mean, rstd, weight, bias, mask, affine_batched):
     """``aten.native_layer_norm_backward`` per replica on stacked rows: the input gradient
     is per row already; the weight and bias gradients are each row's own sums."""
-    if affine_batched and weight is not None:
-        w = _per_row(weight, x, shape) if weight.dim() > len(shape) else weight
-        grad_x = aten.native_layer_norm_backward(grad * w, x, shape, mean, rstd, None, None,
+    if affine_batched:  # the input gradient reads the weight only, as a scale of grad
+        scaled = grad
+        if weight is not None:
+            scaled = grad * (_per_row(weight, x, shape) if weight.dim() > len(shape) else weight)
+        grad_x = aten.native_layer_norm_backward(scaled, x, shape, mean, rstd, None, None,
                                                  [mask[0], False, False])[0]  # fmt: skip
     else:
         grad_x = aten.native_layer_norm_backward(grad, x, shape, mean, rstd, weight, bias,

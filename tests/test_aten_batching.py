@@ -215,3 +215,40 @@ def test_cpu_flash_attention_folds_the_replicas_into_its_batch(mask):
         return _FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
 
     _check(backward, (grad, q, k, out, lse, m), (0, 0, 0, 0, 0, m_dim))
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._embedding_bag.default,
+                                torch.ops.aten._embedding_bag_forward_only.default])  # fmt: skip
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["sum", "mean", "max"])
+@pytest.mark.parametrize("table", ["invariant", "per_replica"])
+def test_embedding_bags_of_every_replica_are_bags_of_one_call(op, mode, table):
+    # every output (the bags, and offset2bag, bag sizes and max indices the backward reads)
+    # as per replica, with an empty bag and a padding index where the table is shared
+    weight = torch.randn(R, 7, 3, generator=g)
+    ids = torch.randint(0, 7, (R, 6), generator=g)
+    offsets = torch.tensor([[0, 2, 2, 5]] * R)
+    weights = torch.rand(R, 6, generator=g) if mode == 0 else None
+    pad = 2 if table == "invariant" else -1
+
+    def bags(w, i, o, p):
+        return op(w, i, o, False, mode, False, p, False, pad)
+
+    args, dims = (weight, ids, offsets, weights), (0, 0, 0, None if weights is None else 0)
+    if table == "invariant":
+        args, dims = (weight[0], *args[1:]), (None, *dims[1:])
+    _check(bags, args, dims)
+
+
+def test_embedding_bags_closed_by_a_last_offset_run_per_replica_and_the_trace_says_so():
+    weight, ids = torch.randn(7, 3, generator=g), torch.randint(0, 7, (R, 6), generator=g)
+    offsets = torch.tensor([[0, 2, 4], [0, 3, 6], [0, 1, 5]])  # the last closes the bags
+
+    def bags(i, o):
+        return torch.ops.aten._embedding_bag.default(weight, i, o, False, 0, False, None, True)
+
+    batched = torch.func.vmap(bags)
+    for got, want in zip(batched(ids, offsets), _per_replica(bags, (ids, offsets), (0, 0)),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want)
+    graph = make_fx(batched, tracing_mode="fake", _allow_non_fake_inputs=True)(ids, offsets)
+    assert _per_replica_loops(graph, R) != ()

@@ -1033,3 +1033,19 @@ def test_a_loop_using_a_stream_twice_per_iteration_takes_its_entries_in_order(R)
     np.testing.assert_array_equal(results["fast"][first][:4], b[0::2][:4])  # by hand
     np.testing.assert_array_equal(results["fast"][both][0], b[0] + b[1])
     np.testing.assert_array_equal(results["fast"][both][1], b[0] - b[1])
+
+
+@pytest.mark.parametrize("R", [2])
+def test_an_op_with_only_a_decomposition_runs_it_through_vmap_in_an_explicit_fragment(R):
+    # Note [one op through torch's batching rule]: binary_cross_entropy_with_logits has no
+    # batching rule, torch decomposes it; the step stays explicitly batched and trains as eager
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(4 * R, 4)).astype(np.float32),
+                rng.random(size=(4 * R, 2)).astype(np.float32)) for _ in range(3)]  # fmt: skip
+    trainer = train_both(model, torch.nn.functional.binary_cross_entropy_with_logits, batches,
+                         R, 1)  # fmt: skip
+    fn = trainer.session._executor.fns["normal"]
+    assert fn.explicit, fn.vmap_reason
+    assert "aten.binary_cross_entropy_with_logits.default" in fn.vmapped_ops

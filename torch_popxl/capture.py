@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._prims_common import get_computation_dtype
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -187,7 +188,8 @@ class _Recorder(TorchDispatchMode):
                                    [bh, v.shape[-2], v.shape[-1]])  # fmt: skip
             w3 = aten.view.default(weights, [bh, length, k.shape[-2]])
             out = aten.view.default(aten.bmm.default(w3, vv), [*batch, length, v.shape[-1]])
-        lse = torch.empty((*batch, length), dtype=torch.float32, device=q.device)
+        # as torch's kernel makes it: float32 for 16-bit q, q's dtype otherwise (float64)
+        lse = torch.empty((*batch, length), dtype=get_computation_dtype(q.dtype), device=q.device)
         return out, lse
 
     # Note [constant folding]

@@ -67,6 +67,8 @@ from .compile_common import (
     _split_advice,
     _structured,
     _without_caches,
+    host_float,
+    loss_dtype,
     model_loss,
 )
 from .compile_infer import InferenceProgram
@@ -101,6 +103,7 @@ from .compile_updates import (
     _total_norm,
     _unpad,
     _update_scale,
+    scalar_dtype,
 )
 from .dtypes import dtype as _dtype
 from .dtypes import float32 as _float32
@@ -112,6 +115,7 @@ from .ir.remote_buffer import remote_buffer
 from .ir.streams import d2h_stream
 from .ir.tensor import Tensor, constant, graph_input, graph_output, variable
 from .ir.walk import mutated_inputs
+from .opdefs._api import float64_collectives
 from .runtime import distributed as _distributed
 from .runtime.session import Session, check_backend, resolve_device
 from .transforms.autodiff import autodiff
@@ -138,7 +142,7 @@ _STATE = ("on_chip", "remote")
 
 
 def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss_fn,
-                      chunks: int):  # fmt: skip
+                      chunks: int, dtype: torch.dtype):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
     count or None, count bound, number of host counts, model outputs)."""
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
@@ -150,7 +154,7 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss
         out = torch.func.functional_call(model, tensors, args, kwargs)
         loss = loss_fn(out, targets)
     split = splitter.split(_scalar_loss(loss), chunks)
-    obj, count = split.objective(chunks, inv_counts)
+    obj, count = split.objective(chunks, inv_counts, dtype)
     counted = split.counted
     if split.deferred:
         return obj, count, counted[0].bound, 0, out
@@ -161,7 +165,7 @@ def _torch_targets(batch: _Batch):
     """The batch's targets as torch tensors, as ``loss_fn`` gets them; None for bf16 bit
     patterns and the like."""
     if not batch.targets or any(
-        a.dtype.kind not in "iub" and a.dtype != np.float32 for a in batch.targets
+        a.dtype.kind not in "iub" and a.dtype not in (np.float32, np.float64) for a in batch.targets
     ):
         return None
     ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
@@ -570,7 +574,8 @@ class Trainer:
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
-        with ir.main_graph, in_sequence(True):
+        # a float64 model's gradients are reduced as float64 (Note [float64 collectives])
+        with ir.main_graph, in_sequence(True), float64_collectives():
             names = [f"inputs/{i}" for i in range(len(batch.args))]
             names += [f"inputs/{k}" for k in batch.kwargs]
             names += [f"targets/{i}" for i in range(len(batch.targets))]
@@ -611,16 +616,19 @@ class Trainer:
             fwd = self._forward_graph(ir, batch, in_streams, frozen_vars)
             counted = self._loss_bound is not None
             count_var = total_var = None
+            book = host_float(self.model)  # the loss's bookkeeping (Note [float64 models])
             if counted:
                 # summed in the loop and then over the replicas, as a gradient accumulator
                 # (Note [replica-sum accumulators] in runtime/lower.py); the step's total is
                 # kept in ``total_var`` for the host
-                count_var = variable(np.float32(0), name="loss/count")
+                count_var = variable(np.zeros((), book), downcast=False, name="loss/count")
                 count_var._set_hints(replica_sum=True)
-                total_var = variable(np.float32(0), name="loss/total_count")
+                total_var = variable(np.zeros((), book), downcast=False, name="loss/total_count")
             inv_vars = []  # one over each host-counted mean's count (Note [exact losses ...])
             if R * GA > 1:
-                inv_vars.append(variable(np.ones(MAX_COUNTS, np.float32), name="loss/inv_counts"))
+                inv_vars.append(
+                    variable(np.ones(MAX_COUNTS, book), downcast=False, name="loss/inv_counts")
+                )
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             mutated = mutated_inputs(fwd)
@@ -657,10 +665,12 @@ class Trainer:
                 bs = [graph_input(v.shape, v.dtype, n, by_ref=True) for n, v in buffer_vars.items()]
                 sc = graph_input((), _float32, "loss_scale") if scale_vars else None
                 loaded = [ops.host_load(st, st.tensor_id) for st in in_streams]
-                cnt = graph_input((), _float32, "loss/count", by_ref=True) if counted else None
-                inv = (
-                    [graph_input((MAX_COUNTS,), _float32, "loss/inv_counts")] if GA * R > 1 else []
+                cnt = (
+                    graph_input((), count_var.dtype, "loss/count", by_ref=True)
+                    if count_var is not None
+                    else None
                 )
+                inv = [graph_input((MAX_COUNTS,), v.dtype, "loss/inv_counts") for v in inv_vars]
                 info = ops.call_with_info(fwd, *loaded, *ps, *fs, *bs, *inv)
                 loss = info.outputs[0]
                 # The loss is this micro-batch's part of the global loss (Note [exact losses
@@ -695,13 +705,19 @@ class Trainer:
                 for i, spec in enumerate(specs)
             ]
             one_pass = [group_one_pass[s.group] for s in slots]
+            scalar_dtypes = [
+                scalar_dtype(s.var.dtype.as_torch() for s in slots if s.group == i)
+                for i in range(len(specs))
+            ]
             scalars = [  # a captured step reads its lr from hyper/i itself
                 h
                 if spec.kind == "torch"
                 else None  # the one-pass kernel reads hyper/i itself
                 if spec.kind == "sgd" and reason is None
-                else call_torch(_group_scalars, (h, step), {"kind": spec.kind})
-                for h, spec, reason in zip(hyper_vars, specs, fused_reasons, strict=True)
+                else call_torch(_group_scalars, (h, step), {"kind": spec.kind, "dtype": dtype})
+                for h, spec, reason, dtype in zip(
+                    hyper_vars, specs, fused_reasons, scalar_dtypes, strict=True
+                )  # fmt: skip
             ]
             reduced = [self._reduce(s, R) for s in slots]
             # The gradients' multipliers (how each multiplies, by what), applied as they come
@@ -909,12 +925,17 @@ class Trainer:
                 for n, b in self._buffers.items()
             }
             chunks = self.replication_factor * self.gradient_accumulation
-            inv = graph_input((MAX_COUNTS,), _float32, "loss/inv_counts") if chunks > 1 else None
+            dtype = loss_dtype(self.model)  # Note [float64 models]
+            inv = (
+                graph_input((MAX_COUNTS,), _dtype.as_dtype(dtype), "loss/inv_counts")
+                if chunks > 1
+                else None
+            )
             with _attributes_restored(self.model), _requiring_grad(trained):
                 captured = call_torch(
                     _forward_and_loss,
                     (self.model, {**params, **bufs}, args, kwargs, t, inv),
-                    {"loss_fn": self.loss_fn, "chunks": chunks},
+                    {"loss_fn": self.loss_fn, "chunks": chunks, "dtype": dtype},
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
             obj, count, bound, n_host, outputs = captured
@@ -1102,14 +1123,15 @@ class Trainer:
         return a
 
     def _check_batch(self, inputs, targets) -> _Batch:
-        args, kwargs = _structured(inputs, "inputs")
+        floats = host_float(self.model)
+        args, kwargs = _structured(inputs, "inputs", floats)
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
-            t = [_array(v, f"targets[{i}]") for i, v in enumerate(targets)]
+            t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
         elif targets is None:  # a model that returns its loss may take no targets
             t = []
         else:
-            t = [_array(targets, "targets")]
+            t = [_array(targets, "targets", floats)]
         batch = _Batch(args, kwargs, t, targets_tuple)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
@@ -1203,7 +1225,9 @@ class Trainer:
             prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
         feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
-        out = prog.session.run(feed)
+        # the arrays are narrowed already, float64 ones only for float64-free models (Note
+        # [float64 models])
+        out = prog.session.run(feed, downcast_inputs=False)
         self._stepped = prog
         self._pull(prog)
         self._set_grads(prog)
@@ -1251,7 +1275,7 @@ class Trainer:
         counts = host_counts(self.loss_fn, metas, targets, local, n, verify=False)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
-        inv = torch.ones(MAX_COUNTS, dtype=torch.float32)
+        inv = torch.ones(MAX_COUNTS, dtype=loss_dtype(self.model))  # Note [float64 models]
         inv[: len(counts)] = 1.0 / torch.tensor(counts, dtype=torch.float64)
         return inv
 

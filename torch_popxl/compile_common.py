@@ -128,26 +128,49 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return to_numpy(t, downcast=False)
 
 
-def _array(x, what: str) -> np.ndarray:
+# Note [float64 models]
+#     numpy makes float64 arrays by default, so host data for a float32 model often comes as
+#     float64: it is narrowed to float32, the dtype the model computes in. A model that holds
+#     float64 parameters or buffers (``model.double()``) computes in float64, as eager torch
+#     does: its float64 inputs and targets stay float64 (narrowing them made the first layer
+#     see float32 images against float64 weights), and so does the loss's bookkeeping (each
+#     micro-batch's part of the loss, the counts of a counted mean and their inverses), which
+#     is float32 for every other model (16-bit losses are summed in float32).
+def loss_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s loss bookkeeping and of its float64 host data (Note [float64
+    models])."""
+    tensors = (*model.parameters(), *model.buffers())
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def host_float(model: torch.nn.Module) -> type:
+    """The numpy dtype float64 host data for ``model`` becomes (Note [float64 models])."""
+    return np.float64 if loss_dtype(model) == torch.float64 else np.float32
+
+
+def _array(x, what: str, floats: type = np.float32) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = to_numpy(x, downcast=False)  # bf16 as its bits (numpy has no bfloat16)
     x = np.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"{what} must have a batch dimension; got a scalar.")
-    if x.dtype == np.float64:
-        x = x.astype(np.float32)
+    if x.dtype == np.float64:  # Note [float64 models]
+        x = x.astype(floats, copy=False)
     return x
 
 
-def _structured(x, what: str) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays."""
+def _structured(
+    x, what: str, floats: type = np.float32
+) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays (float64
+    ones as ``floats``: Note [float64 models])."""
     if isinstance(x, dict):
         if not x:
             raise ValueError(f"{what}: an empty dict.")
-        return [], {k: _array(v, f"{what}[{k!r}]") for k, v in x.items()}
+        return [], {k: _array(v, f"{what}[{k!r}]", floats) for k, v in x.items()}
     if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
-        return [_array(v, f"{what}[{i}]") for i, v in enumerate(x)], {}
-    return [_array(x, what)], {}
+        return [_array(v, f"{what}[{i}]", floats) for i, v in enumerate(x)], {}
+    return [_array(x, what, floats)], {}
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from .compile_common import (
     _pad_rows,
     _structured,
     _without_caches,
+    host_float,
 )
 from .dtypes import dtype as _dtype
 from .dtypes import numpy_to_torch
@@ -112,7 +113,7 @@ class InferenceProgram:
         return self.session.explain()
 
     def __call__(self, inputs):
-        args, kwargs = _structured(inputs, "inputs")
+        args, kwargs = _structured(inputs, "inputs", host_float(self.model))
         arrays = [*args, *kwargs.values()]
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         n = arrays[0].shape[0]
@@ -155,7 +156,9 @@ class InferenceProgram:
             st: (a.reshape(R, a.shape[0] // R, *a.shape[1:]) if R > 1 else a)
             for st, a in zip(streams, arrays, strict=True)
         }
-        out = session.run(feed)
+        # the arrays are narrowed already, float64 ones only for float64-free models (Note
+        # [float64 models])
+        out = session.run(feed, downcast_inputs=False)
         leaves = []
         for st in out_streams:
             if st is None:  # a dropped key/value cache

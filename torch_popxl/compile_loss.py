@@ -311,27 +311,29 @@ class Split:
         divided by it once; otherwise counts come from the host (``host_counts``)."""
         return len(self.parts) == 1 and self.parts[0][0].kind == "count" and not self.const
 
-    def objective(self, chunks: int, inv_counts=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This micro-batch's objective (float32) and, for a deferred counted mean, its count;
-        torch ops, so they are captured with the loss. ``inv_counts`` holds one over the
-        global count of every counted mean (host counts)."""
+    def objective(self, chunks: int, inv_counts=None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """This micro-batch's objective (in ``dtype``: float32, or float64 for a float64
+        model, Note [float64 models] in compile_common.py) and, for a deferred counted mean,
+        its count; torch ops, so they are captured with the loss. ``inv_counts`` holds one
+        over the global count of every counted mean (host counts)."""
         obj: Any = None
         count = None
         counted = self.counted
         for term, c in self.parts:
             if term.kind == "sum":
-                part = term.value.float() * c
+                part = term.value.to(dtype) * c
             elif term.kind in ("mean", "fixed"):
-                part = term.value.float() * (c / chunks)
+                part = term.value.to(dtype) * (c / chunks)
             else:
                 assert term.count is not None and term.numerator is not None
                 if self.deferred:
-                    count = term.count.detach().float()
-                    part = term.numerator.float() * (c / (term.bound * chunks))
+                    count = term.count.detach().to(dtype)
+                    part = term.numerator.to(dtype) * (c / (term.bound * chunks))
                 else:
                     assert inv_counts is not None
                     i = next(j for j, t in enumerate(counted) if t is term)
-                    part = term.numerator.float() * inv_counts[i] * c
+                    part = term.numerator.to(dtype) * inv_counts[i] * c
             obj = part if obj is None else obj + part
         if obj is None:  # a loss of numbers only
             raise LossDecompositionError(_explain("the loss does not depend on the model", chunks))

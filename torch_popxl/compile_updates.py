@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._prims_common import get_computation_dtype
 
 from . import compile_optim as _optim
 from .capture import call_torch
@@ -201,11 +202,14 @@ def _group_values(
 #     scalar (``add_(eps)``) is first rounded to the tensor's dtype (``_alpha``), as torch's
 #     CPU kernels do for float16 and bfloat16. The update then equals eager torch's bit for bit
 #     for float32, float16 and bfloat16 parameters given the same gradients
-#     (tests/test_compile_optimizer_exact.py).
+#     (tests/test_compile_optimizer_exact.py). "float32" above is torch's computation dtype
+#     (``get_computation_dtype``): a float64 parameter's kernels compute in float64, and its
+#     group's scalars stay float64 (``scalar_dtype``; Note [float64 models] in
+#     compile_common.py).
 
 
 def _f(t):
-    return t.float()
+    return t.to(get_computation_dtype(t.dtype))
 
 
 def _r(t, like):
@@ -213,12 +217,22 @@ def _r(t, like):
 
 
 def _alpha(scalar, like):
-    return scalar.to(like.dtype).float()
+    return scalar.to(like.dtype).to(get_computation_dtype(like.dtype))
 
 
-def _group_scalars(h, step, *, kind: str):
+def scalar_dtype(dtypes) -> torch.dtype:
+    """The dtype a param group's scalars are cast to once: the widest computation dtype of
+    its parameters' ``dtypes`` (float32 at least; Note [optimizer arithmetic ...])."""
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, get_computation_dtype(d))
+    return out
+
+
+def _group_scalars(h, step, *, kind: str, dtype: torch.dtype = torch.float32):
     """Per-group scalars, computed once per step (not once per parameter), in float64 and
-    then cast to float32 as torch's kernels take them (Note [optimizer arithmetic ...])."""
+    then cast to ``dtype`` (``scalar_dtype``) as torch's kernels take them (Note [optimizer
+    arithmetic ...])."""
     lr, wd = h[0], h[1]
     out: tuple[torch.Tensor, ...]
     if kind == "sgd":
@@ -229,7 +243,7 @@ def _group_scalars(h, step, *, kind: str):
         step_size = lr / (1.0 - torch.pow(b1, t))
         bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
         out = (1.0 - lr * wd, wd, 1.0 - b1, b2, 1.0 - b2, step_size, bias_correction2_sqrt, eps)
-    return tuple(v.float() for v in out)
+    return tuple(v.to(dtype) for v in out)
 
 
 def _sgd_update(p, g, step, lr, wd, momentum, one_minus_dampening, *state, spec: _GroupSpec):
@@ -500,7 +514,7 @@ def _unpad(flat, *, shape):
 
 
 def _sum_of_squares(g):
-    g = g.float()
+    g = _f(g)
     return (g * g).sum()
 
 
@@ -538,8 +552,8 @@ def _scale(g, coef):
 
 def _count_factor(total, *, bound: int):
     # float64, rounded once (Note [exact losses over micro-batches])
-    return (float(bound) / total.double()).float()
+    return (float(bound) / total.double()).to(total.dtype)
 
 
 def _rescale(g, factor):
-    return (g.float() * factor).to(g.dtype)
+    return (_f(g) * factor).to(g.dtype)

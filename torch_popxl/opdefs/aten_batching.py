@@ -378,6 +378,37 @@ def _segment_reduce_backward(op, R: int, args: list, batched: list[bool]) -> tor
                                                  initial=initial)  # fmt: skip
 
 
+def _embedding_bag(op, R: int, args: list, batched: list[bool]) -> tuple:
+    """``_embedding_bag`` (and its forward-only form): every replica's bags as bags of one call,
+    its indices (into a table per replica: shifted by ``_row_offsets``) and offsets shifted by
+    its row; the results that number bags or table rows get their shifts back. A last offset
+    that closes the bags, or a padding index into tables per replica, is not covered."""
+    weight, indices, offsets, scale, mode, sparse, psw, last, padding_idx = args
+    if last or (batched[0] and padding_idx >= 0):
+        raise _NotCovered
+    rows, n, bags = weight.shape[1], indices.shape[1], offsets.shape[1]
+    shift = torch.arange(R, device=indices.device).reshape(R, 1)
+    if batched[0]:
+        table, ids = weight.flatten(0, 1), _row_offsets(indices, rows, wrap=False)
+    else:
+        table, ids = weight[0], indices
+    psw = None if psw is None else psw.reshape(-1)
+    out, offset2bag, bag_size, max_indices = _call(op, [
+        table, ids.reshape(-1), (offsets + shift * n).reshape(-1), scale, mode, sparse, psw,
+        last, padding_idx,
+    ])  # fmt: skip
+    if offset2bag.numel():
+        offset2bag = offset2bag.reshape(R, n) - shift * bags
+    else:
+        offset2bag = offset2bag.new_empty(R, 0)
+    bag_size = bag_size.reshape(R, bags)
+    max_indices = max_indices.reshape(R, bags, *max_indices.shape[1:])
+    if mode == 2 and batched[0]:  # a max's table rows (an empty bag's 0 stays)
+        filled = bag_size.unsqueeze(2) > 0
+        max_indices = torch.where(filled, max_indices - shift.unsqueeze(2) * rows, max_indices)
+    return out.reshape(R, bags, -1), offset2bag, bag_size, max_indices
+
+
 # --- definitions on stacked rows ------------------------------------------------------------
 
 
@@ -499,6 +530,8 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten._pdist_forward.default: _pdist,
     aten._pdist_backward.default: _pdist_backward,
     aten._chunk_cat.default: _chunk_cat,
+    aten._embedding_bag.default: _embedding_bag,
+    aten._embedding_bag_forward_only.default: _embedding_bag,
 }
 COVERED = frozenset(RULES)
 

@@ -294,9 +294,7 @@ def _embedding_ok(f, batched) -> bool:
 
 def _embedding_backward_ok(f, batched) -> bool:
     args = f.op.attrs.args  # grad, indices, num_weights, padding_idx, scale_grad_by_freq
-    return (
-        len(args) == 5 and args[4] is False and isinstance(args[0], Slot) and batched[args[0].index]
-    )
+    return len(args) == 5 and args[4] is False
 
 
 def _batched_arg(f, batched, i: int) -> bool:
@@ -521,8 +519,8 @@ def _stacked_rule(f, a, R: int) -> bool:
         return True
     if target in _NLL:
         # per replica: a [N, C] input, [N] targets, no class weights, mean or sum reduction
-        x_index = 0 if target is aten.nll_loss_forward.default else 1
-        return (f.op.inputs[x_index].rank == 2 and batched[x_index]
+        x = f.op.attrs.args[0 if target is aten.nll_loss_forward.default else 1]
+        return (isinstance(x, Slot) and f.op.inputs[x.index].rank == 2
                 and args_weight_none(f.op, target) and f.op.attrs.args[_NLL[target]] in (1, 2))  # fmt: skip
     if target is aten.t.default:
         return f.op.inputs[0].rank == 2
@@ -651,12 +649,11 @@ def _nll_forward_stacked(x, target, weight, reduction: int, ignore_index: int):
     reduction (``total_weight`` is each replica's count of counted samples)."""
     R, N, C = x.shape
     if R == 1:  # one replica: aten's own reduction, bit for bit as eager
-        out, total_weight = aten.nll_loss_forward(x[0], target.expand(1, N)[0], None, reduction,
+        out, total_weight = aten.nll_loss_forward(x[0], target[0], None, reduction,
                                                   ignore_index)  # fmt: skip
         return out.unsqueeze(0), total_weight.unsqueeze(0)
-    # the same targets on every replica, if unbatched; aten's unreduced kernel takes only
-    # int64 targets (the per-replica call accepts int32 too)
-    target = target.expand(R, N).long()
+    # aten's unreduced kernel takes only int64 targets (the per-replica call accepts int32 too)
+    target = target.long()
     losses = aten.nll_loss_forward(x.reshape(R * N, C), target.reshape(R * N), None, 0,
                                    ignore_index)[0].view(R, N)  # fmt: skip
     total_weight = (target != ignore_index).sum(-1).to(x.dtype)
@@ -669,8 +666,8 @@ def _nll_backward_stacked(grad, x, target, weight, reduction: int, ignore_index:
     """``aten.nll_loss_backward`` per replica on stacked values: the per-replica scale
     (``grad / total_weight`` for a mean) becomes a per-sample gradient of one unreduced call."""
     R, N, C = x.shape
-    target = target.expand(R, N).long()
-    scale = grad / total_weight if reduction == 1 else grad.expand(R)
+    target = target.long()
+    scale = grad / total_weight if reduction == 1 else grad
     per_sample = scale.reshape(R, 1).expand(R, N).reshape(R * N)
     return aten.nll_loss_backward(per_sample, x.reshape(R * N, C), target.reshape(R * N), None, 0,
                                   ignore_index, x.new_ones(())).view(R, N, C)  # fmt: skip
@@ -840,9 +837,23 @@ def emit_torch(em, f, ind: str) -> None:
     args = list(f.op.attrs.args)
     kwargs = dict(f.op.attrs.kwargs)
     a = em.a
+    R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     batched = [a.b(n) for n in f.ins]
+    # Note [operands a stacked rule needs with rows]: the declared operands stored once are
+    # expanded here, for every rule; past this point they count as stacked
+    stacked = any(batched) or draws_random(f.op)  # a random op draws every replica's values
+    expand = needs_rows(f.op) - {i for i, b in enumerate(batched) if b} if stacked else set()
+    assert not expand & effects(f.op).writes, f"{target} would write an expanded operand"
+    batched = [b or i in expand for i, b in enumerate(batched)]
 
     def lit(x):
+        if isinstance(x, Slot) and x.index in expand:
+            s = em.literal(x, f)
+            return f"{s}.expand({R}, *{s}.shape)"
+        if isinstance(x, list):
+            return "[" + ", ".join(lit(y) for y in x) + "]"
+        if isinstance(x, tuple):
+            return "(" + "".join(lit(y) + ", " for y in x) + ")"
         return em.literal(x, f)
 
     if f in em.fold_repeated:  # Note [fold the accumulation loop]: once per iteration
@@ -853,7 +864,6 @@ def emit_torch(em, f, ind: str) -> None:
         _emit_one_op_vmap(em, f, ind)
         return
     out = f.outs[0] if f.outs else None
-    R = em.rows  # the leading dim: the replicas, times the iterations of a folded loop
     is_popxl = getattr(target, "namespace", "") == "torch_popxl"
     stacked_form = opdef_rule(f.op, batched, R) if is_popxl and f not in a.sum_reads else None
     if stacked_form is not None:  # the op's own rule (batchable() checked it has one)
@@ -867,11 +877,7 @@ def emit_torch(em, f, ind: str) -> None:
         _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
         return
     if draws_random(f.op):  # Note [random ops on stacked rows]
-        rendered = [lit(v) for v in args]
-        for i, v in enumerate(args):
-            if isinstance(v, Slot) and not batched[v.index]:
-                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
-        rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
+        rendered = [lit(v) for v in args] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
         _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
         return
     if not any(batched) or target in _ELEMENTWISE or target in PER_ELEMENT or f in a.sum_reads:
@@ -892,7 +898,7 @@ def emit_torch(em, f, ind: str) -> None:
         return
     x = lit(args[0])
     if target is aten.addmm.default:
-        bias_b = isinstance(args[0], Slot) and a.b(f.ins[args[0].index])
+        bias_b = isinstance(args[0], Slot) and batched[args[0].index]
         rest = [lit(v) for v in args[1:]] + [f"{k}={lit(v)}" for k, v in kwargs.items()]
         call = ", ".join([x, repr(bias_b), *rest])
         em.lines.append(f"{ind}{out} = {em.p.literal(_addmm_stacked)}({call})")
@@ -931,18 +937,13 @@ def emit_torch(em, f, ind: str) -> None:
         dim_pos = 2 if target in _SOFTMAX_BACKWARD else 1
         if len(args) <= dim_pos:  # slice's dim has a default (0), left out of the record
             args = [*args, kwargs.pop("dim", 0)]
-        rendered = []
-        for v in args:
-            s = lit(v)
-            if isinstance(v, Slot) and not a.b(f.ins[v.index]):
-                s = f"{s}.expand({R}, *{s}.shape)"
-            rendered.append(s)
+        rendered = [lit(v) for v in args]
         rendered[dim_pos] = repr(_shift(args[dim_pos]))
         rendered += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({', '.join(rendered)})")
     elif target in _CNN:
         rendered = [lit(v) for v in args]
-        flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
+        flags = [isinstance(v, Slot) and batched[v.index] for v in args]
         summed = ", summed=True" if f.rows_summed else ""
         call = (
             f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r}{summed})"
@@ -956,9 +957,6 @@ def emit_torch(em, f, ind: str) -> None:
     elif target in _POOL:
         rendered = [lit(v) for v in args]
         tensors = _POOL[target]
-        for i in tensors:  # every tensor argument with its rows (the op's own batch dim)
-            if isinstance(args[i], Slot) and not a.b(f.ins[args[i].index]):
-                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         fn = em.p.literal(_pool_stacked)
         kernel = (
             em.p.literal(_POOL_KERNELS[target]) if target in _POOL_KERNELS else em.p.aten(target)
@@ -966,13 +964,8 @@ def emit_torch(em, f, ind: str) -> None:
         call = f"{fn}({kernel}, {tensors!r}, {', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in _INDEXED:
-        # the shared index selects along the shifted dim; tensors other than the index are
-        # given their replica dim (an invariant ``self`` written with per-replica rows)
+        # the shared index selects along the shifted dim
         rendered = [lit(v) for v in args]
-        for i in (0, 3):
-            v = args[i] if i < len(args) else None
-            if isinstance(v, Slot) and not a.b(f.ins[v.index]):
-                rendered[i] = f"{rendered[i]}.expand({R}, *{rendered[i]}.shape)"
         rendered[1] = repr(_shift(args[1]))
         em.lines.append(f"{ind}{out} = {em.p.aten(target)}({', '.join(rendered)})")
     elif target in _TRANSFORMER:
@@ -1009,14 +1002,9 @@ def _emit_outputs(em, f, ind: str, call: str) -> None:
 
 
 def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None:
-    """The stacked forms of ``_TRANSFORMER``'s ops (their conditions were checked)."""
+    """The stacked forms of ``_TRANSFORMER``'s ops (their conditions were checked; the
+    operands they need with rows have them: Note [operands a stacked rule needs with rows])."""
     rendered = [lit(v) for v in args]
-
-    def stacked_arg(v) -> str:  # a replica-invariant tensor argument, broadcast to the rows
-        s = lit(v)
-        if isinstance(v, Slot) and not batched[v.index]:
-            return f"{s}.expand({R}, *{s}.shape)"
-        return s
 
     def flag(v) -> bool:
         return isinstance(v, Slot) and batched[v.index]
@@ -1026,21 +1014,14 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         _emit_outputs(em, f, ind, f"{em.p.aten(target)}({', '.join(rendered)})")
     elif target is aten.native_layer_norm.default:
         affine_b = flag(args[2]) or flag(args[3])
-        rendered[0] = stacked_arg(args[0])  # an input stored once, per-replica affine
         call = f"{em.p.literal(_layer_norm_stacked)}({', '.join(rendered)}, {affine_b!r})"
         _emit_outputs(em, f, ind, call)
     elif target is aten.native_layer_norm_backward.default:
         affine_b = flag(args[5]) or flag(args[6])
-        # grad, input, mean and rstd as stacked rows: one of them may be stored once (a gradient
-        # all-reduced over the replicas), which ATen would read out of bounds
-        for i in (0, 1, 3, 4):
-            rendered[i] = stacked_arg(args[i])
         call = f"{em.p.literal(_layer_norm_backward_stacked)}({', '.join(rendered)}, {affine_b!r})"
         _emit_outputs(em, f, ind, call)
     elif target is aten.embedding_dense_backward.default:
-        ids_b = isinstance(args[1], Slot) and batched[args[1].index]
-        rendered[0] = stacked_arg(args[0])  # a gradient stored once: every row's own table
-        call = f"{em.p.literal(_embedding_backward_stacked)}({', '.join(rendered)}, {ids_b!r})"
+        call = f"{em.p.literal(_embedding_backward_stacked)}({', '.join(rendered)})"
         _emit_outputs(em, f, ind, call)
     elif target in (aten.split.Tensor, aten.unsafe_split.Tensor):
         dim = args[2] if len(args) > 2 else 0
@@ -1064,8 +1045,8 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
         call = f"{em.p.literal(_expand_stacked)}({rendered[0]}, {rendered[1]})"
         _emit_outputs(em, f, ind, call)
     elif target in _ATTENTION:
-        tensors = ", ".join(stacked_arg(v) for v in args[: _ATTENTION[target]])
-        rest = [lit(v) for v in args[_ATTENTION[target] :]]
+        tensors = ", ".join(rendered[: _ATTENTION[target]])
+        rest = rendered[_ATTENTION[target] :]
         rest += [f"{k}={lit(v)}" for k, v in kwargs.items()]
         rest.append(f"mask_batched={flag(kwargs.get('attn_mask'))!r}")
         fn = em.p.literal(_attention_stacked)
@@ -1074,12 +1055,11 @@ def _emit_transformer(em, f, ind, target, args, kwargs, batched, lit, R) -> None
     elif target is aten.bmm.default:  # matmul broadcasts an invariant operand over the rows
         _emit_outputs(em, f, ind, f"torch.matmul({rendered[0]}, {rendered[1]})")
     elif target in (aten.cat.default, aten.stack.default):
-        parts = "[" + ", ".join(stacked_arg(v) for v in args[0]) + "]"
         dim = args[1] if len(args) > 1 else 0
         if target is aten.stack.default and dim < 0:  # counts the new dim: per replica rank + 1
             dim += f.op.outputs[0].rank
         fn = "torch.cat" if target is aten.cat.default else "torch.stack"
-        _emit_outputs(em, f, ind, f"{fn}({parts}, {_shift(dim)})")
+        _emit_outputs(em, f, ind, f"{fn}({rendered[0]}, {_shift(dim)})")
 
 
 # Note [convolutions and batch norm on stacked rows]
@@ -1111,7 +1091,7 @@ def _conv_ok(f, batched) -> bool:
 def _conv_backward_ok(f, batched) -> bool:
     args = f.op.attrs.args  # grad, input, weight, bias_sizes, ...
     g, x, w = args[0], args[1], args[2]
-    return (all(isinstance(v, Slot) for v in (g, x, w)) and batched[g.index] and batched[x.index]
+    return (all(isinstance(v, Slot) for v in (g, x, w))
             and not batched[w.index] and f.op.inputs[x.index].rank == f.op.inputs[w.index].rank
             and not f.op.attrs.kwargs)  # fmt: skip
 
@@ -1119,9 +1099,10 @@ def _conv_backward_ok(f, batched) -> bool:
 def _batch_norm_ok(f, batched) -> bool:
     args = f.op.attrs.args  # (grad,) input, ...
     first = 1 if f.op.attrs.target is aten.native_batch_norm_backward.default else 0
-    xs = args[: first + 1]
-    if not (all(isinstance(v, Slot) and batched[v.index] for v in xs)
-            and f.op.inputs[args[first].index].rank >= 2 and not f.op.attrs.kwargs):  # fmt: skip
+    xs = args[: first + 1]  # given rows where stored once (Note [operands a stacked rule needs
+    # with rows])
+    if not (all(isinstance(v, Slot) for v in xs) and f.op.inputs[args[first].index].rank >= 2
+            and not f.op.attrs.kwargs):  # fmt: skip
         return False
     if not first and args[5]:  # training updates the running statistics: they are per row
         return all(not isinstance(v, Slot) or batched[v.index] for v in args[3:5])
@@ -1441,6 +1422,55 @@ _ATTENTION = {  # the number of leading tensor arguments
 }
 
 
+# Note [operands a stacked rule needs with rows]
+#     A stacked rule runs one call over every replica's rows, and an operand stored once
+#     (replica-invariant: a replicated weight, a gradient all-reduced over the replicas) has
+#     no leading rows. Where a rule's helper reads an operand as rows (a kernel would index
+#     past an invariant one, or broadcast its first dim against the rows: NaN gradients in a
+#     tensor-parallel GPT-2 block once), the rule declares that operand here, once, by its
+#     argument position (a list argument: every element; ``_EVERY``: every tensor argument).
+#     ``emit_torch``, the one place that emits the rules, expands each declared operand that
+#     is stored once to the rows (``expand``: a view, no copy; the helpers read strided
+#     operands) before any rule sees it, and the rule then counts it as stacked. An operand a
+#     rule handles either way (a convolution's weight, layer norm's affine parameters, an
+#     attention mask) is left out: it stays one copy. A rule with a single tensor operand
+#     needs nothing: a rule runs stacked only when an operand is. No declared operand may be
+#     written in place (an expanded view cannot be), which ``emit_torch`` checks.
+#     tests/test_explicit_invariant_operands.py gives every declared rule each of its operands
+#     stored once in turn, against the op run per replica in eager torch.
+_EVERY = "every tensor argument"
+_ROWS: dict[Any, tuple[int, ...] | str] = {
+    **dict.fromkeys(_RANDOM_ELEMENTWISE, _EVERY),  # every row draws its own values
+    **dict.fromkeys(_DIM1 | _SOFTMAX_BACKWARD, _EVERY),  # gather's index, scatter's source
+    **_POOL,
+    **dict.fromkeys(_INDEXED, (0, 3)),  # self and source; the index must be invariant
+    aten.nll_loss_forward.default: (0, 1),
+    aten.nll_loss_backward.default: (0, 1, 2, 6),
+    aten.convolution.default: (0,),
+    aten.convolution_backward.default: (0, 1),
+    aten.native_batch_norm.default: (0,),
+    aten.native_batch_norm_backward.default: (0, 1),
+    aten.native_layer_norm.default: (0,),
+    aten.native_layer_norm_backward.default: (0, 1, 3, 4),
+    aten.embedding_dense_backward.default: (0, 1),
+    aten.cat.default: (0,),
+    aten.stack.default: (0,),
+    **{target: tuple(range(n)) for target, n in _ATTENTION.items()},
+}
+
+
+def needs_rows(op: Op) -> set[int]:
+    """The input indices of ``op`` its stacked rule reads as rows (Note [operands a stacked
+    rule needs with rows])."""
+    positions = _ROWS.get(op.attrs.target, ())
+    args, kwargs = op.attrs.args, op.attrs.kwargs
+    if isinstance(positions, str):  # _EVERY
+        leaves = pytree.tree_flatten((list(args), dict(kwargs)))[0]
+    else:
+        leaves = pytree.tree_flatten([args[i] for i in positions if i < len(args)])[0]
+    return {v.index for v in leaves if isinstance(v, Slot)}
+
+
 def _attention_stacked(fn, tensors, *args, mask_batched: bool = False, **kwargs):
     """Flash attention (forward or backward) on stacked rows: per-replica ``[B, H, S, D]``
     (and ``[B, H, S]`` logsumexp) values fold their rows into the batch dim; every output
@@ -1542,9 +1572,11 @@ def _layer_norm_stacked(x, shape, weight, bias, eps, affine_batched):
 def _layer_norm_backward_stacked(grad, x, shape, mean, rstd, weight, bias, mask, affine_batched):
     """``aten.native_layer_norm_backward`` per replica on stacked rows: the input gradient
     is per row already; the weight and bias gradients are each row's own sums."""
-    if affine_batched and weight is not None:
-        w = _per_row(weight, x, shape) if weight.dim() > len(shape) else weight
-        grad_x = aten.native_layer_norm_backward(grad * w, x, shape, mean, rstd, None, None,
+    if affine_batched:  # the input gradient reads the weight only, as a scale of grad
+        scaled = grad
+        if weight is not None:
+            scaled = grad * (_per_row(weight, x, shape) if weight.dim() > len(shape) else weight)
+        grad_x = aten.native_layer_norm_backward(scaled, x, shape, mean, rstd, None, None,
                                                  [mask[0], False, False])[0]  # fmt: skip
     else:
         grad_x = aten.native_layer_norm_backward(grad, x, shape, mean, rstd, weight, bias,
@@ -1559,12 +1591,10 @@ def _layer_norm_backward_stacked(grad, x, shape, mean, rstd, weight, bias, mask,
     return grad_x, grad_w, grad_b
 
 
-def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale, ids_batched):
+def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale):
     """``aten.embedding_dense_backward`` per replica on stacked rows: every row's gradient
     table, as one ``index_add_`` into ``[rows * num_weights, D]``."""
     rows, width = grad.shape[0], grad.shape[-1]
-    if not ids_batched:
-        ids = ids.expand(rows, *ids.shape)
     ids = ids.long()
     offsets = torch.arange(rows, device=ids.device).view(rows, *[1] * (ids.dim() - 1))
     flat_grad = grad.reshape(-1, width)
@@ -1587,7 +1617,10 @@ def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale, ids_
 #     only for an op torch has a batching rule for (its ``FuncTorchBatched`` kernel, or the
 #     project's, Note [aten batching rules]), that draws no random numbers, and whose every
 #     output is per replica (as the analysis makes the outputs of an op with a per-replica
-#     input); any other op keeps its fragment on the vmap path. The fragment's
+#     input); any other op keeps its fragment on the vmap path. An op torch has no batching
+#     rule for but a decomposition (``torch._decomp``: ``binary_cross_entropy_with_logits``,
+#     ``tril_``) runs that decomposition under vmap instead (``_batching_form``): torch
+#     declares the op equal to it, and its ops have batching rules. The fragment's
 #     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them); one whose
 #     trace failed runs under vmap at every step, and ``explain()`` says so.
 _BATCHING_KEYS = ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
@@ -1603,8 +1636,17 @@ def _one_op_vmap_ok(f, a) -> bool:
         return False
     if not any(a.b(n) for n in f.ins) or not all(a.b(n) for n in f.outs):
         return False
+    return _batching_form(target) is not None
+
+
+def _batching_form(target):
+    """What runs ``target`` under vmap with a batching rule (Note [one op through torch's
+    batching rule]): the op itself where torch or the project has a rule for it, else torch's
+    decomposition of it, else None."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS)
+    if target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS):
+        return SAFE_FORMS.get(target, target)  # as the generated code calls it
+    return decomposition_table.get(target)
 
 
 _MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
@@ -1628,7 +1670,7 @@ class _OneOpVmap:
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, Slot)]
         self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
         self.name = str(target)
-        self.target = SAFE_FORMS.get(target, target)  # as the generated code calls it
+        self.target = _batching_form(target) or target
         in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
         self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
         self.traces: dict[tuple, Any] = {}

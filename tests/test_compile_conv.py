@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from optim_checks import SGD_LR, fast_matches_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
@@ -227,6 +228,37 @@ def test_convolutions_with_one_output_position_are_matmuls_with_eager_gradients(
             assert (a is None) == (r is None), name
             if r is not None:
                 torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _AtenCalls(TorchDispatchMode):
+    """The aten overloads called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("image,stride,taps", [((1, 1), 1, 1), ((2, 2), 2, 4), ((2, 1), 2, 2)])
+def test_one_position_weight_gradient_scatters_several_taps_in_one_pass(image, stride, taps):
+    """A one-position convolution's weight gradient (zero at the taps that see only padding)
+    is written by ``scatter_`` where it has several taps and by ``index_copy_`` where it has
+    one (``_scatter_taps``), and equals ATen's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, *image, generator=g)
+    w = torch.randn(5, 6, 3, 3, generator=g)
+    conv = ([stride] * 2, [1, 1], [1, 1], False, [0, 0], 1)
+    grad = torch.randn(4, 5, 1, 1, generator=g)
+    with _AtenCalls() as mode:
+        got = explicit._convolution_backward(grad, x, w, None, *conv, [False, True, False])[1]
+    want = aten.convolution_backward(grad, x, w, None, *conv, [False, True, False])[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert int((want != 0).flatten(2).any(dim=(0, 1)).sum()) == taps  # the taps it has
+    scatter, index_copy = aten.scatter_.src in mode.calls, aten.index_copy_.default in mode.calls
+    assert (scatter, index_copy) == ((taps > 1), (taps == 1))
 
 
 def test_resnet_stage_with_one_output_position_trains_as_the_reference():

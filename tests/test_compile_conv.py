@@ -278,7 +278,13 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
         )  # fmt: skip
 
     fast, fns = fast_matches_reference(model, R, GA, batches)
-    assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
+    fn = fns["normal"]
+    assert fn.explicit and "iterations folded" in fn.source
+    # Note [one gather of a convolution's taps]: the two one-position convolutions (4 and 1
+    # of their 9 taps) gather their taps once, at the forward; the backward reads them
+    (gather,) = [k for k, v in fn.__globals__.items() if v is explicit._tap_weights]
+    assert fn.source.count(f"{gather}(") == 2
+    assert fn.source.count(", weights=v") == 4
 
 
 @pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])

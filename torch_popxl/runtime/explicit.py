@@ -944,10 +944,13 @@ def emit_torch(em, f, ind: str) -> None:
         rendered = [lit(v) for v in args]
         flags = [isinstance(v, Slot) and a.b(f.ins[v.index]) for v in args]
         summed = ", summed=True" if f.rows_summed else ""
-        call = (
-            f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r}{summed})"
+        shared = _shared_taps(em, f, ind)
+        call = f"{em.p.literal(_CNN_STACKED[target])}({', '.join(rendered)}, flags={flags!r}"
+        _emit_outputs(
+            em, f, ind, f"{call}{summed}{'' if shared is None else ', weights=' + shared})"
         )
-        _emit_outputs(em, f, ind, call)
+        if shared is not None and target is aten.convolution_backward.default:
+            em.lines.append(f"{ind}del {shared}")
     elif target in (aten.select_backward.default, aten.slice_backward.default):
         sizes = [R, *args[1]]  # the per-replica input sizes, behind the rows
         trailing = "".join(f", {lit(v)}" for v in args[3:])  # index, or start, end, step
@@ -1133,27 +1136,28 @@ def _fold_batch(x):
     return x.reshape(rows * n, *x.shape[2:])
 
 
-def _conv_stacked(x, w, b, *rest, flags):
-    """``aten.convolution`` on stacked rows with an invariant weight: one call."""
-    out = _convolution(_fold_batch(x), w, b, *rest)
+def _conv_stacked(x, w, b, *rest, flags, weights=None):
+    """``aten.convolution`` on stacked rows with an invariant weight: one call (``weights``:
+    its gathered taps, Note [one gather of a convolution's taps])."""
+    out = _convolution(_fold_batch(x), w, b, *rest, weights=weights)
     return out.view(x.shape[0], x.shape[1], *out.shape[1:])
 
 
-def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags, summed=False):
+def _conv_backward_stacked(grad, x, w, bias_sizes, *rest, flags, summed=False, weights=None):
     """``aten.convolution_backward`` on stacked rows: the input gradient in one call, the
     weight and bias gradients per row (Note [convolutions and batch norm on stacked rows]),
     or, ``summed``, their sums over the rows from the same one call (Note [convolution weight
-    gradients summed over replicas] in lower.py)."""
+    gradients summed over replicas] in lower.py). ``weights``: as for ``_conv_stacked``."""
     *conv, mask = rest
     if summed:
         grad_x, grad_w, grad_b = _convolution_backward(
-            _fold_batch(grad), _fold_batch(x), w, bias_sizes, *conv, mask
+            _fold_batch(grad), _fold_batch(x), w, bias_sizes, *conv, mask, weights=weights
         )
         return (None if grad_x is None else grad_x.view(x.shape)), grad_w, grad_b
     grad_x = grad_w = grad_b = None
     if mask[0]:
         grad_x = _convolution_backward(_fold_batch(grad), _fold_batch(x), w, bias_sizes,
-                                       *conv, [True, False, False])[0]  # fmt: skip
+                                       *conv, [True, False, False], weights=weights)[0]  # fmt: skip
         grad_x = grad_x.view(x.shape)
     if mask[1] or mask[2]:
         per_row = [_convolution_backward(grad[r], x[r], w, bias_sizes, *conv,
@@ -1224,6 +1228,45 @@ def _scatter_taps(cols, index, w):
     return flat.scatter_(1, index.expand(flat.shape[0], -1), values).view(w.shape)
 
 
+# Note [one gather of a convolution's taps]
+#     A one-position convolution (Note [convolutions with one output position]) whose kernel
+#     has taps that only see padding gathers the others from its weight: forward, and again
+#     for the input gradient. The gather reads the whole weight (a 3x3 kernel's centre tap is
+#     every ninth element: every cache line), about 0.3 ms for a 512x512x3x3 weight out of
+#     cache, four times a step on resnet18. The explicit emitter gathers once, at the
+#     forward, into a value the backward of the same weight in the same block then reads
+#     (``Emitter.shared_taps``: weight root -> value name); an op that writes the weight in
+#     between drops the entry (lower.py, ``_Emitter.block``), and the backward releases it.
+def _shared_taps(em, f, ind: str) -> str | None:
+    """Note [one gather of a convolution's taps]: the name of the gathered taps this
+    convolution (forward: emitted here) or its backward reads, or None."""
+    if f.op.attrs.target not in (aten.convolution.default, aten.convolution_backward.default):
+        return None
+    args = f.op.attrs.args
+    backward = f.op.attrs.target is aten.convolution_backward.default
+    x, w = (args[1], args[2]) if backward else (args[0], args[1])
+    conv = args[4:10] if backward else args[3:9]
+    if backward and not args[10][0]:  # the gathered taps serve the input gradient only
+        return None
+    found = _one_position(f.op.inputs[x.index].shape, f.op.inputs[w.index].shape, *conv)
+    w_shape = f.op.inputs[w.index].shape
+    if found is None or math.prod(w_shape[2:]) == math.prod(
+        len(range(*t.indices(k))) for t, k in zip(found[1][2:], w_shape[2:], strict=True)
+    ):  # every tap: the weight itself, no gather
+        return None
+    root = em.a.root_of(f.ins[w.index])
+    if backward:
+        return em.shared_taps.pop(root, None)
+    name = em.p.fresh()
+    gather = em.p.literal(_tap_weights)
+    em.lines.append(f"{ind}{name} = {gather}({f.ins[w.index]}, {em.p.literal(found[1])})")
+    stale = em.shared_taps.pop(root, None)
+    if stale is not None:
+        em.lines.append(f"{ind}del {stale}")
+    em.shared_taps[root] = name
+    return name
+
+
 # Note [convolutions channels last]
 #     oneDNN computes a convolution over channels-last (NHWC) images in place, but an NCHW one
 #     through its blocked layout: it reorders the input, and the output back, on every call,
@@ -1284,22 +1327,24 @@ def _channels_last(x):
     return x.contiguous(memory_format=torch.channels_last)
 
 
-def _convolution(x, w, b, *conv):
+def _convolution(x, w, b, *conv, weights=None):
     """``aten.convolution``, as a matmul where it has one output position (Note
-    [convolutions with one output position])."""
+    [convolutions with one output position]); ``weights``: ``_tap_weights(w, taps)`` when
+    already gathered."""
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
         return aten.convolution(_conv_layout(x), w, b, *conv)
     window, taps = found
     cols = x[window].reshape(x.shape[0], -1)
-    weights = _tap_weights(w, taps).t()
+    weights = (_tap_weights(w, taps) if weights is None else weights).t()
     out = gemm(cols, weights, b)  # Note [gemm kernel]: twice torch.mm's rate on these
     return out.view(x.shape[0], w.shape[0], *[1] * (x.dim() - 2))
 
 
-def _convolution_backward(grad, x, w, bias_sizes, *rest):
+def _convolution_backward(grad, x, w, bias_sizes, *rest, weights=None):
     """``aten.convolution_backward``, as matmuls where the convolution has one output
-    position (Note [convolutions with one output position])."""
+    position (Note [convolutions with one output position]); ``weights`` as for
+    ``_convolution``."""
     *conv, mask = rest
     found = _one_position(x.shape, w.shape, *conv)
     if found is None:
@@ -1309,7 +1354,7 @@ def _convolution_backward(grad, x, w, bias_sizes, *rest):
     g = grad.reshape(grad.shape[0], -1)  # [N, C_out]
     grad_x = grad_w = grad_b = None
     if mask[0]:
-        cols = gemm(g, _tap_weights(w, taps))
+        cols = gemm(g, _tap_weights(w, taps) if weights is None else weights)
         if x[window].shape == x.shape:
             grad_x = cols.view(x.shape)
         else:

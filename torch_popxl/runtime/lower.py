@@ -1186,6 +1186,9 @@ class _Emitter:
         # Note [zeroed accumulators written once]
         self.zeroes_dropped: set[FlatOp] = set()
         self.first_writes: set[FlatOp] = set()
+        # Note [one gather of a convolution's taps] (explicit.py): weight root -> the value
+        # holding its gathered taps, for the backward of the same block
+        self.shared_taps: dict[str, str] = {}
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
         self.keep: frozenset[str] = frozenset()  # never released: the fragment's outputs, params
         # Note [inductor backend]: every REMOTE_VIEW emitted, as (buffer id, slot, runs per
@@ -1230,9 +1233,11 @@ class _Emitter:
             for n in f.outs:
                 if n not in keep:
                     dies.setdefault(last[n], set()).add(n)
+        outer_taps, self.shared_taps = self.shared_taps, {}
         for i, f in enumerate(flat):
             start = len(self.lines)
             getattr(self, f"_{f.kind}")(f, indent)
+            self._drop_written_taps(f, indent)
             for n in f.outs:
                 # Materialise a forced value once, where it is defined (not after in-place
                 # ops that return it again, which would break aliasing).
@@ -1248,6 +1253,17 @@ class _Emitter:
                 dead.append("_r")
             if dead:
                 self.lines.append(f"{indent}del {', '.join(dead)}")
+        for name in self.shared_taps.values():  # forwards without a backward in this block
+            self.lines.append(f"{indent}del {name}")
+        self.shared_taps = outer_taps
+
+    def _drop_written_taps(self, f: FlatOp, indent: str) -> None:
+        """Note [one gather of a convolution's taps]: forget the gathered taps of a weight
+        ``f`` writes (or, a loop, may write)."""
+        for n in _written_names(f):
+            stale = self.shared_taps.pop(self.a.root_of(n), None)
+            if stale is not None:
+                self.lines.append(f"{indent}del {stale}")
 
     def _outer_names(self, loop: FlatOp) -> frozenset[str]:
         """The names a loop body must not release: everything defined around it (carried

@@ -287,6 +287,34 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
     assert fn.source.count(", weights=v") == 4
 
 
+class _TiedConv(torch.nn.Module):
+    """One stride-2 convolution on 2x2 images (4 of its 9 taps; its input gradient needed)
+    and, after, on their 1x1 corners (the centre tap; no input gradient: its backward
+    reads no taps, so the 2x2 one's backward is the next to look its weight up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.point = torch.nn.Conv2d(6, 6, 1)
+        self.conv = torch.nn.Conv2d(6, 6, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        both = self.conv(self.point(x)) + self.conv(x[:, :, :1, :1])
+        return self.head(both.flatten(1))
+
+
+def test_one_weight_with_other_taps_in_two_convolutions_trains_as_the_reference():
+    """Note [one gather of a convolution's taps]: a backward reads the taps its own forward
+    gathered (keyed by weight and taps), so a weight used with two tap sets trains as the
+    reference executor does."""
+    R, GA = 2, 2
+    rng = np.random.default_rng(13)
+    batches = [(rng.normal(size=(R * GA * 4, 6, 2, 2)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+    _, fns = fast_matches_reference(_TiedConv, R, GA, batches)
+    assert fns["normal"].source.count(", weights=v") == 3  # two forwards, the 2x2 backward
+
+
 @pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])
 def test_stacked_batch_norm_in_evaluation_matches_eager_per_replica(image):
     """Evaluation normalises with each replica's running statistics, saves none (``[rows,

@@ -1234,9 +1234,10 @@ def _scatter_taps(cols, index, w):
 #     for the input gradient. The gather reads the whole weight (a 3x3 kernel's centre tap is
 #     every ninth element: every cache line), about 0.3 ms for a 512x512x3x3 weight out of
 #     cache, four times a step on resnet18. The explicit emitter gathers once, at the
-#     forward, into a value the backward of the same weight in the same block then reads
-#     (``Emitter.shared_taps``: weight root -> value name); an op that writes the weight in
-#     between drops the entry (lower.py, ``_Emitter.block``), and the backward releases it.
+#     forward, into a value the backward of the same weight and taps in the same block then
+#     reads (``_Emitter.shared_taps``: (weight root, taps) -> value name); an op that writes
+#     the weight in between drops the entry (lower.py, ``_Emitter.block``), and the backward
+#     releases it.
 def _shared_taps(em, f, ind: str) -> str | None:
     """Note [one gather of a convolution's taps]: the name of the gathered taps this
     convolution (forward: emitted here) or its backward reads, or None."""
@@ -1254,16 +1255,17 @@ def _shared_taps(em, f, ind: str) -> str | None:
         len(range(*t.indices(k))) for t, k in zip(found[1][2:], w_shape[2:], strict=True)
     ):  # every tap: the weight itself, no gather
         return None
-    root = em.a.root_of(f.ins[w.index])
+    # the weight and which of its taps (one weight may serve convolutions of other taps)
+    key = (em.a.root_of(f.ins[w.index]), tuple((t.start, t.stop) for t in found[1][2:]))
     if backward:
-        return em.shared_taps.pop(root, None)
+        return em.shared_taps.pop(key, None)
     name = em.p.fresh()
     gather = em.p.literal(_tap_weights)
     em.lines.append(f"{ind}{name} = {gather}({f.ins[w.index]}, {em.p.literal(found[1])})")
-    stale = em.shared_taps.pop(root, None)
+    stale = em.shared_taps.pop(key, None)
     if stale is not None:
         em.lines.append(f"{ind}del {stale}")
-    em.shared_taps[root] = name
+    em.shared_taps[key] = name
     return name
 
 

@@ -1186,9 +1186,9 @@ class _Emitter:
         # Note [zeroed accumulators written once]
         self.zeroes_dropped: set[FlatOp] = set()
         self.first_writes: set[FlatOp] = set()
-        # Note [one gather of a convolution's taps] (explicit.py): weight root -> the value
-        # holding its gathered taps, for the backward of the same block
-        self.shared_taps: dict[str, str] = {}
+        # Note [one gather of a convolution's taps] (explicit.py): (weight root, taps) -> the
+        # value holding those taps gathered, for the backward of the same block
+        self.shared_taps: dict[tuple[str, Any], str] = {}
         self.scratch: set[FlatOp] = set()  # Note [scratch buffers]
         self.keep: frozenset[str] = frozenset()  # never released: the fragment's outputs, params
         # Note [inductor backend]: every REMOTE_VIEW emitted, as (buffer id, slot, runs per
@@ -1260,10 +1260,9 @@ class _Emitter:
     def _drop_written_taps(self, f: FlatOp, indent: str) -> None:
         """Note [one gather of a convolution's taps]: forget the gathered taps of a weight
         ``f`` writes (or, a loop, may write)."""
-        for n in _written_names(f):
-            stale = self.shared_taps.pop(self.a.root_of(n), None)
-            if stale is not None:
-                self.lines.append(f"{indent}del {stale}")
+        written = {self.a.root_of(n) for n in _written_names(f)}
+        for key in [k for k in self.shared_taps if k[0] in written]:
+            self.lines.append(f"{indent}del {self.shared_taps.pop(key)}")
 
     def _outer_names(self, loop: FlatOp) -> frozenset[str]:
         """The names a loop body must not release: everything defined around it (carried

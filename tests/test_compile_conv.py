@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from optim_checks import SGD_LR, fast_matches_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_popxl as popxl
 import torch_popxl.ops as ops
@@ -229,6 +230,37 @@ def test_convolutions_with_one_output_position_are_matmuls_with_eager_gradients(
                 torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
 
 
+class _AtenCalls(TorchDispatchMode):
+    """The aten overloads called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("image,stride,taps", [((1, 1), 1, 1), ((2, 2), 2, 4), ((2, 1), 2, 2)])
+def test_one_position_weight_gradient_scatters_several_taps_in_one_pass(image, stride, taps):
+    """A one-position convolution's weight gradient (zero at the taps that see only padding)
+    is written by ``scatter_`` where it has several taps and by ``index_copy_`` where it has
+    one (``_scatter_taps``), and equals ATen's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, *image, generator=g)
+    w = torch.randn(5, 6, 3, 3, generator=g)
+    conv = ([stride] * 2, [1, 1], [1, 1], False, [0, 0], 1)
+    grad = torch.randn(4, 5, 1, 1, generator=g)
+    with _AtenCalls() as mode:
+        got = explicit._convolution_backward(grad, x, w, None, *conv, [False, True, False])[1]
+    want = aten.convolution_backward(grad, x, w, None, *conv, [False, True, False])[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert int((want != 0).flatten(2).any(dim=(0, 1)).sum()) == taps  # the taps it has
+    scatter, index_copy = aten.scatter_.src in mode.calls, aten.index_copy_.default in mode.calls
+    assert (scatter, index_copy) == ((taps > 1), (taps == 1))
+
+
 def test_resnet_stage_with_one_output_position_trains_as_the_reference():
     """A conv net whose last convolutions see 1x1 and 2x2 images (their weight gradients
     summed over replicas, their accumulation loop folded) trains as the reference executor."""
@@ -246,7 +278,41 @@ def test_resnet_stage_with_one_output_position_trains_as_the_reference():
         )  # fmt: skip
 
     fast, fns = fast_matches_reference(model, R, GA, batches)
-    assert fns["normal"].explicit and "iterations folded" in fns["normal"].source
+    fn = fns["normal"]
+    assert fn.explicit and "iterations folded" in fn.source
+    # Note [one gather of a convolution's taps]: the two one-position convolutions (4 and 1
+    # of their 9 taps) gather their taps once, at the forward; the backward reads them
+    (gather,) = [k for k, v in fn.__globals__.items() if v is explicit._tap_weights]
+    assert fn.source.count(f"{gather}(") == 2
+    assert fn.source.count(", weights=v") == 4
+
+
+class _TiedConv(torch.nn.Module):
+    """One stride-2 convolution on 2x2 images (4 of its 9 taps; its input gradient needed)
+    and, after, on their 1x1 corners (the centre tap; no input gradient: its backward
+    reads no taps, so the 2x2 one's backward is the next to look its weight up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.point = torch.nn.Conv2d(6, 6, 1)
+        self.conv = torch.nn.Conv2d(6, 6, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        both = self.conv(self.point(x)) + self.conv(x[:, :, :1, :1])
+        return self.head(both.flatten(1))
+
+
+def test_one_weight_with_other_taps_in_two_convolutions_trains_as_the_reference():
+    """Note [one gather of a convolution's taps]: a backward reads the taps its own forward
+    gathered (keyed by weight and taps), so a weight used with two tap sets trains as the
+    reference executor does."""
+    R, GA = 2, 2
+    rng = np.random.default_rng(13)
+    batches = [(rng.normal(size=(R * GA * 4, 6, 2, 2)).astype(np.float32),
+                rng.integers(0, 5, R * GA * 4)) for _ in range(2)]  # fmt: skip
+    _, fns = fast_matches_reference(_TiedConv, R, GA, batches)
+    assert fns["normal"].source.count(", weights=v") == 3  # two forwards, the 2x2 backward
 
 
 @pytest.mark.parametrize("image", [4, 24], ids=["channels_fold", "per_row"])

@@ -193,3 +193,68 @@ def test_sum_read_shares_the_accumulator_and_matches_the_reference(R, GA):
     source = "\n".join(fn.source for fn in fns.values() if hasattr(fn, "source"))
     # the four gradients' and the loss count's reductions
     assert source.count("rt.sum_read(") == source.count("alias=True") == 5, source
+
+
+@pytest.mark.parametrize("R,GA", [(4, 1), (2, 2)])
+def test_sharded_p_grad_is_the_kernels_shard_gathered_in_place_with_eagers_values(R, GA):
+    """Note [p.grad after a step]: with RTS the kernel writes each replica's shard of p.grad
+    (91 and 21 elements: the last shards padded), which is gathered in place: no separate
+    rescale, gather and copy. Weights, p.grad and momentum equal eager SGD's on the global
+    batch, and every kernel call of the step writes its p.grad."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+    opt, opt_ref = make(model.parameters()), make(ref.parameters())
+    trainer = popxl.compile(model, F.mse_loss, opt, replication_factor=R,
+                            gradient_accumulation=GA, rts_threshold=16)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    n = 4 * R * GA
+    for _ in range(3):
+        x, y = torch.randn(n, 13, generator=gen), torch.randn(n, 3, generator=gen)
+        trainer.step(x, y)
+        eager_step(ref, opt_ref, x, y)
+    trainer.sync_weights()
+    assert_same_training(model, opt, ref, opt_ref)
+    kernels = [op for op in trainer.ir.main_graph.ops
+               if op.kind == "torch" and op.attrs.target is sgd_update_]  # fmt: skip
+    assert len(kernels) == 4
+    assert all(op.attrs.args[2] is not None for op in kernels)  # grad_out: p.grad or its shard
+    shards = [op for op in trainer.ir.main_graph.ops
+              if op.kind == "torch" and "replicated_reduce_scatter" in str(op.attrs.target)
+              and op.attrs.args[1] == "local"]  # fmt: skip
+    # the two sharded weights' slices and their p.grad's
+    assert len(shards) == 4
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2), (2, 1)])
+def test_accumulators_zeroed_then_added_once_are_written_by_a_copy(R, GA):
+    """Note [zeroed accumulators written once]: the step zeroes the accumulators as it begins
+    (Note [zeroed before the loop]) and its one add into each (a folded or single-pass loop)
+    runs as a copy with no zeroing pass; the fast executor trains as the reference does."""
+    gen = torch.Generator().manual_seed(4)
+    n = 4 * R * GA
+    batches = [(torch.randn(n, 12, generator=gen).numpy(),
+                torch.randint(0, 5, (n,), generator=gen).numpy()) for _ in range(3)]  # fmt: skip
+
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(),
+                                   torch.nn.Linear(40, 5))  # fmt: skip
+
+    _, fns = fast_matches_reference(model_fn, R, GA, batches)
+    aten = torch.ops.aten
+    ops = {"zero_": aten.zero_.default, "copy_": aten.copy_.default, "add_": aten.add_.Tensor}
+    calls = dict.fromkeys(ops, 0)
+    for fn in fns.values():
+        for name, value in fn.__globals__.items():
+            for kind, op in ops.items():
+                if value is op._op:  # the generated code calls the raw aten ops
+                    calls[kind] += fn.source.count(f"{name}(")
+    # four gradient accumulators: copied into, never zeroed nor added to; what is left is
+    # the step counter's add and, over several micro-batches, the loss count's add and its
+    # zeroing after its read (the old step: four zeroings and adds more)
+    counted = int(R * GA > 1)
+    assert calls == {"zero_": counted, "copy_": 4 + counted, "add_": 1 + counted}, calls

@@ -690,6 +690,13 @@ class Trainer:
                 for i, v in enumerate(info.outputs[first : first + self._n_outputs]):
                     out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                     ops.host_store(out_streams[-1], v)
+            # Note [zeroed before the loop]
+            #     The accumulators are zeroed as the step begins, not after the update reads
+            #     them: the same values for every step (nothing else reads them), and the
+            #     fast executor then writes each one once, a copy where the loop's add was
+            #     (Note [zeroed accumulators written once] in runtime/lower.py).
+            for s in slots:
+                ops.var_updates.accumulator_zero_(s.accum)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
                        *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
@@ -764,8 +771,8 @@ class Trainer:
                 if self.keep_grads:  # Note [p.grad after a step]
                     zeros = np.zeros_like(_host(self._params[s.name]))
                     grad_vars[s.name] = variable(zeros, s.var.dtype, name=f"grad/{s.name}")
-                    if one_pass[k] and not s.sharded:
-                        continue  # the kernel writes it
+                    if one_pass[k]:
+                        continue  # the kernel writes it (a shard of it: Note [p.grad after a step])
                     settle(k)
                     ops.var_updates.copy_var_update_(grad_vars[s.name], self._gather(s, reduced[k]))
             factor_lists: dict[int, Tensor] = {}
@@ -781,7 +788,7 @@ class Trainer:
                 if group_one_pass[i]:
                     for k in members:
                         s = slots[k]
-                        grad_out = None if s.sharded else grad_vars.get(s.name)
+                        grad_out = grad_vars.get(s.name)
                         self._one_pass_update(s, reduced[k], step, hyper_vars[i], scalars[i],
                                               factor_lists[applied[k]], grad_out)  # fmt: skip
                 elif fused_reasons[i] is not None or not members:
@@ -1029,18 +1036,27 @@ class Trainer:
         multiplied by ``factors`` is the gradient, written to ``grad_out`` (``p.grad``) unless
         None (SGD: Note [one-pass SGD update] in opdefs/sgd.py, reading ``hyper``; Adam: Note
         [Adam chain in three passes] in csrc/adam.cpp, reading the group's ``scalars``);
-        parameter and state prepared as ``_update`` prepares them."""
+        parameter and state prepared as ``_update`` prepares them. A sharded parameter's kernel
+        writes its shard of ``grad_out``, which is then gathered into it as the parameter is
+        (Note [p.grad after a step])."""
         p = self._update_target(s)
         state = self._load_state(s)
+        grad_shard = grad_out
+        if s.sharded and grad_out is not None:
+            grad_shard = ops.collectives.replica_sharded_slice(grad_out)
         if s.spec.kind == "sgd":
             buf = state[0] if state else None
-            args = (p, buf, grad_out, g, hyper, step, factors)
+            args = (p, buf, grad_shard, g, hyper, step, factors)
             call_torch(_sgd_one_pass, args, {"spec": s.spec})
         else:
             call_torch(
-                _adam_one_pass, (p, grad_out, g, factors, *scalars, *state), {"spec": s.spec}
+                _adam_one_pass, (p, grad_shard, g, factors, *scalars, *state), {"spec": s.spec}
             )
         self._finish_update(s, p, state)
+        if grad_out is not None and grad_shard is not grad_out:
+            ops.var_updates.copy_var_update_(
+                grad_out, ops.collectives.replicated_all_gather(grad_shard)
+            )
 
     def _fused_update(self, members: list, spec: _GroupSpec, step, hyper) -> None:
         """One fused kernel call for a whole param group (Note [fused optimizer updates]):
@@ -1083,8 +1099,7 @@ class Trainer:
         return ops.cast(full, g.dtype) if bf16 else full
 
     def _finish_update(self, s: _Slot, p: Tensor, state: list[Tensor]) -> None:
-        """Stores off-chip state, all-gathers an updated shard into the parameter and zeroes
-        the gradient accumulator."""
+        """Stores off-chip state and all-gathers an updated shard into the parameter."""
         self._store_state(s, state)
         if s.sharded:
             if p.dtype.name == "bfloat16":
@@ -1092,7 +1107,6 @@ class Trainer:
             else:  # the slice knows its parameter's shape
                 full = ops.collectives.replicated_all_gather(p)
             ops.var_updates.copy_var_update_(s.var, full)
-        ops.var_updates.accumulator_zero_(s.accum)
 
     def _load_state(self, s: _Slot) -> list[Tensor]:
         out = []
@@ -1306,8 +1320,10 @@ class Trainer:
             and clips (as after ``scaler.unscale_`` / ``clip_grad_norm_``), None for a frozen
             parameter. The program copies the gradient its update uses into a ``grad/<name>``
             variable (a sharded one all-gathered first; the one-pass SGD kernel and the Adam
-            chain kernel write an unsharded one as they read the gradient), which is the
-            ``.grad`` tensor itself
+            chain kernel write it as they read the gradient, a sharded parameter's kernel its
+            shard of it, gathered as the parameter is: in place, Note [RTS updates in place] in
+            runtime/lower.py, no separate rescale, gather or copy), which is the ``.grad``
+            tensor itself
             where the simulator keeps one copy for all replicas (Note [live torch tensors])
             and is copied into ``.grad`` otherwise. It costs a parameter's size per
             parameter, as eager's ``.grad`` does; ``keep_grads=False`` leaves it out.

@@ -280,7 +280,7 @@ def test_fused_update_moves_what_the_chain_moves(layout):
     does: the same counted traffic, predicted by the memory report and counted by the
     runtime. By hand (R=4): 2 states x 4 bytes x (values per replica, summed over replicas);
     remote_rts: 1600 sharded values (400 per replica) and the 4-value bias on each replica."""
-    counters = {}
+    counters, sharded = {}, {}
     for fused in (True, False):
         trainer, ours, theirs = _run_both("mlp", lambda m, f=fused: FUSED["adamw"](m, fused=f),
                                           4, 2, **LAYOUTS[layout])  # fmt: skip
@@ -288,6 +288,12 @@ def test_fused_update_moves_what_the_chain_moves(layout):
         report = trainer.memory_report()
         assert dict(report.predicted_counters) == dict(report.measured_counters)
         counters[fused] = dict(report.measured_counters)
+        sharded[fused] = sum(s.sharded for s in trainer._active.slots)
+    # The chain's Adam kernel writes each sharded parameter's shard of p.grad, taken by a
+    # local slice (a collective of 0 bytes: Note [p.grad after a step]); the rest is the same.
+    assert sharded[False] == sharded[True] and (sharded[False] > 0) == (layout == "remote_rts")
+    slices = counters[False].pop("num_collectives") - counters[True].pop("num_collectives")
+    assert slices == sharded[False]
     assert counters[True] == counters[False]
     values = {"remote_rts": 1600 + 4 * 4, "remote": 4 * 1604}[layout]
     got = {k: counters[True][k] for k in ("remote_load_bytes", "remote_store_bytes",

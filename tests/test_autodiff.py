@@ -65,18 +65,24 @@ CASES = {
 }
 
 
+def assert_grads_match_torch(fn, fn_torch, shapes, out_shape, executor, rng_seed) -> None:
+    """``autodiff`` of the graph ``fn`` builds gives torch.autograd's gradients of
+    ``fn_torch`` (value and every input's gradient), on random inputs and output seed."""
+    rng = np.random.default_rng(rng_seed)
+    arrays = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    seed = rng.normal(size=out_shape).astype(np.float32)
+    got, _ = _grad_program(fn, arrays, seed, executor)
+    want_y, want_grads = _torch_grads(fn_torch, arrays, seed)
+    np.testing.assert_allclose(got[0], want_y, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1:], want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_autodiff_grads_match_torch_autograd(case, executor):
     fn, shapes, out_shape = CASES[case]
-    rng = np.random.default_rng(len(case))
-    arrays = [rng.normal(size=s).astype(np.float32) for s in shapes]
-    seed = rng.normal(size=out_shape).astype(np.float32)
-    got, _ = _grad_program(fn, arrays, seed, executor)
-    want_y, want_grads = _torch_grads(fn, arrays, seed)
-    np.testing.assert_allclose(got[0], want_y, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1:], want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    assert_grads_match_torch(fn, fn, shapes, out_shape, executor, len(case))
 
 
 def test_grad_graph_info_contract():

@@ -6,12 +6,11 @@ gives."""
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from optim_checks import train_both
-from test_autodiff import _grad_program, _torch_grads
+from test_autodiff import assert_grads_match_torch
 
 import torch_popxl as popxl
 from torch_popxl.capture import call_torch
@@ -180,14 +179,7 @@ def test_autodiff_of_a_graph_applying_a_function(executor):
     def fn(x, w, b):  # torch code on popxl handles, captured as one call
         return call_torch(_scaled_tanh, (x, w, b), {})
 
-    rng = np.random.default_rng(0)
-    arrays = [rng.normal(size=s).astype(np.float32) for s in [(5, 4), (3, 4), (3,)]]
-    seed = rng.normal(size=(5, 3)).astype(np.float32)
-    got, _ = _grad_program(fn, arrays, seed, executor)
-    want_y, want_grads = _torch_grads(_scaled_tanh, arrays, seed)
-    np.testing.assert_allclose(got[0], want_y, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got[1:], want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    assert_grads_match_torch(fn, _scaled_tanh, [(5, 4), (3, 4), (3,)], (5, 3), executor, 0)
 
 
 def test_inference_runs_a_functions_forward():

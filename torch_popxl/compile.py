@@ -632,14 +632,16 @@ class Trainer:
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             mutated = mutated_inputs(fwd)
-            written = [s.name for i, s in enumerate(slots) if n_io + i in mutated]
+            names = [s.name for s in slots] + list(frozen_vars)  # the inputs after the data
+            written = [n for i, n in enumerate(names) if n_io + i in mutated]
             if written:
                 raise ValueError(
-                    f"popxl.compile: the forward writes the trained parameters {written} in "
-                    "place (nn.Embedding(max_norm=...) renormalises its rows so); the compiled "
-                    "step keeps parameters as the optimizer leaves them and cannot follow such "
-                    "a write. Renormalise outside the step (under torch.no_grad(), between "
-                    "steps), or compute the normalised weight out of place in forward."
+                    f"popxl.compile: the forward writes the parameters {written} in place "
+                    "(nn.Embedding(max_norm=...) renormalises its rows so); the compiled step "
+                    "keeps parameters as the optimizer leaves them (a frozen one as it is) and "
+                    "cannot follow such a write. Renormalise outside the step (under "
+                    "torch.no_grad(), between steps), or compute the normalised weight out of "
+                    "place in forward."
                 )
             bwd = autodiff(
                 fwd,

@@ -40,6 +40,28 @@ def assert_same_training(m, opt, m_ref, opt_ref, exact: bool = False) -> None:
             check(opt.state[p][k], v, **kw_state, msg=lambda s, n=f"{name}.{k}": f"{n}: {s}")
 
 
+def kernel_steps_against_eager(model, make_optimizer, count_calls):
+    """Three MSE steps of ``model`` compiled (one replica) and eager, each with
+    ``make_optimizer(params)``; ``count_calls(trainer)`` is installed after the first step (the
+    program is built) and its result returned with the trainer and both optimizers, for the
+    caller's assertions. Weights, p.grad and state are then compared bit for bit."""
+    ref = copy.deepcopy(model)
+    opt, opt_ref = make_optimizer(model.parameters()), make_optimizer(ref.parameters())
+    trainer = popxl.compile(model, F.mse_loss, opt)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 12, generator=gen), torch.randn(8, 4, generator=gen))
+               for _ in range(3)]  # fmt: skip
+    trainer.step(*batches[0])
+    eager_step(ref, opt_ref, *batches[0])
+    calls = count_calls(trainer)
+    for x, y in batches[1:]:
+        trainer.step(x, y)
+        eager_step(ref, opt_ref, x, y)
+    trainer.sync_weights()
+    assert_same_training(model, opt, ref, opt_ref, exact=True)
+    return trainer, opt, calls
+
+
 def train_both(model, loss_fn, batches, R, GA, *, lr=0.1, rtol=RTOL, atol=ATOL,
                optimizer=torch.optim.SGD, **compile_kw):  # fmt: skip
     """Trains ``model`` eagerly and a copy through popxl.compile (``optimizer(params, lr)``

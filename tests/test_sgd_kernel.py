@@ -12,7 +12,12 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from optim_checks import assert_same_training, eager_step, fast_matches_reference
+from optim_checks import (
+    assert_same_training,
+    eager_step,
+    fast_matches_reference,
+    kernel_steps_against_eager,
+)
 
 import torch_popxl as popxl
 from torch_popxl.opdefs.sgd import sgd_update_
@@ -141,22 +146,9 @@ def test_compiled_sgd_step_calls_the_kernel_and_trains_as_eager(flags):
                                nesterov=nesterov, weight_decay=wd, maximize=maximize)  # fmt: skip
 
     model = _model()
-    ref = copy.deepcopy(model)
-    opt, opt_ref = make(model.parameters()), make(ref.parameters())
-    trainer = popxl.compile(model, F.mse_loss, opt)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 12, generator=gen), torch.randn(8, 4, generator=gen))
-               for _ in range(3)]  # fmt: skip
-    trainer.step(*batches[0])
-    eager_step(ref, opt_ref, *batches[0])
+    trainer, _, calls = kernel_steps_against_eager(model, make, _count_kernel_calls)
     assert trainer.fused_reasons == (None,)
-    calls = _count_kernel_calls(trainer)
-    for x, y in batches[1:]:
-        trainer.step(x, y)
-        eager_step(ref, opt_ref, x, y)
     assert calls[0] == 2 * len(list(model.parameters()))  # one call per parameter and step
-    trainer.sync_weights()
-    assert_same_training(model, opt, ref, opt_ref, exact=True)
 
 
 def test_sgd_kernel_reasons_name_what_keeps_the_chain():

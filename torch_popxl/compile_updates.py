@@ -394,15 +394,21 @@ def _fused_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device):
     return None
 
 
-def _sgd_kernel_reason(slots: list, dynamic_scaling: bool, device) -> str | None:
+def _kernel_reason(kernel: str, slots: list, dynamic_scaling: bool, device) -> str | None:
+    """Why a group's parameters cannot go through one of the extension's float32 CPU kernels
+    (``kernel`` names it), or None."""
     if torch.device(device).type != "cpu":
-        return f"the one-pass SGD kernel runs on the CPU simulator only (device={str(device)!r})"
+        return f"the {kernel} runs on the CPU simulator only (device={str(device)!r})"
     if dynamic_scaling:
         return "dynamic loss scaling skips steps in the per-parameter update"
     dtypes = sorted({s.var.dtype.name for s in slots} - {"float32"})
     if dtypes:
-        return f"the one-pass SGD kernel takes float32 parameters; the group has {dtypes}"
+        return f"the {kernel} takes float32 parameters; the group has {dtypes}"
     return None
+
+
+def _sgd_kernel_reason(slots: list, dynamic_scaling: bool, device) -> str | None:
+    return _kernel_reason("one-pass SGD kernel", slots, dynamic_scaling, device)
 
 
 def _one_pass_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, device) -> str | None:
@@ -416,14 +422,7 @@ def _one_pass_reason(spec: _GroupSpec, slots: list, dynamic_scaling: bool, devic
         return f"the {spec.kind} update{' (fused)' if spec.fused else ''} has no one-pass form"
     if spec.kind == "adam" and spec.weight_decay:
         return "Adam's weight decay adds the parameter to the rescaled gradient"
-    if torch.device(device).type != "cpu":
-        return f"the chain kernel runs on the CPU simulator only (device={str(device)!r})"
-    if dynamic_scaling:
-        return "dynamic loss scaling skips steps in the per-parameter update"
-    dtypes = sorted({s.var.dtype.name for s in slots} - {"float32"})
-    if dtypes:
-        return f"the chain kernel takes float32 parameters; the group has {dtypes}"
-    return None
+    return _kernel_reason("chain kernel", slots, dynamic_scaling, device)
 
 
 def _factors(*factors):

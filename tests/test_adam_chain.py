@@ -17,6 +17,13 @@ import torch_popxl as popxl
 from torch_popxl.opdefs import scalar_tensor
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The kernels under test are the CPU simulator's; a trainer on a GPU (TORCH_POPXL_DEVICE=cuda)
+    runs torch's own ops instead, so these tests pin the CPU."""
+    monkeypatch.setenv("TORCH_POPXL_DEVICE", "cpu")
+
+
 def _scalars(lr, b1, b2, eps, step):
     """The compiled step's per-group scalars (``compile_updates._group_scalars``)."""
     t = torch.tensor(float(step), dtype=torch.float64)

@@ -372,8 +372,10 @@ def test_one_replica_runs_the_plain_program_when_no_loop_folds(GA, tally):
             opt.step()
             assert loss == eager.item()
     if not tally:
+        # bit for bit on the CPU; a GPU's eager SGD (foreach) may round its update differently
+        exact = {"rtol": 0, "atol": 0} if dev.type == "cpu" else {"rtol": 1e-6, "atol": 1e-7}
         for a, b in zip(got.parameters(), want.parameters(), strict=True):
-            assert torch.equal(a, b.cpu())
+            torch.testing.assert_close(a, b.cpu(), **exact)
     else:
         assert all(torch.isfinite(p).all() for p in got.parameters())
 

@@ -35,6 +35,13 @@ SIZES = (1, 7, 16, 33, 16384 * 2 + 5)
 LR = 0.037
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The kernels under test are the CPU simulator's; a trainer on a GPU (TORCH_POPXL_DEVICE=cuda)
+    runs torch's own ops instead, so these tests pin the CPU."""
+    monkeypatch.setenv("TORCH_POPXL_DEVICE", "cpu")
+
+
 def _flag_id(f):
     m, d, n, wd, mx = f
     return f"m{m}-d{d}-{'nesterov' if n else 'plain'}-wd{wd}-{'max' if mx else 'min'}"

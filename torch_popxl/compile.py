@@ -218,6 +218,7 @@ class _Batch:
     kwargs: dict[str, np.ndarray]
     targets: list[np.ndarray]
     targets_tuple: bool
+    spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -235,6 +236,7 @@ class _Batch:
             tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
             tuple((a.shape, str(a.dtype)) for a in self.targets),
             self.targets_tuple,
+            self.spec,
         )
 
 
@@ -570,7 +572,7 @@ class Trainer:
     def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
         _refuse_backward_hooks(self.model)
         R, GA = self.replication_factor, self.gradient_accumulation
-        micro = batch.size // (_distributed.local_replicas(R) * GA)
+        chunks = _distributed.local_replicas(R) * GA  # Note [the batch is dim 0]
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
@@ -580,7 +582,7 @@ class Trainer:
             names += [f"inputs/{k}" for k in batch.kwargs]
             names += [f"targets/{i}" for i in range(len(batch.targets))]
             in_streams = [
-                _h2d((micro, *a.shape[1:]), a.dtype, n)
+                _h2d((a.shape[0] // chunks, *a.shape[1:]), a.dtype, n)
                 for n, a in zip(names, batch.arrays, strict=True)
             ]
             loss_stream = None
@@ -918,8 +920,8 @@ class Trainer:
             for i, a in enumerate(batch.arrays):
                 if a.dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
                     io[i] = call_torch(torch.Tensor.long, (io[i],), {})
-            n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
-            args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
+            n_in = len(batch.args) + len(batch.kwargs)
+            args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
             targets = io[n_in:]
             t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
             params = {
@@ -1140,7 +1142,7 @@ class Trainer:
 
     def _check_batch(self, inputs, targets) -> _Batch:
         floats = host_float(self.model)
-        args, kwargs = _structured(inputs, "inputs", floats)
+        args, kwargs, spec = _structured(inputs, "inputs", floats)
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
             t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
@@ -1148,13 +1150,23 @@ class Trainer:
             t = []
         else:
             t = [_array(targets, "targets", floats)]
-        batch = _Batch(args, kwargs, t, targets_tuple)
+        batch = _Batch(args, kwargs, t, targets_tuple, spec)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
-        if len(set(sizes)) > 1:
+        # Note [the batch is dim 0]: the step cuts every input and target into micro-batches
+        # on dim 0; one replica without accumulation cuts nothing, so any layout runs as
+        # written there (a time-major LSTM's (seq, batch) tokens with (layers, batch, hidden)
+        # states).
+        if R * GA > 1 and len(set(sizes)) > 1:
             raise ValueError(
                 f"inputs and targets must have the same number of samples (dim 0); got {sizes} "
-                f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s)."
+                f"for {len(args) + len(kwargs)} input(s) and {len(t)} target(s). With "
+                f"replication_factor * gradient_accumulation = {R * GA} every input and target "
+                "is cut into micro-batches on dim 0: give them batch-first. A time-major "
+                "model (nn.LSTM/nn.GRU/nn.Transformer without batch_first, tokens as (seq, "
+                "batch), states as (layers, batch, hidden)) runs unchanged inside a wrapper "
+                "module that takes batch-first tensors and transposes them (docs/compile.md, "
+                "'Time-major models')."
             )
         if batch.size == 0 or batch.size % (R * GA):
             raise ValueError(_split_advice(batch.size, R, GA))
@@ -1267,7 +1279,9 @@ class Trainer:
         for st in prog.out_streams:
             o = numpy_to_torch(out[st], st.dtype)
             o = o.reshape(GA * local_R, *st.shape)  # [GA, R, ...] with R, GA squeezed when 1
-            if st.shape and st.shape[0] * GA * local_R == n:
+            if GA * local_R == 1:  # nothing was cut (Note [the batch is dim 0])
+                o = o[0]
+            elif st.shape and st.shape[0] * GA * local_R == n:
                 o = o.reshape(n, *st.shape[1:])
             values.append(o)
         spec, leaves = prog.out_spec

@@ -159,18 +159,40 @@ def _array(x, what: str, floats: type = np.float32) -> np.ndarray:
     return x
 
 
+def _is_array_like(x) -> bool:
+    """A leaf of a step's inputs: a tensor, an array, or a list of numbers."""
+    if isinstance(x, tuple | list | dict):
+        return bool(x) and not isinstance(x, dict) and isinstance(x[0], int | float | bool)
+    return True
+
+
 def _structured(
     x, what: str, floats: type = np.float32
-) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays (float64
-    ones as ``floats``: Note [float64 models])."""
+) -> tuple[list[np.ndarray], dict[str, np.ndarray], pytree.TreeSpec]:
+    """A tensor, a tuple/list (positional) or a dict (keyword) as arrays (float64 ones as
+    ``floats``: Note [float64 models]): the positional leaves, the keyword leaves by their path
+    and the structure that rebuilds ``(args, kwargs)`` from them. An argument may be a tuple,
+    list or dict of tensors (an LSTM's ``(h, c)`` state): Note [nested inputs]."""
     if isinstance(x, dict):
         if not x:
             raise ValueError(f"{what}: an empty dict.")
-        return [], {k: _array(v, f"{what}[{k!r}]", floats) for k, v in x.items()}
-    if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
-        return [_array(v, f"{what}[{i}]", floats) for i, v in enumerate(x)], {}
-    return [_array(x, what, floats)], {}
+        args, kwargs = (), x
+    elif isinstance(x, tuple | list) and x and not _is_array_like(x):
+        args, kwargs = tuple(x), {}
+    else:
+        args, kwargs = (x,), {}
+    # Note [nested inputs]: each leaf is one host stream; the program's forward gets the
+    # arguments rebuilt from the streamed micro-batches with the same structure.
+    flat, spec = pytree.tree_flatten_with_path((args, kwargs), is_leaf=_is_array_like)
+    out_args, out_kwargs = [], {}
+    for path, v in flat:
+        where = what + (pytree.keystr(path[1:]) if not args or x is not args[0] else "")
+        if path[0] == pytree.SequenceKey(0):
+            out_args.append(_array(v, where, floats))
+        else:  # a keyword argument's leaves as "name", "name.0", "name.key"
+            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path[1:])
+            out_kwargs[name] = _array(v, where, floats)
+    return out_args, out_kwargs, spec
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -196,7 +218,7 @@ def _split_advice(n: int, R: int, GA: int) -> str:
 
 
 def _describe(key: tuple) -> str:
-    args, kwargs, targets, _ = key
+    args, kwargs, targets = key[:3]
     inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
     return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
 

@@ -63,7 +63,7 @@ class InferenceProgram:
             for k in self._programs
         )  # fmt: skip
 
-    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray]) -> tuple:
+    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray], in_spec) -> tuple:
         R = _distributed.local_replicas(self.replication_factor)
         ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
@@ -76,7 +76,7 @@ class InferenceProgram:
             tensors = {n: variable(_host(t), _dtype.as_dtype(t.dtype), name=n)
                        for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
             loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
-            a_in, k_in = loaded[: len(args)], dict(zip(kwargs, loaded[len(args) :], strict=True))
+            a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
             with _attributes_restored(self.model):
                 y = call_torch(
                     torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
@@ -113,7 +113,7 @@ class InferenceProgram:
         return self.session.explain()
 
     def __call__(self, inputs):
-        args, kwargs = _structured(inputs, "inputs", host_float(self.model))
+        args, kwargs, in_spec = _structured(inputs, "inputs", host_float(self.model))
         arrays = [*args, *kwargs.values()]
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         n = arrays[0].shape[0]
@@ -141,10 +141,11 @@ class InferenceProgram:
             training,
             tuple((a.shape, a.dtype) for a in args),
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
+            in_spec,
         )
         built = self._programs.pop(key, None)
         if built is None:
-            built = self._build(args, kwargs)
+            built = self._build(args, kwargs, in_spec)
         self._programs[key] = built  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             del self._programs[next(iter(self._programs))]

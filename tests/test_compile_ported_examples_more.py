@@ -1,0 +1,659 @@
+"""More public example training scripts ported to popxl.compile by replacing only the step.
+
+Each test writes the loop of a pytorch/examples script (word_language_model's LSTM/GRU with
+its hidden state carried and detached across batches, mnist_rnn, siamese_network,
+super_resolution, fast_neural_style, a ViT with AdamW and a warmup-cosine LambdaLR, a dense
+GCN, mnist_forward_forward, dcgan) at a tiny size, once with the eager step
+(``zero_grad / backward / [clip] / step``) and once with ``trainer.step``, on the same
+synthetic data, and compares the printed losses of every step and the weights at the end.
+
+Tolerances: float32 sums in another order (replicas and micro-batches add in another order):
+losses rtol 1e-5, weights rtol 1e-4 / atol 1e-5, unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_popxl as popxl
+
+R, GA = 2, 2
+
+
+def _same_weights(a, b, atol=1e-5):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=atol, msg=name)
+
+
+def _eager_step(model, opt, loss_fn, clip=None):
+    def step(data, target):
+        opt.zero_grad()
+        loss = loss_fn(model(*data) if isinstance(data, tuple) else model(data), target)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def _batches(x, y, batch):
+    """A DataLoader(shuffle=False, drop_last=False) over tensors (or tuples of them)."""
+    n = (x[0] if isinstance(x, tuple) else x).shape[0]
+    for i in range(0, n, batch):
+        xb = tuple(t[i : i + batch] for t in x) if isinstance(x, tuple) else x[i : i + batch]
+        yield xb, y[i : i + batch]
+
+
+def _compare(run, rtol=1e-5, atol=1e-5):
+    """``run(compiled)`` returns (model, printed values); both runs print the same values and
+    end with the same weights."""
+    eager, want = run(False)
+    ported, got = run(True)
+    assert len(got) == len(want) > 1
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-7)
+    _same_weights(ported, eager, atol=atol)
+    return got
+
+
+# ---- word_language_model: RNN LM, hidden state carried and detached, tied weights, clipping,
+# ---- SGD with the learning rate divided by 4 when validation does not improve ---------------
+
+
+class RNNModel(torch.nn.Module):
+    """The example's RNNModel: time-major (tokens as (seq, batch)), states (layers, batch,
+    hidden), the decoder tied to the encoder."""
+
+    def __init__(self, kind="LSTM", ntoken=30, ninp=16, nhid=16, nlayers=2):
+        super().__init__()
+        self.encoder = torch.nn.Embedding(ntoken, ninp)
+        self.rnn = getattr(torch.nn, kind)(ninp, nhid, nlayers)
+        self.decoder = torch.nn.Linear(nhid, ntoken)
+        self.decoder.weight = self.encoder.weight  # tied
+        self.kind, self.nhid, self.nlayers = kind, nhid, nlayers
+
+    def forward(self, input, hidden):
+        output, hidden = self.rnn(self.encoder(input), hidden)
+        return F.log_softmax(self.decoder(output), dim=-1), hidden
+
+    def init_hidden(self, bsz, batch_first=False):
+        shape = (bsz, self.nlayers, self.nhid) if batch_first else (self.nlayers, bsz, self.nhid)
+        z = torch.zeros(shape)
+        return (z, z.clone()) if self.kind == "LSTM" else z
+
+
+class BatchFirst(torch.nn.Module):
+    """docs/compile.md 'Time-major models': the same module on batch-first tensors, so that
+    replicas and micro-batches cut the batch (dim 0)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input, hidden):
+        swap = lambda h: h.transpose(0, 1).contiguous()  # noqa: E731
+        hidden = tuple(map(swap, hidden)) if isinstance(hidden, tuple) else swap(hidden)
+        output, hidden = self.inner(input.t(), hidden)
+        hidden = tuple(map(swap, hidden)) if isinstance(hidden, tuple) else swap(hidden)
+        return output.transpose(0, 1), hidden
+
+
+def _repackage_hidden(h):
+    return h.detach() if isinstance(h, torch.Tensor) else tuple(_repackage_hidden(v) for v in h)
+
+
+def _lm_criterion(output, targets):
+    logp = output[0]
+    return F.nll_loss(logp.reshape(-1, logp.shape[-1]), targets.reshape(-1))
+
+
+def _batchify(data, bsz):
+    n = data.size(0) // bsz
+    return data[: n * bsz].view(bsz, -1).t().contiguous()  # (seq, batch), as the example
+
+
+def _run_word_lm(compiled: bool, kind: str, batch_first: bool):
+    torch.manual_seed(0)
+    model = RNNModel(kind)
+    net = BatchFirst(model) if batch_first else model
+    lr, clip, bptt, bsz = 5.0, 0.25, 5, 4
+    opt = torch.optim.SGD(model.parameters(), lr=lr)  # the example's p.data.add_(p.grad, -lr)
+    g = torch.Generator().manual_seed(5)
+    train_data = _batchify(torch.randint(0, 30, (4 * 23,), generator=g), bsz)  # (23, 4)
+    val_data = _batchify(torch.randint(0, 30, (4 * 11,), generator=g), bsz)
+    if compiled:
+        trainer = popxl.compile(net, _lm_criterion, opt, max_grad_norm=clip, return_outputs=True,
+                                **({"replication_factor": R, "gradient_accumulation": GA}
+                                   if batch_first else {}))  # fmt: skip
+    printed, best_val = [], None
+
+    def get_batch(source, i):
+        seq_len = min(bptt, len(source) - 1 - i)  # the last one is short
+        data, target = source[i : i + seq_len], source[i + 1 : i + 1 + seq_len]
+        return (data.t().contiguous(), target.t().contiguous()) if batch_first else (data, target)
+
+    def evaluate(source):
+        net.eval()
+        total, hidden = 0.0, model.init_hidden(bsz, batch_first)
+        with torch.no_grad():
+            for i in range(0, source.size(0) - 1, bptt):
+                data, targets = get_batch(source, i)
+                output, hidden = net(data, hidden)
+                total += len(data if not batch_first else data.t()) * float(
+                    _lm_criterion((output, hidden), targets)
+                )
+        return total / (len(source) - 1)
+
+    for _epoch in range(2):
+        net.train()
+        hidden = model.init_hidden(bsz, batch_first)
+        for i in range(0, train_data.size(0) - 1, bptt):
+            data, targets = get_batch(train_data, i)
+            hidden = _repackage_hidden(hidden)  # truncated backpropagation through time
+            if compiled:
+                loss, (_, hidden) = trainer.step((data, hidden), targets)
+            else:
+                model.zero_grad()
+                output, hidden = net(data, hidden)
+                loss = _lm_criterion((output, hidden), targets)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                loss = loss.item()
+            printed.append(loss)
+        val_loss = evaluate(val_data)
+        printed.append(val_loss)
+        if best_val is None or val_loss < best_val:
+            best_val = val_loss
+        else:  # anneal
+            for group in opt.param_groups:
+                group["lr"] /= 4.0
+        for group in opt.param_groups:  # and here every epoch, so that it certainly happens
+            group["lr"] /= 2.0
+    return model, printed
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_word_language_model_rnn_time_major_with_carried_hidden_prints_eager_losses(kind):
+    """As written: (seq, batch) tokens and an (h, c) tuple state carried across steps (a step's
+    nested inputs, Note [nested inputs]); one replica, no accumulation, so nothing is cut."""
+    losses = _compare(lambda c: _run_word_lm(c, kind, batch_first=False))
+    assert len(losses) == 2 * (5 + 1)  # 5 bptt windows (the last short) and validation
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_word_language_model_batch_first_wrapper_trains_on_replicas_as_eager(kind):
+    _compare(lambda c: _run_word_lm(c, kind, batch_first=True))
+
+
+def test_a_time_major_batch_on_replicas_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model = RNNModel()
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, _lm_criterion, torch.optim.SGD(model.parameters(), lr=1.0),
+                            replication_factor=2)  # fmt: skip
+    data = torch.randint(0, 30, (5, 4))
+    with pytest.raises(ValueError, match=r"got \[5, 2, 2, 5\].*batch-first.*Time-major"):
+        trainer.step((data, model.init_hidden(4)), data)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ---- mnist_rnn: an LSTM over image rows, the last step's output classified, StepLR -----------
+
+
+class RowLSTM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(input_size=8, hidden_size=16, batch_first=True)
+        self.batchnorm = torch.nn.Identity()  # the example's BatchNorm1d: see the ResNet test
+        self.fc1, self.fc2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 10)
+
+    def forward(self, input):
+        output, _hidden = self.rnn(input.reshape(-1, 8, 8))  # rows as the sequence
+        x = F.relu(self.fc1(output[:, -1, :]))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def _run_mnist_rnn(compiled: bool):
+    torch.manual_seed(0)
+    model = RowLSTM()
+    opt = torch.optim.Adadelta(model.parameters(), lr=0.1, eps=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 10, (40,), generator=g)
+    step = (popxl.compile(model, F.nll_loss, opt, replication_factor=R, gradient_accumulation=GA).step
+            if compiled else _eager_step(model, opt, F.nll_loss))  # fmt: skip
+    printed = []
+    for _epoch in range(2):
+        model.train()
+        printed += [float(step(xb, yb)) for xb, yb in _batches(x, y, 16)]  # 16, 16, 8
+        model.eval()
+        with torch.no_grad():  # test(): the model's own forward, summed loss and accuracy
+            out = model(x[:24])
+            printed.append(float(F.nll_loss(out, y[:24], reduction="sum")))
+            printed.append(float((out.argmax(1) == y[:24]).sum()))
+        scheduler.step()
+    return model, printed
+
+
+def test_mnist_rnn_lstm_classifier_prints_eager_losses():
+    _compare(_run_mnist_rnn)
+
+
+# ---- siamese_network: two images through one tower, a sigmoid head, BCELoss ---------------
+
+
+class Siamese(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tower = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(),
+                                         torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten())  # fmt: skip
+        self.fc = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.sigmoid = torch.nn.Sigmoid()
+
+    def forward(self, input1, input2):
+        both = torch.cat((self.tower(input1), self.tower(input2)), 1)
+        return self.sigmoid(self.fc(both))
+
+
+def _run_siamese(compiled: bool):
+    torch.manual_seed(0)
+    model = Siamese()
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0, eps=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(40, 1, 8, 8, generator=g), torch.randn(40, 1, 8, 8, generator=g)
+    same = torch.randint(0, 2, (40, 1), generator=g).float()
+    criterion = torch.nn.BCELoss()
+    step = (popxl.compile(model, criterion, opt, replication_factor=R, gradient_accumulation=GA).step
+            if compiled else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(2):
+        model.train()
+        printed += [float(step(xb, yb)) for xb, yb in _batches((a, b), same, 16)]
+        model.eval()
+        with torch.no_grad():
+            out = model(a[:8], b[:8])
+            printed.append(float(criterion(out, same[:8])))
+            printed.append(float((torch.where(out > 0.5, 1, 0) == same[:8]).sum()))
+        scheduler.step()
+    return model, printed
+
+
+def test_siamese_network_pairs_with_bce_on_a_sigmoid_prints_eager_losses():
+    _compare(_run_siamese)
+
+
+# ---- super_resolution: sub-pixel convolution (PixelShuffle), MSE, Adam, PSNR --------------
+
+
+class SuperResolution(torch.nn.Module):
+    def __init__(self, upscale=2):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 8, 5, padding=2)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.conv3 = torch.nn.Conv2d(8, upscale**2, 3, padding=1)
+        self.pixel_shuffle = torch.nn.PixelShuffle(upscale)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.pixel_shuffle(self.conv3(x))
+
+
+def _run_super_resolution(compiled: bool):
+    torch.manual_seed(0)
+    model = SuperResolution()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+    g = torch.Generator().manual_seed(8)
+    high = torch.rand(24, 1, 8, 8, generator=g)
+    low = F.avg_pool2d(high, 2)
+    criterion = torch.nn.MSELoss()
+    step = (popxl.compile(model, criterion, opt, replication_factor=R, gradient_accumulation=GA).step
+            if compiled else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(2):
+        printed += [float(step(xb, yb)) for xb, yb in _batches(low, high, 8)]
+        with torch.no_grad():  # test(): the average PSNR
+            mse = criterion(model(low[:8]), high[:8])
+            printed.append(10 * math.log10(1 / mse.item()))
+    return model, printed
+
+
+def test_super_resolution_with_pixel_shuffle_and_mse_prints_eager_losses():
+    _compare(_run_super_resolution)
+
+
+# ---- fast_neural_style: a frozen feature network, content + gram-matrix style losses ------
+
+
+def _gram_matrix(y):
+    b, ch, h, w = y.size()
+    features = y.view(b, ch, w * h)
+    return features.bmm(features.transpose(1, 2)) / (ch * h * w)
+
+
+class Vgg(torch.nn.Module):
+    """The frozen loss network (the example's VGG16 slices): two feature maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.slice1 = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU())
+        self.slice2 = torch.nn.Sequential(torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                          torch.nn.ReLU())  # fmt: skip
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h1 = self.slice1(x)
+        return h1, self.slice2(h1)
+
+
+class TransformerNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.in1 = torch.nn.InstanceNorm2d(8, affine=True)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.in2 = torch.nn.InstanceNorm2d(8, affine=True)
+        self.up = torch.nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.in1(self.conv1(x)))
+        y = y + torch.relu(self.in2(self.conv2(y)))  # a residual block
+        return self.up(y)
+
+
+def _run_fast_neural_style(compiled: bool):
+    torch.manual_seed(0)
+    transformer, vgg = TransformerNet(), Vgg()
+    opt = torch.optim.Adam(transformer.parameters(), lr=1e-2, eps=1e-4)
+    g = torch.Generator().manual_seed(9)
+    images, style = torch.rand(16, 3, 8, 8, generator=g), torch.rand(1, 3, 8, 8, generator=g)
+    gram_style = [_gram_matrix(f) for f in vgg(style)]  # computed once, as the example
+    content_weight, style_weight = 1.0, 10.0
+
+    def criterion(y, x):
+        features_y, features_x = vgg(y), vgg(x)
+        content_loss = content_weight * F.mse_loss(features_y[1], features_x[1])
+        style_loss = 0.0
+        for ft_y, gm_s in zip(features_y, gram_style, strict=True):
+            gm_y = _gram_matrix(ft_y)
+            style_loss = style_loss + F.mse_loss(gm_y, gm_s.expand_as(gm_y))
+        return content_loss + style_weight * style_loss
+
+    step = (popxl.compile(transformer, criterion, opt, replication_factor=R,
+                          gradient_accumulation=GA).step
+            if compiled else _eager_step(transformer, opt, criterion))  # fmt: skip
+    before = copy.deepcopy(vgg.state_dict())
+    printed = [float(step(xb, xb)) for _ in range(2) for xb, _ in _batches(images, images, 8)]
+    for k, v in vgg.state_dict().items():  # the loss network is never trained
+        assert torch.equal(v, before[k]), k
+    return transformer, printed
+
+
+def test_fast_neural_style_with_a_frozen_loss_network_and_gram_matrices_prints_eager_losses():
+    _compare(_run_fast_neural_style)
+
+
+# ---- vision_transformer: patches, a class token, AdamW, linear warmup + cosine (LambdaLR) ----
+
+
+class ViT(torch.nn.Module):
+    def __init__(self, image=8, patch=4, dim=16, depth=2, heads=2, classes=10):
+        super().__init__()
+        self.patch = patch
+        n = (image // patch) ** 2
+        self.to_patch = torch.nn.Linear(3 * patch * patch, dim)
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embedding = torch.nn.Parameter(torch.randn(1, n + 1, dim))
+        layer = torch.nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0,
+                                                 batch_first=True, norm_first=True)  # fmt: skip
+        self.transformer = torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, classes))
+
+    def forward(self, img):
+        b, p = img.shape[0], self.patch
+        patches = img.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5)
+        x = self.to_patch(patches.reshape(b, -1, 3 * p * p))
+        x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1) + self.pos_embedding
+        return self.head(self.transformer(x)[:, 0])
+
+
+def _run_vit(compiled: bool):
+    torch.manual_seed(0)
+    model = ViT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, eps=1e-4)
+    warmup, total = 2, 6
+
+    def lr_lambda(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    g = torch.Generator().manual_seed(10)
+    x, y = torch.randn(24, 3, 8, 8, generator=g), torch.randint(0, 10, (24,), generator=g)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    step = (popxl.compile(model, criterion, opt, replication_factor=R, gradient_accumulation=GA).step
+            if compiled else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(2):
+        model.train()
+        for xb, yb in _batches(x, y, 8):
+            printed.append(float(step(xb, yb)))
+            scheduler.step()  # per iteration
+        model.eval()
+        with torch.no_grad():
+            printed.append(float((model(x[:8]).argmax(1) == y[:8]).sum()))
+    return model, printed
+
+
+def test_vision_transformer_with_adamw_and_warmup_cosine_lambdalr_prints_eager_losses():
+    _compare(_run_vit)
+
+
+# ---- gcn: a dense normalised adjacency, full-batch node classification on a train mask ----
+
+
+class GCN(torch.nn.Module):
+    def __init__(self, features=8, hidden=16, classes=4):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Linear(features, hidden), torch.nn.Linear(hidden, classes)
+
+    def forward(self, x, adj):
+        x = F.relu(adj @ self.w1(x))
+        return F.log_softmax(adj @ self.w2(x), dim=1)
+
+
+def _run_gcn(compiled: bool):
+    torch.manual_seed(0)
+    model = GCN()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4, eps=1e-4)
+    g = torch.Generator().manual_seed(11)
+    nodes = 20
+    x, labels = torch.randn(nodes, 8, generator=g), torch.randint(0, 4, (nodes,), generator=g)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.2).float()
+    a = ((a + a.t()) > 0).float() + torch.eye(nodes)
+    d = a.sum(1).rsqrt()
+    adj = d[:, None] * a * d[None, :]  # D^-1/2 (A + I) D^-1/2
+    train_mask = torch.arange(nodes) < 12
+    target = torch.where(train_mask, labels, -100)  # the train nodes only
+
+    def criterion(out, t):
+        return F.nll_loss(out, t, ignore_index=-100)
+
+    # the whole graph is one sample: one replica, no accumulation (rows mix through adj)
+    step = (popxl.compile(model, criterion, opt).step if compiled
+            else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(5):
+        model.train()
+        printed.append(float(step((x, adj), target)))
+        model.eval()
+        with torch.no_grad():
+            out = model(x, adj)
+            printed.append(float(F.nll_loss(out[~train_mask], labels[~train_mask])))
+    return model, printed
+
+
+def test_gcn_with_a_dense_adjacency_and_a_train_mask_prints_eager_losses():
+    _compare(_run_gcn)
+
+
+# ---- mnist_forward_forward: per-layer goodness losses, each layer trained on detached input -
+
+
+class FFLayer(torch.nn.Linear):
+    def forward(self, x):
+        x_direction = x / (x.norm(2, 1, keepdim=True) + 1e-4)
+        return torch.relu(super().forward(x_direction))
+
+
+class FFNet(torch.nn.Module):
+    """The layers' losses summed: each layer sees its input detached, so its gradient is its
+    own loss's (the example trains the layers one by one with an optimizer each; Adam is per
+    parameter, so one Adam over all layers makes the same updates)."""
+
+    def __init__(self, dims=(16, 12, 12), threshold=2.0):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(FFLayer(a, b) for a, b in zip(dims, dims[1:]))
+        self.threshold = threshold
+
+    def forward(self, x_pos, x_neg):
+        loss = 0.0
+        for layer in self.layers:
+            g_pos, g_neg = layer(x_pos).pow(2).mean(1), layer(x_neg).pow(2).mean(1)
+            loss = loss + torch.log(1 + torch.exp(torch.cat([-g_pos + self.threshold,
+                                                              g_neg - self.threshold]))).mean()  # fmt: skip
+            x_pos, x_neg = layer(x_pos).detach(), layer(x_neg).detach()
+        return loss
+
+
+def _run_forward_forward(compiled: bool):
+    torch.manual_seed(0)
+    model = FFNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.03, eps=1e-4)
+    g = torch.Generator().manual_seed(12)
+    x_pos, x_neg = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    if compiled:
+        trainer = popxl.compile(model, None, opt, replication_factor=R, gradient_accumulation=GA)
+    printed = []
+    for _ in range(4):
+        if compiled:
+            printed.append(trainer.step((x_pos, x_neg)))
+        else:
+            opt.zero_grad()
+            loss = model(x_pos, x_neg)
+            loss.backward()
+            opt.step()
+            printed.append(loss.item())
+    return model, printed
+
+
+def test_mnist_forward_forward_per_layer_losses_prints_eager_losses():
+    _compare(_run_forward_forward)
+
+
+# ---- dcgan: two models, two optimizers, two trainers sharing the discriminator ------------
+
+
+def _dcgan_models():
+    torch.manual_seed(0)
+    netG = torch.nn.Sequential(  # noise (nz, 1, 1) -> a 1x8x8 image
+        torch.nn.ConvTranspose2d(4, 8, 4, 1, 0, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(True), torch.nn.ConvTranspose2d(8, 1, 4, 2, 1, bias=False), torch.nn.Tanh(),
+    )  # fmt: skip
+    netD = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 4, 2, 1, bias=False), torch.nn.LeakyReLU(0.2, inplace=True),
+        torch.nn.Conv2d(8, 8, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(8),
+        torch.nn.LeakyReLU(0.2, inplace=True), torch.nn.Conv2d(8, 1, 4, 1, 0, bias=False),
+        torch.nn.Sigmoid(), torch.nn.Flatten(0),
+    )  # fmt: skip
+    return netG, netD
+
+
+class RealAndFake(torch.nn.Module):
+    """The discriminator's step as one forward: real then fake, as the example's two calls."""
+
+    def __init__(self, netD):
+        super().__init__()
+        self.netD = netD
+
+    def forward(self, real, fake):
+        return self.netD(real), self.netD(fake)
+
+
+class GThroughD(torch.nn.Module):
+    def __init__(self, netG, netD):
+        super().__init__()
+        self.netG, self.netD = netG, netD
+
+    def forward(self, noise):
+        return self.netD(self.netG(noise))
+
+
+def _run_dcgan(compiled: bool):
+    netG, netD = _dcgan_models()
+    criterion = torch.nn.BCELoss()
+    optD = torch.optim.Adam(netD.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
+    optG = torch.optim.Adam(netG.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
+    g = torch.Generator().manual_seed(13)
+    data = torch.rand(24, 1, 8, 8, generator=g) * 2 - 1
+    noises = torch.randn(3, 8, 4, 1, 1, generator=g)
+
+    def d_loss(out, _labels):
+        out_real, out_fake = out
+        return criterion(out_real, torch.ones_like(out_real)) + criterion(
+            out_fake, torch.zeros_like(out_fake)
+        )
+
+    def g_loss(out, _labels):  # fake labels are real for the generator's cost
+        return criterion(out, torch.ones_like(out))
+
+    if compiled:
+        # One replica: batch norm's statistics over the whole batch, as the eager loop. The
+        # generator's trainer reads the discriminator as frozen (not in optG): its values are
+        # the module's at every step, after the discriminator's trainer has updated them.
+        trainerD = popxl.compile(RealAndFake(netD), d_loss, optD)
+        trainerG = popxl.compile(GThroughD(netG, netD), g_loss, optG)
+    printed = []
+    for i, (real, _) in enumerate(_batches(data, data, 8)):
+        noise = noises[i]
+        if compiled:
+            with torch.no_grad():  # the fake the discriminator sees (netG in train mode)
+                fake = netG(noise)
+            printed.append(trainerD.step((real, fake), torch.zeros(8)))
+            # the example reuses that fake's graph; the generator's trainer recomputes it
+            # (the same values: netG is unchanged since)
+            printed.append(trainerG.step(noise, torch.zeros(8)))
+        else:
+            netD.zero_grad()
+            output = netD(real)
+            errD_real = criterion(output, torch.ones_like(output))
+            errD_real.backward()
+            fake = netG(noise)
+            output = netD(fake.detach())
+            errD_fake = criterion(output, torch.zeros_like(output))
+            errD_fake.backward()
+            optD.step()
+            printed.append((errD_real + errD_fake).item())
+            netG.zero_grad()
+            output = netD(fake)
+            errG = criterion(output, torch.ones_like(output))
+            errG.backward()
+            optG.step()
+            printed.append(errG.item())
+    return torch.nn.ModuleList([netG, netD]), printed
+
+
+def test_dcgan_two_trainers_sharing_the_discriminator_print_eager_losses():
+    """Parameters as eager's; batch norm's running statistics differ only in the generator's
+    (its forward runs twice per iteration here, once in eager)."""
+    _compare(_run_dcgan)

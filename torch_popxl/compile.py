@@ -210,6 +210,15 @@ class _Slot:
     buffers: dict[str, Any]  # name -> RemoteBuffer (remote state)
 
 
+# Note [the batch is dim 0]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# The step cuts every input and target into R x GA micro-batches on dim 0 and joins the
+# outputs' micro-batches on dim 0, so with replicas or accumulation all of them must be
+# batch-first with the same number of samples (a time-major model is refused, with the
+# batch-first wrapper as the way out: docs/compile.md). One replica without accumulation cuts
+# nothing: any layout runs as written (a time-major LSTM's (seq, batch) tokens with its
+# (layers, batch, hidden) state), the streams hold the whole arrays and the outputs come
+# back as they are.
 @dataclass
 class _Batch:
     """One step's host data: positional and keyword inputs, targets (a tensor or a tuple)."""
@@ -284,6 +293,44 @@ def _refuse_backward_hooks(model: torch.nn.Module) -> None:
             "them, or express the gradient change as a custom torch.autograd.Function in "
             "forward (its backward runs: docs/compile.md)."
         )
+
+
+# Note [parameter gradient hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``p.register_hook(fn)`` on a parameter (a leaf) changes the gradient autograd accumulates
+# into ``p.grad``: eager torch calls ``fn`` once per backward with the parameter's whole
+# gradient (all its uses summed, tied weights included), before ``clip_grad_norm_`` and the
+# optimizer see it. The eager loop on the global batch is one backward, so the program calls
+# the hooks, captured like forward code, on the full gradient summed over micro-batches and
+# replicas, before clipping (``clip_grad_value_`` is ``p.register_hook(lambda g:
+# g.clamp(-c, c))`` this way). The hooks are part of the program's key: one added or removed
+# later builds a new program. Refused, because the step could not call them as eager does:
+# a sharded gradient (RTS: a replica holds a part of it), loss scaling (eager's hooks see the
+# scaled gradient) and ``register_post_accumulate_grad_hook`` (it acts on ``p.grad`` and the
+# optimizer, outside the gradient).
+def _parameter_hooks(params: dict[str, torch.nn.Parameter]) -> tuple[tuple[str, tuple], ...]:
+    """The gradient hooks of the trained parameters: (name, hooks) in registration order."""
+    post = [n for n, p in params.items() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if post:
+        raise ValueError(
+            f"popxl.compile: parameters {post} have register_post_accumulate_grad_hook hooks; "
+            "the compiled step does not call them (it updates the parameters itself). Remove "
+            "them (an optimizer step in backward is the step popxl.compile runs), or use "
+            "p.register_hook(fn), which changes the gradient and runs (Note [parameter "
+            "gradient hooks])."
+        )
+    return tuple(
+        (n, tuple(p._backward_hooks.values()))
+        for n, p in params.items()
+        if p.requires_grad and p._backward_hooks
+    )
+
+
+def _run_parameter_hooks(grad: torch.Tensor, *, hooks: tuple) -> torch.Tensor:
+    for hook in hooks:  # as autograd: a hook returning None leaves the gradient as it is
+        out = hook(grad)
+        grad = grad if out is None else out
+    return grad
 
 
 # Note [parameters without a gradient]
@@ -512,7 +559,7 @@ class Trainer:
         """The programs built and kept, least recently used first: (training mode, the
         (inputs, targets) shapes it runs); at most ``max_programs`` (Note [a program per
         input signature])."""
-        return tuple((training, _describe(key)) for training, key in self._programs)
+        return tuple((training, _describe(key)) for training, key, _hooks in self._programs)
 
     @property
     def loss_scale(self) -> float | None:
@@ -758,6 +805,13 @@ class Trainer:
                     for k in range(len(slots)):
                         settle(k)
                     found = self._overflow(slots, reduced)
+            hooks = dict(_parameter_hooks(self._params))
+            for k, s in enumerate(slots):
+                if s.name in hooks:  # Note [parameter gradient hooks]
+                    self._check_hookable(s)
+                    settle(k)
+                    reduced[k] = call_torch(_run_parameter_hooks, (reduced[k],),
+                                            {"hooks": hooks[s.name]})  # fmt: skip
             norm_var = None
             if self.max_grad_norm is not None:
                 for k in range(len(slots)):
@@ -978,6 +1032,25 @@ class Trainer:
         self._loss_host = (n_host, metas)
         return graph
 
+    def _check_hookable(self, s: _Slot) -> None:
+        """Note [parameter gradient hooks]: refused where the program cannot call a hook on
+        the whole, unscaled gradient as eager torch does."""
+        why = (
+            "its gradient is sharded over the replicas (rts_threshold), so no replica holds "
+            "all of it; raise rts_threshold above its size"
+            if s.sharded
+            else "with loss_scaling eager torch calls it on the scaled gradient; compile "
+            "without loss_scaling"
+            if self._scaling is not None
+            else None
+        )
+        if why is not None:
+            raise ValueError(
+                f"popxl.compile: parameter {s.name!r} has a gradient hook (p.register_hook), "
+                f"which the step cannot call as eager torch does: {why}, or remove the hook. "
+                "Nothing was changed."
+            )
+
     def _reduce(self, s: _Slot, R: int):
         """The gradient sum over replicas (each replica's loss is its part of the global loss:
         Note [exact losses over micro-batches]): a shard of it when the state is sharded."""
@@ -1153,10 +1226,7 @@ class Trainer:
         batch = _Batch(args, kwargs, t, targets_tuple, spec)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
-        # Note [the batch is dim 0]: the step cuts every input and target into micro-batches
-        # on dim 0; one replica without accumulation cuts nothing, so any layout runs as
-        # written there (a time-major LSTM's (seq, batch) tokens with (layers, batch, hidden)
-        # states).
+        # Note [the batch is dim 0]
         if R * GA > 1 and len(set(sizes)) > 1:
             raise ValueError(
                 f"inputs and targets must have the same number of samples (dim 0); got {sizes} "
@@ -1166,7 +1236,7 @@ class Trainer:
                 "model (nn.LSTM/nn.GRU/nn.Transformer without batch_first, tokens as (seq, "
                 "batch), states as (layers, batch, hidden)) runs unchanged inside a wrapper "
                 "module that takes batch-first tensors and transposes them (docs/compile.md, "
-                "'Time-major models')."
+                "'Structured inputs and time-major models'). Nothing was changed."
             )
         if batch.size == 0 or batch.size % (R * GA):
             raise ValueError(_split_advice(batch.size, R, GA))
@@ -1198,7 +1268,7 @@ class Trainer:
         # Note [a program per input signature]: one program per train/eval mode and input
         # shapes, built when first seen (a DataLoader's short last batch, eval batches) and
         # kept, the least recently used dropped beyond ``max_programs``.
-        key = (self.model.training, batch.key)
+        key = (self.model.training, batch.key, _parameter_hooks(self._params))
         prog = self._programs.pop(key, None)
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled

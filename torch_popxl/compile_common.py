@@ -159,6 +159,14 @@ def _array(x, what: str, floats: type = np.float32) -> np.ndarray:
     return x
 
 
+# Note [nested inputs]
+# ~~~~~~~~~~~~~~~~~~~~
+# A step's inputs are the arguments of ``forward``: a tensor, a tuple/list (positional) or a
+# dict (keyword), and an argument may itself be a tuple, list or dict of tensors (an LSTM's
+# ``(h, c)``, a cache). Each leaf is one host stream (keyword leaves named by their path,
+# "name.0"); the structure (a pytree spec, part of the program's key) rebuilds the
+# arguments from the streamed micro-batches, so the forward sees what eager torch passes. A
+# list of numbers is one array, as before.
 def _is_array_like(x) -> bool:
     """A leaf of a step's inputs: a tensor, an array, or a list of numbers."""
     if isinstance(x, tuple | list | dict):
@@ -181,8 +189,7 @@ def _structured(
         args, kwargs = tuple(x), {}
     else:
         args, kwargs = (x,), {}
-    # Note [nested inputs]: each leaf is one host stream; the program's forward gets the
-    # arguments rebuilt from the streamed micro-batches with the same structure.
+    # Note [nested inputs]
     flat, spec = pytree.tree_flatten_with_path((args, kwargs), is_leaf=_is_array_like)
     out_args, out_kwargs = [], {}
     for path, v in flat:

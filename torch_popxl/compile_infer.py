@@ -117,9 +117,12 @@ class InferenceProgram:
         arrays = [*args, *kwargs.values()]
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         n = arrays[0].shape[0]
-        if any(a.shape[0] != n for a in arrays):
+        if R > 1 and any(a.shape[0] != n for a in arrays):  # Note [the batch is dim 0]
             raise ValueError(
-                f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}."
+                f"all inputs must have the same batch size; got {[a.shape[0] for a in arrays]}. "
+                f"With replication_factor={R} every input is cut on dim 0: give them "
+                "batch-first (a time-major model in a batch-first wrapper: docs/compile.md, "
+                "'Structured inputs and time-major models')."
             )
         training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
         if n == 0:

@@ -181,6 +181,7 @@ def _structured(
     ``floats``: Note [float64 models]): the positional leaves, the keyword leaves by their path
     and the structure that rebuilds ``(args, kwargs)`` from them. An argument may be a tuple,
     list or dict of tensors (an LSTM's ``(h, c)`` state): Note [nested inputs]."""
+    args: tuple
     if isinstance(x, dict):
         if not x:
             raise ValueError(f"{what}: an empty dict.")

@@ -888,3 +888,30 @@ def test_inference_with_a_carried_state_as_nested_inputs_matches_eager():
         torch.testing.assert_close(output, want, rtol=1e-5, atol=1e-6)
         for h, r in zip(hidden, ref_hidden, strict=True):
             torch.testing.assert_close(h, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_word_language_model_with_dropout_between_rnn_layers_trains(kind):
+    """The example's dropout between the RNN's layers: the draws differ from eager's, so the
+    losses are not compared one by one; the dropout acts (the first loss is not the
+    dropout-free one) and the model trains."""
+    torch.manual_seed(0)
+    model = RNNModel(kind)
+    model.rnn.dropout = 0.3
+    net = BatchFirst(model)
+    trainer = popxl.compile(net, _lm_criterion, torch.optim.SGD(model.parameters(), lr=5.0),
+                            replication_factor=R, gradient_accumulation=GA, max_grad_norm=0.25,
+                            return_outputs=True)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 30, (8, 6), generator=g)
+    hidden = model.init_hidden(8, batch_first=True)
+    model.rnn.dropout = 0.0
+    with torch.no_grad():
+        no_dropout = float(_lm_criterion(net(data[:, :-1], hidden), data[:, 1:]))
+    model.rnn.dropout = 0.3
+    losses = []
+    for _ in range(6):
+        loss, (_, hidden) = trainer.step((data[:, :-1], _repackage_hidden(hidden)), data[:, 1:])
+        losses.append(loss)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.2
+    assert abs(losses[0] - no_dropout) > 1e-4  # summation order moves it by ~1e-6

@@ -488,6 +488,8 @@ class Trainer:
         self._step_count = 0
         self._opt_stale = False
         self._live: _LiveState | None = None
+        # Note [state of parameters the program does not train]: param id -> (param, entry)
+        self._kept_state: dict[int, tuple[Any, dict]] = {}
         self._loaded_step: int | None = None  # Trainer.load_state_dict's step, until applied
         # Note [eager optimizer steps]: an eager ``optimizer.step()`` between compiled steps
         # changes optimizer.state (and its step count) behind the program's back; the hook
@@ -1424,6 +1426,8 @@ class Trainer:
             live = self._live = _LiveState(self)
             self.optimizer.state = live
         dict.clear(live)
+        for p, entry in self._kept_state.values():
+            dict.__setitem__(live, p, entry)
         if self._step_count == 0:  # torch's state is empty before the first step
             return
         state = self._state_by_name(prog)
@@ -1438,9 +1442,20 @@ class Trainer:
             if entry:
                 dict.__setitem__(live, p, entry)
 
+    # Note [state of parameters the program does not train]
+    #     A frozen parameter (Note [frozen parameters]) or one the loss does not reach (Note
+    #     [parameters without a gradient]) can still have optimizer state: torch's Adagrad
+    #     makes it in its constructor, and a model trained eagerly before some of its layers
+    #     were frozen keeps the state of those layers. Eager torch leaves such state as it is,
+    #     so the trainer keeps those entries (the same dicts and tensors) when it imports a
+    #     torch state and puts them back whenever it publishes ``optimizer.state``; only the
+    #     trained parameters' entries come from the program.
     def _import_torch_state(self, prog: _Program) -> None:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
+        trained = {id(self._params[n]) for spec in prog.specs for n in spec.names}
+        kept = {id(p): (p, entry) for p, entry in dict.items(self.optimizer.state)
+                if entry and id(p) not in trained}  # fmt: skip
         if not any(spec.has_step for spec in prog.specs):
             # torch's SGD keeps no count: ours goes on unless state is new (at least 1 with
             # momentum buffers: step 0 would restart them from the gradient)
@@ -1471,6 +1486,7 @@ class Trainer:
             prog.session.weights_to_host()
             prog.session.write_variables_data(writes)
         self._step_count = step
+        self._kept_state = kept
         self._live = None
         self._eager_stepped = False
         self._publish_optimizer_state()

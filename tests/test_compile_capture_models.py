@@ -337,3 +337,26 @@ def test_rnn_family_trains_as_eager(kind, R, GA):
     batches = [(torch.randn(8, 5, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
                for _ in range(3)]  # fmt: skip
     train_both(model, F.cross_entropy, batches, R, GA)
+
+
+class SpatialTransformer(torch.nn.Module):
+    """A spatial transformer: a predicted affine grid samples the input (``grid_sample``'s
+    backward gives the grid's gradient only, its input gradient left out: None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta, self.head = torch.nn.Linear(48, 6), torch.nn.Linear(48, 4)
+
+    def forward(self, x):
+        theta = self.theta(x.flatten(1)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False).flatten(1))
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_spatial_transformer_grid_sample_trains_as_eager(R, GA):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(SpatialTransformer(), F.cross_entropy, batches, R, GA, rtol=1e-4, atol=1e-5)

@@ -234,7 +234,9 @@ class LossSplitter(TorchDispatchMode):
         if isinstance(den, int | float) and not isinstance(den, bool) and den != 0:
             fn = self._form(num)
             rows = self._rows
-            over_rows = rows is not None and rows > 0 and float(den).is_integer() and den % rows == 0
+            over_rows = (
+                rows is not None and rows > 0 and float(den).is_integer() and den % rows == 0
+            )
             if fn is not None and over_rows and self._sums_only(fn):
                 self._term(_Term("mean", out), out)  # Note [a sum divided by the batch's size]
                 return None

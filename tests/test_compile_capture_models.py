@@ -337,3 +337,56 @@ def test_rnn_family_trains_as_eager(kind, R, GA):
     batches = [(torch.randn(8, 5, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
                for _ in range(3)]  # fmt: skip
     train_both(model, F.cross_entropy, batches, R, GA)
+
+
+class SpatialTransformer(torch.nn.Module):
+    """A spatial transformer: a predicted affine grid samples the input (``grid_sample``'s
+    backward gives the grid's gradient only, its input gradient left out: None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta, self.head = torch.nn.Linear(48, 6), torch.nn.Linear(48, 4)
+
+    def forward(self, x):
+        theta = self.theta(x.flatten(1)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False).flatten(1))
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_spatial_transformer_grid_sample_trains_as_eager(R, GA):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(SpatialTransformer(), F.cross_entropy, batches, R, GA, rtol=1e-4, atol=1e-5)
+
+
+class SparseEmbeddings(torch.nn.Module):
+    def __init__(self, bag: bool):
+        super().__init__()
+        self.bag = bag
+        self.emb = (torch.nn.EmbeddingBag(20, 8, mode="mean", sparse=True) if bag
+                    else torch.nn.Embedding(20, 8, sparse=True))  # fmt: skip
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.emb(x) if self.bag else self.emb(x).mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # eager Adagrad's, on sparse grads
+@pytest.mark.parametrize("bag", [False, True])
+@pytest.mark.parametrize(
+    "optimizer",
+    [torch.optim.SGD, lambda ps, lr: torch.optim.SGD(ps, lr, momentum=0.9), torch.optim.Adagrad],
+    ids=["sgd", "momentum", "adagrad"],
+)
+def test_sparse_embeddings_train_as_eager_with_dense_gradients(bag, optimizer):
+    """Note [sparse embedding gradients]: eager's sparse gradient and the program's dense one
+    (zeros in the rows not looked up) give every optimizer that takes sparse gradients the
+    same updates."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    train_both(SparseEmbeddings(bag), F.cross_entropy, batches, 2, 2, optimizer=optimizer)

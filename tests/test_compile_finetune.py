@@ -199,3 +199,64 @@ def test_a_parameter_the_loss_does_not_reach_keeps_no_grad_and_no_state_as_in_ea
     trainer.load_state_dict(trainer.state_dict())
     x, y = batches(1)[0]
     assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=RTOL)
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS[:2])
+def test_state_of_layers_frozen_after_eager_training_is_kept_as_eager_keeps_it(R, GA, rts, state):
+    """Note [state of parameters the program does not train]: a model trained eagerly with Adam,
+    then fine-tuned with its first layer frozen, keeps that layer's Adam state untouched (the
+    same tensors) beside the trained layers' state, as the eager loop does."""
+    m, ref = model(), model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data = batches(4)
+    for x, y in data[:2]:  # eager pre-training of both
+        eager_step(m, opt, x, y)
+        eager_step(ref, ref_opt, x, y)
+    m[0].requires_grad_(False)
+    ref[0].requires_grad_(False)
+    kept = {id(p): (opt.state[p], {k: v.clone() for k, v in opt.state[p].items()})
+            for p in m[0].parameters()}  # fmt: skip
+    trainer = popxl.compile(m, F.cross_entropy, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=64 if rts else None, optimizer_state=state)  # fmt: skip
+    for x, y in data[2:]:
+        assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=1e-4)
+    ref_params = dict(ref.named_parameters())
+    assert len(opt.state) == len(ref_opt.state) == 6
+    for n, p in m.named_parameters():
+        want = ref_opt.state[ref_params[n]]
+        assert sorted(opt.state[p]) == sorted(want), n
+        for k, v in want.items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=1e-4, atol=1e-6, msg=n + k)
+        if id(p) in kept:  # the user's own dict and tensors, unchanged
+            entry, before = kept[id(p)]
+            assert opt.state[p] is entry
+            for k, v in before.items():
+                assert torch.equal(entry[k], v), (n, k)
+
+
+def test_adagrad_state_made_by_its_constructor_for_an_unused_layer_is_kept():
+    """torch's Adagrad makes state for every parameter in its constructor; a layer the loss does
+    not reach (Note [parameters without a gradient]) keeps it as the eager loop does."""
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(12, 4), torch.nn.Linear(12, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    m = WithUnused()
+    ref = copy.deepcopy(m)
+    opt = torch.optim.Adagrad(m.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    trainer = popxl.compile(m, F.cross_entropy, opt)
+    for x, y in batches(2):
+        assert trainer.step(x, y) == pytest.approx(eager_step(ref, ref_opt, x, y), rel=1e-5)
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for i, entry in want.items():
+        for k, v in entry.items():
+            torch.testing.assert_close(got[i][k], v, rtol=1e-5, atol=1e-6, msg=f"{i} {k}")

@@ -111,7 +111,28 @@ def _data(kind, n_steps=3, batch=16, seed=0):
     return out
 
 
+def batchmean_kl(out, y):
+    return F.kl_div(out.log_softmax(1), y.softmax(1), reduction="batchmean")
+
+
+def soft_label_ce_plus_batchmean_kl(out, y):
+    # soft targets: a sum divided by the rows (Note [a sum divided by the batch's size])
+    return F.cross_entropy(out, y.softmax(1)) + 0.5 * batchmean_kl(out, y)
+
+
+def sum_over_rows(out, y):
+    return (out - y).abs().sum() / out.shape[0]
+
+
 CASES = {
+    "ce_class_weights": (
+        mlp,
+        torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2, 3, 0.5])),
+        "classes",
+    ),  # fmt: skip
+    "kl_div_batchmean": (mlp, batchmean_kl, "regression"),
+    "soft_label_ce_plus_batchmean_kl": (mlp, soft_label_ce_plus_batchmean_kl, "regression"),
+    "sum_over_the_batch_size": (mlp, sum_over_rows, "regression"),
     "ce_sum": (mlp, torch.nn.CrossEntropyLoss(reduction="sum"), "classes"),
     "ce_mean": (mlp, torch.nn.CrossEntropyLoss(), "classes"),
     "token_mean_ignore_index": (TokenModel, token_ce, "tokens"),
@@ -168,9 +189,9 @@ NOT_SPLITTABLE = {
         lambda out, y: (out * (out > 0.5)).sum() / (out > 0.5).sum() + F.mse_loss(out, y),
         "count of elements depends on the model's outputs",
     ),
-    "batchmean": (
-        lambda out, y: F.kl_div(out.log_softmax(1), y.softmax(1), reduction="batchmean"),
-        "divides by the micro-batch's size",
+    "sum_over_the_root_of_the_batch_size": (
+        lambda out, y: F.mse_loss(out, y, reduction="sum") / out.shape[0] ** 0.5,
+        "divides by a number that depends on the micro-batch's size",
     ),
     "max_over_the_batch": (lambda out, y: (out - y).abs().max(), "reduces the batch"),
 }

@@ -61,6 +61,15 @@ _INPLACE_VIEWS = {
     aten.as_strided_.default: aten.as_strided.default,
 }
 
+# Note [sparse embedding gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``nn.Embedding(sparse=True)`` (and ``EmbeddingBag``) makes autograd produce a sparse COO
+# gradient: the rows the batch looked up. A program's values are dense, and a dense gradient
+# with zeros in the other rows holds the same numbers (SGD with or without momentum, Adagrad
+# and the rest update every row from it as from the sparse one), so the capture records these
+# ops with ``sparse=False``. The positional index of each op's ``sparse`` argument:
+_SPARSE_ARG = {aten.embedding.default: 4, aten._embedding_bag.default: 5}
+
 
 # Note [recorded views meet other layouts]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -123,6 +132,8 @@ class _Recorder(TorchDispatchMode):
             )
         if func in _INPLACE_VIEWS:
             return self._inplace_view(func, args, kwargs)
+        if func in _SPARSE_ARG:  # Note [sparse embedding gradients]
+            args, kwargs = _dense_gradient(func, args, kwargs)
         if func is aten.cat.default:
             args = (_without_legacy_empty(args[0]), *args[1:])
         if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
@@ -631,6 +642,16 @@ def _from_fake(graph: Graph, x: Any) -> Any:
             raise RuntimeError(f"Captured code returned a tensor that is not part of {graph.id!r}.")
         return t
     return x
+
+
+def _dense_gradient(func, args, kwargs):
+    """``func``'s arguments with ``sparse=False`` (Note [sparse embedding gradients])."""
+    i = _SPARSE_ARG[func]
+    if "sparse" in kwargs:
+        return args, {**kwargs, "sparse": False}
+    if len(args) > i:
+        return (*args[:i], False, *args[i + 1 :]), kwargs
+    return args, kwargs
 
 
 def call_torch(func, args, kwargs) -> Any:

@@ -142,14 +142,20 @@ _STATE = ("on_chip", "remote")
 
 
 def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss_fn,
-                      chunks: int, dtype: torch.dtype):  # fmt: skip
+                      chunks: int, dtype: torch.dtype, over_rows: bool = False):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
-    count or None, count bound, number of host counts, model outputs)."""
+    count or None, count bound, number of host counts, model outputs). ``over_rows``: a
+    division of sums by a multiple of the micro-batch's rows is a mean (Note [a sum divided
+    by the batch's size])."""
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
         out = torch.func.functional_call(model, tensors, args, kwargs)
         return _scalar_loss(loss_fn(out, targets)), None, 1, 0, out
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
-    splitter = LossSplitter((args, kwargs, targets))
+    rows = None
+    if over_rows:  # every input and target is split on dim 0
+        rows = next(t.shape[0] for t in pytree.tree_leaves((args, kwargs, targets))
+                    if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
+    splitter = LossSplitter((args, kwargs, targets), rows)
     with splitter:
         out = torch.func.functional_call(model, tensors, args, kwargs)
         loss = loss_fn(out, targets)
@@ -173,14 +179,19 @@ def _torch_targets(batch: _Batch):
     return tuple(ts) if batch.targets_tuple else ts[0]
 
 
-def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int) -> None:
+def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_rows: bool
+                 ) -> bool:  # fmt: skip
     """``check_decomposition`` on the captured outputs' shapes and this batch's targets, and
-    host counts where the step needs them (so a loss they cannot count fails at build)."""
+    host counts where the step needs them (so a loss they cannot count fails at build); True
+    when the loss must be captured again reading divisions by the rows as means."""
     targets = _torch_targets(batch)
-    if targets is not None:
-        check_decomposition(loss_fn, metas, targets, chunks)
-        if n_host:
-            host_counts(loss_fn, metas, targets, chunks, n_host)
+    if targets is None:
+        return False
+    if check_decomposition(loss_fn, metas, targets, chunks, over_rows):
+        return True
+    if n_host:
+        host_counts(loss_fn, metas, targets, chunks, n_host)
+    return False
 
 
 def _scalar_loss(loss):
@@ -344,6 +355,11 @@ class _NoGradientPath(Exception):
     def __init__(self, names: frozenset[str]):
         super().__init__(sorted(names))
         self.names = names
+
+
+class _LossOverRows(Exception):
+    """The loss adds up over micro-batches only where divisions by the micro-batch's rows
+    are means (Note [a sum divided by the batch's size]): capture it again so."""
 
 
 @dataclass
@@ -529,6 +545,8 @@ class Trainer:
         # Trained parameters the loss has no gradient path to (Note [parameters without a
         # gradient]): found by the first program that lacks one; from then on frozen.
         self._no_grad_path: frozenset[str] = frozenset()
+        # Note [a sum divided by the batch's size]: found by the first program that needs it
+        self._loss_over_rows = False
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
         self.max_programs = _MAX_PROGRAMS
@@ -537,6 +555,8 @@ class Trainer:
         self._step_count = 0
         self._opt_stale = False
         self._live: _LiveState | None = None
+        # Note [state of parameters the program does not train]: param id -> (param, entry)
+        self._kept_state: dict[int, tuple[Any, dict]] = {}
         self._loaded_step: int | None = None  # Trainer.load_state_dict's step, until applied
         # Note [eager optimizer steps]: an eager ``optimizer.step()`` between compiled steps
         # changes optimizer.state (and its step count) behind the program's back; the hook
@@ -1000,7 +1020,12 @@ class Trainer:
                 captured = call_torch(
                     _forward_and_loss,
                     (self.model, {**params, **bufs}, args, kwargs, t, inv),
-                    {"loss_fn": self.loss_fn, "chunks": chunks, "dtype": dtype},
+                    {
+                        "loss_fn": self.loss_fn,
+                        "chunks": chunks,
+                        "dtype": dtype,
+                        "over_rows": self._loss_over_rows,
+                    },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
             obj, count, bound, n_host, outputs = captured
@@ -1024,7 +1049,8 @@ class Trainer:
             local = (
                 _distributed.local_replicas(self.replication_factor) * self.gradient_accumulation
             )
-            _check_split(self.loss_fn, metas, batch, local, n_host)
+            if _check_split(self.loss_fn, metas, batch, local, n_host, self._loss_over_rows):
+                raise _LossOverRows
         # Note [exact losses over micro-batches]: with a counted mean alone, the summed
         # gradients are multiplied by bound * chunks / (the count over micro-batches and
         # replicas); counted means among other terms are counted on the host at every step.
@@ -1272,12 +1298,18 @@ class Trainer:
         prog = self._programs.pop(key, None)
         if prog is not None and prog.specs != specs:
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
-        if prog is None:
+        while prog is None:
             try:
                 prog = self._build(batch, specs)
             except _NoGradientPath as e:
+                if e.names <= self._no_grad_path:
+                    raise
                 self._no_grad_path |= e.names
-                prog = self._build(batch, specs := self._specs())
+                specs = self._specs()
+            except _LossOverRows:  # Note [a sum divided by the batch's size]
+                if self._loss_over_rows:
+                    raise
+                self._loss_over_rows = True
         self._programs[key] = prog  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             # (a dropped active program still hands its state over below)
@@ -1508,6 +1540,8 @@ class Trainer:
             live = self._live = _LiveState(self)
             self.optimizer.state = live
         dict.clear(live)
+        for p, entry in self._kept_state.values():
+            dict.__setitem__(live, p, entry)
         if self._step_count == 0:  # torch's state is empty before the first step
             return
         state = self._state_by_name(prog)
@@ -1522,9 +1556,20 @@ class Trainer:
             if entry:
                 dict.__setitem__(live, p, entry)
 
+    # Note [state of parameters the program does not train]
+    #     A frozen parameter (Note [frozen parameters]) or one the loss does not reach (Note
+    #     [parameters without a gradient]) can still have optimizer state: torch's Adagrad
+    #     makes it in its constructor, and a model trained eagerly before some of its layers
+    #     were frozen keeps the state of those layers. Eager torch leaves such state as it is,
+    #     so the trainer keeps those entries (the same dicts and tensors) when it imports a
+    #     torch state and puts them back whenever it publishes ``optimizer.state``; only the
+    #     trained parameters' entries come from the program.
     def _import_torch_state(self, prog: _Program) -> None:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
         by_name, step = self._from_torch_state(self.optimizer.state)
+        trained = {id(self._params[n]) for spec in prog.specs for n in spec.names}
+        kept = {id(p): (p, entry) for p, entry in dict.items(self.optimizer.state)
+                if entry and id(p) not in trained}  # fmt: skip
         if not any(spec.has_step for spec in prog.specs):
             # torch's SGD keeps no count: ours goes on unless state is new (at least 1 with
             # momentum buffers: step 0 would restart them from the gradient)
@@ -1555,6 +1600,7 @@ class Trainer:
             prog.session.weights_to_host()
             prog.session.write_variables_data(writes)
         self._step_count = step
+        self._kept_state = kept
         self._live = None
         self._eager_stepped = False
         self._publish_optimizer_state()

@@ -35,8 +35,21 @@ Note [exact losses over micro-batches]
     when the program is built. With ``R * GA == 1`` the micro-batch is the global
     batch and the loss is used as captured. ``check_decomposition`` also evaluates a separate
     ``loss_fn`` eagerly on the first batch's targets, whole and in parts, so a division by
-    the micro-batch's size hidden in a number (``kl_div(reduction='batchmean')``) is an
-    error, not a silent difference.
+    the micro-batch's size hidden in a number is read as such (below) or is an error, never
+    a silent difference.
+
+Note [a sum divided by the batch's size]
+    Some means divide a sum by the batch's size taken as a Python number:
+    ``kl_div(reduction='batchmean')`` (``sum / input.size(0)``), a soft-label
+    ``cross_entropy`` (``sum / (numel / classes)``: rows, or rows x positions), a hand-written
+    ``loss.sum() / x.shape[0]``. Captured on a micro-batch the number is the micro-batch's,
+    so the plain reading (a sum times a number) would add ``R * GA`` such means up. A number
+    is only a number in the graph, so which reading holds is decided by values: where the
+    parts do not add up to the whole in ``check_decomposition``, a division of sums by a
+    multiple of the micro-batch's rows is read as a mean over rows (``w = 1 / (R * GA)``) and
+    checked again; if that adds up, the loss is captured again with that reading, else it is
+    refused. A constant that happens to equal the rows (``loss.sum() / 8``) keeps the plain
+    reading, which adds up.
 """
 
 from __future__ import annotations
@@ -130,8 +143,11 @@ class LossSplitter(TorchDispatchMode):
     """Follows batch data through the loss and records its terms (Note [exact losses over
     micro-batches]). ``batch`` holds the tensors that hold (or derive from) batch data."""
 
-    def __init__(self, batch):
+    def __init__(self, batch, rows: int | None = None):
         super().__init__()
+        # Note [a sum divided by the batch's size]: the micro-batch's rows, where a division
+        # of sums by a multiple of them is a mean over rows
+        self._rows = rows
         self._keep: list[torch.Tensor] = []  # ids below stay valid while these live
         self._batch: set[int] = set()
         self._counts: dict[int, torch.Tensor] = {}  # integer sums of batch data (counts)
@@ -217,19 +233,28 @@ class LossSplitter(TorchDispatchMode):
     def _divide(self, num, den, out) -> _Form | None:
         if isinstance(den, int | float) and not isinstance(den, bool) and den != 0:
             fn = self._form(num)
+            rows = self._rows
+            over_rows = (
+                rows is not None and rows > 0 and float(den).is_integer() and den % rows == 0
+            )
+            if fn is not None and over_rows and self._sums_only(fn):
+                self._term(_Term("mean", out), out)  # Note [a sum divided by the batch's size]
+                return None
             return None if fn is None else fn.scaled(1.0 / float(den))
         if isinstance(den, torch.Tensor) and id(den) in self._counts:
             fn = self._forms.get(id(num))
             # ``x.sum() / mask.sum()``: summed terms over a counted number of elements
-            if (
-                fn is not None
-                and fn.const == 0.0
-                and fn.coefs
-                and all(self.terms[k].kind == "sum" for k in fn.coefs)
-            ):
+            if fn is not None and self._sums_only(fn):
                 bound = max(self._counts[id(den)].numel(), 1)
                 self._term(_Term("count", out, den, bound, numerator=num), out)
         return None
+
+    def _sums_only(self, form: _Form) -> bool:
+        return (
+            form.const == 0.0
+            and bool(form.coefs)
+            and all(self.terms[k].kind == "sum" for k in form.coefs)
+        )
 
     def _reduce(self, func, args, kwargs, out, outs) -> None:
         """An op on batch data: a term where it reduces the batch to a scalar."""
@@ -377,8 +402,8 @@ def _splits_on_dim0(outputs, micro: int) -> bool:
     )
 
 
-def _replay(loss_fn, leaves, spec, targets, chunks: int):
-    splitter = LossSplitter((leaves, targets))
+def _replay(loss_fn, leaves, spec, targets, chunks: int, rows: int | None = None):
+    splitter = LossSplitter((leaves, targets), rows)
     with torch.no_grad(), splitter:
         loss = loss_fn(pytree.tree_unflatten(leaves, spec), targets)
     return loss, splitter.split(loss, chunks), splitter
@@ -412,10 +437,14 @@ def host_counts(loss_fn, outputs, targets, chunks: int, expected: int, verify: b
     return counts[0]
 
 
-def check_decomposition(loss_fn, outputs, targets, chunks: int) -> None:
+def check_decomposition(loss_fn, outputs, targets, chunks: int, over_rows: bool = False
+                        ) -> bool:  # fmt: skip
     """``loss_fn`` on ``chunks`` parts of synthetic outputs and the real targets must add up
-    (as the compiled step adds them) to ``loss_fn`` on the whole: a division by a micro-batch's
-    size hidden in a number (``reduction='batchmean'``) fails here, at build time.
+    (as the compiled step adds them) to ``loss_fn`` on the whole, at build time. Where they
+    do not, a division of sums by a number is read as a mean over the micro-batch's rows
+    (Note [a sum divided by the batch's size]): True when that reading adds up (the loss must
+    then be captured with it), False when the loss adds up as it is (or ``over_rows`` was
+    asked for and adds up); a ``LossDecompositionError`` when neither does.
 
     ``outputs`` are the captured micro-batch outputs (shapes); the check is skipped where they
     do not split on dim 0 or the loss cannot run on synthetic values (the structural split
@@ -424,12 +453,16 @@ def check_decomposition(loss_fn, outputs, targets, chunks: int) -> None:
     t_leaves, t_spec = pytree.tree_flatten(targets)
     micro = t_leaves[0].shape[0] // chunks if t_leaves else 0
     if not _splits_on_dim0(outputs, micro):
-        return
+        return False
     full, spec = _synthetic(outputs, micro * chunks, 0)
-    try:
+
+    def parts_total(rows: bool) -> tuple[float, float]:
+        """(the loss of the whole batch, the sum of its parts as the step adds them)."""
         with torch.no_grad():
             whole = float(loss_fn(pytree.tree_unflatten(full, spec), targets))
-            _, split, _ = _replay(loss_fn, full, spec, targets, chunks)
+            _, split, _ = _replay(
+                loss_fn, full, spec, targets, chunks, micro * chunks if rows else None
+            )
             inv = [1.0 / c if c else float("inf") for c in (t.count for t in split.counted)]
             total, count, bound = 0.0, 0.0, 1
             for i in range(chunks):
@@ -437,25 +470,35 @@ def check_decomposition(loss_fn, outputs, targets, chunks: int) -> None:
                 tpart = pytree.tree_unflatten(
                     [x[i * micro : (i + 1) * micro] for x in t_leaves], t_spec
                 )
-                _, psplit, _ = _replay(loss_fn, part, spec, tpart, chunks)
+                _, psplit, _ = _replay(loss_fn, part, spec, tpart, chunks, micro if rows else None)
                 obj, n = psplit.objective(chunks, torch.tensor(inv, dtype=torch.float32))
                 total += float(obj)
                 if n is not None:
                     count += float(n)
                     bound = psplit.counted[0].bound
+        if count:
+            total *= bound * chunks / count
+        return whole, total
+
+    def adds_up(whole: float, total: float) -> bool:
+        return abs(total - whole) <= 1e-3 * max(abs(whole), 1e-6) + 1e-6
+
+    try:
+        whole, total = parts_total(over_rows)
+        if adds_up(whole, total):
+            return False
+        if not over_rows and adds_up(*parts_total(True)):
+            return True
     except LossDecompositionError:
         raise
     except Exception:  # the loss does not run on synthetic outputs: structural split only
-        return
-    if count:
-        total *= bound * chunks / count
-    if not abs(total - whole) <= 1e-3 * max(abs(whole), 1e-6) + 1e-6:
-        raise LossDecompositionError(
-            _explain(
-                f"on the first batch's targets and synthetic outputs, the loss of the whole "
-                f"batch is {whole:.6g} but its {chunks} parts add up to {total:.6g}; the loss "
-                "probably divides by the micro-batch's size (reduction='batchmean', "
-                "`/ x.shape[0]`, soft-label cross-entropy)",
-                chunks,
-            )
+        return False
+    raise LossDecompositionError(
+        _explain(
+            f"on the first batch's targets and synthetic outputs, the loss of the whole "
+            f"batch is {whole:.6g} but its {chunks} parts add up to {total:.6g}; the loss "
+            "probably divides by a number that depends on the micro-batch's size other than "
+            "by a multiple of its rows (`/ x.shape[0] ** 0.5`)",
+            chunks,
         )
+    )

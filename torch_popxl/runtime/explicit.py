@@ -1732,6 +1732,7 @@ class _OneOpVmap:
         self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
         self.traces: dict[tuple, Any] = {}
         self.failed: str | None = None  # why a trace failed (it then runs under vmap)
+        self.none_at: tuple[int, ...] = ()  # the positions of None in a tuple result
 
     def call(self, *tensors):
         key = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -1745,14 +1746,27 @@ class _OneOpVmap:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 self.failed = f"{type(e).__name__}: {first[:200]}"
             self.traces[key] = graph
-        return (graph or self.vmapped)(*tensors)
+        out = (graph or self.vmapped)(*tensors)
+        if self.none_at:
+            out = list(out)
+            for i in self.none_at:
+                out.insert(i, None)
+            return tuple(out)
+        return out
 
     def _one(self, *tensors):
         leaves = list(self.leaves)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return self.target(*args, **kwargs)
+        out = self.target(*args, **kwargs)
+        if not isinstance(out, tuple):
+            return out
+        # A plain tuple of tensors: a decomposition's named tuple type (made at run time by
+        # torch's out_wrapper) is not importable from the traced graph's code, and vmap
+        # returns tensors only (a backward's gradient left out by its output mask is None).
+        self.none_at = tuple(i for i, o in enumerate(out) if o is None)
+        return tuple(o for o in out if o is not None)
 
     def __call__(self, *tensors):
         return self.call(*tensors)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import get_computation_dtype
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -60,6 +61,35 @@ _INPLACE_VIEWS = {
     aten.t_.default: aten.t.default,
     aten.as_strided_.default: aten.as_strided.default,
 }
+
+# Note [saved results in second-order gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd saves an op's result for its backward (tanh's, exp's, softmax's) as a detached
+# alias: that ``aten.detach`` reaches the recorder right after the op, from torch's C++, with
+# no Python call of its own. When the engine later runs the backward with
+# ``create_graph=True`` (``torch.autograd.grad`` in a forward: gradient penalties, physics
+# losses on input derivatives), it unpacks the saved result with the op's own gradient
+# function again, so the second-order gradient flows through it. Recorded as it reaches the
+# recorder, the backward op would read the detached alias and that path would be lost. So a
+# detach that no Python code asked for (``_DetachCalls`` counts the ``detach`` calls torch
+# code makes, which do cut gradients) is remembered with its source, and an op recorded
+# while the engine runs a backward with grad enabled reads the source instead.
+_user_detaches = [0]  # Python-level detach calls in progress
+
+
+class _DetachCalls(TorchFunctionMode):
+    """Counts the ``detach`` calls of Python code (Note [saved results in second-order
+    gradients])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in (torch.Tensor.detach, torch.detach):
+            return func(*args, **(kwargs or {}))
+        _user_detaches[0] += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _user_detaches[0] -= 1
+
 
 # Note [sparse embedding gradients]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -118,6 +148,9 @@ class _Recorder(TorchDispatchMode):
         # id(fake) -> (weakref to it, its storage, its real value), for fakes whose value is
         # known at capture time (Note [constant folding]).
         self._values: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        # id(detached) -> (detached, source): results autograd saved for its backward
+        # (Note [saved results in second-order gradients])
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,7 +196,19 @@ class _Recorder(TorchDispatchMode):
             return out
         self._record(func, args, kwargs, out)
         self._fold(func, args, kwargs, out, mutable)
+        if func is aten.detach.default and not _user_detaches[0]:
+            self._saved[id(out)] = (out, args[0])  # Note [saved results in second-order ...]
         return out
+
+    def _unpacked(self, x):
+        """``x`` as autograd's engine unpacks it for a backward op that builds a graph
+        (Note [saved results in second-order gradients])."""
+        if torch._C._current_graph_task_id() == -1 or not torch.is_grad_enabled():
+            return x
+        # (unpacking detaches the saved alias again: follow the chain to the result)
+        while (entry := self._saved.get(id(x))) is not None and entry[0] is x:
+            x = entry[1]
+        return x
 
     def _attention_math(self, args, kwargs):
         # Note [attention with a computed mask]: torch's CPU flash attention has no gradient
@@ -320,7 +365,7 @@ class _Recorder(TorchDispatchMode):
         def to_slot(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            t = self._handle_for(x)
+            t = self._handle_for(self._unpacked(x))
             if t.id not in slot_of:
                 slot_of[t.id] = len(inputs)
                 inputs.append(t)
@@ -382,7 +427,7 @@ def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
     # oneDNN off (Note [no oneDNN in captured code]).
     recorder = _Recorder(graph, on_unknown)
-    with _onednn_off(), fake_mode(), recorder, _functions_recorded_by(recorder):
+    with _onednn_off(), fake_mode(), recorder, _functions_recorded_by(recorder), _DetachCalls():
         yield
 
 

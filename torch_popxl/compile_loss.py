@@ -93,6 +93,15 @@ _KEEP = {
 }  # fmt: skip
 
 
+# ops whose result holds no value of their tensor arguments (only their shape, dtype and
+# device): ``ones_like(out)`` seeding ``torch.autograd.grad`` of a batch sum in a forward
+_VALUE_FREE = {
+    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.new_ones.default, aten.new_zeros.default,
+    aten.new_empty.default, aten.new_full.default, aten.new_empty_strided.default,
+}  # fmt: skip
+
+
 class LossDecompositionError(ValueError):
     """The loss cannot be split into micro-batch parts that add up to eager's."""
 
@@ -184,6 +193,8 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _VALUE_FREE:
+            return out
         leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         involved = [a for a in leaves if id(a) in self._forms or id(a) in self._opaque]

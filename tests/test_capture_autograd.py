@@ -375,3 +375,20 @@ def test_a_detached_input_gradient_passes_no_second_order_gradient():
     batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
     train_both(InputGradientPenalty(torch.nn.Tanh(), cut=True), F.mse_loss, batches, 1, 1,
                rtol=1e-4, atol=1e-6)  # fmt: skip
+
+
+def test_batch_norm_with_a_cumulative_average_is_refused_with_nothing_changed():
+    # momentum=None weights each step by 1 / num_batches_tracked, read as a Python number
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16, momentum=None),
+                                torch.nn.Linear(16, 3))  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"batch norm \['1'\] has momentum=None.*momentum"):
+        trainer.step(torch.randn(8, 12), torch.randint(0, 3, (8,)))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    model.eval()  # evaluation reads the running statistics only: it runs
+    evaluate = popxl.compile(model)
+    x = torch.randn(8, 12)
+    torch.testing.assert_close(evaluate(x), model(x), rtol=1e-5, atol=1e-6)

@@ -427,8 +427,34 @@ def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
     # oneDNN off (Note [no oneDNN in captured code]).
     recorder = _Recorder(graph, on_unknown)
-    with _onednn_off(), fake_mode(), recorder, _functions_recorded_by(recorder), _DetachCalls():
+    with (
+        _onednn_off(),
+        _distribution_checks_off(),  # Note [argument checks of torch.distributions]
+        fake_mode(),
+        recorder,
+        _functions_recorded_by(recorder),
+        _DetachCalls(),  # Note [saved results in second-order gradients]
+    ):
         yield
+
+
+# Note [argument checks of torch.distributions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.distributions checks the values of a distribution's parameters and samples by default
+# (``Normal(mu, std)`` raises if a ``std`` is not positive: ``if not valid.all(): raise``), a
+# check on data that a captured graph cannot make while it is built. A VAE's posterior or a
+# policy's ``Categorical`` built in a forward is captured with the checks off (as ``python -O``
+# runs torch), so invalid values give NaN instead of a ValueError; a distribution made with
+# ``validate_args=True`` explicitly still raises ``DataDependentError``.
+@contextlib.contextmanager
+def _distribution_checks_off() -> Iterator[None]:
+    dist = torch.distributions.Distribution
+    before = dist._validate_args
+    dist.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        dist.set_default_validate_args(before)
 
 
 # ---- custom autograd Functions (Note [custom autograd Functions], transforms/functions.py) ----

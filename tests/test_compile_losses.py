@@ -191,7 +191,15 @@ NOT_SPLITTABLE = {
     ),
     "sum_over_the_root_of_the_batch_size": (
         lambda out, y: F.mse_loss(out, y, reduction="sum") / out.shape[0] ** 0.5,
-        "divides by a number that depends on the micro-batch's size",
+        "divides by another function of the micro-batch's size",
+    ),
+    "in_batch_negatives": (  # a contrastive loss: every sample's negatives are the others
+        lambda out, y: F.cross_entropy(out @ out.t(), torch.arange(out.shape[0])),
+        "depends on the other samples of its micro-batch",
+    ),
+    "dice_ratio_of_batch_sums": (
+        lambda out, y: 1 - 2 * (out.sigmoid() * y.sigmoid()).sum() / (out.sigmoid().sum() + 1),
+        "aten.div",
     ),
     "max_over_the_batch": (lambda out, y: (out - y).abs().max(), "reduces the batch"),
 }
@@ -232,5 +240,19 @@ def test_any_loss_trains_as_written_with_one_replica_and_no_accumulation():
         ref_loss.backward()
         ref_opt.step()
         assert loss == pytest.approx(ref_loss.item(), rel=RTOL)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_gaussian_nll_with_a_variance_of_ones_checks_it_at_capture_and_matches_eager():
+    # gaussian_nll_loss raises on a negative variance (``if torch.any(var < 0)``): a variance
+    # made by ``ones_like`` has a value known while the graph is captured (Note [constant
+    # folding]), so the check runs there
+    def loss_fn(out, y):
+        return F.gaussian_nll_loss(out, y, torch.ones_like(out)) + F.poisson_nll_loss(out, y)
+
+    model, ref, *_, losses, ref_losses = _train_both(mlp, loss_fn, "regression", 2, 2, False,
+                                                     "on_chip")  # fmt: skip
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)

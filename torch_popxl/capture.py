@@ -45,6 +45,11 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# Factories whose values do not depend on their tensor argument's (Note [constant folding])
+_SHAPE_FACTORIES = {
+    aten.ones_like.default, aten.zeros_like.default, aten.full_like.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+}  # fmt: skip
 # In-place ops that change a tensor's shape/strides, not its data, and their view forms. Torch's
 # own decompositions use them on fresh intermediates (1-D @ 2-D matmul is
 # `unsqueeze(0).mm(w).squeeze_(0)`); recording them in place would change the shape of the
@@ -277,9 +282,14 @@ class _Recorder(TorchDispatchMode):
         return None
 
     def _evaluate(self, func, args, kwargs):
-        """``(func's real result,)`` when every tensor it reads has a known value, else None."""
+        """``(func's real result,)`` when every tensor it reads has a known value, else None.
+        A factory that reads only its argument's shape (``ones_like(x)``: a variance of ones
+        that ``gaussian_nll_loss`` checks) has a known value whatever ``x`` holds."""
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         values = {id(x): self._value_of(x) for x in leaves}
+        stand_in = func in _SHAPE_FACTORIES and values.get(id(args[0]), 0) is None
+        if stand_in:
+            del values[id(args[0])]
         if any(v is None for v in values.values()):
             return None
 
@@ -287,6 +297,8 @@ class _Recorder(TorchDispatchMode):
             return values[id(x)] if isinstance(x, torch.Tensor) else x
 
         with _disable_current_modes():
+            if stand_in:
+                values[id(args[0])] = torch.zeros(args[0].shape, dtype=args[0].dtype)
             return (func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs)),)
 
     def _fold(self, func, args, kwargs, out, mutable: bool) -> None:

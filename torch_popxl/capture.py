@@ -45,6 +45,7 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_CTC_LOSSES = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
 # Factories whose values do not depend on their tensor argument's (Note [constant folding])
 _SHAPE_FACTORIES = {
     aten.ones_like.default, aten.zeros_like.default, aten.full_like.default,
@@ -172,6 +173,8 @@ class _Recorder(TorchDispatchMode):
             return self._inplace_view(func, args, kwargs)
         if func in _SPARSE_ARG:  # Note [sparse embedding gradients]
             args, kwargs = _dense_gradient(func, args, kwargs)
+        if func in _CTC_LOSSES:  # Note [CTC loss in a captured graph] in opdefs/ctc.py
+            return self._ctc_loss(args, kwargs)
         if func is aten.cat.default:
             args = (_without_legacy_empty(args[0]), *args[1:])
         if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
@@ -214,6 +217,23 @@ class _Recorder(TorchDispatchMode):
         while (entry := self._saved.get(id(x))) is not None and entry[0] is x:
             x = entry[1]
         return x
+
+    def _ctc_loss(self, args, kwargs):
+        """``aten._ctc_loss`` recorded as ``torch_popxl::ctc_loss`` (Note [CTC loss in a
+        captured graph] in opdefs/ctc.py); ``log_alpha``, which only torch's backward reads,
+        is an unrecorded placeholder."""
+        names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank",
+                 "zero_infinity")  # fmt: skip
+        a = {"blank": 0, "zero_infinity": False, **dict(zip(names, args, strict=False)), **kwargs}
+        log_probs, targets = a["log_probs"], a["targets"]
+        with self:
+            lengths = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+                       for x in (a["input_lengths"], a["target_lengths"])]  # fmt: skip
+            nll = torch.ops.torch_popxl.ctc_loss(log_probs, targets, *lengths, a["blank"],
+                                                 a["zero_infinity"])  # fmt: skip
+        width = 2 * (targets.shape[1] if targets.dim() == 2 else targets.shape[0]) + 1
+        log_alpha = log_probs.new_empty((log_probs.shape[1], log_probs.shape[0], width))
+        return nll, log_alpha
 
     def _attention_math(self, args, kwargs):
         # Note [attention with a computed mask]: torch's CPU flash attention has no gradient

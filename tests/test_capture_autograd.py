@@ -330,3 +330,65 @@ def test_tensor_hooks_registered_in_forward_change_the_gradient_as_in_eager(guar
 
     torch.manual_seed(0)
     train_both(Hooked(), F.cross_entropy, _batches(3), 2, 2, rtol=1e-5, atol=1e-6)
+
+
+# ---- second-order gradients (Note [saved results in second-order gradients]) ----------------
+
+
+class InputGradientPenalty(torch.nn.Module):
+    """A critic whose output carries a penalty on the norm of its input gradient (WGAN-GP,
+    physics losses on input derivatives): ``torch.autograd.grad(..., create_graph=True)`` in
+    ``forward``, through activations whose backward reads their own saved result (tanh,
+    sigmoid, softmax) or their input (GELU). ``cut`` detaches the gradient before the penalty,
+    which must then pass no second-order gradient, as in eager torch."""
+
+    def __init__(self, act: torch.nn.Module, cut: bool = False):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), act, torch.nn.Linear(16, 1))
+        self.cut = cut
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        out = self.body(x)
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        if self.cut:
+            grad = grad.detach()
+        return out + 0.5 * (grad.norm(dim=1, keepdim=True) - 1) ** 2
+
+
+@pytest.mark.parametrize(
+    "act",
+    [torch.nn.Tanh(), torch.nn.Sigmoid(), torch.nn.GELU(), torch.nn.Softmax(-1)],
+    ids=["tanh", "sigmoid", "gelu", "softmax"],
+)
+@pytest.mark.parametrize(("R", "GA"), [(1, 1), (2, 2)])
+def test_input_gradient_penalty_trains_as_eager(act, R, GA):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
+    train_both(InputGradientPenalty(act), F.mse_loss, batches, R, GA, rtol=1e-4, atol=1e-6)
+
+
+def test_a_detached_input_gradient_passes_no_second_order_gradient():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
+    train_both(InputGradientPenalty(torch.nn.Tanh(), cut=True), F.mse_loss, batches, 1, 1,
+               rtol=1e-4, atol=1e-6)  # fmt: skip
+
+
+def test_batch_norm_with_a_cumulative_average_is_refused_with_nothing_changed():
+    # momentum=None weights each step by 1 / num_batches_tracked, read as a Python number
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16, momentum=None),
+                                torch.nn.Linear(16, 3))  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"batch norm \['1'\] has momentum=None.*momentum"):
+        trainer.step(torch.randn(8, 12), torch.randint(0, 3, (8,)))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    model.eval()  # evaluation reads the running statistics only: it runs
+    evaluate = popxl.compile(model)
+    x = torch.randn(8, 12)
+    torch.testing.assert_close(evaluate(x), model(x), rtol=1e-5, atol=1e-6)

@@ -390,3 +390,57 @@ def test_sparse_embeddings_train_as_eager_with_dense_gradients(bag, optimizer):
     batches = [(torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
                for _ in range(3)]  # fmt: skip
     train_both(SparseEmbeddings(bag), F.cross_entropy, batches, 2, 2, optimizer=optimizer)
+
+
+class DistributionVAE(torch.nn.Module):
+    """A VAE whose posterior is a ``torch.distributions.Normal`` (checked arguments by default,
+    Note [argument checks of torch.distributions]) with its KL to the prior."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(12, 8), torch.nn.Linear(4, 12)
+
+    def forward(self, x):
+        mu, log_std = self.enc(x).chunk(2, dim=-1)
+        posterior = torch.distributions.Normal(mu, log_std.exp())
+        prior = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu))
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(-1)
+        return self.dec(posterior.mean), kl
+
+
+def vae_loss(out, x):
+    recon, kl = out
+    return F.mse_loss(recon, x, reduction="sum") + kl.sum()
+
+
+class Policy(torch.nn.Module):
+    """A policy-gradient step: log-probabilities and entropy of a ``Categorical``."""
+
+    def __init__(self):
+        super().__init__()
+        self.logits = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        actions = torch.distributions.Categorical(logits=self.logits(x))
+        taken = (x[:, 0] > 0).long()  # the actions the episode took
+        return actions.log_prob(taken), actions.entropy()
+
+
+def policy_loss(out, advantage):
+    log_prob, entropy = out
+    return -(log_prob * advantage).mean() - 0.01 * entropy.mean()
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_torch_distributions_in_a_forward_train_as_eager(R, GA):
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(0)
+    data = [(x := torch.randn(8, 12, generator=g), x) for _ in range(3)]
+    train_both(DistributionVAE(), vae_loss, data, R, GA, lr=1e-3, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(3)]
+    train_both(Policy(), policy_loss, data, R, GA, rtol=1e-4, atol=1e-5)
+    # the checks are back on after capture
+    assert torch.distributions.Distribution._validate_args
+    with pytest.raises(ValueError, match="scale"):
+        torch.distributions.Normal(torch.zeros(2), -torch.ones(2))

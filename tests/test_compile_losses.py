@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import train_both
 
 import torch_popxl as popxl
 
@@ -191,7 +192,15 @@ NOT_SPLITTABLE = {
     ),
     "sum_over_the_root_of_the_batch_size": (
         lambda out, y: F.mse_loss(out, y, reduction="sum") / out.shape[0] ** 0.5,
-        "divides by a number that depends on the micro-batch's size",
+        "divides by another function of the micro-batch's size",
+    ),
+    "in_batch_negatives": (  # a contrastive loss: every sample's negatives are the others
+        lambda out, y: F.cross_entropy(out @ out.t(), torch.arange(out.shape[0])),
+        "depends on the other samples of its micro-batch",
+    ),
+    "dice_ratio_of_batch_sums": (
+        lambda out, y: 1 - 2 * (out.sigmoid() * y.sigmoid()).sum() / (out.sigmoid().sum() + 1),
+        "aten.div",
     ),
     "max_over_the_batch": (lambda out, y: (out - y).abs().max(), "reduces the batch"),
 }
@@ -234,3 +243,84 @@ def test_any_loss_trains_as_written_with_one_replica_and_no_accumulation():
         assert loss == pytest.approx(ref_loss.item(), rel=RTOL)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_gaussian_nll_with_a_variance_of_ones_checks_it_at_capture_and_matches_eager():
+    # gaussian_nll_loss raises on a negative variance (``if torch.any(var < 0)``): a variance
+    # made by ``ones_like`` has a value known while the graph is captured (Note [constant
+    # folding]), so the check runs there
+    def loss_fn(out, y):
+        return F.gaussian_nll_loss(out, y, torch.ones_like(out)) + F.poisson_nll_loss(out, y)
+
+    model, ref, *_, losses, ref_losses = _train_both(mlp, loss_fn, "regression", 2, 2, False,
+                                                     "on_chip")  # fmt: skip
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+# ---- CTC (Note [CTC loss in a captured graph] in opdefs/ctc.py) ------------------------------
+
+
+class FrameClassifier(torch.nn.Module):
+    """Per-frame log-probabilities ``[T, N, C]`` for CTC (blank = class 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 6)
+
+    def forward(self, x):  # x: [N, T, 12]
+        return self.proj(x).log_softmax(-1).transpose(0, 1)
+
+
+def ctc(log_probs, targets):
+    """Padded targets (0 = padding) whose lengths vary per sample, as a speech batch has."""
+    frames, n, _ = log_probs.shape
+    lengths = (targets > 0).sum(1)
+    return F.ctc_loss(log_probs, targets, torch.full((n,), frames, dtype=torch.long), lengths,
+                      zero_infinity=True)  # fmt: skip
+
+
+def _ctc_batches(n_steps=3, batch=8):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n_steps):
+        targets = torch.randint(1, 6, (batch, 4), generator=g)
+        targets[::3, 3] = 0
+        targets[1::4, 2:] = 0
+        out.append((torch.randn(batch, 10, 12, generator=g), targets))
+    return out
+
+
+@pytest.mark.parametrize(("R", "GA"), [(1, 1), (2, 1), (2, 2)])
+def test_ctc_loss_with_per_sample_lengths_trains_as_eager(R, GA):
+    torch.manual_seed(0)
+    train_both(FrameClassifier(), ctc, _ctc_batches(), R, GA, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_ctc_ops_on_stacked_replicas_match_torch_per_replica(padded):
+    """The vmap rules run every replica's samples as one call: values and gradients equal
+    torch's own ``ctc_loss`` on each replica (padded or concatenated targets)."""
+    g = torch.Generator().manual_seed(3)
+    R, T, N, C = 3, 7, 4, 5
+    log_probs = torch.randn(R, T, N, C, generator=g).log_softmax(-1).requires_grad_(True)
+    target_lengths = torch.randint(1, 4, (R, N), generator=g)
+    input_lengths = torch.full((N,), T, dtype=torch.long)  # the same on every replica
+    if padded:
+        targets = torch.randint(1, C, (R, N, 3), generator=g)
+    else:  # each replica's targets concatenated, every replica the same total length
+        target_lengths[:, -1] = 8 - target_lengths[:, :-1].sum(1)
+        targets = torch.randint(1, C, (R, 8), generator=g)
+
+    def one(lp, tg, tl):
+        return torch.ops.torch_popxl.ctc_loss(lp, tg, input_lengths, tl, 0, False)
+
+    got = torch.func.vmap(one)(log_probs, targets, target_lengths)
+    (got_grad,) = torch.autograd.grad(got.sum(), log_probs)
+    for r in range(R):
+        lp = log_probs[r].detach().requires_grad_(True)
+        want = F.ctc_loss(lp, targets[r], input_lengths, target_lengths[r], reduction="none")
+        (want_grad,) = torch.autograd.grad(want.sum(), lp)
+        torch.testing.assert_close(got[r], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_grad[r], want_grad, rtol=1e-6, atol=1e-6)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import get_computation_dtype
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -44,6 +45,12 @@ _DATA_DEPENDENT = {
     aten.equal.default,
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_CTC_LOSSES = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
+# Factories whose values do not depend on their tensor argument's (Note [constant folding])
+_SHAPE_FACTORIES = {
+    aten.ones_like.default, aten.zeros_like.default, aten.full_like.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+}  # fmt: skip
 # In-place ops that change a tensor's shape/strides, not its data, and their view forms. Torch's
 # own decompositions use them on fresh intermediates (1-D @ 2-D matmul is
 # `unsqueeze(0).mm(w).squeeze_(0)`); recording them in place would change the shape of the
@@ -60,6 +67,35 @@ _INPLACE_VIEWS = {
     aten.t_.default: aten.t.default,
     aten.as_strided_.default: aten.as_strided.default,
 }
+
+# Note [saved results in second-order gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd saves an op's result for its backward (tanh's, exp's, softmax's) as a detached
+# alias: that ``aten.detach`` reaches the recorder right after the op, from torch's C++, with
+# no Python call of its own. When the engine later runs the backward with
+# ``create_graph=True`` (``torch.autograd.grad`` in a forward: gradient penalties, physics
+# losses on input derivatives), it unpacks the saved result with the op's own gradient
+# function again, so the second-order gradient flows through it. Recorded as it reaches the
+# recorder, the backward op would read the detached alias and that path would be lost. So a
+# detach that no Python code asked for (``_DetachCalls`` counts the ``detach`` calls torch
+# code makes, which do cut gradients) is remembered with its source, and an op recorded
+# while the engine runs a backward with grad enabled reads the source instead.
+_user_detaches = [0]  # Python-level detach calls in progress
+
+
+class _DetachCalls(TorchFunctionMode):
+    """Counts the ``detach`` calls of Python code (Note [saved results in second-order
+    gradients])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in (torch.Tensor.detach, torch.detach):
+            return func(*args, **(kwargs or {}))
+        _user_detaches[0] += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _user_detaches[0] -= 1
+
 
 # Note [sparse embedding gradients]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -118,6 +154,9 @@ class _Recorder(TorchDispatchMode):
         # id(fake) -> (weakref to it, its storage, its real value), for fakes whose value is
         # known at capture time (Note [constant folding]).
         self._values: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        # id(detached) -> (detached, source): results autograd saved for its backward
+        # (Note [saved results in second-order gradients])
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -134,6 +173,8 @@ class _Recorder(TorchDispatchMode):
             return self._inplace_view(func, args, kwargs)
         if func in _SPARSE_ARG:  # Note [sparse embedding gradients]
             args, kwargs = _dense_gradient(func, args, kwargs)
+        if func in _CTC_LOSSES:  # Note [CTC loss in a captured graph] in opdefs/ctc.py
+            return self._ctc_loss(args, kwargs)
         if func is aten.cat.default:
             args = (_without_legacy_empty(args[0]), *args[1:])
         if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
@@ -163,7 +204,36 @@ class _Recorder(TorchDispatchMode):
             return out
         self._record(func, args, kwargs, out)
         self._fold(func, args, kwargs, out, mutable)
+        if func is aten.detach.default and not _user_detaches[0]:
+            self._saved[id(out)] = (out, args[0])  # Note [saved results in second-order ...]
         return out
+
+    def _unpacked(self, x):
+        """``x`` as autograd's engine unpacks it for a backward op that builds a graph
+        (Note [saved results in second-order gradients])."""
+        if torch._C._current_graph_task_id() == -1 or not torch.is_grad_enabled():
+            return x
+        # (unpacking detaches the saved alias again: follow the chain to the result)
+        while (entry := self._saved.get(id(x))) is not None and entry[0] is x:
+            x = entry[1]
+        return x
+
+    def _ctc_loss(self, args, kwargs):
+        """``aten._ctc_loss`` recorded as ``torch_popxl::ctc_loss`` (Note [CTC loss in a
+        captured graph] in opdefs/ctc.py); ``log_alpha``, which only torch's backward reads,
+        is an unrecorded placeholder."""
+        names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank",
+                 "zero_infinity")  # fmt: skip
+        a = {"blank": 0, "zero_infinity": False, **dict(zip(names, args, strict=False)), **kwargs}
+        log_probs, targets = a["log_probs"], a["targets"]
+        with self:
+            lengths = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+                       for x in (a["input_lengths"], a["target_lengths"])]  # fmt: skip
+            nll = torch.ops.torch_popxl.ctc_loss(log_probs, targets, *lengths, a["blank"],
+                                                 a["zero_infinity"])  # fmt: skip
+        width = 2 * (targets.shape[1] if targets.dim() == 2 else targets.shape[0]) + 1
+        log_alpha = log_probs.new_empty((log_probs.shape[1], log_probs.shape[0], width))
+        return nll, log_alpha
 
     def _attention_math(self, args, kwargs):
         # Note [attention with a computed mask]: torch's CPU flash attention has no gradient
@@ -232,9 +302,14 @@ class _Recorder(TorchDispatchMode):
         return None
 
     def _evaluate(self, func, args, kwargs):
-        """``(func's real result,)`` when every tensor it reads has a known value, else None."""
+        """``(func's real result,)`` when every tensor it reads has a known value, else None.
+        A factory that reads only its argument's shape (``ones_like(x)``: a variance of ones
+        that ``gaussian_nll_loss`` checks) has a known value whatever ``x`` holds."""
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         values = {id(x): self._value_of(x) for x in leaves}
+        stand_in = func in _SHAPE_FACTORIES and values.get(id(args[0]), 0) is None
+        if stand_in:
+            del values[id(args[0])]
         if any(v is None for v in values.values()):
             return None
 
@@ -242,6 +317,8 @@ class _Recorder(TorchDispatchMode):
             return values[id(x)] if isinstance(x, torch.Tensor) else x
 
         with _disable_current_modes():
+            if stand_in:
+                values[id(args[0])] = torch.zeros(args[0].shape, dtype=args[0].dtype)
             return (func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs)),)
 
     def _fold(self, func, args, kwargs, out, mutable: bool) -> None:
@@ -320,7 +397,7 @@ class _Recorder(TorchDispatchMode):
         def to_slot(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            t = self._handle_for(x)
+            t = self._handle_for(self._unpacked(x))
             if t.id not in slot_of:
                 slot_of[t.id] = len(inputs)
                 inputs.append(t)
@@ -382,8 +459,34 @@ def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
     """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
     # oneDNN off (Note [no oneDNN in captured code]).
     recorder = _Recorder(graph, on_unknown)
-    with _onednn_off(), fake_mode(), recorder, _functions_recorded_by(recorder):
+    with (
+        _onednn_off(),
+        _distribution_checks_off(),  # Note [argument checks of torch.distributions]
+        fake_mode(),
+        recorder,
+        _functions_recorded_by(recorder),
+        _DetachCalls(),  # Note [saved results in second-order gradients]
+    ):
         yield
+
+
+# Note [argument checks of torch.distributions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.distributions checks the values of a distribution's parameters and samples by default
+# (``Normal(mu, std)`` raises if a ``std`` is not positive: ``if not valid.all(): raise``), a
+# check on data that a captured graph cannot make while it is built. A VAE's posterior or a
+# policy's ``Categorical`` built in a forward is captured with the checks off (as ``python -O``
+# runs torch), so invalid values give NaN instead of a ValueError; a distribution made with
+# ``validate_args=True`` explicitly still raises ``DataDependentError``.
+@contextlib.contextmanager
+def _distribution_checks_off() -> Iterator[None]:
+    dist = torch.distributions.Distribution
+    before = dist._validate_args
+    dist.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        dist.set_default_validate_args(before)
 
 
 # ---- custom autograd Functions (Note [custom autograd Functions], transforms/functions.py) ----

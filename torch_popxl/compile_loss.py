@@ -93,6 +93,15 @@ _KEEP = {
 }  # fmt: skip
 
 
+# ops whose result holds no value of their tensor arguments (only their shape, dtype and
+# device): ``ones_like(out)`` seeding ``torch.autograd.grad`` of a batch sum in a forward
+_VALUE_FREE = {
+    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.new_ones.default, aten.new_zeros.default,
+    aten.new_empty.default, aten.new_full.default, aten.new_empty_strided.default,
+}  # fmt: skip
+
+
 class LossDecompositionError(ValueError):
     """The loss cannot be split into micro-batch parts that add up to eager's."""
 
@@ -184,6 +193,8 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _VALUE_FREE:
+            return out
         leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         involved = [a for a in leaves if id(a) in self._forms or id(a) in self._opaque]
@@ -225,7 +236,10 @@ class LossSplitter(TorchDispatchMode):
             self._mark(out)
             self._forms[id(out)] = form
             return
-        why = f"{func} applied to a reduction of the batch"
+        # the first op that left the linear forms is the reason, wherever it propagates
+        why = next((self._opaque[id(a)] for a in pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor) and id(a) in self._opaque),
+                   f"{func} applied to a reduction of the batch")  # fmt: skip
         for o in outs:
             self._mark(o)
             self._opaque[id(o)] = why
@@ -496,9 +510,11 @@ def check_decomposition(loss_fn, outputs, targets, chunks: int, over_rows: bool 
     raise LossDecompositionError(
         _explain(
             f"on the first batch's targets and synthetic outputs, the loss of the whole "
-            f"batch is {whole:.6g} but its {chunks} parts add up to {total:.6g}; the loss "
-            "probably divides by a number that depends on the micro-batch's size other than "
-            "by a multiple of its rows (`/ x.shape[0] ** 0.5`)",
+            f"batch is {whole:.6g} but its {chunks} parts add up to {total:.6g}: each part "
+            "depends on the other samples of its micro-batch (in-batch negatives, a ratio of "
+            "sums over the batch such as a dice score), or the loss divides by another "
+            "function of the micro-batch's size than a multiple of its rows "
+            "(`/ x.shape[0] ** 0.5`)",
             chunks,
         )
     )

@@ -8,7 +8,8 @@ Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
 stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor), ``sgd`` (the one-pass SGD update) and
-``compute`` (FLOP counts of captured matmuls), ``attention`` (the CPU flash-attention ops a
+``compute`` (FLOP counts of captured matmuls), ``ctc`` (CTC loss with static shapes: Note [CTC
+loss in a captured graph]), ``attention`` (the CPU flash-attention ops a
 captured program records, on other devices: Note [portable attention]), ``aten_batching``
 (vmap rules for the aten ops torch has none for: Note [aten batching rules]). Shared infrastructure: ``registry``,
 ``backends`` (traffic counters, the collective backend), ``_common`` (argument checks and
@@ -27,6 +28,7 @@ from . import (
     attention,
     backends,
     compute,
+    ctc,
     fused,
     host,
     ipu_copy,
@@ -53,6 +55,7 @@ __all__ = [
     "attention",
     "backends",
     "compute",
+    "ctc",
     "fused",
     "host",
     "ipu_copy",

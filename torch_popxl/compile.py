@@ -70,6 +70,7 @@ from .compile_common import (
     host_float,
     loss_dtype,
     model_loss,
+    options_key,
 )
 from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
@@ -186,6 +187,8 @@ def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_r
     when the loss must be captured again reading divisions by the rows as means."""
     targets = _torch_targets(batch)
     if targets is None:
+        if n_host and not batch.targets:  # a model's own loss: its counts cannot be counted
+            host_counts(loss_fn, metas, None, chunks, n_host)  # (raises, saying why)
         return False
     if check_decomposition(loss_fn, metas, targets, chunks, over_rows):
         return True
@@ -229,6 +232,7 @@ class _Batch:
     kwargs: dict[str, np.ndarray]
     targets: list[np.ndarray]
     targets_tuple: bool
+    options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -246,6 +250,7 @@ class _Batch:
             tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
             tuple((a.shape, str(a.dtype)) for a in self.targets),
             self.targets_tuple,
+            options_key(self.options),
         )
 
 
@@ -958,6 +963,7 @@ class Trainer:
                     io[i] = call_torch(torch.Tensor.long, (io[i],), {})
             n_args, n_in = len(batch.args), len(batch.args) + len(batch.kwargs)
             args, kwargs = tuple(io[:n_args]), dict(zip(batch.kwargs, io[n_args:n_in], strict=True))
+            kwargs.update(batch.options)  # Note [keyword options]
             targets = io[n_in:]
             t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
             params = {
@@ -1184,7 +1190,7 @@ class Trainer:
 
     def _check_batch(self, inputs, targets) -> _Batch:
         floats = host_float(self.model)
-        args, kwargs = _structured(inputs, "inputs", floats)
+        args, kwargs, options = _structured(inputs, "inputs", floats)
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
             t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
@@ -1192,7 +1198,7 @@ class Trainer:
             t = []
         else:
             t = [_array(targets, "targets", floats)]
-        batch = _Batch(args, kwargs, t, targets_tuple)
+        batch = _Batch(args, kwargs, t, targets_tuple, options)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
         if len(set(sizes)) > 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -159,18 +160,46 @@ def _array(x, what: str, floats: type = np.float32) -> np.ndarray:
     return x
 
 
+# Note [keyword options]
+#     A dict of inputs may hold, beside its batched tensors, keyword options of the model's
+#     forward given as plain Python values (``return_loss=True``, ``output_hidden_states=False``,
+#     ``None``): they are not data but choices of the forward's code path. Each is passed to
+#     the forward as given at capture time and is part of the program's key, so another value
+#     builds (or reuses) another program, as another input shape does. A 0-d tensor or array
+#     is data without a batch dimension and stays an error.
+_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def options_key(options: tuple[tuple[str, Any], ...]) -> tuple:
+    """``options`` as a program key: with each value's type (``True`` and ``1`` are
+    different options though equal in Python)."""
+    return tuple((k, type(v).__name__, v) for k, v in options)
+
+
 def _structured(
     x, what: str, floats: type = np.float32
-) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+) -> tuple[list[np.ndarray], dict[str, np.ndarray], tuple[tuple[str, Any], ...]]:
     """A tensor, a tuple/list of tensors (positional) or a dict (keyword) as arrays (float64
-    ones as ``floats``: Note [float64 models])."""
+    ones as ``floats``: Note [float64 models]), and a dict's keyword options as sorted
+    (name, value) pairs (Note [keyword options])."""
     if isinstance(x, dict):
         if not x:
             raise ValueError(f"{what}: an empty dict.")
-        return [], {k: _array(v, f"{what}[{k!r}]", floats) for k, v in x.items()}
+        options = tuple(sorted((k, v) for k, v in x.items() if isinstance(v, _OPTION_TYPES)))
+        arrays = {
+            k: _array(v, f"{what}[{k!r}]", floats)
+            for k, v in x.items()
+            if not isinstance(v, _OPTION_TYPES)
+        }
+        if not arrays:
+            raise ValueError(
+                f"{what}: a dict with keyword options only ({[k for k, _ in options]}); "
+                "expected at least one batched tensor (dim 0: the samples) to run the model on."
+            )
+        return [], arrays, options
     if isinstance(x, tuple | list) and x and not isinstance(x[0], int | float | bool):
-        return [_array(v, f"{what}[{i}]", floats) for i, v in enumerate(x)], {}
-    return [_array(x, what, floats)], {}
+        return [_array(v, f"{what}[{i}]", floats) for i, v in enumerate(x)], {}, ()
+    return [_array(x, what, floats)], {}, ()
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -196,8 +225,9 @@ def _split_advice(n: int, R: int, GA: int) -> str:
 
 
 def _describe(key: tuple) -> str:
-    args, kwargs, targets, _ = key
+    args, kwargs, targets, _, options = key
     inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
+    inputs += [f"{k}={v!r}" for k, _, v in options]
     return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
 
 

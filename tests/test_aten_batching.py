@@ -205,6 +205,28 @@ def test_weight_norm_gradient_norms_each_replicas_own_slices(dim, dtype):
     _check(grad, (seed, v[0], gain[0], norms[0]), (0, None, None, None), **tol)
 
 
+@pytest.mark.parametrize("targets", ["per_replica", "invariant"])
+def test_ctc_loss_and_its_gradient_join_the_replicas_sequences_in_one_call(targets):
+    """``_ctc_loss`` with int lengths (shorter than the padding for some sequences) and its
+    gradient, per replica log-probabilities and targets per replica or one for all."""
+    aten = torch.ops.aten
+    log_probs = torch.randn(R, 10, 4, 6, generator=g).log_softmax(-1)
+    labels = torch.randint(1, 6, (R, 4, 3), generator=g)
+    steps, lengths = [10, 9, 10, 7], [3, 2, 3, 1]
+
+    def loss_and_grad(lp, y):
+        nll, alpha = aten._ctc_loss.default(lp, y, steps, lengths, 0, False)
+        seed = torch.linspace(0.5, 2.0, 4)
+        # (alpha's entries past a sequence's length are left unwritten: not compared)
+        return nll, aten._ctc_loss_backward.default(seed, lp, y, steps, lengths, nll, alpha, 0,
+                                                    False)  # fmt: skip
+
+    if targets == "per_replica":
+        _check(loss_and_grad, (log_probs, labels), (0, 0))
+    else:
+        _check(loss_and_grad, (log_probs, labels[0]), (0, None))
+
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from optim_checks import train_both
 
 import torch_popxl as popxl
+from torch_popxl.errors import DataDependentError
 
 transformers = pytest.importorskip("transformers")
 
@@ -183,3 +185,27 @@ def test_hugging_face_clip_trains_as_eager_and_its_contrastive_loss_is_not_split
     split = popxl.compile(model, None, torch.optim.AdamW(model.parameters()), replication_factor=2)
     with pytest.raises(ValueError, match="pairs the samples of the batch with each other"):
         split.plan(data[0][0])
+
+
+def test_hugging_face_wav2vec2_ctc_head_trains_as_eager_with_a_ctc_loss_fn():
+    """Wav2Vec2ForCTC's logits under ``F.ctc_loss`` with int lengths (Note [ctc_loss shapes])
+    train as eager at R=2, GA=2 on the fast path. Its own loss (``labels=``) stays refused: it
+    checks ``labels.max()`` and selects the labels by a mask of their values."""
+    model = build("wav2vec2", dropout=False)
+    model = transformers.Wav2Vec2ForCTC(model.config)
+
+    def ctc(out, labels):
+        log_probs = out.logits.log_softmax(-1).transpose(0, 1)
+        n = labels.shape[0]
+        lengths = ((log_probs.shape[0],) * n, (labels.shape[1],) * n)
+        return F.ctc_loss(log_probs, labels, *lengths, reduction="none").mean() / labels.shape[1]
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 400, generator=g), torch.randint(1, 32, (8, 6), generator=g))
+            for _ in range(2)]  # fmt: skip
+    trainer = train_both(model, ctc, data, 2, 2, optimizer=torch.optim.AdamW, lr=1e-3,
+                         rtol=RTOL, atol=ATOL)  # fmt: skip
+    assert trainer.explain() == []
+    own = popxl.compile(model, None, torch.optim.AdamW(model.parameters()), replication_factor=2)
+    with pytest.raises(DataDependentError):
+        own.plan({"input_values": data[0][0], "labels": data[0][1]})

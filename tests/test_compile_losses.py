@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import train_both
 
 import torch_popxl as popxl
+from torch_popxl.errors import DataDependentError
 
 RTOL, ATOL = 1e-5, 1e-6
 # (R, GA, rts, state): replication 1/2/4, accumulation 1/2/4, RTS on/off, on-chip/remote.
@@ -262,6 +264,47 @@ def test_a_contrastive_loss_over_the_batch_is_refused_with_micro_batches_and_tra
         assert loss == pytest.approx(ref_loss.item(), rel=RTOL)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+class Frames(torch.nn.Module):
+    """(batch, frames, 6) features -> (frames, batch, 5) log-probabilities, as CTC takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.proj(x).log_softmax(-1).transpose(0, 1)
+
+
+def ctc_per_label(log_probs, labels):
+    """CTC with lengths as Python ints (Note [ctc_loss shapes]), each sequence's loss over its
+    label count, the mean over the batch (what ``reduction='mean'`` computes)."""
+    steps, n = log_probs.shape[:2]
+    nll = F.ctc_loss(log_probs, labels, (steps,) * n, (labels.shape[1],) * n, reduction="none")
+    return (nll / labels.shape[1]).mean()
+
+
+@pytest.mark.parametrize(("R", "GA"), [(1, 1), (2, 2)])
+def test_ctc_loss_with_int_lengths_trains_as_eager(R, GA):
+    """Refused before: torch's fake tensors call ``_ctc_loss``'s output shapes data-dependent;
+    with int lengths they are static. Every replica's sequences run in one call (no
+    per-replica loop in ``explain()``)."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 10, 6, generator=g), torch.randint(1, 5, (8, 3), generator=g))
+            for _ in range(3)]  # fmt: skip
+    torch.manual_seed(0)
+    trainer = train_both(Frames(), ctc_per_label, data, R, GA, lr=0.1, rtol=RTOL, atol=ATOL)
+    assert trainer.explain() == []
+
+    def tensor_lengths(log_probs, labels):
+        n = torch.full((labels.shape[0],), labels.shape[1])
+        return F.ctc_loss(log_probs, labels, torch.full_like(n, log_probs.shape[0]), n)
+
+    model = Frames()
+    refused = popxl.compile(model, tensor_lengths, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(DataDependentError, match="tuples of Python ints"):
+        refused.plan(*data[0])
 
 
 def test_any_loss_trains_as_written_with_one_replica_and_no_accumulation():

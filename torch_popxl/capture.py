@@ -120,6 +120,11 @@ def view_or_copy(x: torch.Tensor, shape) -> torch.Tensor:
         return aten.reshape.default(x, shape)
 
 
+_CTC_HINT = (
+    " For F.ctc_loss, give input_lengths and target_lengths as tuples of Python ints: its "
+    "shapes are then known (Note [ctc_loss shapes] in ir/fake.py)."
+)
+
 # Outputs larger than this (elements in all) are not folded (Note [constant folding]).
 _FOLD_LIMIT = 1 << 16
 
@@ -178,12 +183,13 @@ class _Recorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+            hint = _CTC_HINT if func is aten._ctc_loss.Tensor else ""
             raise DataDependentError(
                 f"{func}: the shape of its result depends on tensor values (for example "
                 "nonzero, masked_select, unique, or pack_padded_sequence's lengths), which are "
                 "not known while the graph is captured; a popxl graph has static shapes. Keep "
                 "shapes fixed: pad and mask (run the RNN on the padded batch and select each "
-                "sequence's last step with gather), or use torch.where."
+                f"sequence's last step with gather), or use torch.where.{hint}"
             ) from e
         if func in _CONSTANT_LIFTS:
             real = args[0]

@@ -16,6 +16,7 @@ argument expanded, no copy), and returns its outputs stacked the same way. The f
 * ops whose kernels take a batch dimension already (pooling, unpooling, interpolation, margin
   losses, CPU flash attention, ``linalg``): the replicas are folded into it,
   ``[R, N, ...] -> [R * N, ...]``;
+* ``_ctc_loss`` and its gradient: each replica's sequences join the batch of one call;
 * indexing and scatter ops over flattened values (``take``, ``put``, ``index_reduce``,
   ``masked_scatter``, ``histc``): each replica's indices shifted by ``r * n`` so that one call
   of the op, or of ``gather``/``scatter_add``, covers every replica and rows never mix; an index
@@ -410,6 +411,26 @@ def _embedding_bag(op, R: int, args: list, batched: list[bool]) -> tuple:
     return out.reshape(R, bags, -1), offset2bag, bag_size, max_indices
 
 
+def _ctc_loss(op, R: int, args: list, batched: list[bool]) -> tuple:
+    """``_ctc_loss`` with int lengths (Note [ctc_loss shapes] in ir/fake.py): the replicas'
+    sequences are sequences of one call, ``[R, T, N, C] -> [T, R * N, C]``, their padded
+    targets ``[R, N, S] -> [R * N, S]`` and lengths repeated; concatenated (1-D) targets are
+    not covered. ``_ctc_loss_backward`` folds the same way around its extra arguments."""
+    backward = op is aten._ctc_loss_backward.default
+    log_probs, targets, input_lengths, target_lengths, *rest = args[1:] if backward else args
+    if targets.dim() != 3:
+        raise _NotCovered
+    n = log_probs.shape[2]
+    values = [log_probs.transpose(0, 1).flatten(1, 2), targets.flatten(0, 1),
+              list(input_lengths) * R, list(target_lengths) * R]  # fmt: skip
+    if not backward:
+        nll, alpha = _call(op, [*values, *rest])
+        return nll.unflatten(0, (R, n)), alpha.unflatten(0, (R, n))
+    nll, alpha, *flags = rest
+    out = _call(op, [args[0].flatten(), *values, nll.flatten(), alpha.flatten(0, 1), *flags])
+    return out.unflatten(1, (R, n)).transpose(0, 1)
+
+
 # --- definitions on stacked rows ------------------------------------------------------------
 
 
@@ -548,6 +569,8 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten._chunk_cat.default: _chunk_cat,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,
+    aten._ctc_loss.default: _ctc_loss,
+    aten._ctc_loss_backward.default: _ctc_loss,
 }
 COVERED = frozenset(RULES)
 

@@ -183,6 +183,28 @@ def test_pdist_gradient_for_each_norm(p):
     _check(grad, (x, seed), (0, 0))
 
 
+@pytest.mark.parametrize("dim", [0, 2, -1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_norm_gradient_norms_each_replicas_own_slices(dim, dtype):
+    """weight_norm's gradient (wav2vec2's positional convolution) with a weight per replica or
+    one for all (a parameter under a per-replica gradient), in float32 and bfloat16."""
+    aten = torch.ops.aten
+    v = torch.randn(R, 4, 3, 5, generator=g).to(dtype)
+    g_shape = [R, 1, 1, 1]
+    g_shape[dim % 3 + 1] = v.shape[dim % 3 + 1]
+    gain = torch.randn(g_shape, generator=g).to(dtype)
+    seed = torch.randn(R, 4, 3, 5, generator=g).to(dtype)
+
+    norms = torch.stack([aten._weight_norm_interface(v[r], gain[r], dim % 3)[1] for r in range(R)])
+
+    def grad(s, v, gain, norms):
+        return aten._weight_norm_interface_backward(s, v, gain, norms, dim % 3)
+
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    _check(grad, (seed, v, gain, norms), (0, 0, 0, 0), **tol)
+    _check(grad, (seed, v[0], gain[0], norms[0]), (0, None, None, None), **tol)
+
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 

@@ -226,6 +226,93 @@ def test_a_loss_that_cannot_be_split_is_refused_at_build_with_nothing_changed(ca
     assert not opt.state
 
 
+class Contrastive(torch.nn.Module):
+    """CLIP's loss in small: every x of the batch scored against every z, the matching pair
+    the class (``arange`` labels made in the forward), both directions' cross entropies."""
+
+    def __init__(self):
+        super().__init__()
+        self.fx, self.fz = torch.nn.Linear(12, 6), torch.nn.Linear(5, 6)
+
+    def forward(self, x, z, return_loss=False):
+        logits = self.fx(x) @ self.fz(z).T
+        if not return_loss:
+            return logits
+        labels = torch.arange(x.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def test_a_contrastive_loss_over_the_batch_is_refused_with_micro_batches_and_trains_without():
+    """The model's loss pairs the samples of the whole batch: no micro-batch parts add up to
+    it, so R * GA > 1 is refused when the program is built, saying why, with nothing changed
+    (before, the step failed asking for targets); with R = GA = 1 it trains as eager."""
+    torch.manual_seed(0)
+    model = Contrastive()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    batches = [{"x": torch.randn(8, 12, generator=g), "z": torch.randn(8, 5, generator=g),
+                "return_loss": True} for _ in range(2)]  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    split = popxl.compile(model, None, opt, replication_factor=2, gradient_accumulation=2)
+    for run in (split.plan, split.step):
+        with pytest.raises(ValueError, match="cannot split this loss") as err:
+            run(batches[0])
+        assert "pairs the samples of the batch with each other" in str(err.value)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    trainer = popxl.compile(model, None, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for inputs in batches:
+        loss = trainer.step(inputs)
+        ref_opt.zero_grad()
+        ref_loss = ref(**inputs)
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=RTOL)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+class Frames(torch.nn.Module):
+    """(batch, frames, 6) features -> (frames, batch, 5) log-probabilities, as CTC takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.proj(x).log_softmax(-1).transpose(0, 1)
+
+
+def ctc_per_label(log_probs, labels):
+    """CTC with lengths as Python ints (Note [CTC loss in a captured graph]), each sequence's
+    loss over its label count, the mean over the batch (what ``reduction='mean'`` computes)."""
+    steps, n = log_probs.shape[:2]
+    nll = F.ctc_loss(log_probs, labels, (steps,) * n, (labels.shape[1],) * n, reduction="none")
+    return (nll / labels.shape[1]).mean()
+
+
+@pytest.mark.parametrize(("R", "GA"), [(1, 1), (2, 2)])
+def test_ctc_loss_with_int_lengths_trains_as_eager(R, GA):
+    """Refused before: torch's fake tensors call ``_ctc_loss``'s output shapes data-dependent
+    (Note [CTC loss in a captured graph]). Every replica's sequences run in one call (no
+    per-replica loop in ``explain()``), with int lengths and with tensor lengths."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 10, 6, generator=g), torch.randint(1, 5, (8, 3), generator=g))
+            for _ in range(3)]  # fmt: skip
+    torch.manual_seed(0)
+    trainer = train_both(Frames(), ctc_per_label, data, R, GA, lr=0.1, rtol=RTOL, atol=ATOL)
+    assert trainer.explain() == []
+
+    def tensor_lengths(log_probs, labels):
+        n = torch.full((labels.shape[0],), labels.shape[1])
+        return F.ctc_loss(log_probs, labels, torch.full_like(n, log_probs.shape[0]), n)
+
+    torch.manual_seed(0)
+    trainer = train_both(Frames(), tensor_lengths, data, R, GA, lr=0.1, rtol=RTOL, atol=ATOL)
+    assert trainer.explain() == []
+
+
 def test_any_loss_trains_as_written_with_one_replica_and_no_accumulation():
     loss_fn = NOT_SPLITTABLE["sqrt_of_a_mean"][0]
     torch.manual_seed(0)

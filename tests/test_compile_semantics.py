@@ -492,6 +492,52 @@ def test_trainer_takes_several_inputs_and_targets(as_dict):
         trainer.step((x, z[:4]), (y, w))
 
 
+class WithOptions(torch.nn.Module):
+    """A forward with keyword options that choose its code path (as Hugging Face models take
+    ``return_loss=True``, ``output_hidden_states=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 4)
+
+    def forward(self, x, y=None, scale=1.0, activation="tanh", return_loss=False, extra=None):
+        out = getattr(torch, activation)(self.fc(x)) * scale
+        assert extra is None
+        return CE(out, y) if return_loss else out
+
+
+def test_keyword_options_are_passed_to_the_forward_and_key_the_programs():
+    """Python values among a dict's inputs (Note [keyword options]) reach the forward as given,
+    in training (R=2, GA=2: the loss the model returns) and inference, against eager; another
+    value builds another program. Refused before: "inputs['return_loss'] must have a batch
+    dimension; got a scalar"."""
+    torch.manual_seed(0)
+    model = WithOptions()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    trainer = popxl.compile(model, None, opt, replication_factor=2, gradient_accumulation=2)
+    g = torch.Generator().manual_seed(3)
+    for scale, activation in [(1.0, "tanh"), (3.0, "sigmoid"), (1.0, "tanh")]:
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        options = {"scale": scale, "activation": activation, "return_loss": True, "extra": None}
+        loss = trainer.step({"x": x, "y": y, **options})
+        ref_opt.zero_grad()
+        want = ref(x, y, **options)
+        want.backward()
+        ref_opt.step()
+        assert_close(loss, want.item())
+    assert_same_params(model, ref)
+    assert [p for _, p in trainer.programs] == [
+        f"([x=(8, 12) float32, y=(8,) int64, {o}extra=None, return_loss=True, scale={s}], [])"
+        for o, s in [("activation='sigmoid', ", 3.0), ("activation='tanh', ", 1.0)]
+    ]
+    x = torch.randn(6, 12, generator=g)
+    got = popxl.compile(model, replication_factor=2)({"x": x, "scale": 2.0, "activation": "relu"})
+    assert_close(got, model(x, scale=2.0, activation="relu"))
+    with pytest.raises(ValueError, match=r"keyword options only \(\['return_loss'\]\)"):
+        trainer.step({"return_loss": True})
+
+
 # ---- 8. max_grad_norm ---------------------------------------------------------------------
 
 

@@ -70,6 +70,7 @@ from .compile_common import (
     host_float,
     loss_dtype,
     model_loss,
+    options_key,
 )
 from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
@@ -186,6 +187,8 @@ def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_r
     when the loss must be captured again reading divisions by the rows as means."""
     targets = _torch_targets(batch)
     if targets is None:
+        if n_host and not batch.targets:  # a model's own loss: its counts cannot be counted
+            host_counts(loss_fn, metas, None, chunks, n_host)  # (raises, saying why)
         return False
     if check_decomposition(loss_fn, metas, targets, chunks, over_rows):
         return True
@@ -239,6 +242,7 @@ class _Batch:
     targets: list[np.ndarray]
     targets_tuple: bool
     spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
+    options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -257,6 +261,7 @@ class _Batch:
             tuple((a.shape, str(a.dtype)) for a in self.targets),
             self.targets_tuple,
             self.spec,
+            options_key(self.options),
         )
 
 
@@ -1014,6 +1019,7 @@ class Trainer:
                     io[i] = call_torch(torch.Tensor.long, (io[i],), {})
             n_in = len(batch.args) + len(batch.kwargs)
             args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
+            kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
             targets = io[n_in:]
             t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
             params = {
@@ -1259,7 +1265,7 @@ class Trainer:
 
     def _check_batch(self, inputs, targets) -> _Batch:
         floats = host_float(self.model)
-        args, kwargs, spec = _structured(inputs, "inputs", floats)
+        args, kwargs, spec, options = _structured(inputs, "inputs", floats)
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
             t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
@@ -1267,7 +1273,7 @@ class Trainer:
             t = []
         else:
             t = [_array(targets, "targets", floats)]
-        batch = _Batch(args, kwargs, t, targets_tuple, spec)
+        batch = _Batch(args, kwargs, t, targets_tuple, spec, options)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
         # Note [the batch is dim 0]

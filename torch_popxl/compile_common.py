@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -174,18 +175,44 @@ def _is_array_like(x) -> bool:
     return True
 
 
+# Note [keyword options]
+#     A dict of inputs may hold, beside its batched tensors, keyword options of the model's
+#     forward given as plain Python values (``return_loss=True``, ``output_hidden_states=False``,
+#     ``None``): they are not data but choices of the forward's code path. Each is passed to
+#     the forward as given at capture time and is part of the program's key, so another value
+#     builds (or reuses) another program, as another input shape does. A 0-d tensor or array
+#     is data without a batch dimension and stays an error.
+_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def options_key(options: tuple[tuple[str, Any], ...]) -> tuple:
+    """``options`` as a program key: with each value's type (``True`` and ``1`` are
+    different options though equal in Python)."""
+    return tuple((k, type(v).__name__, v) for k, v in options)
+
+
 def _structured(
     x, what: str, floats: type = np.float32
-) -> tuple[list[np.ndarray], dict[str, np.ndarray], pytree.TreeSpec]:
+) -> tuple[list[np.ndarray], dict[str, np.ndarray], pytree.TreeSpec, tuple[tuple[str, Any], ...]]:
     """A tensor, a tuple/list (positional) or a dict (keyword) as arrays (float64 ones as
-    ``floats``: Note [float64 models]): the positional leaves, the keyword leaves by their path
-    and the structure that rebuilds ``(args, kwargs)`` from them. An argument may be a tuple,
-    list or dict of tensors (an LSTM's ``(h, c)`` state): Note [nested inputs]."""
+    ``floats``: Note [float64 models]): the positional leaves, the keyword leaves by their path,
+    the structure that rebuilds ``(args, kwargs)`` from them and a dict's keyword options as
+    sorted (name, value) pairs. An argument may be a tuple, list or dict of tensors (an LSTM's
+    ``(h, c)`` state): Note [nested inputs]; a plain Python value in a dict is a keyword option
+    of the forward: Note [keyword options]."""
     args: tuple
+    options: tuple[tuple[str, Any], ...] = ()
     if isinstance(x, dict):
         if not x:
             raise ValueError(f"{what}: an empty dict.")
-        args, kwargs = (), x
+        options = tuple(sorted((k, v) for k, v in x.items() if isinstance(v, _OPTION_TYPES)))
+        kwargs = {k: v for k, v in x.items() if not isinstance(v, _OPTION_TYPES)}
+        if not kwargs:
+            raise ValueError(
+                f"{what}: a dict with keyword options only ({[k for k, _ in options]}); "
+                "expected at least one batched tensor (dim 0: the samples) to run the model on."
+            )
+        args = ()
     elif isinstance(x, tuple | list) and x and not _is_array_like(x):
         args, kwargs = tuple(x), {}
     else:
@@ -200,7 +227,7 @@ def _structured(
         else:  # a keyword argument's leaves as "name", "name.0", "name.key"
             name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path[1:])
             out_kwargs[name] = _array(v, where, floats)
-    return out_args, out_kwargs, spec
+    return out_args, out_kwargs, spec, options
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -227,7 +254,9 @@ def _split_advice(n: int, R: int, GA: int) -> str:
 
 def _describe(key: tuple) -> str:
     args, kwargs, targets = key[:3]
+    options = key[5]
     inputs = [f"{tuple(s)} {d}" for s, d in args] + [f"{k}={tuple(s)} {d}" for k, s, d in kwargs]
+    inputs += [f"{k}={v!r}" for k, _, v in options]
     return f"([{', '.join(inputs)}], [{', '.join(f'{tuple(s)} {d}' for s, d in targets)}])"
 
 

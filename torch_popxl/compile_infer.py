@@ -3,6 +3,8 @@ signature, split over the replicas)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +21,7 @@ from .compile_common import (
     _structured,
     _without_caches,
     host_float,
+    options_key,
 )
 from .dtypes import dtype as _dtype
 from .dtypes import numpy_to_torch
@@ -59,11 +62,13 @@ class InferenceProgram:
         shapes); at most ``max_programs``."""
         return tuple(
             (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
-                f", {n}={tuple(s)} {d}" for n, s, d in k[2]))
+                f", {n}={tuple(s)} {d}" for n, s, d in k[2]) + "".join(
+                f", {n}={v!r}" for n, _, v in k[3]))
             for k in self._programs
         )  # fmt: skip
 
-    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray], in_spec) -> tuple:
+    def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray], in_spec,
+               options: tuple[tuple[str, Any], ...]) -> tuple:  # fmt: skip
         R = _distributed.local_replicas(self.replication_factor)
         ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
@@ -77,6 +82,7 @@ class InferenceProgram:
                        for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
             loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
             a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
+            k_in = {**k_in, **dict(options)}  # Note [keyword options]
             with _attributes_restored(self.model):
                 y = call_torch(
                     torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
@@ -113,7 +119,7 @@ class InferenceProgram:
         return self.session.explain()
 
     def __call__(self, inputs):
-        args, kwargs, in_spec = _structured(inputs, "inputs", host_float(self.model))
+        args, kwargs, in_spec, options = _structured(inputs, "inputs", host_float(self.model))
         arrays = [*args, *kwargs.values()]
         R = _distributed.local_replicas(self.replication_factor)  # this instance's share
         n = arrays[0].shape[0]
@@ -145,10 +151,11 @@ class InferenceProgram:
             tuple((a.shape, a.dtype) for a in args),
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
             in_spec,
+            options_key(options),
         )
         built = self._programs.pop(key, None)
         if built is None:
-            built = self._build(args, kwargs, in_spec)
+            built = self._build(args, kwargs, in_spec, options)
         self._programs[key] = built  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             del self._programs[next(iter(self._programs))]

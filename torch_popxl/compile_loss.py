@@ -423,12 +423,22 @@ def _replay(loss_fn, leaves, spec, targets, chunks: int, rows: int | None = None
     return loss, splitter.split(loss, chunks), splitter
 
 
+_FORWARD_COUNTS = (
+    "it combines a mean over counted elements computed in the model's forward with other "
+    "terms (only a loss_fn's counts can be counted ahead; a loss that pairs the samples of "
+    "the batch with each other, such as a contrastive loss over the batch, has no "
+    "micro-batch parts at all)"
+)
+
+
 def host_counts(loss_fn, outputs, targets, chunks: int, expected: int, verify: bool = True
                 ) -> list[float]:  # fmt: skip
     """The global count of every counted mean of the loss (Note [exact losses over
     micro-batches]): ``loss_fn`` run eagerly on the whole batch's targets and synthetic
     outputs (a count such as ``total_weight`` or ``mask.sum()`` depends on the targets)."""
-    t_leaves = pytree.tree_leaves(targets)
+    t_leaves = [t for t in pytree.tree_leaves(targets) if t is not None]
+    if not t_leaves:  # a model that returns its loss, such as CLIP's two contrastive means
+        raise LossDecompositionError(_explain(_FORWARD_COUNTS, chunks))
     n = t_leaves[0].shape[0]
     if not _splits_on_dim0(outputs, n // chunks):
         raise LossDecompositionError(
@@ -441,9 +451,7 @@ def host_counts(loss_fn, outputs, targets, chunks: int, expected: int, verify: b
         _, split, splitter = _replay(loss_fn, leaves, spec, targets, chunks)
         counts.append([float(t.count) for t in split.counted if t.count is not None])
     if len(counts[0]) != expected:
-        raise LossDecompositionError(
-            _explain("it combines a mean over counted elements computed in the model's forward "
-                     "with other terms (only a loss_fn's counts can be counted ahead)", chunks))  # fmt: skip
+        raise LossDecompositionError(_explain(_FORWARD_COUNTS, chunks))
     if verify and counts[0] != counts[1]:
         raise LossDecompositionError(
             _explain("a mean's count of elements depends on the model's outputs", chunks)

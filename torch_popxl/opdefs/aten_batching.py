@@ -23,7 +23,8 @@ argument expanded, no copy), and returns its outputs stacked the same way. The f
 * ops with a dimension argument where the replica dimension is one more (``segment_reduce``,
   ``_trilinear``, ``unfold_backward``, ``_chunk_cat``);
 * the rest by their definition on stacked rows (``isin`` a broadcast compare, ``renorm`` a
-  norm over the per-replica dimensions, ``pdist`` the norms of row pairs).
+  norm over the per-replica dimensions, ``pdist`` the norms of row pairs, weight norm's
+  gradient).
 
 A rule that meets arguments it does not cover (``_NotCovered``) calls the op once per replica,
 as vmap's fallback would; runtime/executor.py's ``_per_replica_loops`` still finds such loops
@@ -484,6 +485,20 @@ def _pdist_backward(op, R: int, args: list, batched: list[bool]) -> torch.Tensor
     return torch.zeros_like(x).index_add(1, i, part).index_add(1, j, -part)
 
 
+def _weight_norm_backward(op, R: int, args: list, batched: list[bool]) -> tuple:
+    """``_weight_norm_interface_backward`` (``w = g * v / ||v||``, the norm over every
+    per-replica dimension but ``dim``; weight_norm's gradient, as in wav2vec2's positional
+    convolution): eager's formula with the norms over each replica's own dimensions."""
+    grad_w, v, g, norms, dim = args
+    d = dim % (v.dim() - 1) + 1
+    dims = [i for i in range(1, v.dim()) if i != d]
+    acc = norms.dtype  # float32 for 16-bit weights, as eager accumulates
+    grad_w, v32, g32 = grad_w.to(acc), v.to(acc), g.to(acc)
+    grad_g = (grad_w * v32).sum(dims, keepdim=True) / norms
+    grad_v = (g32 / norms) * (grad_w - v32 * (grad_g / norms))
+    return grad_v.to(v.dtype), grad_g.to(g.dtype)
+
+
 # --- the table --------------------------------------------------------------------------------
 
 RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
@@ -529,6 +544,7 @@ RULES: dict[Any, Callable[[Any, int, list, list[bool]], Any]] = {
     aten.unfold_backward.default: _unfold_backward,
     aten._pdist_forward.default: _pdist,
     aten._pdist_backward.default: _pdist_backward,
+    aten._weight_norm_interface_backward.default: _weight_norm_backward,
     aten._chunk_cat.default: _chunk_cat,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag,

@@ -226,9 +226,10 @@ class _Recorder(TorchDispatchMode):
                  "zero_infinity")  # fmt: skip
         a = {"blank": 0, "zero_infinity": False, **dict(zip(names, args, strict=False)), **kwargs}
         log_probs, targets = a["log_probs"], a["targets"]
-        with self:
+        with _disable_current_modes():  # Python ints: real tensors, recorded as constants
             lengths = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
                        for x in (a["input_lengths"], a["target_lengths"])]  # fmt: skip
+        with self:
             nll = torch.ops.torch_popxl.ctc_loss(log_probs, targets, *lengths, a["blank"],
                                                  a["zero_infinity"])  # fmt: skip
         width = 2 * (targets.shape[1] if targets.dim() == 2 else targets.shape[0]) + 1

@@ -141,7 +141,9 @@ def loss_dtype(model: torch.nn.Module | Iterable[torch.Tensor]) -> torch.dtype:
     """The dtype of ``model``'s loss bookkeeping and of its float64 host data (Note [float64
     models]). ``model`` may also be its parameters and buffers, already listed (a compiled
     step asks every step, and walking the module was most of its batch check's time)."""
-    tensors = (*model.parameters(), *model.buffers()) if isinstance(model, torch.nn.Module) else model
+    tensors = (
+        (*model.parameters(), *model.buffers()) if isinstance(model, torch.nn.Module) else model
+    )
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 

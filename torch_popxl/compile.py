@@ -560,6 +560,10 @@ class Trainer:
         self._tracker_t = torch.zeros((), dtype=torch.float32)
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
+        # the same tensors listed once: every step reads their dtypes (Note [float64 models])
+        # without walking the module; a step whose module holds other ones is refused
+        # (``_check_module_tensors``) before it changes anything
+        self._tensors = (*self._params.values(), *self._buffers.values())
         _optimizer_kind(optimizer)  # a torch optimizer
         # the copy of the optimizer whose step() is captured (Note [captured optimizer steps])
         self._shadow = _optim.shadow(optimizer)
@@ -1264,7 +1268,7 @@ class Trainer:
         return a
 
     def _check_batch(self, inputs, targets) -> _Batch:
-        floats = host_float(self.model)
+        floats = host_float(self._tensors)
         args, kwargs, spec, options = _structured(inputs, "inputs", floats)
         targets_tuple = isinstance(targets, tuple | list) and bool(targets)
         if targets_tuple:
@@ -1431,7 +1435,7 @@ class Trainer:
         counts = host_counts(self.loss_fn, metas, targets, local, n, verify=False)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
-        inv = torch.ones(MAX_COUNTS, dtype=loss_dtype(self.model))  # Note [float64 models]
+        inv = torch.ones(MAX_COUNTS, dtype=loss_dtype(self._tensors))  # Note [float64 models]
         inv[: len(counts)] = 1.0 / torch.tensor(counts, dtype=torch.float64)
         return inv
 

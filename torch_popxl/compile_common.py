@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -137,15 +138,19 @@ def _host(t: torch.Tensor) -> np.ndarray:
 #     see float32 images against float64 weights), and so does the loss's bookkeeping (each
 #     micro-batch's part of the loss, the counts of a counted mean and their inverses), which
 #     is float32 for every other model (16-bit losses are summed in float32).
-def loss_dtype(model: torch.nn.Module) -> torch.dtype:
+def loss_dtype(model: torch.nn.Module | Iterable[torch.Tensor]) -> torch.dtype:
     """The dtype of ``model``'s loss bookkeeping and of its float64 host data (Note [float64
-    models])."""
-    tensors = (*model.parameters(), *model.buffers())
+    models]). ``model`` may also be its parameters and buffers, already listed (a compiled
+    step asks every step, and walking the module was most of its batch check's time)."""
+    tensors = (
+        (*model.parameters(), *model.buffers()) if isinstance(model, torch.nn.Module) else model
+    )
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def host_float(model: torch.nn.Module) -> type:
-    """The numpy dtype float64 host data for ``model`` becomes (Note [float64 models])."""
+def host_float(model: torch.nn.Module | Iterable[torch.Tensor]) -> type:
+    """The numpy dtype float64 host data for ``model`` (or its listed parameters and buffers)
+    becomes (Note [float64 models])."""
     return np.float64 if loss_dtype(model) == torch.float64 else np.float32
 
 

@@ -49,7 +49,7 @@ def _train(model, opt, loader, step, epochs, on_epoch=None):
 def _eager_step(model, opt, loss_fn, clip=None):
     def step(data, target):
         opt.zero_grad()
-        loss = loss_fn(model(data), target)
+        loss = loss_fn(model(*data) if isinstance(data, tuple) else model(data), target)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

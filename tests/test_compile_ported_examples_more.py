@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_compile_ported_examples import _eager_step
 
 import torch_popxl as popxl
 
@@ -29,19 +30,6 @@ R, GA = 2, 2
 def _same_weights(a, b, atol=1e-5):
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=atol, msg=name)
-
-
-def _eager_step(model, opt, loss_fn, clip=None):
-    def step(data, target):
-        opt.zero_grad()
-        loss = loss_fn(model(*data) if isinstance(data, tuple) else model(data), target)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.item()
-
-    return step
 
 
 def _batches(x, y, batch):

@@ -30,7 +30,6 @@ ALLOWED_ERRORS = {
     "unique_consecutive": _DATA_DEPENDENT_SHAPE,
     "linalg.lstsq": _DATA_DEPENDENT_SHAPE,
     "linalg.lstsq.grad_oriented": _DATA_DEPENDENT_SHAPE,
-    "nn.functional.ctc_loss": _DATA_DEPENDENT_SHAPE,
     "narrow": _DATA_DEPENDENT_CHECK + " (a tensor start)",
     "tensor_split": _DATA_DEPENDENT_CHECK + " (tensor indices)",
     "nn.functional.gaussian_nll_loss": _DATA_DEPENDENT_CHECK + " (its variance check)",

@@ -63,7 +63,7 @@ class InferenceProgram:
         return tuple(
             (k[0], ", ".join(f"{tuple(s)} {d}" for s, d in k[1]) + "".join(
                 f", {n}={tuple(s)} {d}" for n, s, d in k[2]) + "".join(
-                f", {n}={v!r}" for n, _, v in k[3]))
+                f", {n}={v!r}" for n, _, v in k[4]))
             for k in self._programs
         )  # fmt: skip
 

@@ -16,8 +16,13 @@ replicas' samples, which CTC treats independently.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
+
+from ..ir.graph import Op, Slot
+from .registry import Effect, OpDef, register
 
 __all__ = ["ctc_loss", "ctc_loss_backward"]
 
@@ -98,10 +103,9 @@ def _rows(x: Tensor, in_dim, size: int) -> Tensor:
     return x.movedim(in_dim, 0)
 
 
-def _samples(info, in_dims, log_probs, targets, input_lengths, target_lengths):
-    """The replicas' samples as one batch: ``[T, B * N, C]`` log-probabilities, the targets
-    (padded ``[B * N, S]`` or concatenated ``[B * L]``) and ``[B * N]`` lengths."""
-    b = info.batch_size
+def _samples(b: int, in_dims, log_probs, targets, input_lengths, target_lengths):
+    """The ``b`` replicas' samples as one batch: ``[T, B * N, C]`` log-probabilities, the
+    targets (padded ``[B * N, S]`` or concatenated ``[B * L]``) and ``[B * N]`` lengths."""
     lp = _rows(log_probs, in_dims[0], b)  # [B, T, N, C]
     t, n, c = lp.shape[1:]
     lp = lp.permute(1, 0, 2, 3).reshape(t, b * n, c)
@@ -112,18 +116,47 @@ def _samples(info, in_dims, log_probs, targets, input_lengths, target_lengths):
     return lp, tg, il, tl, (b, t, n, c)
 
 
-@ctc_loss.register_vmap
-def _(info, in_dims, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
-    lp, tg, il, tl, (b, _, n, _) = _samples(info, in_dims, log_probs, targets, input_lengths,
+def _stacked_forward(b: int, in_dims, log_probs, targets, input_lengths, target_lengths,
+                     blank, zero_infinity) -> Tensor:  # fmt: skip
+    lp, tg, il, tl, (b, _, n, _) = _samples(b, in_dims, log_probs, targets, input_lengths,
                                             target_lengths)  # fmt: skip
-    return ctc_loss(lp, tg, il, tl, blank, zero_infinity).reshape(b, n), 0
+    return ctc_loss(lp, tg, il, tl, blank, zero_infinity).reshape(b, n)
+
+
+def _stacked_backward(b: int, in_dims, grad, log_probs, targets, input_lengths, target_lengths,
+                      blank, zero_infinity) -> Tensor:  # fmt: skip
+    lp, tg, il, tl, (b, t, n, c) = _samples(b, in_dims[1:], log_probs, targets, input_lengths,
+                                            target_lengths)  # fmt: skip
+    g = _rows(grad, in_dims[0], b).reshape(b * n)
+    return (
+        ctc_loss_backward(g, lp, tg, il, tl, blank, zero_infinity).reshape(t, b, n, c).movedim(1, 0)
+    )
+
+
+@ctc_loss.register_vmap
+def _(info, in_dims, *args):
+    return _stacked_forward(info.batch_size, in_dims, *args), 0
 
 
 @ctc_loss_backward.register_vmap
-def _(info, in_dims, grad, log_probs, targets, input_lengths, target_lengths, blank,
-      zero_infinity):  # fmt: skip
-    lp, tg, il, tl, (b, t, n, c) = _samples(info, in_dims[1:], log_probs, targets,
-                                            input_lengths, target_lengths)  # fmt: skip
-    g = _rows(grad, in_dims[0], b).reshape(b * n)
-    out = ctc_loss_backward(g, lp, tg, il, tl, blank, zero_infinity)
-    return out.reshape(t, b, n, c).movedim(1, 0), 0
+def _(info, in_dims, *args):
+    return _stacked_backward(info.batch_size, in_dims, *args), 0
+
+
+def _explicit(stacked_form):
+    """Note [explicit batching] (runtime/explicit.py): the op on stacked ``[R, ...]`` values as
+    one call over every replica's samples (``stacked_form``: the vmap rules' own)."""
+
+    def rule(op: Op, batched, num_replicas: int):
+        dims = [0 if batched[a.index] else None for a in op.attrs.args if isinstance(a, Slot)]
+        if not any(d == 0 for d in dims):
+            return None
+        return functools.partial(stacked_form, num_replicas, dims)
+
+    return rule
+
+
+register(OpDef("ctc_loss", Effect.NONE, {"explicit": _explicit(_stacked_forward)}),
+         torch.ops.torch_popxl.ctc_loss.default)  # fmt: skip
+register(OpDef("ctc_loss_backward", Effect.NONE, {"explicit": _explicit(_stacked_backward)}),
+         torch.ops.torch_popxl.ctc_loss_backward.default)  # fmt: skip

@@ -46,10 +46,15 @@ _DATA_DEPENDENT = {
 }
 _CONSTANT_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _CTC_LOSSES = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
-# Factories whose values do not depend on their tensor argument's (Note [constant folding])
-_SHAPE_FACTORIES = {
+# Factories that read only their tensor argument's shape, dtype and device, never its values:
+# those whose values are then known (Note [constant folding]), and all of them (the loss
+# splitter follows no batch data through them: compile_loss.py)
+SHAPE_FACTORIES = frozenset({
     aten.ones_like.default, aten.zeros_like.default, aten.full_like.default,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+})  # fmt: skip
+VALUE_FREE = SHAPE_FACTORIES | {
+    aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default,
 }  # fmt: skip
 # In-place ops that change a tensor's shape/strides, not its data, and their view forms. Torch's
 # own decompositions use them on fresh intermediates (1-D @ 2-D matmul is
@@ -211,8 +216,6 @@ class _Recorder(TorchDispatchMode):
     def _unpacked(self, x):
         """``x`` as autograd's engine unpacks it for a backward op that builds a graph
         (Note [saved results in second-order gradients])."""
-        if torch._C._current_graph_task_id() == -1 or not torch.is_grad_enabled():
-            return x
         # (unpacking detaches the saved alias again: follow the chain to the result)
         while (entry := self._saved.get(id(x))) is not None and entry[0] is x:
             x = entry[1]
@@ -308,7 +311,7 @@ class _Recorder(TorchDispatchMode):
         that ``gaussian_nll_loss`` checks) has a known value whatever ``x`` holds."""
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         values = {id(x): self._value_of(x) for x in leaves}
-        stand_in = func in _SHAPE_FACTORIES and values.get(id(args[0]), 0) is None
+        stand_in = func in SHAPE_FACTORIES and values.get(id(args[0]), 0) is None
         if stand_in:
             del values[id(args[0])]
         if any(v is None for v in values.values()):
@@ -394,11 +397,13 @@ class _Recorder(TorchDispatchMode):
     def _record(self, func, args, kwargs, out) -> None:
         inputs: list[Tensor] = []
         slot_of: dict[str, int] = {}
+        # Note [saved results in second-order gradients]: a backward that builds a graph
+        unpacking = torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
 
         def to_slot(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            t = self._handle_for(self._unpacked(x))
+            t = self._handle_for(self._unpacked(x) if unpacking else x)
             if t.id not in slot_of:
                 slot_of[t.id] = len(inputs)
                 inputs.append(t)

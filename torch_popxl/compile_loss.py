@@ -61,6 +61,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .capture import VALUE_FREE
+
 __all__ = [
     "MAX_COUNTS",
     "LossDecompositionError",
@@ -90,15 +92,6 @@ _KEEP = {
     aten._to_copy.default, aten.clone.default, aten.alias.default, aten.view.default,
     aten._unsafe_view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.unsqueeze.default, aten.lift_fresh.default,
-}  # fmt: skip
-
-
-# ops whose result holds no value of their tensor arguments (only their shape, dtype and
-# device): ``ones_like(out)`` seeding ``torch.autograd.grad`` of a batch sum in a forward
-_VALUE_FREE = {
-    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.new_ones.default, aten.new_zeros.default,
-    aten.new_empty.default, aten.new_full.default, aten.new_empty_strided.default,
 }  # fmt: skip
 
 
@@ -193,7 +186,7 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _VALUE_FREE:
+        if func in VALUE_FREE:  # ``ones_like(out)`` seeding ``autograd.grad`` of a batch sum
             return out
         leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]

@@ -229,10 +229,9 @@ def test_bad_input_gives_clear_errors():
         popxl.compile(model, torch.nn.functional.cross_entropy)
     t = popxl.compile(model, torch.nn.functional.cross_entropy, adam(model.parameters()),
                       replication_factor=2, gradient_accumulation=4)  # fmt: skip
-    x, y = _batches("mlp", 1, 12)[0]
-    with pytest.raises(
-        ValueError, match="replication_factor \\* gradient_accumulation = 2 \\* 4 = 8 equal"
-    ):
+    x, y = _batches("mlp", 1, 13)[0]  # (12 would run as 2 x 2 micro-batches of 3)
+    with pytest.raises(ValueError, match="13 samples does not split into equal shares for the "
+                       "replication_factor = 2 replicas"):  # fmt: skip
         t.step(x, y)
 
     class DataDependent(torch.nn.Module):

@@ -64,6 +64,7 @@ from .compile_common import (
     _h2d,
     _host,
     _mark_eager_step,
+    _micro_batches,
     _split_advice,
     _structured,
     _without_caches,
@@ -132,11 +133,26 @@ _STATE = ("on_chip", "remote")
 #     for the next time; beyond ``max_programs`` the least recently used one is dropped and
 #     rebuilt if seen again. ``programs`` lists them. Switching between training programs
 #     hands the optimizer state over through torch's ``optimizer.state`` (as a change of
-#     structure does), so every program trains the same state. A training batch must split
-#     into R x GA equal micro-batches (the loss parts add up to the global batch's loss:
-#     Note [exact losses over micro-batches]); one that does not is refused before anything
-#     changes. An eval-mode inference batch that does not split over the replicas is padded
-#     with copies of its last row, whose outputs are dropped (its rows are independent).
+#     structure does), so every program trains the same state. A training batch runs as
+#     equal micro-batches (the loss parts add up to the global batch's loss: Note [exact
+#     losses over micro-batches]; Note [a short last batch]); one that cannot split over the
+#     replicas is refused before anything changes. An eval-mode inference batch that does not
+#     split over the replicas is padded with copies of its last row, whose outputs are
+#     dropped (its rows are independent).
+
+# Note [a short last batch]
+#     A DataLoader without ``drop_last`` ends an epoch with a short batch, 80 of CIFAR's
+#     50,000 samples at batch size 128, which rarely splits into R x GA micro-batches (32).
+#     Gradient accumulation is the trainer's own loop, not part of the math: the same
+#     optimizer step comes from any number of equal micro-batches (the loss parts are
+#     weighted for the count they run as). So a batch of ``n`` samples runs as ``GA'``
+#     micro-batches per replica, ``GA' = GA`` where ``R x GA`` divides ``n``, else the
+#     largest ``GA' < GA`` that divides each replica's share ``n / R`` (80 samples on 4
+#     replicas with GA 8: 5 micro-batches of 4 each). Its program is built for that batch's
+#     shapes (as any new shape is) with ``GA'`` repeats. Only the replicas' shares must be
+#     equal (each replica runs the same program): ``n`` not a multiple of R is refused,
+#     saying which sizes work. As for any batch, BatchNorm normalises per micro-batch (Note
+#     [per-replica batch statistics]) and updates its running statistics ``GA'`` times.
 
 
 # ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
@@ -243,6 +259,7 @@ class _Batch:
     targets_tuple: bool
     spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
     options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
+    ga: int = 1  # micro-batches per replica (Note [a short last batch])
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -665,7 +682,7 @@ class Trainer:
     def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
         _refuse_backward_hooks(self.model)
         _refuse_cumulative_batch_norm(self.model)
-        R, GA = self.replication_factor, self.gradient_accumulation
+        R, GA = self.replication_factor, batch.ga  # Note [a short last batch]
         chunks = _distributed.local_replicas(R) * GA  # Note [the batch is dim 0]
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
@@ -1037,7 +1054,7 @@ class Trainer:
                 n: graph_input(b.shape, _dtype.as_dtype(b.dtype), n, by_ref=True)
                 for n, b in self._buffers.items()
             }
-            chunks = self.replication_factor * self.gradient_accumulation
+            chunks = self.replication_factor * batch.ga
             dtype = loss_dtype(self.model)  # Note [float64 models]
             inv = (
                 graph_input((MAX_COUNTS,), _dtype.as_dtype(dtype), "loss/inv_counts")
@@ -1074,9 +1091,7 @@ class Trainer:
         leaves, spec = pytree.tree_flatten(outputs)
         self._out_spec = (spec, [None if isinstance(v, Tensor) else v for v in leaves])
         if chunks > 1:  # this instance's share of the batch (all of it in one process)
-            local = (
-                _distributed.local_replicas(self.replication_factor) * self.gradient_accumulation
-            )
+            local = _distributed.local_replicas(self.replication_factor) * batch.ga
             if _check_split(self.loss_fn, metas, batch, local, n_host, self._loss_over_rows):
                 raise _LossOverRows
         # Note [exact losses over micro-batches]: with a counted mean alone, the summed
@@ -1257,8 +1272,8 @@ class Trainer:
 
     # ---- running --------------------------------------------------------------------------
 
-    def _split(self, a: np.ndarray) -> np.ndarray:
-        R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
+    def _split(self, a: np.ndarray, GA: int) -> np.ndarray:
+        R = _distributed.local_replicas(self.replication_factor)
         micro = a.shape[0] // (R * GA)
         a = a.reshape(GA, R, micro, *a.shape[1:])
         if R == 1:
@@ -1292,8 +1307,10 @@ class Trainer:
                 "module that takes batch-first tensors and transposes them (docs/compile.md, "
                 "'Structured inputs and time-major models'). Nothing was changed."
             )
-        if batch.size == 0 or batch.size % (R * GA):
+        ga = _micro_batches(batch.size, R, GA)  # Note [a short last batch]
+        if ga is None:
             raise ValueError(_split_advice(batch.size, R, GA))
+        batch.ga = ga
         return batch
 
     def _check_module_tensors(self) -> None:
@@ -1382,7 +1399,7 @@ class Trainer:
         if inv is not None:
             prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
-        feed = {st: self._split(a) for st, a in zip(in_streams, batch.arrays, strict=True)}
+        feed = {st: self._split(a, batch.ga) for st, a in zip(in_streams, batch.arrays, strict=True)}
         # the arrays are narrowed already, float64 ones only for float64-free models (Note
         # [float64 models])
         out = prog.session.run(feed, downcast_inputs=False)
@@ -1398,13 +1415,13 @@ class Trainer:
         loss = self._loss_value(prog, out[loss_stream])
         if not self.return_outputs:
             return loss
-        return loss, self._outputs(prog, out, batch.size)
+        return loss, self._outputs(prog, out, batch)
 
-    def _outputs(self, prog: _Program, out: dict, n: int):
+    def _outputs(self, prog: _Program, out: dict, batch: _Batch):
         """The model's outputs of the global batch, in its rows' order: every micro-batch's
         output rows where dim 0 holds them, else the micro-batches' values stacked."""
         local_R = _distributed.local_replicas(self.replication_factor)
-        GA = self.gradient_accumulation
+        GA, n = batch.ga, batch.size
         values = []
         for st in prog.out_streams:
             o = numpy_to_torch(out[st], st.dtype)
@@ -1431,7 +1448,7 @@ class Trainer:
                 "terms, which needs its targets as float32 or integer tensors to count them."
             )
         R = self.replication_factor
-        local = _distributed.local_replicas(R) * self.gradient_accumulation
+        local = _distributed.local_replicas(R) * batch.ga
         counts = host_counts(self.loss_fn, metas, targets, local, n, verify=False)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]

@@ -240,21 +240,28 @@ def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])
 
 
+def _micro_batches(n: int, R: int, GA: int) -> int | None:
+    """How many micro-batches per replica a global batch of ``n`` samples runs as (Note [a
+    short last batch] in compile.py): ``GA`` where ``R * GA`` divides ``n``, else the largest
+    count below ``GA`` that splits each replica's share equally; None where the replicas'
+    shares cannot be equal."""
+    if n == 0 or n % R:
+        return None
+    share = n // R
+    return next(g for g in range(min(GA, share), 0, -1) if share % g == 0)
+
+
 def _split_advice(n: int, R: int, GA: int) -> str:
-    """Why ``n`` samples do not split into ``R x GA`` micro-batches, and what would."""
-    chunks = R * GA
-    lower, upper = n // chunks * chunks, (n // chunks + 1) * chunks
+    """Why ``n`` samples do not split over ``R`` replicas, and what would."""
+    lower, upper = n // R * R, (n // R + 1) * R
     sizes = f"{lower} or {upper}" if lower else f"{upper}"
-    msg = (
-        f"popxl.compile: a global batch of {n} samples does not split into "
-        f"replication_factor * gradient_accumulation = {R} * {GA} = {chunks} equal "
-        f"micro-batches. Give a multiple of {chunks} (such as {sizes}) or drop a short last "
-        "batch (DataLoader(..., drop_last=True))"
+    return (
+        f"popxl.compile: a global batch of {n} samples does not split into equal shares for "
+        f"the replication_factor = {R} replicas (each replica runs the same program on its own "
+        f"micro-batches; gradient_accumulation = {GA} adapts to a short batch, the replicas "
+        f"cannot). Give a multiple of {R} (such as {sizes}) or drop a short last batch "
+        "(DataLoader(..., drop_last=True)). Nothing was changed."
     )
-    if n and n % R == 0:
-        gas = [g for g in range(1, n // R + 1) if (n // R) % g == 0]
-        msg += f", or compile with a gradient_accumulation that divides {n // R} ({gas})"
-    return msg + ". Nothing was changed."
 
 
 def _describe(key: tuple) -> str:

@@ -74,7 +74,9 @@ def test_a_short_last_batch_trains_as_eager_and_its_program_is_kept(R, GA, rts, 
 
 @pytest.mark.parametrize(("R", "GA", "sizes"), [(4, 4, [64, 40]), (2, 8, [64, 36, 30]),
                                             (4, 8, [128, 80]), (1, 4, [32, 7])])  # fmt: skip
-def test_a_short_batch_that_does_not_split_into_r_x_ga_runs_fewer_micro_batches_as_eager(R, GA, sizes):
+def test_a_short_batch_that_does_not_split_into_r_x_ga_runs_fewer_micro_batches_as_eager(
+    R, GA, sizes
+):
     # Note [a short last batch]: 40 on 4 x 4 runs as 2 micro-batches of 5 per replica, 36 on
     # 2 x 8 as 6 of 3, 30 as 5 of 3, 80 on 4 x 8 as 5 of 4, 7 on 1 x 4 as 1 of 7
     m, ref = mlp(), mlp()
@@ -92,7 +94,10 @@ def test_a_short_batch_with_a_counted_mean_and_outputs_runs_as_eager():
     # a token mean with ignore_index counts over the whole batch; the outputs come back in
     # the batch's row order from the fewer micro-batches
     m, ref = mlp(), mlp()
-    opt, ref_opt = torch.optim.Adam(m.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt, ref_opt = (
+        torch.optim.Adam(m.parameters(), lr=1e-2),
+        torch.optim.Adam(ref.parameters(), lr=1e-2),
+    )
 
     def loss_fn(out, y):
         return F.cross_entropy(out, y, ignore_index=3)

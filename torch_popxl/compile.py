@@ -1399,7 +1399,9 @@ class Trainer:
         if inv is not None:
             prog.session._set_device_value(prog.inv_vars[0], inv)
         in_streams, loss_stream = prog.streams
-        feed = {st: self._split(a, batch.ga) for st, a in zip(in_streams, batch.arrays, strict=True)}
+        feed = {
+            st: self._split(a, batch.ga) for st, a in zip(in_streams, batch.arrays, strict=True)
+        }
         # the arrays are narrowed already, float64 ones only for float64-free models (Note
         # [float64 models])
         out = prog.session.run(feed, downcast_inputs=False)

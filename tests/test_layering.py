@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.compile_common",
             "torch_popxl.compile_infer",
             "torch_popxl.compile_loss",
+            "torch_popxl.compile_masked",
             "torch_popxl.compile_optim",
             "torch_popxl.compile_updates",
             "torch_popxl.addons",

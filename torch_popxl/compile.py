@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -75,6 +76,7 @@ from .compile_common import (
 )
 from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
+from .compile_masked import MaskedRows
 from .compile_updates import (
     _N_HYPER,
     _adam_one_pass,
@@ -165,15 +167,17 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss
     division of sums by a multiple of the micro-batch's rows is a mean (Note [a sum divided
     by the batch's size])."""
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
-        out = torch.func.functional_call(model, tensors, args, kwargs)
-        return _scalar_loss(loss_fn(out, targets)), None, 1, 0, out
+        with MaskedRows():  # Note [rows selected by a mask]
+            out = torch.func.functional_call(model, tensors, args, kwargs)
+            loss = loss_fn(out, targets)
+        return _scalar_loss(loss), None, 1, 0, out
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
     rows = None
     if over_rows:  # every input and target is split on dim 0
         rows = next(t.shape[0] for t in pytree.tree_leaves((args, kwargs, targets))
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
     splitter = LossSplitter((args, kwargs, targets), rows)
-    with splitter:
+    with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
         out = torch.func.functional_call(model, tensors, args, kwargs)
         loss = loss_fn(out, targets)
     split = splitter.split(_scalar_loss(loss), chunks)
@@ -1473,7 +1477,8 @@ class Trainer:
             count = prog.session.get_tensors_data([prog.count_var])[prog.count_var]
         else:
             count = prog.session._device_rows(prog.count_var)[0]
-        return total * prog.count_bound / float(count)
+        # (a batch that counts nothing: eager's mean over nothing, NaN)
+        return total * prog.count_bound / float(count) if float(count) else math.nan
 
     def _set_grads(self, prog: _Program) -> None:
         """Every trained parameter's ``.grad`` is the gradient its update used.

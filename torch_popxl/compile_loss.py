@@ -54,6 +54,9 @@ Note [a sum divided by the batch's size]
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +65,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import VALUE_FREE
+from .compile_masked import MaskedRows
 
 __all__ = [
     "MAX_COUNTS",
@@ -156,6 +160,7 @@ class LossSplitter(TorchDispatchMode):
         self._forms: dict[int, _Form] = {}
         self._opaque: dict[int, str] = {}  # batch scalars that are no linear form, and why
         self.terms: list[_Term] = []
+        self._untracked = 0
         for t in pytree.tree_leaves(batch):
             if isinstance(t, torch.Tensor):
                 self._mark(t)
@@ -163,6 +168,16 @@ class LossSplitter(TorchDispatchMode):
     def _mark(self, t: torch.Tensor) -> None:
         self._keep.append(t)
         self._batch.add(id(t))
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Ops inside pass through unfollowed: values that never reach the loss's value (the
+        fill of unselected rows: Note [rows selected by a mask] in compile_masked.py)."""
+        self._untracked += 1
+        try:
+            yield
+        finally:
+            self._untracked -= 1
 
     def _term(self, term: _Term, out: torch.Tensor) -> None:
         self.terms.append(term)
@@ -186,6 +201,8 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._untracked:
+            return out
         if func in VALUE_FREE:  # ``ones_like(out)`` seeding ``autograd.grad`` of a batch sum
             return out
         leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -411,7 +428,8 @@ def _splits_on_dim0(outputs, micro: int) -> bool:
 
 def _replay(loss_fn, leaves, spec, targets, chunks: int, rows: int | None = None):
     splitter = LossSplitter((leaves, targets), rows)
-    with torch.no_grad(), splitter:
+    # selections kept whole, as captured (Note [rows selected by a mask])
+    with torch.no_grad(), splitter, MaskedRows(splitter.untracked, always=True):
         loss = loss_fn(pytree.tree_unflatten(leaves, spec), targets)
     return loss, splitter.split(loss, chunks), splitter
 
@@ -500,6 +518,8 @@ def check_decomposition(loss_fn, outputs, targets, chunks: int, over_rows: bool 
 
     try:
         whole, total = parts_total(over_rows)
+        if not math.isfinite(whole):  # (a mask that selects nothing of synthetic outputs)
+            return False
         if adds_up(whole, total):
             return False
         if not over_rows and adds_up(*parts_total(True)):

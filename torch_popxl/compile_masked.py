@@ -1,0 +1,293 @@
+"""Rows selected by a boolean mask in captured code (``x[mask]``, ``masked_select``).
+
+Note [rows selected by a mask]
+    A loss over some rows only is often written with a boolean mask: ``F.mse_loss(pred[m],
+    target[m])`` where targets hold NaNs, a token-classification loss over
+    ``logits.view(-1, C)[attention_mask.view(-1) == 1]``. The selection's size depends on the
+    mask's values, and a popxl graph has static shapes. Its *use* usually does not: the
+    selected rows go through elementwise and row-wise ops into a sum, a mean or a loss with a
+    reduction, whose value is a sum over the selected rows, divided by their count for a mean.
+    So while the model and loss are captured, ``MaskedRows`` (a dispatch mode in front of the
+    loss splitter and the recorder) keeps a selection as all ``N`` rows (the mask's elements,
+    flattened) with the mask beside it, and rewrites what reads it:
+
+    * the selection itself: every row, where unselected rows hold a copy of the first selected
+      row, so that values stay in the domain of the selected ones (a NaN target is never read;
+      no log of 0 and no 0 * inf in the backward);
+    * elementwise ops (torch's ``pointwise`` tag), row-wise ones (softmax over a dim other
+      than the rows, reductions over other dims), casts and views that keep the rows: the
+      same mask on the result; operands without a mask may broadcast over the trailing dims
+      only, as they must against ``k`` rows in eager torch;
+    * a sum: of ``where(mask, x, 0)``; a mean: that sum over the count of selected elements
+      (a counted mean, which the loss splitter adds up over micro-batches exactly: Note [exact
+      losses over micro-batches]); a loss op with ``reduction='mean'`` or ``'sum'``: the same
+      on its ``'none'`` result; ``nll_loss`` (cross entropy): the unselected rows' targets set
+      to its ``ignore_index``, so its counted mean and class weights are torch's own.
+
+    Anything else that reads a selection (a matmul over rows, ``sort``, a sum over the rows
+    kept as a vector, ``len(x[mask])``' value in arithmetic is the one thing not seen: it reads
+    ``N``) is refused with a ``DataDependentError`` naming the op. Where the mask's values are
+    known at capture time, the recorder folds the selection as a constant shape instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import DataDependentError
+
+__all__ = ["MaskedRows"]
+
+aten = torch.ops.aten
+
+_INDEX = {aten.index.Tensor, aten.masked_select.default}
+# value-preserving copies, casts and views of the whole tensor
+_SAME = {
+    aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
+    aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.contiguous.default,
+}  # fmt: skip
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# ops over one dim (``dim`` second): row-wise where it is not the rows' dim
+_ALONG_DIM = {aten._log_softmax.default, aten._softmax.default}
+_REDUCE_DIMS = {
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.logsumexp.default,
+}  # fmt: skip
+# elementwise ops torch does not tag ``pointwise``
+_ELEMENTWISE = {
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor,
+}  # fmt: skip
+# tensors like a selection: selected too
+_LIKE = {
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.empty_like.default, aten.rand_like.default, aten.randn_like.default,
+}  # fmt: skip
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _dims(dims, ndim: int) -> list[int]:
+    if dims is None or (isinstance(dims, list | tuple) and len(dims) == 0):
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % max(ndim, 1) for d in dims]
+
+
+class MaskedRows(TorchDispatchMode):
+    """Keeps boolean-mask selections as whole rows plus their mask (Note [rows selected by a
+    mask]); entered inside the loss splitter, so the ops it issues are split and recorded."""
+
+    def __init__(self, untracked: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 *, always: bool = False):  # fmt: skip
+        super().__init__()
+        # every selection kept whole, not only those whose size the capture cannot know: the
+        # loss splitter's eager replays count as the captured graph does
+        self._always = always
+        # ops whose values never reach the loss (the fill rows) run inside this: the loss
+        # splitter does not follow them
+        self._untracked = untracked or contextlib.nullcontext
+        self._masks: dict[int, torch.Tensor] = {}  # id(tensor) -> its rows' 1-D bool mask
+        self._flat: dict[int, torch.Tensor] = {}  # id(a mask indexing) -> its 1-D form
+        # (id(mask), shape) -> the mask broadcast; (id(mask), id(outer)) -> both masks
+        self._expanded: dict[tuple, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []  # ids above stay valid while these live
+
+    def _mark(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self._keep.append(t)
+        self._masks[id(t)] = mask
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        masks = [self._masks[id(a)] for a in leaves if id(a) in self._masks]
+        if func.namespace == "prim" or func._opname.startswith(("sym_", "is_")):
+            return func(*args, **kwargs)  # metadata: the device, a size, contiguity
+        if not masks:
+            if func in _INDEX and self._always:
+                selected = self._select(func, args)
+                return func(*args, **kwargs) if selected is None else selected
+            if func in _INDEX:
+                try:
+                    return func(*args, **kwargs)
+                except DataDependentError:
+                    selected = self._select(func, args)
+                    if selected is None:
+                        raise
+                    return selected
+            return func(*args, **kwargs)
+        mask = masks[0]
+        if any(m is not mask for m in masks[1:]):
+            raise self._refuse(
+                func,
+                "it combines selections made with different mask tensors (one "
+                "selection's rows pair with another's only under the same mask: compute it "
+                "once, `m = ...; out[m], target[m]`)",
+            )
+        return self._on_selection(func, args, kwargs, mask)
+
+    # ---- the selection ------------------------------------------------------------------
+
+    def _select(self, func, args, outer: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``x[mask]`` or ``masked_select(x, mask)`` kept whole; ``outer``: the mask that
+        selected ``x``'s rows already (a selection of a selection selects by both)."""
+        x, index = args[0], args[1]
+        if func is aten.masked_select.default:
+            shape = torch.broadcast_shapes(x.shape, index.shape)
+            x, mask = aten.expand.default(x, list(shape)), index
+            if tuple(index.shape) != tuple(shape):  # one expanded form per mask and shape
+                key = (id(index), tuple(shape))
+                if key not in self._expanded:
+                    self._keep.append(index)
+                    self._expanded[key] = aten.expand.default(index, list(shape))
+                mask = self._expanded[key]
+        else:
+            if len(index) != 1 or index[0] is None or index[0].dtype not in (
+                torch.bool, torch.uint8,
+            ):  # fmt: skip
+                return None
+            mask = index[0]
+            if tuple(mask.shape) != tuple(x.shape[: mask.ndim]):
+                return None
+        n = mask.numel()
+        rows = aten.reshape.default(x, [n, *x.shape[mask.ndim :]])
+        flat = self._flat.get(id(mask))  # one mask for every selection it makes
+        if flat is None:
+            flat = aten.reshape.default(aten._to_copy.default(mask, dtype=torch.bool), [n])
+            self._keep.append(mask)
+            self._flat[id(mask)] = flat
+        if outer is not None:
+            if mask.shape[0] != outer.numel():
+                return None
+            both_key = (id(mask), id(outer))
+            if both_key not in self._expanded:
+                per_row = aten.reshape.default(outer, [outer.numel()] + [1] * (mask.ndim - 1))
+                both = aten.reshape.default(aten.expand.default(per_row, list(mask.shape)), [n])
+                self._expanded[both_key] = aten.logical_and.default(flat, both)
+            flat = self._expanded[both_key]
+        with self._untracked():  # (no gradient: a NaN target's would reach a selected row)
+            first = aten.argmax.default(aten._to_copy.default(flat, dtype=torch.int32))
+            fill = aten.detach.default(aten.index.Tensor(rows, [aten.unsqueeze.default(first, 0)]))
+        keep = aten.reshape.default(flat, [n] + [1] * (rows.ndim - 1))
+        return self._mark(aten.where.self(keep, rows, fill), flat)
+
+    # ---- ops reading a selection ----------------------------------------------------------
+
+    def _on_selection(self, func, args, kwargs, mask):
+        if func in _INDEX:
+            selected = self._select(func, args, outer=mask)
+            if selected is None:
+                raise self._refuse(func, "it selects with a mask over other dims than the rows")
+            return selected
+        if func is aten.gather.default and id(args[0]) not in self._masks:
+            return self._mark(func(*args, **kwargs), mask)  # a lookup per selected index
+        if func is aten.nll_loss_forward.default:
+            return self._nll(func, args, kwargs, mask)
+        schema = func._schema.arguments
+        names = [a.name for a in schema]
+        if "reduction" in names:
+            return self._loss(func, args, kwargs, names.index("reduction"), mask)
+        if func in (aten.sum.default, aten.mean.default):
+            x = args[0]
+            dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            return self._reduce(x, mask, list(range(x.ndim)), func is aten.mean.default, dtype)
+        x = args[0]
+        if func in _REDUCE_DIMS:
+            dims = _dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.ndim)
+            if 0 not in dims:
+                return self._mark(func(*args, **kwargs), mask)
+            if func in (aten.sum.dim_IntList, aten.mean.dim) and not (
+                args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            ):
+                dtype = kwargs.get("dtype")
+                return self._reduce(x, mask, dims, func is aten.mean.dim, dtype)
+            raise self._refuse(func, "it reduces over the selected rows")
+        if func in _ALONG_DIM:
+            if args[1] % x.ndim == 0:
+                raise self._refuse(func, "it runs along the selected rows")
+            return self._mark(func(*args, **kwargs), mask)
+        if func in _SAME or func in _LIKE:
+            return self._mark(func(*args, **kwargs), mask)
+        if func in _VIEWS:
+            return self._view(func, args, kwargs, mask)
+        if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE:
+            out = func(*args, **kwargs)
+            for a in pytree.tree_leaves((args, kwargs)):
+                if (isinstance(a, torch.Tensor) and id(a) not in self._masks
+                        and a.ndim == out.ndim and a.shape[0] != 1):  # fmt: skip
+                    raise self._refuse(func, "an operand without the mask has rows of its own")
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and o.ndim > 0 and o.shape[0] == mask.numel():
+                    self._mark(o, mask)
+            return out
+        raise self._refuse(func, "it is not elementwise, row-wise or a reduction")
+
+    def _where_selected(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = aten.reshape.default(mask, [mask.numel()] + [1] * (x.ndim - 1))
+        return aten.where.self(keep, x, aten.zeros_like.default(x))
+
+    def _reduce(self, x, mask, dims, mean: bool, dtype=None):
+        """A sum over ``dims`` (the rows among them) of the selected rows; a mean divides it
+        by the number of selected elements it covers."""
+        x = self._where_selected(x, mask)
+        total = aten.sum.dim_IntList(x, dims, False, dtype=dtype) if dtype else (
+            aten.sum.dim_IntList(x, dims))  # fmt: skip
+        if not mean:
+            return total
+        keep = aten.reshape.default(mask, [mask.numel()] + [1] * (x.ndim - 1))
+        count = aten.sum.dim_IntList(aten.expand.default(keep, list(x.shape)), dims)
+        return aten.div.Tensor(total, count)
+
+    def _loss(self, func, args, kwargs, at: int, mask):
+        args, kwargs = list(args), dict(kwargs)
+        if at < len(args):
+            reduction, args[at] = args[at], _NONE
+        else:
+            reduction, kwargs["reduction"] = kwargs.get("reduction", _MEAN), _NONE
+        out = func(*args, **kwargs)
+        if reduction == _NONE:
+            return self._mark(out, mask)
+        return self._reduce(out, mask, list(range(out.ndim)), reduction == _MEAN)
+
+    def _nll(self, func, args, kwargs, mask):
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        x, target = bound["self"], bound["target"]
+        if id(x) not in self._masks or id(target) not in self._masks:
+            raise self._refuse(func, "its input and target must be selected by the same mask")
+        keep = aten.reshape.default(mask, [mask.numel()] + [1] * (target.ndim - 1))
+        bound["target"] = aten.where.self(keep, target,
+                                          aten.full_like.default(target, bound["ignore_index"]))  # fmt: skip
+        out = func(*[bound[n] for n in names])
+        if bound["reduction"] == _NONE:
+            self._mark(out[0], mask)
+        return out
+
+    def _view(self, func, args, kwargs, mask):
+        x, shape = args[0], list(args[1])
+        out = func(*args, **kwargs)
+        n = mask.numel()
+        if out.ndim > 0 and out.shape[0] == n:
+            return self._mark(out, mask)
+        if out.ndim == 1 and x.ndim > 1 and out.shape[0] == x.numel():  # rows x elements, flat
+            per_row = x.numel() // n
+            expanded = aten.expand.default(aten.unsqueeze.default(mask, 1), [n, per_row])
+            return self._mark(out, aten.reshape.default(expanded, [n * per_row]))
+        raise self._refuse(func, f"it reshapes the selected rows to {shape}")
+
+    @staticmethod
+    def _refuse(func, why: str) -> DataDependentError:
+        return DataDependentError(
+            f"{func} reads rows selected by a boolean mask (x[mask]), whose number depends on "
+            f"the mask's values, and {why}. In a captured graph a selection runs as all rows "
+            "with the mask beside them (Note [rows selected by a mask]): elementwise and "
+            "row-wise ops, sums, means and losses with a reduction read it. Otherwise keep the "
+            "shapes fixed: torch.where(mask, x, 0), a multiplication by the mask, or a loss's "
+            "ignore_index."
+        )

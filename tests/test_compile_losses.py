@@ -80,6 +80,16 @@ def smoothed_token_ce_plus_penalty(logits, y):
     return ce + 0.01 * logits.pow(2).mean()
 
 
+def sample_weighted_mse(out, target):
+    # per-sample weights: a weighted count (a float sum without a gradient) divides
+    y, weight = target
+    return (((out - y) ** 2).mean(dim=1) * weight).sum() / weight.sum()
+
+
+def sample_weighted_mse_plus_penalty(out, target):
+    return sample_weighted_mse(out, target) + 0.01 * out.pow(2).mean()
+
+
 def mean_plus_sum(out, y):
     return F.mse_loss(out, y) + 0.5 * F.l1_loss(out, y, reduction="sum") / 8 - 1.0
 
@@ -107,6 +117,9 @@ def _data(kind, n_steps=3, batch=16, seed=0):
             mask = (torch.rand(batch, generator=g) < 0.6).float()
             mask[0] = 1.0
             out.append((x, (y, mask)))
+        elif kind == "weighted":
+            x, y = torch.randn(batch, 12, generator=g), torch.randn(batch, 4, generator=g)
+            out.append((x, (y, torch.rand(batch, generator=g))))
         else:
             out.append((torch.randn(batch, 12, generator=g), torch.randn(batch, 4, generator=g)))
     return out
@@ -134,6 +147,14 @@ CASES = {
     "kl_div_batchmean": (mlp, batchmean_kl, "regression"),
     "soft_label_ce_plus_batchmean_kl": (mlp, soft_label_ce_plus_batchmean_kl, "regression"),
     "sum_over_the_batch_size": (mlp, sum_over_rows, "regression"),
+    # label smoothing with class weights divides by the targets' weights summed
+    "ce_class_weights_label_smoothing": (
+        mlp,
+        torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2, 3, 0.5]), label_smoothing=0.1),
+        "classes",
+    ),
+    "sample_weighted_mean": (mlp, sample_weighted_mse, "weighted"),
+    "sample_weighted_mean_plus_a_mean": (mlp, sample_weighted_mse_plus_penalty, "weighted"),
     "ce_sum": (mlp, torch.nn.CrossEntropyLoss(reduction="sum"), "classes"),
     "ce_mean": (mlp, torch.nn.CrossEntropyLoss(), "classes"),
     "token_mean_ignore_index": (TokenModel, token_ce, "tokens"),

@@ -17,7 +17,8 @@ Note [exact losses over micro-batches]
     * a sum: ``w = 1`` (the global sum is the sum of the parts),
     * a mean over a fixed number of elements, or a term that does not depend on the batch
       (a weight penalty): ``w = 1 / (R * GA)``,
-    * a mean over a counted number of elements (``total_weight``, ``mask.sum()``): its
+    * a mean over a counted number of elements (``total_weight``, ``mask.sum()``, or a
+      weighted count: a float sum without a gradient, per-sample weights' ``w.sum()``): its
       numerator (the sum) with ``w = 1 / N``, ``N`` the count over the whole global batch
       (reduce both, divide once). Where it is the whole loss (a cross-entropy, a model that
       returns its loss) ``N`` is summed in the step: the numerators are weighted by the
@@ -157,6 +158,7 @@ class LossSplitter(TorchDispatchMode):
         self._keep: list[torch.Tensor] = []  # ids below stay valid while these live
         self._batch: set[int] = set()
         self._counts: dict[int, torch.Tensor] = {}  # integer sums of batch data (counts)
+        self._summed: dict[int, torch.Tensor] = {}  # id(a float sum) -> what it sums
         self._forms: dict[int, _Form] = {}
         self._opaque: dict[int, str] = {}  # batch scalars that are no linear form, and why
         self.terms: list[_Term] = []
@@ -265,6 +267,8 @@ class LossSplitter(TorchDispatchMode):
                 self._term(_Term("mean", out), out)  # Note [a sum divided by the batch's size]
                 return None
             return None if fn is None else fn.scaled(1.0 / float(den))
+        if isinstance(den, torch.Tensor) and id(den) not in self._counts:
+            self._weighted_count(den)
         if isinstance(den, torch.Tensor) and id(den) in self._counts:
             fn = self._forms.get(id(num))
             # ``x.sum() / mask.sum()``: summed terms over a counted number of elements
@@ -272,6 +276,19 @@ class LossSplitter(TorchDispatchMode):
                 bound = max(self._counts[id(den)].numel(), 1)
                 self._term(_Term("count", out, den, bound, numerator=num), out)
         return None
+
+    def _weighted_count(self, den: torch.Tensor) -> None:
+        """A float sum of batch data without a gradient that divides is a count: a weighted
+        count such as label smoothing's ``weight[target].sum()`` (class weights), which the
+        step adds up over micro-batches like ``mask.sum()``; one of the model's outputs has a
+        gradient and stays a term (a ratio of such sums is refused)."""
+        form = self._forms.get(id(den))
+        if den.requires_grad or form is None or form.const != 0.0 or len(form.coefs) != 1:
+            return
+        ((k, c),) = form.coefs.items()
+        summed = self._summed.get(id(self.terms[k].value))
+        if c == 1.0 and self.terms[k].kind == "sum" and summed is not None:
+            self._counts[id(den)] = summed
 
     def _sums_only(self, form: _Form) -> bool:
         return (
@@ -303,6 +320,7 @@ class LossSplitter(TorchDispatchMode):
         if func in _SUMS and isinstance(first, torch.Tensor):
             if first.dtype.is_floating_point or first.dtype.is_complex:
                 self._term(_Term("sum", out), out)
+                self._summed[id(out)] = first  # (a weighted count where it divides)
             else:  # counting elements (``mask.sum()``): a count, not a term
                 self._counts[id(out)] = first
                 self._keep.append(first)

@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "torch_popxl"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("torch_popxl.errors", "torch_popxl.dtypes", "torch_popxl._C")),
     ("ir", ("torch_popxl.ir",)),
-    ("capture", ("torch_popxl.capture",)),
+    ("capture", ("torch_popxl.capture_packed", "torch_popxl.capture")),
     ("opdefs", ("torch_popxl.opdefs",)),
     (
         "api",

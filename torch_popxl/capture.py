@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
+from .capture_packed import PackedRNN
 from .errors import DataDependentError
 from .ir.attrs import TorchCall
 from .ir.context import gcg, in_sequence, in_sequence_mode
@@ -193,10 +194,12 @@ class _Recorder(TorchDispatchMode):
         except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
             raise DataDependentError(
                 f"{func}: the shape of its result depends on tensor values (for example "
-                "nonzero, masked_select, unique, or pack_padded_sequence's lengths), which are "
-                "not known while the graph is captured; a popxl graph has static shapes. Keep "
-                "shapes fixed: pad and mask (run the RNN on the padded batch and select each "
-                "sequence's last step with gather), or use torch.where."
+                "nonzero, unique, or a boolean-mask selection outside a training loss), which "
+                "are not known while the graph is captured; a popxl graph has static shapes. "
+                "Keep shapes fixed: pad and mask (torch.where, a multiplication by the mask); "
+                "a loss over x[mask] in popxl.compile and pack_padded_sequence into an RNN "
+                "are captured so (Note [rows selected by a mask], Note [packed sequences in a "
+                "captured graph])."
             ) from e
         if func in _CONSTANT_LIFTS:
             real = args[0]
@@ -472,6 +475,7 @@ def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
         recorder,
         _functions_recorded_by(recorder),
         _DetachCalls(),  # Note [saved results in second-order gradients]
+        PackedRNN(),  # Note [packed sequences in a captured graph]
     ):
         yield
 

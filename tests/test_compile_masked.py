@@ -177,6 +177,40 @@ def test_a_model_that_returns_a_masked_loss_trains_as_eager():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
 
 
+class MaskedHead(nn.Module):
+    """A masked-language-model head run only on the selected tokens' hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.body = nn.Embedding(30, 16), nn.Linear(16, 16)
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, C))
+
+    def forward(self, ids, labels):
+        hidden = torch.tanh(self.body(self.emb(ids)))
+        chosen = labels != -100
+        return F.cross_entropy(self.head(hidden[chosen]), labels[chosen])
+
+
+def test_a_head_over_the_selected_rows_trains_as_eager():
+    model = MaskedHead()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    trainer = popxl.compile(model, None, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    for ids, (labels, attention) in token_batches():
+        labels = labels.masked_fill(attention == 0, -100)
+        inputs = {"ids": ids, "labels": labels}
+        opt.zero_grad()
+        want = eager(**inputs)
+        want.backward()
+        opt.step()
+        assert trainer.step(inputs) == pytest.approx(want.item(), rel=RTOL)
+    trainer.sync_weights()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize(
     "loss_fn", [token_loss, weighted_and_smoothed, nan_masked_mse, masked_select_l1,
                 none_reduction_then_mean, valid_rows_bce_sum, row_norms],

@@ -15,9 +15,11 @@ Note [rows selected by a mask]
       row, so that values stay in the domain of the selected ones (a NaN target is never read;
       no log of 0 and no 0 * inf in the backward);
     * elementwise ops (torch's ``pointwise`` tag), row-wise ones (softmax over a dim other
-      than the rows, reductions over other dims), casts and views that keep the rows: the
-      same mask on the result; operands without a mask may broadcast over the trailing dims
-      only, as they must against ``k`` rows in eager torch;
+      than the rows, reductions over other dims, dropout, layer norm, a matrix product with
+      the selection on the left: a head over the selected rows, ``decoder(hidden[m])``),
+      casts and views that keep the rows: the same mask on the result; operands without a
+      mask may broadcast over the trailing dims only, as they must against ``k`` rows in
+      eager torch;
     * a sum: of ``where(mask, x, 0)``; a mean: that sum over the count of selected elements
       (a counted mean, which the loss splitter adds up over micro-batches exactly: Note [exact
       losses over micro-batches]); a loss op with ``reduction='mean'`` or ``'sum'``: the same
@@ -63,6 +65,11 @@ _ELEMENTWISE = {
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
     aten.masked_fill_.Tensor,
 }  # fmt: skip
+# row-wise ops whose first output is a selection when their first tensor argument is:
+# dropout, a layer norm over the trailing dims
+_ROW_WISE = {aten.native_dropout.default, aten.native_layer_norm.default}
+# matrix products whose left operand's rows are the result's: (op, the left operand's index)
+_LEFT_ROWS = {aten.mm.default: 0, aten.addmm.default: 1}
 # tensors like a selection: selected too
 _LIKE = {
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
@@ -212,6 +219,15 @@ class MaskedRows(TorchDispatchMode):
             if args[1] % x.ndim == 0:
                 raise self._refuse(func, "it runs along the selected rows")
             return self._mark(func(*args, **kwargs), mask)
+        if func in _LEFT_ROWS:  # a head over the selected rows (``decoder(hidden[m])``)
+            left = _LEFT_ROWS[func]
+            if any(id(a) in self._masks for i, a in enumerate(args) if i != left):
+                raise self._refuse(func, "it multiplies by the selected rows on the right")
+            return self._mark(func(*args, **kwargs), mask)
+        if func in _ROW_WISE and id(args[0]) in self._masks:
+            out = func(*args, **kwargs)
+            if out[0].ndim > 1:  # (a layer norm over dim 0 too: not row-wise)
+                return (self._mark(out[0], mask), *out[1:])
         if func in _SAME or func in _LIKE:
             return self._mark(func(*args, **kwargs), mask)
         if func in _VIEWS:

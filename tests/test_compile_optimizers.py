@@ -257,13 +257,22 @@ def test_norm_reducing_optimizer_sharded_matches_eager(state):
     assert_same_training(m, opt, m_ref, opt_ref)
 
 
-def test_closure_optimizer_refused():
-    m = model()
-    opt = torch.optim.LBFGS(m.parameters())
-    with pytest.raises(TypeError, match="LBFGS.*closure"):
-        trainer = popxl.compile(m, F.mse_loss, opt)
-        x, y = batches(1)[0]
-        trainer.step(x.numpy(), y.numpy())
+def test_closure_optimizer_steps_in_torch_with_the_program_as_its_closure():
+    # Note [optimizers that take a closure]; more in tests/test_compile_closure.py
+    m, m_ref = model(), model()
+    opt, opt_ref = torch.optim.LBFGS(m.parameters()), torch.optim.LBFGS(m_ref.parameters())
+    trainer = popxl.compile(m, F.mse_loss, opt)
+    for x, y in batches():
+
+        def closure(x=x, y=y):
+            opt_ref.zero_grad()
+            loss = F.mse_loss(m_ref(x), y)
+            loss.backward()
+            return loss
+
+        assert trainer.step(x.numpy(), y.numpy()) == opt_ref.step(closure).item()
+    for p, q in zip(m.parameters(), m_ref.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_dynamic_loss_scaling_skips_captured_step():

@@ -1800,6 +1800,58 @@ class Trainer:
         )
 
 
+# Note [optimizers that take a closure]
+#     ``LBFGS.step(closure)`` evaluates the loss and gradients several times per step (its
+#     line search and inner iterations, ``max_iter`` of them), deciding from their values
+#     when to stop: host control flow a captured step cannot hold. So such an optimizer (one
+#     whose ``step`` requires a ``closure``) runs its own step in eager torch, as in the eager
+#     loop, and the compiled program is its closure: a step of the same trainer with an SGD
+#     of learning rate 0 over the optimizer's parameters computes the loss and the gradients
+#     of the global batch on the replicas (accumulation, clipping and sharding as for any
+#     optimizer), leaves the parameters as they are (``p - 0 * g``) and writes ``p.grad``;
+#     the optimizer then updates the module's parameters in place, which the next run reads
+#     (Note [live torch tensors]). ``step`` returns the closure's first loss, as
+#     ``optimizer.step(closure)`` does; LR schedulers and ``optimizer.state`` are the
+#     optimizer's own.
+
+
+def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (Note [optimizers that take a closure])."""
+    import inspect
+
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+class _ClosureTrainer(Trainer):
+    """A :class:`Trainer` for an optimizer whose ``step`` takes a closure (LBFGS): the
+    compiled program computes the loss and gradients, torch's optimizer steps (Note
+    [optimizers that take a closure])."""
+
+    def __init__(self, model, loss_fn, optimizer, *args, **kwargs):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        gradients = torch.optim.SGD(params, lr=0.0)  # the program's own update: none
+        super().__init__(model, loss_fn, gradients, *args, **kwargs)
+        self.keep_grads = True  # the optimizer reads p.grad (read when a program is built)
+        self.closure_optimizer = optimizer
+
+    def step(self, inputs, targets=None) -> float | tuple[float, Any]:
+        """One step of the optimizer, whose closure runs the program on this batch."""
+        results: list = []
+
+        def closure():
+            out = Trainer.step(self, inputs, targets)
+            results.append(out)
+            loss = out[0] if self.return_outputs else out
+            return torch.tensor(loss, dtype=torch.float64)
+
+        self.closure_optimizer.step(closure)
+        return results[0]
+
+
 def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
             *, replication_factor: int = 1, gradient_accumulation: int = 1, rts_threshold: int | None = None,
             optimizer_state: str = "on_chip", device: str | torch.device | None = None,
@@ -1839,7 +1891,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
                 "loss_scaling only apply to training (give an optimizer)."
             )
         return InferenceProgram(model, replication_factor, device, executor, backend)
-    return Trainer(model, loss_fn if loss_fn is not None else model_loss, optimizer,
+    kind = _ClosureTrainer if _takes_closure(optimizer) else Trainer
+    return kind(model, loss_fn if loss_fn is not None else model_loss, optimizer,
                    replication_factor, gradient_accumulation, rts_threshold, optimizer_state,
                    device, executor, max_grad_norm, loss_scaling, backend, keep_grads,
                    return_outputs)  # fmt: skip

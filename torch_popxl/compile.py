@@ -1819,6 +1819,8 @@ def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure (Note [optimizers that take a closure])."""
     import inspect
 
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return False  # (the Trainer says what it expects)
     try:
         closure = inspect.signature(optimizer.step).parameters.get("closure")
     except (TypeError, ValueError):

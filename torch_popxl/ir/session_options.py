@@ -34,6 +34,7 @@ What the fields mean here:
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -357,9 +358,16 @@ class PbIr:
     def getMainGraph(self) -> PbMainGraph:
         return PbMainGraph(self._ir)
 
+    def logIr(self) -> None:
+        """Log every graph's text at INFO (logger ``torch_popxl.ir``), as upstream logs its IR
+        at POPART_LOG_LEVEL=INFO: silent unless that level is enabled."""
+        log = logging.getLogger("torch_popxl.ir")
+        for graph in self._ir.graphs:
+            log.info("%s", graph.text())
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"Ir._pb_ir has no {name!r}: torch_popxl provides only getSessionOptions(), getId(), "
-            "getMainGraph() and isPrepared() of upstream's internal Ir; use the public popxl.Ir "
-            "API for the rest."
+            "getMainGraph(), isPrepared() and logIr() of upstream's internal Ir; use the public "
+            "popxl.Ir API for the rest."
         )

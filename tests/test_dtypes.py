@@ -178,6 +178,19 @@ def test_to_numpy_downcasts_64_bit_types(data, expected):
     assert to_numpy(data).dtype == expected
 
 
+def test_utils_downcast_table_is_the_one_to_numpy_applies():
+    # upstream's tests compute expected dtypes from popxl.utils.downcast_np_dtypes
+    from torch_popxl.utils import downcast_np_dtypes
+
+    assert downcast_np_dtypes == {
+        np.dtype(np.int64): np.dtype(np.int32),
+        np.dtype(np.uint64): np.dtype(np.uint32),
+        np.dtype(np.float64): np.dtype(np.float32),
+    }
+    for wide, narrow in downcast_np_dtypes.items():
+        assert to_numpy(np.arange(3).astype(wide)).dtype == narrow
+
+
 def test_to_numpy_without_downcast_keeps_64_bit_types():
     assert to_numpy(1, downcast=False).dtype == np.int64
     assert to_numpy(np.zeros(2), downcast=False).dtype == np.float64

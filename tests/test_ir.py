@@ -122,7 +122,8 @@ def test_tensor_ids_main_graph_unprefixed_subgraph_prefixed_clashes_suffixed():
         assert [t.id for t in (a, b, c)] == ["w", "w__t1", "w__t2"]
         assert [t.name for t in (a, b, c)] == ["w", "w__t1", "w__t2"]
         default = popxl.variable(0.0)
-        assert default.id == "variable"
+        assert default.id == "t"  # upstream's Graph._create_tensor_id default
+        assert popxl.constant(1.0).id == "t__t1"
         g = ir.create_graph(body, a)
         assert [t.id for t in g.inputs] == ["body_subgraph(0)/x"]
         assert g.get_tensor("body_subgraph(0)/k").name == "k"
@@ -478,3 +479,13 @@ def test_popxl_module_paths_import_like_upstream():
     assert CallSiteInfo and GradGraphInfo
     assert torch_popxl.ops.collectives.replicated_all_reduce and torch_popxl.transforms.autodiff
     assert torch_popxl.dtypes.float32 is torch_popxl.float32
+
+
+def test_tensor_keys_upstream_refuses_raise_type_error():
+    # bool is an int to Python and floats index nothing: upstream raises TypeError for both.
+    with popxl.Ir().main_graph:
+        x = popxl.variable(np.arange(6).reshape(2, 3))
+        for key in (True, 1.5, "a", (0, False), (slice(None), 0.0)):
+            with pytest.raises(TypeError, match="is not supported: index with ints"):
+                _ = x[key]
+        assert x[1, np.int64(2)].shape == () and x[None, ..., 1:].shape == (1, 2, 2)

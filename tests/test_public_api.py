@@ -85,6 +85,7 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
     )),
     ("torch_popxl.utils", "python/popxl/python_files/utils.py", (
         "to_numpy", "host_pow2scale_then_cast", "host_cast_then_pow2scale",
+        "downcast_np_dtypes",
     )),
     ("torch_popxl.dtypes", "python/popxl/python_files/dtypes.py", (
         "dtype", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",

@@ -67,6 +67,16 @@ def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
 
 
 def _getitem(t: Tensor, key) -> Tensor:
+    for k in key if isinstance(key, tuple) else (key,):
+        # bool is an int to Python, but upstream refuses it as a key (as it does floats).
+        ok = (
+            k is None or k is Ellipsis or isinstance(k, builtins_slice | Tensor | np.ndarray | list)
+        )
+        if not ok and (isinstance(k, bool) or not isinstance(k, int | np.integer)):
+            raise TypeError(
+                f"Tensor index {k!r} of type {type(k).__name__} is not supported: index with "
+                "ints, slices, None, ... or an integer or boolean tensor / array / list."
+            )
     if isinstance(key, Tensor) or isinstance(key, np.ndarray | list):
         idx = key if isinstance(key, Tensor) else constant(np.asarray(key))
         if idx.dtype == _dtypes.bool:

@@ -489,3 +489,20 @@ def test_tensor_keys_upstream_refuses_raise_type_error():
             with pytest.raises(TypeError, match="is not supported: index with ints"):
                 _ = x[key]
         assert x[1, np.int64(2)].shape == () and x[None, ..., 1:].shape == (1, 2, 2)
+
+
+def test_streams_and_main_graph_tensors_share_one_namespace():
+    # Upstream's host streams are main-graph tensors: a loaded tensor never takes its stream's
+    # id, and a stream named like an existing tensor gets the clash suffix.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        h2d = popxl.h2d_stream((2,), popxl.float32)
+        x = ops.host_load(h2d)
+        w = popxl.variable(np.ones(2, np.float32), name="w")
+        s = popxl.d2h_stream((2,), popxl.float32, name="w")
+        ops.host_store(s, x + w)
+    assert (h2d.tensor_id, x.id) == ("h2d_stream", "h2d_stream__t1")
+    assert (w.id, s.tensor_id) == ("w", "w__t1")
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run({h2d: np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out[s], [2.0, 3.0])

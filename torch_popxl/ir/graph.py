@@ -308,9 +308,11 @@ class Graph:
         self._ir._check_mutable()
         base = _ctx.current_name_scope() + name if scoped else name
         tid = base if self.main_graph else f"{self._id}/{base}"
-        if tid in self._tensors:
+        # Host streams are main-graph tensors upstream: their ids share this namespace.
+        taken = self._ir._stream_ids() if self.main_graph else ()
+        if tid in self._tensors or tid in taken:
             k = 1
-            while f"{tid}__t{k}" in self._tensors:
+            while f"{tid}__t{k}" in self._tensors or f"{tid}__t{k}" in taken:
                 k += 1
             tid = f"{tid}__t{k}"
         self._tensors[tid] = t

@@ -219,6 +219,25 @@ def test_pooling_and_conv_match_torch_including_asymmetric_padding(executor):
     )
 
 
+def test_dynamic_update_refuses_an_update_that_does_not_fill_the_slice(executor):
+    # upstream's unit test passes a (1, 3) update for the (1, 5, 3) slice of a (3, 5, 7) tensor;
+    # the IPU copies the update in whole, so the misfit is refused here when the op is made.
+    x = np.zeros((3, 5, 7), np.float32)
+    u = np.arange(15, dtype=np.float32).reshape(1, 5, 3)
+
+    def build():
+        t, idx = popxl.variable(x), popxl.variable(np.array([1, 2], np.uint32), popxl.uint32)
+        with pytest.raises(ValueError, match=r"has shape \(1, 3\), but the slice .* \(1, 5, 3\)"):
+            ops.dynamic_update(t, idx, popxl.variable(u[0, :1]), [0, 2], [1, 3])
+        with pytest.raises(ValueError, match="dynamic_update_: t_update"):
+            ops.dynamic_update_(t, idx, popxl.variable(u[0]), [0, 2], [1, 3])
+        return {"y": ops.dynamic_update(t, idx, popxl.variable(u), [0, 2], [1, 3])}
+
+    want = x.copy()
+    want[1:2, :, 2:5] = u
+    np.testing.assert_array_equal(run(build, executor)["y"], want)
+
+
 def _conv_transpose_loops(x, w, stride, dil, groups, pads_begin, out_spatial):
     """ONNX ConvTranspose by its definition: input cell i of channel ci adds
     x[ci, i] * w[ci, co, k] to output cell i * stride + k * dilation - pad_begin."""

@@ -66,7 +66,7 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
         "pow2scale_cast_to_fp8", "pow2scale_cast_from_fp8",
     )),
     ("torch_popxl.popart", "popart's Python module, as upstream's popxl tests import it", (
-        "PyWeightsIO", "CommGroup", "CommGroupType", "DataType",
+        "PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception",
     )),
     ("torch_popxl.ops.collectives", "python/popxl/python_files/ops/collectives/__init__.py", (
         "all_reduce", "all_reduce_identical_inputs", "all_reduce_identical_grad_inputs",
@@ -166,3 +166,20 @@ def test_popart_names_the_same_comm_group_classes_as_popxl():
         ops.collectives.CommGroupType.Orthogonal, 2
     )
     assert popart.DataType.FLOAT8_143 != popart.DataType.FLOAT8_152
+
+
+def test_popart_exception_catches_what_popart_would_refuse():
+    # upstream's tests expect popart.popart_exception from autodiff of a graph with a += op
+    import torch_popxl as popxl
+    import torch_popxl.popart as popart
+    from torch_popxl.transforms import autodiff
+
+    def body(a, b):
+        a += b
+        return a
+
+    ir = popxl.Ir()
+    spec = popxl.TensorSpec((1,), popxl.float32)
+    g = ir.create_graph(body, spec, spec)
+    with pytest.raises(popart.popart_exception, match=r"^The graph .* contains a modifying op"):
+        autodiff(g)

@@ -4,17 +4,22 @@ Graphcore's applications write weights with ``utils.write_variables_pb``, which 
 ``session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array}))``; upstream's tests
 name communication groups (``popart.CommGroupType``, ``popart.CommGroup``: the classes
 ``popxl.ops.collectives`` exports, as upstream's are the same objects) and data types
-(``popart.DataType.FLOAT8_143``). ``import popart`` ports as ``import torch_popxl.popart as
-popart``. Programs reach PopART's options through ``ir._pb_ir.getSessionOptions()``.
+(``popart.DataType.FLOAT8_143``) and catch ``popart.popart_exception``, the error PopART raises
+for a program it refuses (here ``PopXLError``, which the same checks raise). ``import popart``
+ports as ``import torch_popxl.popart as popart``. Programs reach PopART's options through
+``ir._pb_ir.getSessionOptions()``.
 """
 
 from __future__ import annotations
 
 import enum
 
+from .errors import PopXLError
 from .ops.collectives import CommGroup, CommGroupType
 
-__all__ = ["PyWeightsIO", "CommGroup", "CommGroupType", "DataType"]
+__all__ = ["PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception"]
+
+popart_exception = PopXLError
 
 
 class PyWeightsIO(dict):

@@ -346,3 +346,22 @@ def test_to_numpy_float8_rejects_non_float_data():
 def test_to_numpy_float8_log2_scale_range():
     with pytest.raises(RuntimeError, match=r"\[-32, 32\)"):
         to_numpy([1.0], dtypes.float8_143, log2_scale=32)
+
+
+def test_testing_dtype_lists_match_torchs_properties():
+    # upstream's popxl.testing lists; each dtype's flags agree with torch's (unsigned ints by
+    # their signed torch counterparts' kind) and with numpy's dtype of the same name
+    from torch_popxl.testing import get_all_dtypes, get_all_int_dtypes
+
+    ints = get_all_int_dtypes()
+    assert [d.name for d in get_all_int_dtypes(include_signed=False)] == [
+        "uint8", "uint16", "uint32", "uint64"
+    ]  # fmt: skip
+    assert len(get_all_dtypes()) == 13 and dtypes.bool not in get_all_dtypes()
+    for d in get_all_dtypes():
+        unsigned = d.name.startswith("u")
+        t = getattr(torch, d.name[1:] if unsigned else d.name)
+        assert (d.is_complex, d.is_floating_point) == (t.is_complex, t.is_floating_point)
+        assert d.is_int == (d in ints)
+        assert d.is_signed == (t.is_signed and not unsigned)
+        assert dtypes.dtype.as_dtype(np.zeros(1, getattr(np, d.name))) == d

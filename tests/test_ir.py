@@ -105,7 +105,9 @@ def test_graph_equality_and_construction_rules():
         _ = g == 1
     with pytest.raises(TypeError):
         popxl.Graph()
-    assert g.ir is ir and ir.main_graph.main_graph and not g.main_graph
+    # upstream's Graph.main_graph is the Ir's main graph (a Graph), for every graph
+    assert g.ir is ir and g.main_graph is ir.main_graph
+    assert ir.main_graph.main_graph is ir.main_graph
 
 
 # ----------------------------------------------------------------------------------------
@@ -492,17 +494,27 @@ def test_tensor_keys_upstream_refuses_raise_type_error():
 
 
 def test_streams_and_main_graph_tensors_share_one_namespace():
-    # Upstream's host streams are main-graph tensors: a loaded tensor never takes its stream's
-    # id, and a stream named like an existing tensor gets the clash suffix.
+    # Upstream's host streams are main-graph tensors: a stream named like an existing tensor
+    # gets the clash suffix, and so does a tensor named like a stream; host_load names its
+    # result "<name>_hostload" (name defaulting to the stream's id).
     ir = popxl.Ir()
     with ir.main_graph:
+        v = popxl.variable(np.zeros(2, np.float32), name="h2d_stream")
         h2d = popxl.h2d_stream((2,), popxl.float32)
         x = ops.host_load(h2d)
-        w = popxl.variable(np.ones(2, np.float32), name="w")
         s = popxl.d2h_stream((2,), popxl.float32, name="w")
-        ops.host_store(s, x + w)
-    assert (h2d.tensor_id, x.id) == ("h2d_stream", "h2d_stream__t1")
-    assert (w.id, s.tensor_id) == ("w", "w__t1")
+        w = popxl.variable(np.ones(2, np.float32), name="w")
+        ops.host_store(s, x + w + v)
+        named = ops.host_load(h2d, "x")
+    assert (v.id, h2d.tensor_id, x.id) == (
+        "h2d_stream",
+        "h2d_stream__t1",
+        "h2d_stream__t1_hostload",
+    )
+    assert (s.tensor_id, w.id, named.id) == ("w", "w__t1", "x_hostload")
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run({h2d: np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out[s], [2.0, 3.0])
     with popxl.Session(ir, "ipu_model") as session:
         out = session.run({h2d: np.array([1.0, 2.0], np.float32)})
     np.testing.assert_array_equal(out[s], [2.0, 3.0])

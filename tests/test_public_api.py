@@ -7,6 +7,7 @@ the ops added with this table).
 """
 
 import importlib
+import logging
 
 import pytest
 
@@ -66,7 +67,7 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
         "pow2scale_cast_to_fp8", "pow2scale_cast_from_fp8",
     )),
     ("torch_popxl.popart", "popart's Python module, as upstream's popxl tests import it", (
-        "PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception",
+        "PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception", "getLogger",
     )),
     ("torch_popxl.ops.collectives", "python/popxl/python_files/ops/collectives/__init__.py", (
         "all_reduce", "all_reduce_identical_inputs", "all_reduce_identical_grad_inputs",
@@ -166,6 +167,13 @@ def test_popart_names_the_same_comm_group_classes_as_popxl():
         ops.collectives.CommGroupType.Orthogonal, 2
     )
     assert popart.DataType.FLOAT8_143 != popart.DataType.FLOAT8_152
+    logger = popart.getLogger()
+    before = logger.level
+    try:
+        logger.setLevel("DEBUG")  # upstream's scripts turn PopART's log up so
+        assert logging.getLogger("torch_popxl.ir").getEffectiveLevel() == logging.DEBUG
+    finally:
+        logger.setLevel(before)
 
 
 def test_popart_exception_catches_what_popart_would_refuse():

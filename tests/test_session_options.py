@@ -45,6 +45,7 @@ APP_FIELDS = [
     ("timeLimitScheduler", 0.0),
     ("swapLimitScheduler", 0),
     ("instrumentWithHardwareCycleCounter", True),
+    ("throwIfLog2ScaleTensorNotInRange", False),  # upstream's float8 tests
 ]
 
 
@@ -103,6 +104,18 @@ def test_popart_cache_dir_enables_engine_caching(monkeypatch):
     opts = popxl.Ir()._pb_ir.getSessionOptions()
     assert opts.enableEngineCaching
     assert opts.cachePath == "PATH_TO_CACHE"
+
+
+def test_popxl_cache_dir_enables_engine_caching_and_wins(monkeypatch):
+    # upstream's tests and Graphcore's applications set POPXL_CACHE_DIR; popxl.Ir applies it
+    # over PopART's POPART_CACHE_DIR
+    monkeypatch.setenv("POPXL_CACHE_DIR", "POPXL_PATH")
+    opts = popxl.Ir()._pb_ir.getSessionOptions()
+    assert opts.enableEngineCaching and opts.cachePath == "POPXL_PATH"
+    monkeypatch.setenv("POPART_CACHE_DIR", "POPART_PATH")
+    assert popxl.Ir()._pb_ir.getSessionOptions().cachePath == "POPXL_PATH"
+    monkeypatch.delenv("POPXL_CACHE_DIR")
+    assert popxl.Ir()._pb_ir.getSessionOptions().cachePath == "POPART_PATH"
 
 
 def test_unknown_option_raises_attribute_error_naming_it():

@@ -4,7 +4,8 @@ Graphcore's applications write weights with ``utils.write_variables_pb``, which 
 ``session._pb_session.writeWeights(popart.PyWeightsIO({tensor.id: array}))``; upstream's tests
 name communication groups (``popart.CommGroupType``, ``popart.CommGroup``: the classes
 ``popxl.ops.collectives`` exports, as upstream's are the same objects) and data types
-(``popart.DataType.FLOAT8_143``) and catch ``popart.popart_exception``, the error PopART raises
+(``popart.DataType.FLOAT8_143``), set log levels (``popart.getLogger().setLevel("DEBUG")``)
+and catch ``popart.popart_exception``, the error PopART raises
 for a program it refuses (here ``PopXLError``, which the same checks raise). ``import popart``
 ports as ``import torch_popxl.popart as popart``. Programs reach PopART's options through
 ``ir._pb_ir.getSessionOptions()``.
@@ -13,11 +14,13 @@ ports as ``import torch_popxl.popart as popart``. Programs reach PopART's option
 from __future__ import annotations
 
 import enum
+import logging
 
 from .errors import PopXLError
 from .ops.collectives import CommGroup, CommGroupType
 
-__all__ = ["PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception"]
+__all__ = ["PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception",
+           "getLogger"]  # fmt: skip
 
 popart_exception = PopXLError
 
@@ -48,3 +51,9 @@ class DataType(enum.Enum):
     COMPLEX128 = enum.auto()
     STRING = enum.auto()
     UNDEFINED = enum.auto()
+
+
+def getLogger(name: str = "all") -> logging.Logger:  # noqa: N802 (PopART's name)
+    """The package's logger, as PopART's ``getLogger`` (its ``setLevel("DEBUG")`` etc. work);
+    the named PopART log modules are one logger here."""
+    return logging.getLogger("torch_popxl")

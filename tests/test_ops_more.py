@@ -238,6 +238,28 @@ def test_dynamic_update_refuses_an_update_that_does_not_fill_the_slice(executor)
     np.testing.assert_array_equal(run(build, executor)["y"], want)
 
 
+def test_scaled_add_on_integer_tensors_keeps_the_integer_dtype(executor):
+    # upstream's unit test test_variable_location scaled_add_s int32 tensors with the default
+    # float scales 1.0; integral scales keep int32 (torch refuses a float alpha on ints)
+    x = np.array([1, 2], np.int32)
+    y = np.array([3, 4], np.int32)
+
+    def build():
+        t = popxl.variable(x) + 0
+        out = ops.scaled_add(popxl.variable(x), popxl.variable(y), 2.0, -3.0)
+        ops.scaled_add_(t, popxl.variable(y))
+        u = popxl.variable(x) + 0
+        ops.scaled_add_(u, popxl.variable(y), 3.0, 2.0)
+        assert out.dtype == t.dtype == popxl.int32
+        return {"out": out, "t": t, "u": u}
+
+    y_ = run(build, executor)
+    np.testing.assert_array_equal(y_["out"], 2 * x - 3 * y)
+    np.testing.assert_array_equal(y_["t"], x + y)
+    np.testing.assert_array_equal(y_["u"], 3 * x + 2 * y)
+    assert y_["out"].dtype == np.int32
+
+
 def _conv_transpose_loops(x, w, stride, dil, groups, pads_begin, out_spatial):
     """ONNX ConvTranspose by its definition: input cell i of channel ci adds
     x[ci, i] * w[ci, co, k] to output cell i * stride + k * dilation - pad_begin."""

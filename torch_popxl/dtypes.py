@@ -72,11 +72,12 @@ _BY_TORCH: dict[torch.dtype, dtype] = {}
 # `as_dtype("float")` means popxl.float (float32), not numpy's "float" (float64).
 _ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
 
-# Python scalar types map to what `to_numpy` produces for their values (int and float are
-# downcast to 32 bits; complex is never downcast).
+# Python scalar types, as upstream maps them: bool and float name popxl.bool and popxl.float32;
+# int names none, so numpy reads it (int64, unlike `to_numpy(1)`, which downcasts the value to
+# int32); complex likewise (complex128).
 _BY_PYTHON_TYPE = {
     builtins.bool: "bool",
-    builtins.int: "int32",
+    builtins.int: "int64",
     builtins.float: "float32",
     builtins.complex: "complex128",
 }

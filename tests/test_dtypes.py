@@ -112,7 +112,7 @@ def test_from_name_rejects_unknown_and_aliases():
     "python_type, expected",
     [
         (builtins.float, dtypes.float32),
-        (builtins.int, dtypes.int32),
+        (builtins.int, dtypes.int64),  # upstream: numpy's reading of int (its unit test)
         (builtins.bool, dtypes.bool),
         (builtins.complex, dtypes.complex128),
     ],
@@ -176,6 +176,19 @@ def test_dtype_of_numpy_rejects_unsupported():
 )
 def test_to_numpy_downcasts_64_bit_types(data, expected):
     assert to_numpy(data).dtype == expected
+
+
+def test_utils_downcast_table_is_the_one_to_numpy_applies():
+    # upstream's tests compute expected dtypes from popxl.utils.downcast_np_dtypes
+    from torch_popxl.utils import downcast_np_dtypes
+
+    assert downcast_np_dtypes == {
+        np.dtype(np.int64): np.dtype(np.int32),
+        np.dtype(np.uint64): np.dtype(np.uint32),
+        np.dtype(np.float64): np.dtype(np.float32),
+    }
+    for wide, narrow in downcast_np_dtypes.items():
+        assert to_numpy(np.arange(3).astype(wide)).dtype == narrow
 
 
 def test_to_numpy_without_downcast_keeps_64_bit_types():
@@ -333,3 +346,22 @@ def test_to_numpy_float8_rejects_non_float_data():
 def test_to_numpy_float8_log2_scale_range():
     with pytest.raises(RuntimeError, match=r"\[-32, 32\)"):
         to_numpy([1.0], dtypes.float8_143, log2_scale=32)
+
+
+def test_testing_dtype_lists_match_torchs_properties():
+    # upstream's popxl.testing lists; each dtype's flags agree with torch's (unsigned ints by
+    # their signed torch counterparts' kind) and with numpy's dtype of the same name
+    from torch_popxl.testing import get_all_dtypes, get_all_int_dtypes
+
+    ints = get_all_int_dtypes()
+    assert [d.name for d in get_all_int_dtypes(include_signed=False)] == [
+        "uint8", "uint16", "uint32", "uint64"
+    ]  # fmt: skip
+    assert len(get_all_dtypes()) == 13 and dtypes.bool not in get_all_dtypes()
+    for d in get_all_dtypes():
+        unsigned = d.name.startswith("u")
+        t = getattr(torch, d.name[1:] if unsigned else d.name)
+        assert (d.is_complex, d.is_floating_point) == (t.is_complex, t.is_floating_point)
+        assert d.is_int == (d in ints)
+        assert d.is_signed == (t.is_signed and not unsigned)
+        assert dtypes.dtype.as_dtype(np.zeros(1, getattr(np, d.name))) == d

@@ -40,6 +40,26 @@ def test_ipu_copy_returns_the_value_on_the_destination_ipu(executor):
     np.testing.assert_array_equal(result, data * 2 + 1)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_an_op_output_made_outside_popxl_ipu_is_on_ipu_0_as_upstream(executor):
+    # Upstream's ops run on virtual graph 0 unless placed, so ipu_copy takes its source from
+    # the producer; a variable has no producer and stays undefined until placed.
+    ir = popxl.Ir()
+    data = np.arange(4, dtype=np.float32)
+    with ir.main_graph, popxl.in_sequence():
+        v = popxl.variable(data, name="v")
+        x = v * 3.0
+        with pytest.raises(popxl.errors.UndefinedValue, match="'v' has no ipu set"):
+            _ = v.ipu
+        assert x.ipu == 0
+        moved = ops.ipu_copy(x, 1)
+        with popxl.ipu(1):
+            out = _store(moved - 1.0)
+    assert moved.ipu == 1
+    with popxl.Session(ir, "ipu_model", executor=executor) as s:
+        np.testing.assert_array_equal(s.run()[out], data * 3 - 1)
+
+
 def test_ipu_copy_misuse_says_what_was_given_and_how_to_fix_it():
     ir = popxl.Ir()
     other = ir.create_empty_graph("other")

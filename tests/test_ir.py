@@ -105,7 +105,9 @@ def test_graph_equality_and_construction_rules():
         _ = g == 1
     with pytest.raises(TypeError):
         popxl.Graph()
-    assert g.ir is ir and ir.main_graph.main_graph and not g.main_graph
+    # upstream's Graph.main_graph is the Ir's main graph (a Graph), for every graph
+    assert g.ir is ir and g.main_graph is ir.main_graph
+    assert ir.main_graph.main_graph is ir.main_graph
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,7 +124,8 @@ def test_tensor_ids_main_graph_unprefixed_subgraph_prefixed_clashes_suffixed():
         assert [t.id for t in (a, b, c)] == ["w", "w__t1", "w__t2"]
         assert [t.name for t in (a, b, c)] == ["w", "w__t1", "w__t2"]
         default = popxl.variable(0.0)
-        assert default.id == "variable"
+        assert default.id == "t"  # upstream's Graph._create_tensor_id default
+        assert popxl.constant(1.0).id == "t__t1"
         g = ir.create_graph(body, a)
         assert [t.id for t in g.inputs] == ["body_subgraph(0)/x"]
         assert g.get_tensor("body_subgraph(0)/k").name == "k"
@@ -478,3 +481,40 @@ def test_popxl_module_paths_import_like_upstream():
     assert CallSiteInfo and GradGraphInfo
     assert torch_popxl.ops.collectives.replicated_all_reduce and torch_popxl.transforms.autodiff
     assert torch_popxl.dtypes.float32 is torch_popxl.float32
+
+
+def test_tensor_keys_upstream_refuses_raise_type_error():
+    # bool is an int to Python and floats index nothing: upstream raises TypeError for both.
+    with popxl.Ir().main_graph:
+        x = popxl.variable(np.arange(6).reshape(2, 3))
+        for key in (True, 1.5, "a", (0, False), (slice(None), 0.0)):
+            with pytest.raises(TypeError, match="is not supported: index with ints"):
+                _ = x[key]
+        assert x[1, np.int64(2)].shape == () and x[None, ..., 1:].shape == (1, 2, 2)
+
+
+def test_streams_and_main_graph_tensors_share_one_namespace():
+    # Upstream's host streams are main-graph tensors: a stream named like an existing tensor
+    # gets the clash suffix, and so does a tensor named like a stream; host_load names its
+    # result "<name>_hostload" (name defaulting to the stream's id).
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(2, np.float32), name="h2d_stream")
+        h2d = popxl.h2d_stream((2,), popxl.float32)
+        x = ops.host_load(h2d)
+        s = popxl.d2h_stream((2,), popxl.float32, name="w")
+        w = popxl.variable(np.ones(2, np.float32), name="w")
+        ops.host_store(s, x + w + v)
+        named = ops.host_load(h2d, "x")
+    assert (v.id, h2d.tensor_id, x.id) == (
+        "h2d_stream",
+        "h2d_stream__t1",
+        "h2d_stream__t1_hostload",
+    )
+    assert (s.tensor_id, w.id, named.id) == ("w", "w__t1", "x_hostload")
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run({h2d: np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out[s], [2.0, 3.0])
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run({h2d: np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out[s], [2.0, 3.0])

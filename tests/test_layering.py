@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.utils",
             "torch_popxl.fp8_utils",
             "torch_popxl.popart",
+            "torch_popxl.testing",
         ),
     ),
     ("transforms", ("torch_popxl.transforms",)),

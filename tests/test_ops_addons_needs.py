@@ -137,3 +137,83 @@ def test_scatter_reduce_errors():
             ops.scatter_reduce(d, i, "mean", axis_size=3)
         with pytest.raises(ValueError, match="one index per slice"):
             ops.scatter_reduce(d, popxl.variable(np.zeros(3, np.int32)), "sum", axis_size=3)
+
+
+@pytest.mark.parametrize("fp8", [popxl.float8_143, popxl.float8_152])
+def test_device_float8_cast_overflows_to_nan_like_the_host_conversion(fp8):
+    # The device cast rounds as popxl's host conversion does (nan_on_overflow by default):
+    # upstream's tests compare the two bit for bit. 448 / 57344 are the largest finite values
+    # of torch's e4m3fn / e5m2 (Note [float8 encoding]); 1e6 overflows both.
+    top = 448.0 if fp8 is popxl.float8_143 else 57344.0
+    x = np.array([1.5, -3.0, top, -top, 1e6, -1e6, 2.0**-3], np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(x)
+        new = ops.pow2scale_cast_to_fp8(t, popxl.constant(np.int32(2)), fp8)
+        old = ops.pow2scale_then_cast(t, popxl.constant(np.int32(0)), fp8)
+        back = ops.pow2scale_cast_from_fp8(new, popxl.constant(np.int32(-2)), popxl.float32)
+    got_new, got_old, got_back = _run(ir, [new, old, back])
+    host_new = popxl.fp8_utils.host_pow2scale_cast_to_fp8(x, fp8, 2)
+    host_old = popxl.utils.host_pow2scale_then_cast(x, fp8, 0)
+    np.testing.assert_array_equal(got_new, host_new)
+    np.testing.assert_array_equal(got_old, host_old)
+    # times 4: 1.5, -3 and 2**-3 stay finite; +-top and +-1e6 overflow to NaN
+    want_back = np.array([1.5, -3.0, np.nan, np.nan, np.nan, np.nan, 2.0**-3], np.float32)
+    np.testing.assert_array_equal(got_back, want_back)
+    # unscaled, +-top stays finite
+    assert np.isnan(popxl.utils.host_cast_then_pow2scale(got_old, popxl.float32, 0)).tolist() == [
+        False, False, False, False, True, True, False
+    ]  # fmt: skip
+
+
+def test_later_cast_names_need_a_scalar_int32_scale():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.ones(3, np.float32))
+        with pytest.raises(TypeError, match="must be of type popxl.int32"):
+            ops.pow2scale_cast_to_fp8(t, popxl.constant(np.int8(1)), popxl.float8_143)
+        with pytest.raises(ValueError, match="must be a scalar tensor"):
+            ops.pow2scale_cast_to_fp8(t, popxl.constant(np.zeros(2, np.int32)), popxl.float8_143)
+        f8 = ops.pow2scale_cast_to_fp8(t, popxl.constant(np.int32(0)), popxl.float8_152)
+        with pytest.raises(TypeError, match="float16 or float32"):
+            ops.pow2scale_cast_from_fp8(f8, popxl.constant(np.int32(0)), popxl.int32)
+
+
+def _fp8_values(rng, shape, fp8):
+    """Random values exact in ``fp8`` (so float8 operands lose nothing)."""
+    x = rng.uniform(-2, 2, shape).astype(np.float32)
+    f8 = popxl.utils.host_pow2scale_then_cast(x, fp8, 0)
+    return f8, popxl.utils.host_cast_then_pow2scale(f8, popxl.float32, 0)
+
+
+@pytest.mark.parametrize("fp8", [popxl.float8_143, popxl.float8_152])
+def test_scaled_convolutions_are_the_float32_convolutions_scaled_in_float16(fp8):
+    rng = np.random.default_rng(3)
+    x8, x = _fp8_values(rng, (2, 4, 6, 5), fp8)
+    w8, w = _fp8_values(rng, (6, 2, 3, 3), fp8)  # conv: (C_out, C_in / groups, k, k)
+    v8, v = _fp8_values(rng, (4, 3, 2, 2), fp8)  # transpose: (C_in, C_out / groups, k, k)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xt = popxl.variable(x8, fp8)
+        scale = popxl.constant(np.int32(-2))
+        c = ops.conv_pow2scaled(xt, popxl.variable(w8, fp8), scale, stride=(2, 1),
+                                padding=(1, 0, 0, 1), groups=2)  # fmt: skip
+        ct = ops.conv_transpose_pow2scaled(xt, popxl.variable(v8, fp8), scale, stride=(2, 2),
+                                           groups=2, output_padding=(1, 0))  # fmt: skip
+        with pytest.raises(TypeError, match="Scaled conv operands must be of dtype"):
+            ops.conv_pow2scaled(popxl.variable(x), popxl.variable(w8, fp8), scale)
+        with pytest.raises(ValueError, match="must be a scalar tensor"):
+            ops.conv_transpose_pow2scaled(
+                xt, popxl.variable(v8, fp8), popxl.constant(np.zeros(2, np.int32))
+            )
+        with pytest.raises(TypeError, match="must be of type popxl.int32"):
+            ops.conv_pow2scaled(xt, popxl.variable(w8, fp8), popxl.constant(np.int8(1)))
+    assert c.dtype == ct.dtype == popxl.float16
+    got_c, got_ct = _run(ir, [c, ct])
+    tx = torch.from_numpy(x)
+    want_c = torch.nn.functional.conv2d(torch.nn.functional.pad(tx, (0, 1, 1, 0)),
+                                        torch.from_numpy(w), stride=(2, 1), groups=2)  # fmt: skip
+    want_ct = torch.nn.functional.conv_transpose2d(tx, torch.from_numpy(v), stride=2, groups=2,
+                                                   output_padding=(1, 0))  # fmt: skip
+    np.testing.assert_array_equal(got_c, (want_c / 4).half().numpy())
+    np.testing.assert_array_equal(got_ct, (want_ct / 4).half().numpy())

@@ -219,6 +219,126 @@ def test_pooling_and_conv_match_torch_including_asymmetric_padding(executor):
     )
 
 
+def test_dynamic_update_refuses_an_update_that_does_not_fill_the_slice(executor):
+    # upstream's unit test passes a (1, 3) update for the (1, 5, 3) slice of a (3, 5, 7) tensor;
+    # the IPU copies the update in whole, so the misfit is refused here when the op is made.
+    x = np.zeros((3, 5, 7), np.float32)
+    u = np.arange(15, dtype=np.float32).reshape(1, 5, 3)
+
+    def build():
+        t, idx = popxl.variable(x), popxl.variable(np.array([1, 2], np.uint32), popxl.uint32)
+        with pytest.raises(ValueError, match=r"has shape \(1, 3\), but the slice .* \(1, 5, 3\)"):
+            ops.dynamic_update(t, idx, popxl.variable(u[0, :1]), [0, 2], [1, 3])
+        with pytest.raises(ValueError, match="dynamic_update_: t_update"):
+            ops.dynamic_update_(t, idx, popxl.variable(u[0]), [0, 2], [1, 3])
+        return {"y": ops.dynamic_update(t, idx, popxl.variable(u), [0, 2], [1, 3])}
+
+    want = x.copy()
+    want[1:2, :, 2:5] = u
+    np.testing.assert_array_equal(run(build, executor)["y"], want)
+
+
+def test_scaled_add_on_integer_tensors_keeps_the_integer_dtype(executor):
+    # upstream's unit test test_variable_location scaled_add_s int32 tensors with the default
+    # float scales 1.0; integral scales keep int32 (torch refuses a float alpha on ints)
+    x = np.array([1, 2], np.int32)
+    y = np.array([3, 4], np.int32)
+
+    def build():
+        t = popxl.variable(x) + 0
+        out = ops.scaled_add(popxl.variable(x), popxl.variable(y), 2.0, -3.0)
+        ops.scaled_add_(t, popxl.variable(y))
+        u = popxl.variable(x) + 0
+        ops.scaled_add_(u, popxl.variable(y), 3.0, 2.0)
+        assert out.dtype == t.dtype == popxl.int32
+        return {"out": out, "t": t, "u": u}
+
+    y_ = run(build, executor)
+    np.testing.assert_array_equal(y_["out"], 2 * x - 3 * y)
+    np.testing.assert_array_equal(y_["t"], x + y)
+    np.testing.assert_array_equal(y_["u"], 3 * x + 2 * y)
+    assert y_["out"].dtype == np.int32
+
+
+def _conv_transpose_loops(x, w, stride, dil, groups, pads_begin, out_spatial):
+    """ONNX ConvTranspose by its definition: input cell i of channel ci adds
+    x[ci, i] * w[ci, co, k] to output cell i * stride + k * dilation - pad_begin."""
+    n, c_in, h, wd = x.shape
+    c_out_g = w.shape[1]
+    out = np.zeros((n, c_out_g * groups, *out_spatial), np.float64)
+    per_group = c_in // groups
+    for ci in range(c_in):
+        g = ci // per_group
+        for co in range(c_out_g):
+            for i in range(h):
+                for j in range(wd):
+                    for ki in range(w.shape[2]):
+                        for kj in range(w.shape[3]):
+                            oi = i * stride[0] + ki * dil[0] - pads_begin[0]
+                            oj = j * stride[1] + kj * dil[1] - pads_begin[1]
+                            if 0 <= oi < out_spatial[0] and 0 <= oj < out_spatial[1]:
+                                out[:, g * c_out_g + co, oi, oj] += (
+                                    x[:, ci, i, j] * w[ci, co, ki, kj]
+                                )
+    return out
+
+
+def test_conv_transpose_matches_onnx_conv_transpose_by_its_definition(executor):
+    # Upstream's ops.conv_transpose (ONNX ConvTranspose): weights (C_in, C_out / groups, k...),
+    # output size stride * (in - 1) + output_padding + (k - 1) * dilation + 1 - pads, or the
+    # output_shape given, the padding then split with the odd cell at the end for same_upper.
+    x = rng.standard_normal((2, 4, 3, 4)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 2)).astype(np.float32)  # groups=2: 6 output channels
+
+    def build():
+        t, k = popxl.variable(x), popxl.variable(w)
+        return {
+            "pads": ops.conv_transpose(
+                t,
+                k,
+                stride=(2, 1),
+                padding=(1, 0, 0, 1),
+                dilation=(1, 2),
+                groups=2,
+                output_padding=(1, 0),
+            ),  # fmt: skip
+            "shape": ops.conv_transpose(t, k, stride=(2, 3), groups=2, output_shape=(6, 10)),
+            "upper": ops.conv_transpose(t, k, stride=(2, 2), groups=2, pad_type="same_upper"),
+            "lower": ops.conv_transpose(t, k, stride=(2, 2), groups=2, pad_type="same_lower"),
+            "valid": ops.conv_transpose(t, k, groups=2, pad_type="valid"),
+            "grow": ops.conv_transpose(t, k, groups=2, output_shape=(2, 6, 6, 6)),
+        }
+
+    y = run(build, executor)
+    # (stride, dilation, pad begins, output size) per case; full = s * (in - 1) + (k - 1) * d + 1
+    cases = {
+        "pads": ((2, 1), (1, 2), (1, 0), (2 * 2 + 1 + 3 - 1, 3 + 3 - 1)),  # 7, 5
+        # full (7, 11) vs (6, 10): totals (1, 1) -> begin 1 (odd cell first), end 0
+        "shape": ((2, 3), (1, 1), (1, 1), (6, 10)),
+        # full (7, 8) vs in * stride (6, 8): totals (1, 0) -> same_upper begins (0, 0)
+        "upper": ((2, 2), (1, 1), (0, 0), (6, 8)),
+        "lower": ((2, 2), (1, 1), (1, 0), (6, 8)),
+        "valid": ((1, 1), (1, 1), (0, 0), (5, 5)),
+        # full (5, 5) vs (6, 6): totals (-1, -1), truncated halves 0 -> begins (-1, -1): zeros
+        "grow": ((1, 1), (1, 1), (-1, -1), (6, 6)),
+    }
+    for name, (stride, dil, begins, size) in cases.items():
+        want = _conv_transpose_loops(x, w, stride, dil, 2, begins, size)
+        assert y[name].shape == want.shape, name
+        np.testing.assert_allclose(y[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_conv_transpose_errors_name_the_expected_weight_layout():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.zeros((1, 4, 3, 3), np.float32))
+        with pytest.raises(ValueError, match=r"C_in=4, C_out / groups"):
+            ops.conv_transpose(t, popxl.variable(np.zeros((2, 4, 3, 3), np.float32)))
+        with pytest.raises(ValueError, match="output_shape needs the 2 spatial sizes"):
+            ops.conv_transpose(t, popxl.variable(np.zeros((4, 1, 3, 3), np.float32)),
+                               output_shape=(5, 5, 5))  # fmt: skip
+
+
 def test_dynamic_slice_and_update_use_the_run_time_index(executor):
     x = np.arange(24, dtype=np.float32).reshape(4, 6)
     u = -np.ones((2, 3), np.float32)

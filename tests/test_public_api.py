@@ -7,6 +7,7 @@ the ops added with this table).
 """
 
 import importlib
+import logging
 
 import pytest
 
@@ -61,6 +62,12 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
         # scatter_reduce.py, shaped_dropout.py, conditional.py
         "pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish", "swish_",
         "scatter_reduce", "shaped_dropout", "conditional", "conditional_with_info",
+        # later upstream (conv.py, cast.py after SDK 3.4; its tests/integration/popxl use them)
+        "conv_transpose", "conv_pow2scaled", "conv_transpose_pow2scaled",
+        "pow2scale_cast_to_fp8", "pow2scale_cast_from_fp8",
+    )),
+    ("torch_popxl.popart", "popart's Python module, as upstream's popxl tests import it", (
+        "PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception", "getLogger",
     )),
     ("torch_popxl.ops.collectives", "python/popxl/python_files/ops/collectives/__init__.py", (
         "all_reduce", "all_reduce_identical_inputs", "all_reduce_identical_grad_inputs",
@@ -79,6 +86,7 @@ UPSTREAM_NAMES: list[tuple[str, str, tuple[str, ...]]] = [
     )),
     ("torch_popxl.utils", "python/popxl/python_files/utils.py", (
         "to_numpy", "host_pow2scale_then_cast", "host_cast_then_pow2scale",
+        "downcast_np_dtypes",
     )),
     ("torch_popxl.dtypes", "python/popxl/python_files/dtypes.py", (
         "dtype", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
@@ -147,3 +155,39 @@ def test_known_missing_names_are_really_missing():
     # Fails once a gap is filled, so the KNOWN_MISSING list cannot go stale.
     for module, name in KNOWN_MISSING:
         assert not hasattr(importlib.import_module(module), name), (module, name)
+
+
+def test_popart_names_the_same_comm_group_classes_as_popxl():
+    # upstream's popxl.ops.collectives re-exports popart's classes: one CommGroupType, not two.
+    import torch_popxl.ops as ops
+    import torch_popxl.popart as popart
+
+    assert popart.CommGroupType is ops.collectives.CommGroupType
+    assert popart.CommGroup(popart.CommGroupType.Orthogonal, 2) == ops.collectives.CommGroup(
+        ops.collectives.CommGroupType.Orthogonal, 2
+    )
+    assert popart.DataType.FLOAT8_143 != popart.DataType.FLOAT8_152
+    logger = popart.getLogger()
+    before = logger.level
+    try:
+        logger.setLevel("DEBUG")  # upstream's scripts turn PopART's log up so
+        assert logging.getLogger("torch_popxl.ir").getEffectiveLevel() == logging.DEBUG
+    finally:
+        logger.setLevel(before)
+
+
+def test_popart_exception_catches_what_popart_would_refuse():
+    # upstream's tests expect popart.popart_exception from autodiff of a graph with a += op
+    import torch_popxl as popxl
+    import torch_popxl.popart as popart
+    from torch_popxl.transforms import autodiff
+
+    def body(a, b):
+        a += b
+        return a
+
+    ir = popxl.Ir()
+    spec = popxl.TensorSpec((1,), popxl.float32)
+    g = ir.create_graph(body, spec, spec)
+    with pytest.raises(popart.popart_exception, match=r"^The graph .* contains a modifying op"):
+        autodiff(g)

@@ -68,6 +68,34 @@ def test_all_gather_new_axis_per_replica_values(executor):
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
+def test_all_gather_called_with_the_grouping_second_is_the_older_new_axis_gather(executor):
+    """Older PopXL's replicated_all_gather(t, group) (upstream's tests call it so): x_r = [r]
+    gathers to (G, 1) per replica, and an RTS shard to its meta_shape."""
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        x = popxl.variable(
+            np.arange(4, dtype=np.int32)[:, None], replica_grouping=ir.replica_grouping(1, 1)
+        )
+        by_group = {
+            (s, g): _store(ops.collectives.replicated_all_gather(x, ir.replica_grouping(s, g)))
+            for s, g in [(1, 1), (1, 2), (2, 2), (1, 4)]
+        }
+        _, shard = popxl.replica_sharded_variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+        full = _store(ops.collectives.replicated_all_gather(shard, ir.replica_grouping()))
+        with pytest.raises(ValueError, match="both as axis"):
+            ops.collectives.replicated_all_gather(
+                x, ir.replica_grouping(), group=ir.replica_grouping()
+            )
+    with _session(ir, executor) as session:
+        res = session.run()
+    members = {(1, 1): [[0], [1], [2], [3]], (1, 2): [[0, 1], [0, 1], [2, 3], [2, 3]],
+               (2, 2): [[0, 2], [1, 3], [0, 2], [1, 3]], (1, 4): [[0, 1, 2, 3]] * 4}  # fmt: skip
+    for key, stream in by_group.items():
+        np.testing.assert_array_equal(res[stream], np.array(members[key])[..., None], str(key))
+    np.testing.assert_array_equal(res[full], np.tile(np.arange(6.0).reshape(2, 3), (4, 1, 1)))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
 def test_inputs_and_outputs_have_a_replica_dimension(executor):
     """Spec §6.3: arrays are (nht, R, *shape); element [i, r] is replica r's i-th transfer."""
     ir = popxl.Ir(replication=4)

@@ -7,6 +7,8 @@ internal Ir and sets PopXL's defaults on its options; programs then reach throug
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,7 @@ APP_FIELDS = [
     ("timeLimitScheduler", 0.0),
     ("swapLimitScheduler", 0),
     ("instrumentWithHardwareCycleCounter", True),
+    ("throwIfLog2ScaleTensorNotInRange", False),  # upstream's float8 tests
 ]
 
 
@@ -101,6 +104,18 @@ def test_popart_cache_dir_enables_engine_caching(monkeypatch):
     opts = popxl.Ir()._pb_ir.getSessionOptions()
     assert opts.enableEngineCaching
     assert opts.cachePath == "PATH_TO_CACHE"
+
+
+def test_popxl_cache_dir_enables_engine_caching_and_wins(monkeypatch):
+    # upstream's tests and Graphcore's applications set POPXL_CACHE_DIR; popxl.Ir applies it
+    # over PopART's POPART_CACHE_DIR
+    monkeypatch.setenv("POPXL_CACHE_DIR", "POPXL_PATH")
+    opts = popxl.Ir()._pb_ir.getSessionOptions()
+    assert opts.enableEngineCaching and opts.cachePath == "POPXL_PATH"
+    monkeypatch.setenv("POPART_CACHE_DIR", "POPART_PATH")
+    assert popxl.Ir()._pb_ir.getSessionOptions().cachePath == "POPXL_PATH"
+    monkeypatch.delenv("POPXL_CACHE_DIR")
+    assert popxl.Ir()._pb_ir.getSessionOptions().cachePath == "POPART_PATH"
 
 
 def test_unknown_option_raises_attribute_error_naming_it():
@@ -196,3 +211,20 @@ def test_stream_ids_are_main_graph_tensors_as_upstream():
     assert {s.tensor_id for s in ir.get_all_h2d_streams()} == {h.tensor_id}
     assert all(s.tensor_id in main for s in (d, e, f, h)) and v.id in main
     assert "no_such_tensor" not in main and "no_such_tensor" not in popxl.Ir()._pb_ir.getMainGraph()
+
+
+def test_log_ir_logs_every_graph_at_info_as_upstream_does(caplog):
+    # Upstream's tests call ir._pb_ir.logIr() while building; it logs the IR at INFO only.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(2, np.float32), name="x")
+        g = ir.create_graph(lambda t: t + 1.0, x)
+        popxl.ops.call(g, x)
+    with caplog.at_level(logging.WARNING, logger="torch_popxl.ir"):
+        ir._pb_ir.logIr()
+    assert caplog.records == []
+    with caplog.at_level(logging.INFO, logger="torch_popxl.ir"):
+        ir._pb_ir.logIr()
+    texts = [r.getMessage() for r in caplog.records]
+    assert texts == [ir.main_graph.text(), g.text()]
+    assert "x" in texts[0] and g.id in texts[1]

@@ -717,7 +717,7 @@ def _param_variable(graph: Graph, p: torch.Tensor) -> Tensor:
     cached = ir._param_variables.get(id(p))
     if cached is not None and cached[0]() is p:
         return cached[1]
-    if not graph.main_graph:
+    if not graph._is_main:
         raise ValueError(
             f"A torch.nn.Parameter of shape {tuple(p.shape)} is used inside subgraph "
             f"{graph.id!r}. Variables only exist in the main graph: run the module in the main "

@@ -72,11 +72,12 @@ _BY_TORCH: dict[torch.dtype, dtype] = {}
 # `as_dtype("float")` means popxl.float (float32), not numpy's "float" (float64).
 _ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
 
-# Python scalar types map to what `to_numpy` produces for their values (int and float are
-# downcast to 32 bits; complex is never downcast).
+# Python scalar types, as upstream maps them: bool and float name popxl.bool and popxl.float32;
+# int names none, so numpy reads it (int64, unlike `to_numpy(1)`, which downcasts the value to
+# int32); complex likewise (complex128).
 _BY_PYTHON_TYPE = {
     builtins.bool: "bool",
-    builtins.int: "int32",
+    builtins.int: "int64",
     builtins.float: "float32",
     builtins.complex: "complex128",
 }
@@ -472,13 +473,22 @@ def _to_float8(
     nan_on_overflow = True if nan_on_overflow is None else nan_on_overflow
 
     scaled = torch.from_numpy(np.array(array, dtype=np.float64, copy=True)) * 2.0**log2_scale
+    # `scaled` is a fresh contiguous tensor, so this shares memory with nothing the caller has.
+    f8 = round_to_float8(scaled, target, nan_on_overflow)
+    return f8.view(torch.uint8).numpy().view(target.as_numpy())
+
+
+def round_to_float8(scaled: torch.Tensor, target: dtype, nan_on_overflow: builtins.bool = True):
+    """Already-scaled float data rounded to float8 ``target`` as PopXL rounds it, on the host
+    and in the device's ``pow2scale_then_cast``: a value too large for the format becomes NaN,
+    or with ``nan_on_overflow=False`` the largest finite value of its sign (torch's own
+    conversion would saturate or give inf)."""
     fp8_max = _FLOAT8_MAX[target]
     if nan_on_overflow:
-        scaled[_FLOAT8_OVERFLOWS[target](scaled.abs())] = torch.nan
+        scaled = torch.where(_FLOAT8_OVERFLOWS[target](scaled.abs()), torch.nan, scaled)
     else:
         scaled = scaled.clamp(-fp8_max, fp8_max)
-    # `scaled` is a fresh contiguous tensor, so this shares memory with nothing the caller has.
-    return scaled.to(target.as_torch()).view(torch.uint8).numpy().view(target.as_numpy())
+    return scaled.to(target.as_torch())
 
 
 def torch_to_numpy(t: torch.Tensor, dt: dtype, copy: builtins.bool = True) -> np.ndarray:

@@ -16,7 +16,11 @@ __all__ = [
     "host_cast_then_pow2scale",
     "np_dtype_float8_143",
     "np_dtype_float8_152",
+    "downcast_np_dtypes",
 ]
+
+# The numpy types `to_numpy` narrows when no dtype is given (upstream's table, by its name).
+downcast_np_dtypes: dict[np.dtype, np.dtype] = _dtypes._DOWNCAST
 
 _FLOAT8_BY_NUMPY = {
     np_dtype_float8_143: _dtypes.float8_143,

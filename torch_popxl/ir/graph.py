@@ -213,7 +213,12 @@ class Graph:
         return self._ir
 
     @property
-    def main_graph(self) -> bool:
+    def main_graph(self) -> Graph:
+        """The main graph of this graph's Ir (upstream's ``Graph.main_graph``)."""
+        return self._ir.main_graph
+
+    @property
+    def _is_main(self) -> bool:
         return self is self._ir.main_graph
 
     def __eq__(self, other):
@@ -307,10 +312,12 @@ class Graph:
     def _register_tensor(self, t: Tensor, name: str, scoped: bool = True) -> str:
         self._ir._check_mutable()
         base = _ctx.current_name_scope() + name if scoped else name
-        tid = base if self.main_graph else f"{self._id}/{base}"
-        if tid in self._tensors:
+        tid = base if self._is_main else f"{self._id}/{base}"
+        # Host streams are main-graph tensors upstream: their ids share this namespace.
+        taken = self._ir._stream_ids() if self._is_main else ()
+        if tid in self._tensors or tid in taken:
             k = 1
-            while f"{tid}__t{k}" in self._tensors:
+            while f"{tid}__t{k}" in self._tensors or f"{tid}__t{k}" in taken:
                 k += 1
             tid = f"{tid}__t{k}"
         self._tensors[tid] = t
@@ -390,7 +397,7 @@ class Graph:
         for t in self._inputs:
             ref = " (by_ref)" if t.id in self._by_ref else ""
             lines.append(f"  input {_fmt(t)}{ref}")
-        if self.main_graph:
+        if self._is_main:
             for v in self.variables:
                 lines.append(f"  variable {_fmt(v)}")
         for ctx_name in _CONTEXTS:

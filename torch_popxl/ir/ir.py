@@ -227,6 +227,10 @@ class Ir:
     def get_all_d2h_streams(self) -> set[DeviceToHostStream]:
         return {s for s in self._d2h_streams if s._used}
 
+    def _stream_ids(self) -> set[str]:
+        """Every host stream's id (they share the main graph's tensor namespace)."""
+        return {s.tensor_id for s in (*self._h2d_streams, *self._d2h_streams)}
+
     def _add_variable(self, v: Variable, host: np.ndarray) -> None:
         if isinstance(host, np.memmap) and not v.replica_grouping.is_const:
             # Note [memmap variables] in ir/tensor.py: a non-constant grouping is stored as

@@ -76,7 +76,8 @@ class RemoteBuffer:
         shape = self._meta_shape if num_shards != 1 and self._meta_shape else self._tensor_shape
         if tuple(t.shape) != shape or t.dtype != self._tensor_dtype:
             raise ValueError(
-                f"Tensor {t.id} does not match buffer. Tensor: {t.dtype.name}{list(t.shape)}, "
+                # upstream's message starts with this sentence (its tests match on it)
+                f"Tensor does not match buffer. Tensor {t.id!r}: {t.dtype.name}{list(t.shape)}, "
                 f"buffer {self!r}: {self._tensor_dtype.name}{list(shape)}."
             )
 

@@ -20,7 +20,7 @@ What the fields mean here:
   ``enableDistributedReplicatedGraphs`` read the Ir's replica layout (``popxl.Ir(replication=)``
   sets it, as PopDist does upstream); ``enableInplaceAmbiguityChecking = False`` turns off the
   check a Session runs (``ir/inplace.py``); ``enableEngineCaching`` / ``cachePath`` start from
-  ``$POPART_CACHE_DIR`` as upstream.
+  ``$POPXL_CACHE_DIR`` (else ``$POPART_CACHE_DIR``) as upstream.
 * ``numIOTiles`` feeds the cost model and so the memory report's modeled times: compute runs on
   the tiles left over (Note [IO tiles] in ``runtime/cost_model.py``); ``popxl.io_tiles()``
   works with any value, as here every transfer is simulated alike.
@@ -34,6 +34,7 @@ What the fields mean here:
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +224,8 @@ class SessionOptions(_Struct):
         "enableFloatingPointChecks": False,
         "enableFullyConnectedPass": True,
         "enableGroupedMatmuls": False,
+        # The device's float8 scales are not range-checked here (docs/semantics.md).
+        "throwIfLog2ScaleTensorNotInRange": True,
         "enableStableNorm": False,
         "enableNonStableSoftmax": False,
         "enableMergeExchange": True,
@@ -273,8 +276,10 @@ class SessionOptions(_Struct):
     def __init__(self, ir: Ir) -> None:
         object.__setattr__(self, "_ir", ir)
         super().__init__()
-        cache_dir = os.environ.get("POPART_CACHE_DIR")
-        if cache_dir:  # as upstream's SessionOptions constructor
+        # PopART's SessionOptions read POPART_CACHE_DIR; popxl.Ir then applies POPXL_CACHE_DIR
+        # (the variable Graphcore's PopXL applications document), which so wins.
+        cache_dir = os.environ.get("POPXL_CACHE_DIR") or os.environ.get("POPART_CACHE_DIR")
+        if cache_dir:
             self.enableEngineCaching = True
             self.cachePath = cache_dir
 
@@ -357,9 +362,16 @@ class PbIr:
     def getMainGraph(self) -> PbMainGraph:
         return PbMainGraph(self._ir)
 
+    def logIr(self) -> None:
+        """Log every graph's text at INFO (logger ``torch_popxl.ir``), as upstream logs its IR
+        at POPART_LOG_LEVEL=INFO: silent unless that level is enabled."""
+        log = logging.getLogger("torch_popxl.ir")
+        for graph in self._ir.graphs:
+            log.info("%s", graph.text())
+
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"Ir._pb_ir has no {name!r}: torch_popxl provides only getSessionOptions(), getId(), "
-            "getMainGraph() and isPrepared() of upstream's internal Ir; use the public popxl.Ir "
-            "API for the rest."
+            "getMainGraph(), isPrepared() and logIr() of upstream's internal Ir; use the public "
+            "popxl.Ir API for the rest."
         )

@@ -78,8 +78,10 @@ class DeviceToHostStream(_Stream):
     _factory = "d2h_stream"
 
 
-def _unique(existing: Iterable[_Stream], name: str) -> str:
-    names = {s._name for s in existing}
+def _unique(existing: Iterable[_Stream], name: str, tensor_ids=()) -> str:
+    """``name``, or ``name__t<k>`` if a stream or a main-graph tensor (``tensor_ids``) has it:
+    upstream's streams are main-graph tensors, so the two share one namespace."""
+    names = {s._name for s in existing} | set(tensor_ids)
     if name not in names:
         return name
     for k in itertools.count(1):
@@ -94,7 +96,8 @@ def _new_stream(cls, shape, dtype, name: str | None):
     ir = gcg().ir
     ir._check_mutable()
     registry = ir._h2d_streams if cls is HostToDeviceStream else ir._d2h_streams
-    unique_name = _unique([*ir._h2d_streams, *ir._d2h_streams], name or cls._factory)
+    unique_name = _unique([*ir._h2d_streams, *ir._d2h_streams], name or cls._factory,
+                          ir.main_graph._tensors)  # fmt: skip
     s = cls._create(ir, shape, dtype, unique_name, len(registry))
     registry.append(s)
     return s

@@ -55,6 +55,9 @@ __all__ = [
 
 HostTensor = np.ndarray | torch.Tensor | float | int | bool | list
 
+# A variable's or constant's name when none is given (upstream's Graph._create_tensor_id default).
+_DEFAULT_NAME = "t"
+
 
 class TensorSpec(Mapping):
     """Shape, dtype and meta_shape of a tensor; the placeholder type for ``create_graph``."""
@@ -231,11 +234,21 @@ class Tensor(_InstalledMethods):
 
     @property
     def ipu(self) -> int:
-        if self._ipu is None:
-            raise UndefinedValue(
-                f"Tensor {self._id!r} has no ipu set; create it inside popxl.ipu(n)."
-            )
-        return self._ipu
+        """The IPU the tensor is on: the ``popxl.ipu(n)`` it was made in; an op's output made
+        outside any ``popxl.ipu`` is on IPU 0, upstream's default virtual graph.
+
+        Raises:
+            UndefinedValue: for a variable, constant or graph input made outside any
+                ``popxl.ipu`` (upstream derives theirs from the ops that use them).
+        """
+        if self._ipu is not None:
+            return self._ipu
+        if self._graph._producer(self) is not None:
+            return 0
+        raise UndefinedValue(
+            f"Tensor {self._id!r} has no ipu set: it is not an op's output and was created "
+            "outside any popxl.ipu(n); create it inside `with popxl.ipu(n):`."
+        )
 
     @property
     def tile_set(self) -> str:
@@ -469,7 +482,7 @@ def constant(
     arr = _host_array(data, dt, downcast, log2_scale, nan_on_overflow)
     dt = dt or _dtypes.dtype.as_dtype(arr.dtype)
     value = _torch_from_numpy(arr, dt)
-    return graph._add_constant(value, dt, name or "constant")
+    return graph._add_constant(value, dt, name or _DEFAULT_NAME)
 
 
 def _constant_from_torch(graph: Graph, value: torch.Tensor, name: str = "constant") -> Constant:
@@ -508,7 +521,7 @@ def variable(
     shape = _per_replica_shape(arr.shape, rg, name)
     v = Variable._create(
         graph,
-        name or "variable",
+        name or _DEFAULT_NAME,
         _fake_like(shape, dt),
         _info=VariableInfo(replica_grouping=rg, retrieval_mode=retrieval_mode),
     )
@@ -529,7 +542,7 @@ def _per_replica_shape(host_shape, rg, name) -> tuple[int, ...]:
         return tuple(host_shape)
     if len(host_shape) == 0 or host_shape[0] != n:
         raise ValueError(
-            f"Variable {name or 'variable'!r}: host data of shape {tuple(host_shape)} does not "
+            f"Variable {name or _DEFAULT_NAME!r}: host data of shape {tuple(host_shape)} does not "
             f"have the group dimension. Its replica grouping has {n} groups, so the data must "
             f"have shape ({n}, *shape) with one row per group (Return mismatch with possibly "
             f"appended outer dimension should match numGroups: {n})."

@@ -179,10 +179,30 @@ def _output_batched(op: Op, num_replicas: int, input_batched: bool) -> bool:
 # ---- the public wrapper ----------------------------------------------------------------------
 
 
+# Note [the all-gather before axis]
+#     Older PopXL releases had ``replicated_all_gather(t, group=None)``: no ``axis`` or
+#     ``output_shape``, and an output of shape ``(G, *t.shape)`` (a new leading axis), reshaped
+#     to ``t.meta_shape`` for an RTS shard. Upstream's own tests and programs of that time call
+#     it as ``replicated_all_gather(x, group)``; SDK 3.4 would read the grouping as ``axis`` and
+#     refuse it. A ReplicaGrouping is never an axis, so that call gets the older meaning here:
+#     the grouping is the group and ``'auto'`` means ``'meta_shape'`` or ``'new_axis'``.
+
+
 def replicated_all_gather(t: Handle, axis: int = 0, group: ReplicaGrouping | None = None,
                           output_shape: str = "auto") -> Handle:  # fmt: skip
-    """Gather ``t`` from every member of the group (modes: concat, new_axis, meta_shape, auto)."""
+    """Gather ``t`` from every member of the group (modes: concat, new_axis, meta_shape, auto);
+    ``replicated_all_gather(t, group)`` is the older signature (Note [the all-gather before
+    axis])."""
     check_tensor(t, NAME, data_movement=True)
+    if isinstance(axis, ReplicaGrouping):
+        if group is not None:
+            raise ValueError(
+                f"replicated_all_gather: got a grouping both as axis ({axis!r}) and as group "
+                f"({group!r}); pass an int axis and group=."
+            )
+        axis, group = 0, axis
+        if output_shape == "auto":
+            output_shape = "meta_shape" if t.meta_shape else "new_axis"
     if not isinstance(axis, int):
         raise ValueError(f"replicated_all_gather: axis must be an int; got {axis!r}.")
     if output_shape not in ("new_axis", "concat", "meta_shape", "auto"):

@@ -27,14 +27,17 @@ def _store_traffic(op: Op, num_replicas: int) -> Traffic:
 
 
 def host_load(h2d_stream, name: str | None = None) -> Tensor:
-    """Load the next entry of ``h2d_stream`` (one row per replica)."""
+    """Load the next entry of ``h2d_stream`` (one row per replica). The result is named
+    ``<name>_hostload``, ``name`` defaulting to the stream's id, as upstream names it."""
     if not isinstance(h2d_stream, HostToDeviceStream):
         raise TypeError(f"host_load expects a HostToDeviceStream; got {type(h2d_stream).__name__}.")
     graph = gcg()
     if h2d_stream._ir is not graph.ir:
         raise ValueError(f"Stream {h2d_stream.tensor_id!r} belongs to another Ir.")
     out = Tensor._create(
-        graph, name or h2d_stream.tensor_id, _fake_like(h2d_stream.shape, h2d_stream.dtype)
+        graph,
+        (name or h2d_stream.tensor_id) + "_hostload",
+        _fake_like(h2d_stream.shape, h2d_stream.dtype),
     )
     h2d_stream._used = True
     graph._append_op(Op(host_load_opdef, "HostLoad", (), (out,), HostTransfer(h2d_stream)))

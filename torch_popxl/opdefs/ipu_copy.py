@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..capture import call_torch
 from ..dtypes import nbytes
+from ..errors import UndefinedValue
 from ..ir.context import gcg
 from ..ir.graph import Op
 from ..ir.tensor import Tensor as Handle
@@ -100,8 +101,9 @@ def _check_ipu(value, what: str) -> int:
 def ipu_copy(t: Handle, destination: int, source: int | None = None) -> Handle:
     """Copy ``t`` to IPU ``destination``; returns the copy, placed on ``destination``.
 
-    ``source`` defaults to the IPU ``t`` was created on (``popxl.ipu(n)``); give it for a tensor
-    created outside any ``popxl.ipu`` context. The copy is named ``<t.name>_c<destination>``.
+    ``source`` defaults to ``t.ipu``: the IPU ``t`` was created on (``popxl.ipu(n)``), or 0 for
+    an op's output made outside any ``popxl.ipu``; give it for a variable, constant or graph
+    input made outside one. The copy is named ``<t.name>_c<destination>``.
     """
     if not isinstance(t, Handle):
         raise TypeError(f"ipu_copy expects a popxl Tensor; got {type(t).__name__}.")
@@ -110,13 +112,14 @@ def ipu_copy(t: Handle, destination: int, source: int | None = None) -> Handle:
         raise ValueError(f"ipu_copy: tensor {t.id!r} is not in the current graph {graph.id!r}.")
     destination = _check_ipu(destination, "destination")
     if source is None:
-        if t._ipu is None:
+        try:
+            source = t.ipu
+        except UndefinedValue:
             raise ValueError(
-                f"ipu_copy: could not infer the IPU of tensor {t.id!r}: it was created outside "
-                "any popxl.ipu(n) context. Pass source=<its IPU> or create it inside "
-                "`with popxl.ipu(n):`."
-            )
-        source = t._ipu
+                f"ipu_copy: could not infer the IPU of tensor {t.id!r}: it is not an op's "
+                "output and was created outside any popxl.ipu(n) context. Pass "
+                "source=<its IPU> or create it inside `with popxl.ipu(n):`."
+            ) from None
     source = _check_ipu(source, "source")
     if t._ipu is not None and t._ipu != source:
         raise ValueError(

@@ -91,6 +91,7 @@ from .nn import (
     average_pool,
     batch_norm_inference,
     conv,
+    conv_transpose,
     dropout,
     group_norm,
     layer_norm,
@@ -187,7 +188,7 @@ __all__ = [
     "lamb_square", "scaled_add", "scaled_add_",
     "collectives", "var_updates", "lamb_updater", "adamax_updater",
     # upstream's other op names, slice_ and tied_gather
-    "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_", "identity", "io_tile_copy", "ceil", "floor", "sign", "isfinite", "isinf", "isnan", "geluerf", "cumsum", "histogram", "mean", "sum", "sumsquare", "prod", "median", "l1", "l2", "logsum", "logsumexp", "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "PadType", "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter", "random_uniform", "random_normal", "split_random_seed", "create_random_seed", "remote_code_load", "interpolate", "roi_align", "slice_", "tied_gather",
+    "add_", "relu_", "gelu_", "exp_", "concat_", "detach_", "increment_mod_", "identity", "io_tile_copy", "ceil", "floor", "sign", "isfinite", "isinf", "isnan", "geluerf", "cumsum", "histogram", "mean", "sum", "sumsquare", "prod", "median", "l1", "l2", "logsum", "logsumexp", "group_norm", "batch_norm_inference", "average_pool", "max_pool", "conv", "conv_transpose", "PadType", "dynamic_slice", "dynamic_update", "dynamic_update_", "scatter", "random_uniform", "random_normal", "split_random_seed", "create_random_seed", "remote_code_load", "interpolate", "roi_align", "slice_", "tied_gather",
 ]  # fmt: skip
 
 __all__ += addons_needs.__all__  # noqa: F405  (issue 15: re-exported above)

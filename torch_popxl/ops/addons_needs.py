@@ -1,20 +1,23 @@
 """``popxl.ops`` names popxl-addons programs use that the rest of ``ops`` did not provide yet:
-the float8 power-of-two casts and scaled matmul, ``swish_``, ``shaped_dropout`` and
-``scatter_reduce`` (upstream: popart python/popxl/python_files/ops/cast.py, matmul.py,
-swish.py, shaped_dropout.py, scatter_reduce.py).
+the float8 power-of-two casts (under SDK 3.4's names and the later ``pow2scale_cast_to_fp8`` /
+``pow2scale_cast_from_fp8``), the scaled matmul and convolutions, ``swish_``,
+``shaped_dropout`` and ``scatter_reduce`` (upstream: popart python/popxl/python_files/ops/
+cast.py, matmul.py, conv.py, swish.py, shaped_dropout.py, scatter_reduce.py).
 
 Note [power-of-two scaling]
     ``log2_scale`` is a scalar int32 tensor read at run time. ``pow2scale_then_cast`` computes
-    ``cast(t * 2**log2_scale, float8)``, ``cast_then_pow2scale`` ``cast(t, dtype) *
-    2**log2_scale`` and ``matmul_pow2scaled`` ``(lhs @ rhs) * 2**log2_scale`` in float16 (the
-    IPU's output and partials type for float8 matmuls). The products are exact powers of two,
+    ``cast(t * 2**log2_scale, float8)`` (a value too large for the format becomes NaN, as
+    the host's ``nan_on_overflow`` default), ``cast_then_pow2scale`` ``cast(t, dtype) *
+    2**log2_scale`` and ``matmul_pow2scaled`` (``conv_pow2scaled``,
+    ``conv_transpose_pow2scaled``) ``(lhs @ rhs) * 2**log2_scale`` in float16 (the IPU's output
+    and partials type for float8 matmuls and convolutions). The products are exact powers of two,
     so only the casts round; float8 data is held in torch's formats (Note [float8 encoding]
     in dtypes.py), whose out-of-range conversions torch defines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -24,10 +27,12 @@ from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..errors import given
 from ..ir.tensor import Tensor
+from .nn import PadType, conv_function, conv_transpose_function
 from .rng import seeded_uniform
 
-__all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish_",
-           "shaped_dropout", "scatter_reduce"]  # fmt: skip
+__all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "pow2scale_cast_to_fp8",
+           "pow2scale_cast_from_fp8", "matmul_pow2scaled", "conv_pow2scaled",
+           "conv_transpose_pow2scaled", "swish_", "shaped_dropout", "scatter_reduce"]  # fmt: skip
 
 _FLOAT8 = (_dtypes.float8_143, _dtypes.float8_152)
 
@@ -69,10 +74,9 @@ def pow2scale_then_cast(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
         raise TypeError(
             f"ops.pow2scale_then_cast: data_type must be float8_143 or float8_152; got {data_type!r}."
         )
-    target = data_type.as_torch()
 
     def run(x, s):
-        return (x.to(torch.float32) * _pow2(s)).to(target)
+        return _dtypes.round_to_float8(x.to(torch.float32) * _pow2(s), data_type)
 
     return call_torch(run, (t, scale), {})
 
@@ -101,19 +105,23 @@ def cast_then_pow2scale(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
     return call_torch(run, (t, scale), {})
 
 
-def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
-                      available_memory_proportion: float | None = None) -> Tensor:  # fmt: skip
-    """``(lhs @ rhs) * 2**log2_scale`` for float8 operands, as float16 (numpy matmul rules).
+def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:
+    """``cast(t * 2**log2_scale, data_type)``: ``pow2scale_then_cast`` under its later
+    upstream name, whose ``log2_scale`` must be a scalar int32 tensor."""
+    return pow2scale_then_cast(t, _int32_scale(log2_scale), data_type)
 
-    Raises:
-        TypeError: an operand is not float8, or ``log2_scale`` is not int32.
-        ValueError: ``log2_scale`` is not a scalar.
-    """
-    lhs, rhs = _tensor(lhs, "matmul_pow2scaled", "lhs"), _tensor(rhs, "matmul_pow2scaled", "rhs")
-    if lhs.dtype not in _FLOAT8 or rhs.dtype not in _FLOAT8:
+
+def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:
+    """``cast(t, data_type) * 2**log2_scale``: ``cast_then_pow2scale`` under its later
+    upstream name, whose ``log2_scale`` must be a scalar int32 tensor."""
+    return cast_then_pow2scale(t, _int32_scale(log2_scale), data_type)
+
+
+def _int32_scale(log2_scale) -> Tensor:
+    """Upstream's check of a scaled op's ``log2_scale``: a scalar int32 tensor."""
+    if not isinstance(log2_scale, Tensor):
         raise TypeError(
-            "Scaled matmul operands must be of dtype popxl.float8_143 or popxl.float8_152; got "
-            f"{lhs.dtype.name} and {rhs.dtype.name}. Cast them with ops.pow2scale_then_cast."
+            f"Log2 scale must be a popxl Tensor of type popxl.int32; got {given(log2_scale)}."
         )
     if log2_scale.shape != ():
         raise ValueError(
@@ -123,13 +131,81 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
         raise TypeError(
             f"Log2 scale tensor must be of type popxl.int32; got {log2_scale.dtype.name}."
         )
+    return log2_scale
 
-    def run(a, b, s):
-        # float8 values are exact in float32, and so are their products' partial sums here.
-        out = torch.matmul(a.to(torch.float32), b.to(torch.float32)) * _pow2(s)
-        return out.to(torch.float16)
 
-    return call_torch(run, (lhs, rhs, log2_scale), {})
+def _float8_operands(op: str, *operands) -> None:
+    for x in operands:
+        _tensor(x, op, "each operand")
+    if any(x.dtype not in _FLOAT8 for x in operands):
+        kinds = " and ".join(x.dtype.name for x in operands)
+        raise TypeError(
+            f"Scaled {op} operands must be of dtype popxl.float8_143 or popxl.float8_152; got "
+            f"{kinds}. Cast them with ops.pow2scale_cast_to_fp8."
+        )
+
+
+def _scaled(run):
+    """``run`` (a torch function of two operands) on float8 values read exactly in float32,
+    scaled by ``2**log2_scale`` and cast to float16 (Note [power-of-two scaling])."""
+
+    def scaled(a, b, s):
+        return (run(a.to(torch.float32), b.to(torch.float32)) * _pow2(s)).to(torch.float16)
+
+    return scaled
+
+
+def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
+                      available_memory_proportion: float | None = None) -> Tensor:  # fmt: skip
+    """``(lhs @ rhs) * 2**log2_scale`` for float8 operands, as float16 (numpy matmul rules).
+
+    Raises:
+        TypeError: an operand is not float8, or ``log2_scale`` is not int32.
+        ValueError: ``log2_scale`` is not a scalar.
+    """
+    _float8_operands("matmul", lhs, rhs)
+    scale = _int32_scale(log2_scale)
+    # float8 values are exact in float32, and so are their products' partial sums here.
+    return call_torch(_scaled(torch.matmul), (lhs, rhs, scale), {})
+
+
+def conv_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
+                    stride: Sequence[int] | None = None, padding: Sequence[int] | None = None,
+                    dilation: Sequence[int] | None = None, groups: int = 1,
+                    pad_type: PadType = "not_set", available_memory_proportions=None,
+                    enable_conv_dithering=None) -> Tensor:  # fmt: skip
+    """``ops.conv`` of float8 ``t`` and ``weight``, scaled by ``2**log2_scale``, as float16.
+
+    Raises:
+        TypeError: an operand is not float8, or ``log2_scale`` is not int32.
+        ValueError: ``log2_scale`` is not a scalar.
+    """
+    _float8_operands("conv", t, weight)
+    scale = _int32_scale(log2_scale)
+    run = conv_function("conv_pow2scaled", t, weight, stride, padding, dilation, groups, pad_type)
+    return call_torch(_scaled(run), (t, weight, scale), {})
+
+
+def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
+                              stride: Sequence[int] | None = None,
+                              padding: Sequence[int] | None = None,
+                              dilation: Sequence[int] | None = None, groups: int = 1,
+                              pad_type: PadType = "not_set", output_padding: Sequence[int] = (),
+                              output_shape: Sequence[int] = (),
+                              available_memory_proportions=None,
+                              enable_conv_dithering=None) -> Tensor:  # fmt: skip
+    """``ops.conv_transpose`` of float8 ``t`` and ``weight``, scaled by ``2**log2_scale``, as
+    float16.
+
+    Raises:
+        TypeError: an operand is not float8, or ``log2_scale`` is not int32.
+        ValueError: ``log2_scale`` is not a scalar.
+    """
+    _float8_operands("conv transpose", t, weight)
+    scale = _int32_scale(log2_scale)
+    run = conv_transpose_function("conv_transpose_pow2scaled", t, weight, stride, padding,
+                                  dilation, groups, pad_type, output_padding, output_shape)  # fmt: skip
+    return call_torch(_scaled(run), (t, weight, scale), {})
 
 
 def swish_(t: Tensor) -> Tensor:

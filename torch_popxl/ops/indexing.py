@@ -67,6 +67,16 @@ def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
 
 
 def _getitem(t: Tensor, key) -> Tensor:
+    for k in key if isinstance(key, tuple) else (key,):
+        # bool is an int to Python, but upstream refuses it as a key (as it does floats).
+        ok = (
+            k is None or k is Ellipsis or isinstance(k, builtins_slice | Tensor | np.ndarray | list)
+        )
+        if not ok and (isinstance(k, bool) or not isinstance(k, int | np.integer)):
+            raise TypeError(
+                f"Tensor index {k!r} of type {type(k).__name__} is not supported: index with "
+                "ints, slices, None, ... or an integer or boolean tensor / array / list."
+            )
     if isinstance(key, Tensor) or isinstance(key, np.ndarray | list):
         idx = key if isinstance(key, Tensor) else constant(np.asarray(key))
         if idx.dtype == _dtypes.bool:
@@ -253,12 +263,29 @@ def _update(x, idx, u, axes, sizes):
     return x.index_copy(ax, pos, inner)
 
 
+def _check_update_shape(op: str, t: Tensor, t_update, axes, sizes) -> None:
+    """The update fills the slice exactly: ``t``'s shape with each axis in ``axes`` cut to its
+    size (upstream's dynamic update copies it in whole; a misfit fails later on an IPU)."""
+    t_update = _check_tensor(t_update, op)
+    want = list(t.shape)
+    for axis, size in zip(axes, sizes, strict=True):
+        want[axis] = size
+    if tuple(t_update.shape) != tuple(want):
+        raise ValueError(
+            f"{op}: t_update {t_update.id!r} has shape {t_update.shape}, but the slice of "
+            f"{t.id!r} (shape {t.shape}) along axes {list(axes)} with sizes {list(sizes)} has "
+            f"shape {tuple(want)}; give t_update that shape (reshape it, or add the axes "
+            "of size 1)."
+        )
+
+
 def dynamic_update(t: Tensor, index: Tensor, t_update: Tensor, axes: Sequence[int],
                    sizes: Sequence[int], no_overlap: bool = False) -> Tensor:  # fmt: skip
     """A copy of ``t`` with ``t_update`` written at the run-time ``index`` along ``axes``."""
     axes, sizes = _dynamic_check(
         "dynamic_update", _check_tensor(t, "dynamic_update"), index, axes, sizes
     )
+    _check_update_shape("dynamic_update", t, t_update, axes, sizes)
 
     def run(x, idx, u):
         return _update(x, idx, u.to(x.dtype), axes, sizes)
@@ -272,6 +299,7 @@ def dynamic_update_(t: Tensor, index: Tensor, t_update: Tensor, axes: Sequence[i
     axes, sizes = _dynamic_check(
         "dynamic_update_", _check_tensor(t, "dynamic_update_"), index, axes, sizes
     )
+    _check_update_shape("dynamic_update_", t, t_update, axes, sizes)
 
     def run(x, idx, u):
         return x.copy_(_update(x, idx, u.to(x.dtype), axes, sizes))

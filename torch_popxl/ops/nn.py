@@ -1,5 +1,6 @@
 """Neural-network ops: matmul, normalisation, dropout, pooling and convolution (with upstream's
-ONNX-style padding resolved once in ``_pads``).
+ONNX-style padding resolved once in ``_pads``), and the transposed convolution (ONNX
+ConvTranspose, its output cropped by ``_transpose_pads``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .shape import cast
 
 __all__ = [
     "matmul", "layer_norm", "group_norm", "batch_norm_inference", "dropout", "average_pool",
-    "max_pool", "conv", "PadType"
+    "max_pool", "conv", "conv_transpose", "PadType"
 ]  # fmt: skip
 
 
@@ -206,18 +207,120 @@ def conv(t: Tensor, weight: Tensor, stride: Sequence[int] | None = None,
          groups: int = 1, pad_type: PadType = "not_set", available_memory_proportions=None,
          partials_types=None, enable_conv_dithering=None) -> Tensor:  # fmt: skip
     """Convolution of an ``(N, C_in, ...)`` input with ``(C_out, C_in / groups, ...)`` weights."""
-    t = _check_tensor(t, "conv")
-    n = _spatial(t, "conv")
+    run = conv_function("conv", t, weight, stride, padding, dilation, groups, pad_type)
+    return call_torch(run, (t, weight), {})
+
+
+def conv_function(op: str, t: Tensor, weight: Tensor, stride, padding, dilation, groups: int,
+                  pad_type: PadType):  # fmt: skip
+    """The checked convolution as a torch function of ``(input, weight)`` (``conv`` and the
+    float8 ``conv_pow2scaled`` run it)."""
+    t = _check_tensor(t, op)
+    n = _spatial(t, op)
     if t.shape[1] != weight.shape[1] * groups:
         raise ValueError(
-            f"conv: input {t.id!r} has {t.shape[1]} channels but the weight expects "
+            f"{op}: input {t.id!r} has {t.shape[1]} channels but the weight expects "
             f"{weight.shape[1]} x {groups} groups = {weight.shape[1] * groups}."
         )
     stride_, dil = _tuple(stride, n, 1), _tuple(dilation, n, 1)
-    pads = _pads("conv", n, padding, pad_type, t.shape[2:], weight.shape[2:], stride_, dil)
+    pads = _pads(op, n, padding, pad_type, t.shape[2:], weight.shape[2:], stride_, dil)
     fn = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
 
     def run(x, w):
         return fn(_pad_input(x, pads, 0.0), w, None, stride_, 0, dil, groups)
 
+    return run
+
+
+def conv_transpose(t: Tensor, weight: Tensor, stride: Sequence[int] | None = None,
+                   padding: Sequence[int] | None = None, dilation: Sequence[int] | None = None,
+                   groups: int = 1, pad_type: PadType = "not_set",
+                   output_padding: Sequence[int] = (), output_shape: Sequence[int] = (),
+                   available_memory_proportions=None, partials_types=None,
+                   enable_conv_dithering=None) -> Tensor:  # fmt: skip
+    """Transposed convolution (ONNX ConvTranspose) of an ``(N, C_in, ...)`` input with
+    ``(C_in, C_out / groups, ...)`` weights (torch's ``ConvTranspose`` layout).
+
+    The output's spatial size is ``stride * (in - 1) + output_padding + (kernel - 1) *
+    dilation + 1 - pad_begin - pad_end``; an ``output_shape`` (the spatial sizes, or the whole
+    shape) fixes it instead and the padding follows from it (Note [transposed convolution
+    padding]).
+    """
+    run = conv_transpose_function("conv_transpose", t, weight, stride, padding, dilation, groups,
+                                  pad_type, output_padding, output_shape)  # fmt: skip
     return call_torch(run, (t, weight), {})
+
+
+# Note [transposed convolution padding]
+#     ONNX ConvTranspose (which upstream's op follows) computes the full transposed
+#     convolution, of spatial size ``F = stride * (in - 1) + (kernel - 1) * dilation + 1``,
+#     appends ``output_padding`` zeros at the end and then removes ``pad_begin`` / ``pad_end``
+#     elements from either side. With ``output_shape`` or a "same" pad type the total padding
+#     is ``F + output_padding - out`` (``out = in * stride`` for "same"), split with the odd
+#     element at the end for "same_upper" and at the beginning otherwise; a negative total
+#     (an output larger than the full convolution) pads with zeros instead of cropping.
+
+
+def conv_transpose_function(op: str, t: Tensor, weight: Tensor, stride, padding, dilation,
+                            groups: int, pad_type: PadType, output_padding,
+                            output_shape):  # fmt: skip
+    """The checked transposed convolution as a torch function of ``(input, weight)``."""
+    t = _check_tensor(t, op)
+    n = _spatial(t, op)
+    if weight.rank != t.rank or t.shape[1] != weight.shape[0]:
+        raise ValueError(
+            f"{op}: input {t.id!r} of shape {t.shape} needs a weight of shape (C_in={t.shape[1]}, "
+            f"C_out / groups, *kernel) with {n} kernel axes; got {weight.shape}."
+        )
+    if groups < 1 or t.shape[1] % groups:
+        raise ValueError(f"{op}: groups ({groups}) must divide the {t.shape[1]} input channels.")
+    stride_, dil = _tuple(stride, n, 1), _tuple(dilation, n, 1)
+    out_pad = list(output_padding) or [0] * n
+    if len(out_pad) not in (n, 2 * n):
+        raise ValueError(f"{op}: output_padding needs {n} values; got {list(output_padding)}.")
+    out_pad = [int(p) for p in out_pad[:n]]  # ONNX's per-axis values (upstream's docs show 2n)
+    full = [s * (i - 1) + (k - 1) * d + 1 + p
+            for i, k, s, d, p in zip(t.shape[2:], weight.shape[2:], stride_, dil, out_pad,
+                                     strict=True)]  # fmt: skip
+    pads = _transpose_pads(op, n, padding, pad_type, output_shape, full, t.shape[2:], stride_)
+    fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[n - 1]
+
+    def run(x, w):
+        y = fn(x, w, None, stride_, 0, 0, groups, dil)
+        spec = []  # F.pad from the last axis: a negative pad crops
+        for i in reversed(range(n)):
+            spec += [-pads[i], out_pad[i] - pads[n + i]]
+        return F.pad(y, spec) if any(spec) else y
+
+    return run
+
+
+def _transpose_pads(op: str, n: int, padding, pad_type, output_shape, full, in_shape,
+                    stride) -> list[int]:  # fmt: skip
+    """Begin and end crops of each spatial axis (Note [transposed convolution padding])."""
+    if pad_type not in ("not_set", "same_upper", "same_lower", "valid"):
+        raise ValueError(
+            f"{op}: pad_type must be 'not_set', 'same_upper', 'same_lower' or 'valid'; "
+            f"got {pad_type!r}."
+        )
+    out = [int(s) for s in output_shape][-n:] if len(output_shape) else None
+    if out is not None and len(output_shape) not in (n, n + 2):
+        raise ValueError(
+            f"{op}: output_shape needs the {n} spatial sizes (or the whole output shape); got "
+            f"{list(output_shape)}."
+        )
+    if out is None and pad_type in ("same_upper", "same_lower"):
+        out = [i * s for i, s in zip(in_shape, stride, strict=True)]
+    if out is None:
+        return (
+            [0] * (2 * n)
+            if pad_type == "valid"
+            else _pads(op, n, padding, "not_set", (), (), (), ())
+        )
+    begins, ends = [], []
+    for f, o in zip(full, out, strict=True):
+        total = f - o
+        half = int(total / 2)  # C++ division, toward zero
+        begins.append(half if pad_type == "same_upper" else total - half)
+        ends.append(total - half if pad_type == "same_upper" else half)
+    return begins + ends

@@ -180,16 +180,28 @@ def scaled_add_(X: Tensor, Y: Tensor, a: float | Tensor = 1.0, b: float | Tensor
     _check_scales(a, b)
     Y = _cast(Y, X)
     if isinstance(a, Tensor) or float(a) != 1.0:
-        _t(torch.Tensor.mul_, X, _cast(a, X) if isinstance(a, Tensor) else float(a))
+        _t(torch.Tensor.mul_, X, _cast(a, X) if isinstance(a, Tensor) else _number(a, X))
     if isinstance(b, Tensor):
         return _t(torch.Tensor.add_, X, _t(torch.mul, Y, _cast(b, X)))
-    return _t(torch.Tensor.add_, X, Y, alpha=float(b))
+    if float(b) == 1.0:
+        return _t(torch.Tensor.add_, X, Y)
+    return _t(torch.Tensor.add_, X, Y, alpha=_number(b, X))
 
 
 def _scaled(x: Tensor, s) -> Tensor:
     if isinstance(s, Tensor):
         return _t(torch.mul, x, _cast(s, x))
-    return x if float(s) == 1.0 else _t(torch.mul, x, float(s))
+    return x if float(s) == 1.0 else _t(torch.mul, x, _number(s, x))
+
+
+def _number(s, like: Tensor) -> float | int:
+    """A Python scale for ``like``'s dtype: an integral scale of an integer tensor is an int,
+    so the result keeps the integer dtype as upstream's (torch would promote it to float, or
+    refuse a float ``alpha``)."""
+    value = float(s)
+    if not like.dtype.is_floating_point and not like.dtype.is_complex and value.is_integer():
+        return int(value)
+    return value
 
 
 def _check_scales(a, b) -> None:

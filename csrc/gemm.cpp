@@ -116,7 +116,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at
   return bias.has_value() ? out.add_(*bias) : out;
 }
 
-at::Tensor& gemm_out_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+void gemm_out_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
                     "gemm_out_: expected a [M, K] and b [K, N], got shapes ", a.sizes(), " and ",
                     b.sizes(), ".");
@@ -129,12 +129,14 @@ at::Tensor& gemm_out_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b)
   if (plain_out && use_onednn(a, b, c10::nullopt)) {
     if (!a.is_contiguous() && a.t().is_contiguous()) {  // gemm's oneDNN matmul path
       at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
-      return out;
+      return;
     }
   } else if (plain_out) {
-    return at::mm_out(out, a, b);  // gemm's ATen path for 2-D operands
+    at::Tensor target = out;
+    at::mm_out(target, a, b);  // gemm's ATen path for 2-D operands
+    return;
   }
-  return out.copy_(gemm(a, b, c10::nullopt));
+  out.copy_(gemm(a, b, c10::nullopt));
 }
 
 }  // namespace torch_popxl

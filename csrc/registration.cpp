@@ -34,7 +34,7 @@ TORCH_LIBRARY(torch_popxl, m) {
   // The dense matmul and its kernel setting (gemm.cpp, Note [gemm kernel]).
   m.set_python_module("torch_popxl.runtime.gemm");
   m.def("gemm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
-  m.def("gemm_out_(Tensor(a!) out, Tensor a, Tensor b) -> Tensor(a!)");
+  m.def("gemm_out_(Tensor(a!) out, Tensor a, Tensor b) -> ()");
   m.def("gemm_set_kernel(int kernel) -> ()", TORCH_FN(torch_popxl::gemm_set_kernel));
   m.def("gemm_kernel() -> int", TORCH_FN(torch_popxl::gemm_kernel));
   // Remote buffers (remote.cpp).

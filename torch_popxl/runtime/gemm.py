@@ -57,8 +57,10 @@ def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def gemm_out_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """``a [M, K] @ b [K, N]`` written into ``out [M, N]`` (the bits of ``gemm(a, b)``);
-    returns ``out``."""
-    return _GEMM_OUT(out, a, b)
+    returns ``out``. (The op itself returns nothing: torch.compile takes a mutating custom op
+    only without an aliased output.)"""
+    _GEMM_OUT(out, a, b)
+    return out
 
 
 def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
@@ -79,7 +81,7 @@ def _(a, b, bias=None):
 
 @torch.library.register_fake("torch_popxl::gemm_out_")
 def _(out, a, b):
-    return out
+    return None
 
 
 @torch.library.register_vmap("torch_popxl::gemm")

@@ -740,7 +740,9 @@ def _single_add(loop: FlatOp, acc: str, plan: Plan, explicit: bool) -> FlatOp | 
 #     accumulator (``MM_FOLD_INTO``, ``gemm_out_``: the same kernel and bits as the product,
 #     Note [gemm kernel]); the views then view the accumulator and the copy is dropped. An
 #     even number of transposes (``t`` twice) leaves the product's layout as it was; other
-#     views keep the copy. Explicitly batched fragments, top level only.
+#     views keep the copy, and so does a product that reads the accumulator itself.
+#     Explicitly batched fragments, in the block of the copy (a folded accumulation loop's
+#     body is where its adds are).
 def _gradients_into_accumulators(
     flat: list[FlatOp], plan: Plan, first_writes: AbstractSet[FlatOp]
 ) -> dict[FlatOp, str]:
@@ -751,19 +753,18 @@ def _gradients_into_accumulators(
         for n in _reads(f):
             uses[n] = uses.get(n, 0) + 1
     found: dict[FlatOp, str] = {}
-    _into_accumulators(flat, first_writes, uses, found)
+    _into_accumulators(flat, plan, first_writes, uses, found)
     return found
 
 
-def _into_accumulators(block: list[FlatOp], first_writes: AbstractSet[FlatOp],
+def _into_accumulators(block: list[FlatOp], plan: Plan, first_writes: AbstractSet[FlatOp],
                        uses: Mapping[str, int], found: dict[FlatOp, str]) -> None:  # fmt: skip
-    """``_gradients_into_accumulators`` in one block and the loop bodies in it (a folded
-    accumulation loop's body is where its adds are)."""
+    """``_gradients_into_accumulators`` in one block and the loop bodies in it."""
     where = {id(f): i for i, f in enumerate(block)}
     producer = {n: f for f in block for n in f.outs}
     for f in block:
         if f.kind == "loop":
-            _into_accumulators(f.body, first_writes, uses, found)
+            _into_accumulators(f.body, plan, first_writes, uses, found)
         if f not in first_writes or not f.presummed:
             continue
         args = f.source.attrs.args
@@ -782,6 +783,8 @@ def _into_accumulators(block: list[FlatOp], first_writes: AbstractSet[FlatOp],
             p = producer.get(p.ins[0])
         if not chain or chain[-1].kind != "mm_replica_sum" or transposes % 2:
             continue
+        if any(plan.root_of(n) == plan.root_of(acc) for n in chain[-1].ins):
+            continue  # the product reads the accumulator
         if where[id(f)] - where[id(chain[-1])] != len(chain):  # something else runs between
             continue
         found[chain[-1]] = acc

@@ -21,6 +21,12 @@
 // and micro-batches) goes to oneDNN's matmul primitive, which reads any strides, rather than
 // to its linear, which copies a non-contiguous input first: the same kernel and the same bits
 // (tests/test_gemm.py), 10-20 % faster at the seed MLP's shapes.
+//
+// ``gemm_out_`` writes ``a @ b`` into a tensor the caller owns (a weight gradient straight into
+// its accumulator: Note [weight gradients into their accumulators] in runtime/lower.py), with
+// the bits ``gemm(a, b)`` gives: the same kernel, called with the caller's output instead of a
+// fresh one (oneDNN's matmul and ATen's ``mm_out`` write any contiguous output). Where that
+// kernel is oneDNN's linear, which makes its own output, the product is copied in.
 #include "gemm.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -108,6 +114,29 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at
   }
   at::Tensor out = at::matmul(a, b);
   return bias.has_value() ? out.add_(*bias) : out;
+}
+
+void gemm_out_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
+                    "gemm_out_: expected a [M, K] and b [K, N], got shapes ", a.sizes(), " and ",
+                    b.sizes(), ".");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == b.size(1) &&
+                        out.scalar_type() == a.scalar_type() && out.device() == a.device(),
+                    "gemm_out_: out must be [", a.size(0), ", ", b.size(1), "] ",
+                    a.scalar_type(), " on ", a.device(), " (a @ b), got ", out.sizes(), " ",
+                    out.scalar_type(), " on ", out.device(), ".");
+  const bool plain_out = out.is_contiguous() && out.layout() == at::kStrided;
+  if (plain_out && use_onednn(a, b, c10::nullopt)) {
+    if (!a.is_contiguous() && a.t().is_contiguous()) {  // gemm's oneDNN matmul path
+      at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
+      return;
+    }
+  } else if (plain_out) {
+    at::Tensor target = out;
+    at::mm_out(target, a, b);  // gemm's ATen path for 2-D operands
+    return;
+  }
+  out.copy_(gemm(a, b, c10::nullopt));
 }
 
 }  // namespace torch_popxl

@@ -34,6 +34,7 @@ TORCH_LIBRARY(torch_popxl, m) {
   // The dense matmul and its kernel setting (gemm.cpp, Note [gemm kernel]).
   m.set_python_module("torch_popxl.runtime.gemm");
   m.def("gemm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
+  m.def("gemm_out_(Tensor(a!) out, Tensor a, Tensor b) -> ()");
   m.def("gemm_set_kernel(int kernel) -> ()", TORCH_FN(torch_popxl::gemm_set_kernel));
   m.def("gemm_kernel() -> int", TORCH_FN(torch_popxl::gemm_kernel));
   // Remote buffers (remote.cpp).
@@ -86,6 +87,7 @@ TORCH_LIBRARY_IMPL(torch_popxl, CompositeExplicitAutograd, m) {
   m.impl("all_gather_full", TORCH_FN(torch_popxl::all_gather_full));
   m.impl("mm_all_reduce_stacked", TORCH_FN(torch_popxl::mm_all_reduce_stacked));
   m.impl("gemm", TORCH_FN(torch_popxl::gemm));
+  m.impl("gemm_out_", TORCH_FN(torch_popxl::gemm_out_));
   m.impl("remote_load_stacked", TORCH_FN(torch_popxl::remote_load_stacked));
   m.impl("remote_store_stacked_", TORCH_FN(torch_popxl::remote_store_stacked_));
   m.impl("remote_slot_view", TORCH_FN(torch_popxl::remote_slot_view));

@@ -110,6 +110,32 @@ def test_errors_name_the_shapes():
         G.gemm(torch.ones(3, 5), torch.ones(5, 2), torch.ones(3))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", ["plain", "a transposed", "b transposed", "column slices"])
+def test_gemm_out_writes_gemms_bits_into_the_given_tensor(kernel, case):
+    """Note [weight gradients into their accumulators]: ``gemm_out_`` writes exactly the
+    product ``gemm`` returns (same kernel, same bits) into the caller's tensor, and returns
+    it; that product is a float32 ``a @ b`` (float64 reference)."""
+    a, b = _operands(case)
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"))
+    with G.using(kernel):
+        want = G.gemm(a, b)
+        got = G.gemm_out_(out, a, b)
+    assert got is out
+    assert torch.equal(out, want)
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), rtol=0, atol=2e-4)
+
+
+def test_gemm_out_refuses_an_output_of_another_shape_or_dtype():
+    a, b = torch.ones(3, 5), torch.ones(5, 2)
+    kept = torch.full((2, 3), 7.0)
+    with pytest.raises(ValueError, match=r"out must be \[3, 2\] Float .* \(a @ b\), got \[2, 3\]"):
+        G.gemm_out_(kept, a, b)
+    assert torch.equal(kept, torch.full((2, 3), 7.0))  # untouched
+    with pytest.raises(ValueError, match=r"got \[3, 2\] Double"):
+        G.gemm_out_(torch.zeros(3, 2, dtype=torch.float64), a, b)
+
+
 def test_kernel_setting(monkeypatch):
     before = G.kernel()
     with G.using("aten"):
@@ -177,6 +203,10 @@ def test_compiled_trainer_under_each_kernel_trains_as_eager(kernel, optimizer):
             ref.backward()
             opt.step()
             np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+            # p.grad: the last step's gradient, each weight's written by its folded matmul
+            # straight into its accumulator (Note [weight gradients into their accumulators])
+            for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=2e-5, atol=1e-6)
         trainer.sync_weights()
     # Weights move by ~1e-2 (SGD) / 3e-3 (Adam) over the 3 steps; float32 summation-order
     # differences leave them within a few ulps of 1.

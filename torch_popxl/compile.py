@@ -276,10 +276,11 @@ class _Batch:
     @property
     def key(self) -> tuple:
         """What the program is built for: the structure, shapes and dtypes."""
+        # numpy dtypes themselves (hashed and compared in C; printed as their names)
         return (
-            tuple((a.shape, str(a.dtype)) for a in self.args),
-            tuple((k, a.shape, str(a.dtype)) for k, a in self.kwargs.items()),
-            tuple((a.shape, str(a.dtype)) for a in self.targets),
+            tuple((a.shape, a.dtype) for a in self.args),
+            tuple((k, a.shape, a.dtype) for k, a in self.kwargs.items()),
+            tuple((a.shape, a.dtype) for a in self.targets),
             self.targets_tuple,
             self.spec,
             options_key(self.options),
@@ -1467,7 +1468,10 @@ class Trainer:
         replicas and over the instances, divided once by a counted mean's count (Note [exact
         losses over micro-batches])."""
         R = self.replication_factor
-        local = float(numpy_to_torch(parts, prog.streams[1].dtype).double().sum())
+        if parts.dtype.fields is None:  # a plain float array: summed as it is, no copy
+            local = float(torch.from_numpy(parts).double().sum())
+        else:
+            local = float(numpy_to_torch(parts, prog.streams[1].dtype).double().sum())
         instances = R // _distributed.local_replicas(R)
         total = _distributed.mean_over_instances(local, R) * instances
         if prog.count_var is None:

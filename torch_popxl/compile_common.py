@@ -196,6 +196,10 @@ def options_key(options: tuple[tuple[str, Any], ...]) -> tuple:
     return tuple((k, type(v).__name__, v) for k, v in options)
 
 
+# the structure of ``((x,), {})`` for one array ``x`` (what the tree walk below gives it)
+_ONE_ARRAY = pytree.tree_structure(((0,), {}))
+
+
 def _structured(
     x, what: str, floats: type = np.float32
 ) -> tuple[list[np.ndarray], dict[str, np.ndarray], pytree.TreeSpec, tuple[tuple[str, Any], ...]]:
@@ -205,6 +209,8 @@ def _structured(
     sorted (name, value) pairs. An argument may be a tuple, list or dict of tensors (an LSTM's
     ``(h, c)`` state): Note [nested inputs]; a plain Python value in a dict is a keyword option
     of the forward: Note [keyword options]."""
+    if isinstance(x, np.ndarray | torch.Tensor):  # one array: the common case, no tree walk
+        return [_array(x, what, floats)], {}, _ONE_ARRAY, ()
     args: tuple
     options: tuple[tuple[str, Any], ...] = ()
     if isinstance(x, dict):

@@ -317,6 +317,7 @@ class FastExecutor:
         self.uniform = assume.uniform_vars
         self.replica_sums = assume.sum_vars
         self._rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see _row
+        self._signatures: dict[str, tuple[tuple, tuple]] = {}  # see _signature
         # Session copies only these inputs; the others are read, never written.
         self.written_streams = self.fns["normal"].written_streams
 
@@ -405,9 +406,9 @@ class FastExecutor:
         tensors: list[Tensor] = list(self.on_chip)
         if fragment != "weights_from_host":
             tensors += self.defined
-        values = [
-            state.vars[t.id] if t.id in state.vars else state.persistent[t.id] for t in tensors
-        ]
+        ids, uniform = self._signature(fragment, tensors)
+        on_chip, persistent = state.vars, state.persistent
+        values = [on_chip[i] if i in on_chip else persistent[i] for i in ids]
         buffers = state.buffers
 
         titles: list[dict] = []  # print attributes stay outside vmap (only tensors cross it)
@@ -421,8 +422,7 @@ class FastExecutor:
         if getattr(fn, "explicit", False):
             # Note [explicit batching]: the fragment runs on the stacked tensors directly.
             var_vals = [
-                self._row(t.id, v) if t.id in self.uniform else v
-                for t, v in zip(tensors, values, strict=True)
+                self._row(i, v) if u else v for i, u, v in zip(ids, uniform, values, strict=True)
             ]
             rt = _RunContext(ins, buffers, nht, R, None, explicit_R=R)
             outs = tuple(
@@ -483,6 +483,16 @@ class FastExecutor:
         titles[:] = found.titles
         # the run that traced counted the Python-side traffic while tracing
         return found.graph if fresh else found
+
+    def _signature(self, fragment: str, tensors: list[Tensor]) -> tuple[tuple, tuple]:
+        """The ids of ``fragment``'s parameters and whether each is replica-invariant, read
+        once (the tensors, their ids and the assumptions are fixed once compiled; asking them
+        every step cost more than some ops of a small step)."""
+        found = self._signatures.get(fragment)
+        if found is None:
+            ids = tuple(t.id for t in tensors)
+            found = self._signatures[fragment] = (ids, tuple(i in self.uniform for i in ids))
+        return found
 
     def _row(self, tid: str, stacked: torch.Tensor) -> torch.Tensor:
         """Row 0 of a replica-invariant variable's storage, the view made once per storage

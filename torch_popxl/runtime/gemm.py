@@ -37,6 +37,7 @@ __all__ = [
     "addmm",
     "default_kernel",
     "gemm",
+    "gemm_out_",
     "kernel",
     "set_kernel",
     "using",
@@ -44,6 +45,7 @@ __all__ = [
 
 KERNELS = ("aten", "onednn")  # index = the C++ kernel id
 _GEMM = ops.gemm.default  # the overload itself: no resolution per call on the hot path
+_GEMM_OUT = ops.gemm_out_.default
 ENV = "TORCH_POPXL_GEMM"
 
 
@@ -51,6 +53,14 @@ def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """``a @ b (+ bias)`` for ``a [..., K]``, ``b [K, N]``, ``bias [N]``, through the chosen
     kernel."""
     return _GEMM(a, b, bias)
+
+
+def gemm_out_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``a [M, K] @ b [K, N]`` written into ``out [M, N]`` (the bits of ``gemm(a, b)``);
+    returns ``out``. (The op itself returns nothing: torch.compile takes a mutating custom op
+    only without an aliased output.)"""
+    _GEMM_OUT(out, a, b)
+    return out
 
 
 def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
@@ -67,6 +77,11 @@ ATEN_FORMS = {torch.ops.aten.mm.default: gemm, torch.ops.aten.addmm.default: add
 @torch.library.register_fake("torch_popxl::gemm")
 def _(a, b, bias=None):
     return a.new_empty((*a.shape[:-1], b.shape[1]))
+
+
+@torch.library.register_fake("torch_popxl::gemm_out_")
+def _(out, a, b):
+    return None
 
 
 @torch.library.register_vmap("torch_popxl::gemm")

@@ -74,7 +74,7 @@ from ..ir.tensor import Constant, Tensor
 from ..ir.walk import Effects, Interpreter, effects
 from ..opdefs.registry import Effect, OpDef, registered
 from . import explicit as _explicit
-from .gemm import ATEN_FORMS, gemm
+from .gemm import ATEN_FORMS, gemm, gemm_out_
 from .random import RANDOM_FORMS
 
 __all__ = ["Assumptions", "Fragment", "Plan", "Program", "analyse", "lower_fragment"]
@@ -729,6 +729,68 @@ def _single_add(loop: FlatOp, acc: str, plan: Plan, explicit: bool) -> FlatOp | 
     return touching[0] if _plain_add(touching[0], plan, acc, carried[0]) else None
 
 
+# Note [weight gradients into their accumulators]
+#     A weight gradient folded over replicas and micro-batches (Note [fold replicas into the
+#     matmul]) that is the first write of its zeroed accumulator (Note [zeroed accumulators
+#     written once]) was a fresh product, transposed back and forth, then copied into the
+#     accumulator: a parameter-sized temporary and a pass over it per step (the seed MLP's
+#     weight gradients: 1.2 M floats). When the product, its views and the copy follow each
+#     other with nothing else between (so nothing can read or write the accumulator in between)
+#     and each intermediate has no other reader, the product is written straight into the
+#     accumulator (``MM_FOLD_INTO``, ``gemm_out_``: the same kernel and bits as the product,
+#     Note [gemm kernel]); the views then view the accumulator and the copy is dropped. An
+#     even number of transposes (``t`` twice) leaves the product's layout as it was; other
+#     views keep the copy, and so does a product that reads the accumulator itself.
+#     Explicitly batched fragments, in the block of the copy (a folded accumulation loop's
+#     body is where its adds are).
+def _gradients_into_accumulators(
+    flat: list[FlatOp], plan: Plan, first_writes: AbstractSet[FlatOp]
+) -> dict[FlatOp, str]:
+    """Note [weight gradients into their accumulators]: {the fold: the accumulator it
+    writes, the copy: ""} for every fold and copy rewritten so."""
+    uses: dict[str, int] = {}
+    for f in flat:
+        for n in _reads(f):
+            uses[n] = uses.get(n, 0) + 1
+    found: dict[FlatOp, str] = {}
+    _into_accumulators(flat, plan, first_writes, uses, found)
+    return found
+
+
+def _into_accumulators(block: list[FlatOp], plan: Plan, first_writes: AbstractSet[FlatOp],
+                       uses: Mapping[str, int], found: dict[FlatOp, str]) -> None:  # fmt: skip
+    """``_gradients_into_accumulators`` in one block and the loop bodies in it."""
+    where = {id(f): i for i, f in enumerate(block)}
+    producer = {n: f for f in block for n in f.outs}
+    for f in block:
+        if f.kind == "loop":
+            _into_accumulators(f.body, plan, first_writes, uses, found)
+        if f not in first_writes or not f.presummed:
+            continue
+        args = f.source.attrs.args
+        acc, src = f.ins[args[0].index], f.ins[args[1].index]
+        chain: list[FlatOp] = []
+        transposes = 0
+        p = producer.get(src)
+        while p is not None and len(p.outs) == 1 and uses.get(p.outs[0], 0) == 1:
+            chain.append(p)
+            if p.kind == "mm_replica_sum":
+                break
+            if p.kind == "torch" and p.source.attrs.target is _aten.t.default:
+                transposes += 1
+            elif p.kind != "alias":
+                break
+            p = producer.get(p.ins[0])
+        if not chain or chain[-1].kind != "mm_replica_sum" or transposes % 2:
+            continue
+        if any(plan.root_of(n) == plan.root_of(acc) for n in chain[-1].ins):
+            continue  # the product reads the accumulator
+        if where[id(f)] - where[id(chain[-1])] != len(chain):  # something else runs between
+            continue
+        found[chain[-1]] = acc
+        found[f] = ""
+
+
 def _plain_add(f: FlatOp, plan: Plan, acc: str, name: str) -> bool:
     """Whether ``f`` is ``name.add_(x)`` (``name`` the accumulator ``acc``), ``x`` no alias of it."""
     if f.kind != "torch" or f.source.attrs.target is not _aten.add_.Tensor or f.source.attrs.kwargs:
@@ -1098,6 +1160,16 @@ def _mm_fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return gemm(a.permute(1, 0, 2).reshape(M, R * K), b.reshape(R * K, b.shape[2]))
 
 
+def _mm_fold_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(_mm_fold(a, b))`` with the product written into ``out`` itself where it
+    can be (Note [weight gradients into their accumulators])."""
+    R, M, K = a.shape
+    at = a.transpose(1, 2)
+    if at.is_contiguous() and out.shape == (M, b.shape[2]) and out.dtype == a.dtype:
+        return gemm_out_(out, at.reshape(R * K, M).t(), b.reshape(R * K, b.shape[2]))
+    return out.copy_(_mm_fold(a, b))
+
+
 class Program:
     """Generated code for one Ir on one device: globals, constants and fragment functions."""
 
@@ -1114,6 +1186,7 @@ class Program:
             "MM_REPLICA_SUM": torch.ops.torch_popxl.mm_replica_sum,
             "MM_ALL_REDUCE_STACKED": torch.ops.torch_popxl.mm_all_reduce_stacked,
             "MM_FOLD": _mm_fold,
+            "MM_FOLD_INTO": _mm_fold_into,
             "GEMM": torch.ops.torch_popxl.gemm.default._op,
             "STACKED_VIEW": _stacked_view,
             "torch": torch,
@@ -1199,6 +1272,8 @@ class _Emitter:
         self.aliasing: dict[FlatOp, Callable[..., Any]] = {}  # Note [aliasing collectives]
         self.sum_aliases: set[FlatOp] = set()  # Note [replica-sum accumulators]
         self.copies: set[FlatOp] = set()  # Note [RTS updates in place]
+        # Note [weight gradients into their accumulators]: fold -> accumulator, copy -> ""
+        self.into_accumulators: dict[FlatOp, str] = {}
         # Note [one op through torch's batching rule] (explicit.py): the callables emitted
         self.one_op_vmaps: list[Any] = []
 
@@ -1279,6 +1354,9 @@ class _Emitter:
         return not (self.explicit and bid in self.a.assumptions.uniform_buffers)
 
     def _torch(self, f: FlatOp, ind: str) -> None:
+        if self.into_accumulators.get(f) == "":  # Note [weight gradients into their accumulators]
+            self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
+            return
         if f in self.zeroes_dropped:  # Note [zeroed accumulators written once]
             self.lines.append(f"{ind}{f.outs[0]} = {f.ins[0]}")
             return
@@ -1373,6 +1451,10 @@ class _Emitter:
                 self.lines.append(f"{ind}{out} = _r{''.join(f'[{i}]' for i in path)}")
 
     def _mm_replica_sum(self, f: FlatOp, ind: str) -> None:
+        acc = self.into_accumulators.get(f)
+        if acc:  # Note [weight gradients into their accumulators]
+            self.lines.append(f"{ind}{f.outs[0]} = MM_FOLD_INTO({acc}, {f.ins[0]}, {f.ins[1]})")
+            return
         fn = "MM_FOLD" if self.explicit else "MM_REPLICA_SUM"
         self.lines.append(f"{ind}{f.outs[0]} = {fn}({f.ins[0]}, {f.ins[1]})")
 
@@ -1552,6 +1634,7 @@ def lower_fragment(program: Program, graph: Graph, params: Sequence[Tensor], ops
         shards, em.copies = _rts_updates(flat, plan, out_names, program.R, em.aliasing)
         em.aliasing.update(shards)
         em.sum_aliases = _alias_sum_reads(flat, plan, out_names)
+        em.into_accumulators = _gradients_into_accumulators(flat, plan, em.first_writes)
     em.keep = frozenset(out_names) | frozenset(param_names)
     em.lines.append(f"def fn(rt{''.join(', ' + n for n in param_names)}):")
     em.block(flat, "    ")

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..errors import given
-from ..ir.tensor import Tensor
+from ..ir.tensor import Tensor, constant
 from .rng import seeded_uniform
 
-__all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "matmul_pow2scaled", "swish_",
-           "shaped_dropout", "scatter_reduce"]  # fmt: skip
+__all__ = ["pow2scale_then_cast", "cast_then_pow2scale", "pow2scale_cast_to_fp8",
+           "pow2scale_cast_from_fp8", "matmul_pow2scaled", "swish_", "shaped_dropout",
+           "scatter_reduce"]  # fmt: skip
 
 _FLOAT8 = (_dtypes.float8_143, _dtypes.float8_152)
 
@@ -99,6 +100,22 @@ def cast_then_pow2scale(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
         return (x.to(torch.float32) * _pow2(s)).to(target)
 
     return call_torch(run, (t, scale), {})
+
+
+def _zero_scale(log2_scale: Tensor | None) -> Tensor:
+    return constant(0, _dtypes.int32) if log2_scale is None else log2_scale
+
+
+def pow2scale_cast_to_fp8(t: Tensor, data_type: _dtypes.dtype = _dtypes.float8_143,
+                          log2_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+    """SDK 3.3's name for ``pow2scale_then_cast`` (``log2_scale`` None: no scaling)."""
+    return pow2scale_then_cast(t, _zero_scale(log2_scale), data_type)
+
+
+def pow2scale_cast_from_fp8(t: Tensor, data_type: _dtypes.dtype = _dtypes.float16,
+                            log2_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+    """SDK 3.3's name for ``cast_then_pow2scale`` (``log2_scale`` None: no scaling)."""
+    return cast_then_pow2scale(t, _zero_scale(log2_scale), data_type)
 
 
 def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,

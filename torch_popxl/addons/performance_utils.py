@@ -25,7 +25,6 @@ __all__ = ["evaluate_FLOPs", "evaluate_ir_FLOPs", "total_FLOPs", "print_FLOPs",
 
 _ELEMENTWISE = {"add": "Add", "add_": "Add", "sub": "Sub", "sub_": "Sub", "mul": "Mul",
                 "mul_": "Mul", "div": "Div", "div_": "Div"}  # fmt: skip
-_CALLS = {OpKind.CALL: "Call", OpKind.REPEAT: "Repeat"}
 
 
 def _aten_name(op: Op) -> str | None:
@@ -68,12 +67,13 @@ def _evaluate(graph: Graph, seen: dict[Graph, dict[str, Any]]) -> dict[str, Any]
     total = 0
     breakdown: defaultdict[str, Any] = defaultdict(dict)
     for index, op in enumerate(graph.ops):
-        if op.kind in _CALLS:
+        if op.kind in (OpKind.CALL, OpKind.REPEAT):
             called = _evaluate(op.attrs.graph, seen)
+            site = "Call"
             if op.kind == OpKind.REPEAT:
-                called = _scaled(called, op.attrs.repeat_count)
+                called, site = _scaled(called, op.attrs.repeat_count), "Repeat"
             total += called["TOT"]
-            key = f"{_CALLS[op.kind]}_{index}({op.attrs.graph.id})"
+            key = f"{site}_{index}({op.attrs.graph.id})"
             for kind, value in called.items():
                 breakdown[kind][key] = value
             continue

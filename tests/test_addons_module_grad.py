@@ -323,6 +323,69 @@ def test_create_grad_graph_errors_name_the_mistake(module, error, match):
         assert len(fwd.graph.outputs) == n_outputs and len(m.aux) == 0
 
 
+class NoGrads(Scale3):
+    def build_grad(self, dy):
+        self.var_grad["s"] = ops.sum(dy * self.aux["x"])
+
+
+class NotATensor(Scale3):
+    def build_grad(self, dy):
+        self.var_grad["s"] = 0.0
+        return dy
+
+
+# popxl-addons' guard rails (module.py): programs and upstream's own tests match these phrases,
+# so each message leads with upstream's sentence before ours.
+@pytest.mark.parametrize("module,error,upstream", [
+    (NoVarGrad, ValueError, "Not all variable gradients have been specified in self.var_grad"),
+    (WrongShape, ValueError, "Shape or meta-shape of output Tensor at position 0"),
+    (TwoOutputs, ValueError, "Too many outputs in the grad graph"),
+    (NoGrads, ValueError, "Not all forward graph inputs have been specified as outputs"),
+    (BadVarGrad, ValueError, "Shape or meta-shape of Tensor does not match variable"),
+    (UnknownVarGrad, KeyError, "Not a variable"),
+    (NotATensor, TypeError, "Not a tensor"),
+    (StarGrad, TypeError, "signature must only have a fixed number of positional parameters"),
+])  # fmt: skip
+def test_build_grad_errors_carry_upstreams_wording(module, error, upstream):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32))
+        m = module()
+        _, fwd = m.create_graph(x)
+        with pytest.raises(error, match=upstream):
+            m.create_grad_graph(fwd)
+
+
+def test_graph_argument_errors_carry_upstreams_wording():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32))
+        with pytest.raises(
+            ValueError, match="You cannot use graph caching if you have implemented"
+        ):
+            Scale3(cache=True)
+        m = Scale3()
+        _, fwd = m.create_graph(x)
+        with pytest.raises(
+            ValueError, match="A Tensor specified in `grads_provided` is not a output"
+        ):
+            m.create_grad_graph(fwd, grads_provided=[x])
+        with pytest.raises(
+            ValueError, match="A Tensor specified in `grads_required` is not a input"
+        ):
+            m.create_grad_graph(fwd, grads_required=[fwd.graph.outputs[0]])
+        # No gradient provided for build_grad's one parameter: popxl's create_graph refuses.
+        with pytest.raises(ValueError, match="do not match the signature"):
+            m.create_grad_graph(fwd, grads_provided=[])
+        with pytest.raises(RuntimeError, match="get items within the `build_graph` method"):
+            fwd.aux["x"]
+        with pytest.raises(RuntimeError, match="use `var_grad` within the `build_graph` method"):
+            m.var_grad["s"] = x
+        fwd.autodiff()
+        with pytest.raises(ValueError, match="Autodiff has already been applied"):
+            fwd.autodiff()
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -10,7 +10,15 @@ import torch
 import torch_popxl as popxl
 from torch_popxl import ops
 from torch_popxl.addons import fp8_amax_scale, route_tensor_into_graph
+from torch_popxl.addons.layers import GroupNorm
 from torch_popxl.addons.ops.static_sparse_ops import dense_const_sparse_matmul, random_sparse
+from torch_popxl.addons.performance_utils import (
+    evaluate_FLOPs,
+    evaluate_ir_FLOPs,
+    format_flops_scientific,
+    print_FLOPs,
+    total_FLOPs,
+)
 from torch_popxl.addons.seed_variable import seed_variable
 
 
@@ -243,3 +251,40 @@ def test_seed_variable_shares_a_seed_within_a_replica_group():
     seeds = popxl.create_seeds(3, replicas=2)
     np.testing.assert_array_equal(out[s], seeds[[0, 0, 1, 1]])
     assert torch is not None
+
+
+# ---- performance_utils: the FLOPs estimate -----------------------------------------------------
+
+
+def test_evaluate_flops_counts_matmuls_elementwise_ops_and_called_graphs():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph, popxl.in_sequence(True):
+        ones = lambda *shape: popxl.constant(np.ones(shape, np.float32))  # noqa: E731
+        _ = ones(4) @ ones(4, 8)  # vector-matrix: 2 * 4 * 8
+        _ = ones(4) @ ones(4)  # dot: 2 * 4
+        _ = ones(10, 9) @ ones(9, 5)  # 2 * 9 * 10 * 5
+        _ = popxl.ops.matmul(ones(3, 5, 10, 9), ones(3, 5, 9, 3))  # 2 * 9 * (3*5*10*3)
+        sub = ir.create_graph(lambda a, b: a * b + b, ones(2, 3), ones(2, 3))  # 6 + 6 per call
+        popxl.ops.repeat(sub, 3, ones(2, 3), ones(2, 3))
+        x = popxl.variable(np.random.default_rng(0).normal(size=(2, 6, 16)).astype(np.float32))
+        facts, gn = GroupNorm(2).create_graph(x)
+        gn.bind(facts.init()).call(x)
+    flops = evaluate_FLOPs(ir.main_graph)
+    assert sorted(flops["MatMul"].values()) == [8, 64, 900, 8100]
+    (repeat_key,) = flops["Mul"]  # the repeat's callee, counted three times
+    assert repeat_key.startswith("Repeat_") and flops["Mul"][repeat_key] == {0: 18}
+    assert flops["Add"][repeat_key] == {1: 18}
+    # Group norm of (N=2, C=6, 16) in G=2 groups (upstream's count): mean 48, variance
+    # 2 * 48 + 2 * 4, normalise 2 * 192, scale and shift 2 * 192.
+    (call_key,) = flops["GroupNormalization"]
+    assert sum(flops["GroupNormalization"][call_key].values()) == 48 + 104 + 4 * 192
+    tot = 8 + 64 + 900 + 8100 + 36 + 920
+    assert flops["TOT"] == tot
+    assert evaluate_ir_FLOPs(ir)["TOT"] == total_FLOPs(ir) == 2 * tot  # two replicas
+    assert format_flops_scientific(9072) == "9.072E+03"
+    assert format_flops_scientific(123456) == "0.123E+06"
+    assert format_flops_scientific(64, "K") == "0.064E+03"
+    with pytest.raises(ValueError, match="unknown format"):
+        format_flops_scientific(1, "P")
+    print_FLOPs(flops)
+    print_FLOPs(flops, "flat")

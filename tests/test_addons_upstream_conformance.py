@@ -25,6 +25,8 @@ from torch_popxl.addons.remote import load_remote, named_variable_buffers, store
 from torch_popxl.addons.task_session import TaskSession, initialise_memmap_dir_from_checkpoint
 from torch_popxl.addons.transforms.autodiff import autodiff, autodiff_with_accumulation
 from torch_popxl.addons.variable_factory import NamedVariableFactories
+from torch_popxl.errors import PopXLError
+from torch_popxl.popart import popart_exception
 
 # ---- A4: autodiff_with_accumulation(graph, accumulate, grads_required, ...) --------------------
 
@@ -549,3 +551,18 @@ def test_autodiff_with_accumulation_fourth_positional_is_called_graphs_grad_info
     np.testing.assert_allclose(got_dx, want[1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(accums["accum._LinearBuildGrad.w"], want[2], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(accums["accum._LinearBuildGrad.b"], want[3], rtol=1e-5, atol=1e-6)
+
+
+# ---- popart.popart_exception: what upstream's tests catch ------------------------------------
+
+
+def test_popart_exception_is_what_ir_construction_errors_raise():
+    # Upstream's tests write `from popart import popart_exception` and catch it around IR
+    # construction errors PopART reports from C++; ported, the import names PopXLError.
+    ir = popxl.Ir()
+    with ir.main_graph:
+        acc = popxl.variable(np.zeros(2, np.float32))
+        x = popxl.variable(np.ones(2, np.float32))
+        with pytest.raises(popart_exception, match="factor of 0"):
+            popxl.ops.var_updates.accumulate_(acc, x, f=0.0)
+    assert popart_exception is PopXLError

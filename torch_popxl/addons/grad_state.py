@@ -90,7 +90,8 @@ class Aux:
             raise RuntimeError(
                 f"aux[{key!r}] can only be read inside build_grad, which runs through "
                 "Module.create_grad_graph or autodiff (GraphWithNamedArgs.autodiff). In build, "
-                "keep the tensor in a local variable instead."
+                "keep the tensor in a local variable instead. (popxl-addons: you can only get "
+                "items within the `build_graph` method.)"
             )
         if key not in self._dict:
             raise KeyError(
@@ -140,7 +141,8 @@ class VarGrads:
         if module is None or module.var_grad is not self or self._vars is None:
             raise RuntimeError(
                 "var_grad can only be used inside build_grad, which runs through "
-                "Module.create_grad_graph or autodiff (GraphWithNamedArgs.autodiff)."
+                "Module.create_grad_graph or autodiff (GraphWithNamedArgs.autodiff). "
+                "(popxl-addons: you can only use `var_grad` within the `build_graph` method.)"
             )
 
     def __getitem__(self, key: str) -> Tensor:
@@ -150,18 +152,21 @@ class VarGrads:
     def __setitem__(self, key: str, tensor: Tensor) -> None:
         self._check_context()
         if not isinstance(tensor, Tensor):
-            raise TypeError(f"var_grad[{key!r}] must be a popxl Tensor; got {given(tensor)}.")
+            raise TypeError(
+                f"Not a tensor: var_grad[{key!r}] must be a popxl Tensor; got {given(tensor)}."
+            )
         assert self._vars is not None
         if key not in self._vars:
             raise KeyError(
-                f"var_grad: {key!r} is not a variable of the forward graph; its variables are "
-                f"{list(self._vars)}."
+                f"Not a variable: {key!r} is not a variable of the forward graph; its "
+                f"variables are {list(self._vars)}."
             )
         var = self._vars[key]
         if tuple(var.shape) != tuple(tensor.shape) or tuple(var.meta_shape) != tuple(
             tensor.meta_shape
         ):
             raise ValueError(
+                "Shape or meta-shape of Tensor does not match variable. "
                 f"var_grad[{key!r}]: shape {tuple(tensor.shape)} (meta-shape "
                 f"{tuple(tensor.meta_shape)}) does not match the variable's shape "
                 f"{tuple(var.shape)} (meta-shape {tuple(var.meta_shape)})."

@@ -133,6 +133,7 @@ class Module(_PopXLModule):
             graph_cache = GraphCache() if cache else None
         if graph_cache is not None and self.implements_grad_graph:
             raise ValueError(
+                "You cannot use graph caching if you have implemented `build_grad`. "
                 f"{type(self).__name__}: graph caching (cache=True) cannot be used with a module "
                 "that implements build_grad: each forward graph needs its own gradient graph. "
                 "Create it with cache=False."
@@ -443,11 +444,13 @@ def _check_grad_args(module: Module, graph: Graph, grads_provided, grads_require
     for p in params:
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             raise TypeError(
+                "The `build_grad` method signature must only have a fixed number of positional "
+                "parameters as inputs. "
                 f"{type(module).__name__}.build_grad must take a fixed number of positional "
                 f"parameters (one gradient per provided output); {p.name!r} is {p.kind.description}."
             )
 
-    def check(entries, pool, what, where):
+    def check(entries, pool, what, kind):
         if entries is None:
             return list(pool)
         entries = list(entries)
@@ -459,17 +462,19 @@ def _check_grad_args(module: Module, graph: Graph, grads_provided, grads_require
                     f"{given(t)}."
                 )
             if t not in pool:
+                # Upstream's wording ("a input") first: programs match on it.
                 raise ValueError(
-                    f"create_grad_graph: {what} entry {t.id!r} is not {where} of {graph.id!r} "
-                    f"({[p.id for p in pool]})."
+                    f"A Tensor specified in `{what}` is not a {kind} of `fwd_graph`. "
+                    f"create_grad_graph: {what} entry {t.id!r} is not an {kind} of "
+                    f"{graph.id!r} ({[p.id for p in pool]})."
                 )
         dups = sorted({t.id for t in entries if entries.count(t) > 1})
         if dups:
             raise ValueError(f"create_grad_graph: {what} lists {dups} more than once.")
         return entries
 
-    provided = check(grads_provided, graph.outputs, "grads_provided", "an output")
-    required = check(grads_required, graph.inputs, "grads_required", "an input")
+    provided = check(grads_provided, graph.outputs, "grads_provided", "output")
+    required = check(grads_required, graph.inputs, "grads_required", "input")
     return provided, required
 
 
@@ -478,13 +483,19 @@ def _check_grad_outputs(module: Module, grad_graph: Graph, required_plain, requi
     missing = [k for k in required_vars if k not in module.var_grad]
     if missing:
         raise ValueError(
+            "Not all variable gradients have been specified in self.var_grad. "
             f"{name}.build_grad did not set the gradients of the variables {missing} in "
             "self.var_grad. Set them, or pass grads_required without those variables."
         )
     outs = grad_graph.outputs
     if len(outs) != len(required_plain):
+        upstream = (
+            "Too many outputs in the grad graph. "
+            if len(outs) > len(required_plain)
+            else "Not all forward graph inputs have been specified as outputs in the grad graph. "
+        )
         raise ValueError(
-            f"{name}.build_grad returned {len(outs)} gradients, but {len(required_plain)} are "
+            f"{upstream}{name}.build_grad returned {len(outs)} gradients, but {len(required_plain)} are "
             f"required, one per non-variable forward input in grads_required "
             f"({[t.id for t in required_plain]}). Return them in that order (variable gradients "
             "go in self.var_grad), or pass grads_required."
@@ -492,7 +503,8 @@ def _check_grad_outputs(module: Module, grad_graph: Graph, required_plain, requi
     for i, (g, t) in enumerate(zip(outs, required_plain, strict=True)):
         if tuple(g.shape) != tuple(t.shape) or tuple(g.meta_shape) != tuple(t.meta_shape):
             raise ValueError(
-                f"{name}.build_grad output {i} has shape {tuple(g.shape)} (meta-shape "
+                f"Shape or meta-shape of output Tensor at position {i} does not match the "
+                f"`grad_required` at position {i}. {name}.build_grad output {i} has shape {tuple(g.shape)} (meta-shape "
                 f"{tuple(g.meta_shape)}), but the input it is the gradient of, {t.id!r}, has shape "
                 f"{tuple(t.shape)} (meta-shape {tuple(t.meta_shape)})."
             )

@@ -200,7 +200,7 @@ class Ir:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
             raise ValueError(
-                f"create_graph: the arguments do not match {qualname}{sig}: {e}"
+                f"create_graph: the arguments do not match the signature of {qualname}{sig}: {e}"
             ) from e
         bound.apply_defaults()
         hints = _type_hints(call)

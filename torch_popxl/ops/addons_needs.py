@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..errors import given
-from ..ir.tensor import Tensor
+from ..ir.tensor import Tensor, constant
 from .nn import PadType, conv_function, conv_transpose_function
 from .rng import seeded_uniform
 
@@ -105,16 +105,30 @@ def cast_then_pow2scale(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
     return call_torch(run, (t, scale), {})
 
 
-def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:
-    """``cast(t * 2**log2_scale, data_type)``: ``pow2scale_then_cast`` under its later
-    upstream name, whose ``log2_scale`` must be a scalar int32 tensor."""
-    return pow2scale_then_cast(t, _int32_scale(log2_scale), data_type)
+def _scale_and_type(log2_scale, data_type, default: _dtypes.dtype):
+    """The later upstream order ``(t, log2_scale, data_type)`` and SDK 3.3's ``(t, data_type,
+    log2_scale)`` both name their arguments; a dtype given second is SDK 3.3's. No scale: 0."""
+    if isinstance(log2_scale, _dtypes.dtype):
+        log2_scale, data_type = data_type if isinstance(data_type, Tensor) else None, log2_scale
+    scale = constant(0, _dtypes.int32) if log2_scale is None else _int32_scale(log2_scale)
+    return scale, default if data_type is None else data_type
 
 
-def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:
+def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor | None = None,
+                          data_type: _dtypes.dtype | None = None) -> Tensor:  # fmt: skip
+    """``cast(t * 2**log2_scale, data_type)``: ``pow2scale_then_cast`` under its later upstream
+    name (``log2_scale`` a scalar int32 tensor, None: no scaling; ``data_type`` float8_143 by
+    default)."""
+    scale, data_type = _scale_and_type(log2_scale, data_type, _dtypes.float8_143)
+    return pow2scale_then_cast(t, scale, data_type)
+
+
+def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor | None = None,
+                            data_type: _dtypes.dtype | None = None) -> Tensor:  # fmt: skip
     """``cast(t, data_type) * 2**log2_scale``: ``cast_then_pow2scale`` under its later
-    upstream name, whose ``log2_scale`` must be a scalar int32 tensor."""
-    return cast_then_pow2scale(t, _int32_scale(log2_scale), data_type)
+    upstream name (``data_type`` float16 by default)."""
+    scale, data_type = _scale_and_type(log2_scale, data_type, _dtypes.float16)
+    return cast_then_pow2scale(t, scale, data_type)
 
 
 def _int32_scale(log2_scale) -> Tensor:

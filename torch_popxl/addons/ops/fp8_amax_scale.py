@@ -9,13 +9,17 @@ from ... import dtypes as _dtypes
 from ...capture import call_torch
 from ...errors import given
 from ...ir.tensor import Tensor
+from .fp8_utils import float8_143_def, float8_152_def
 
 __all__ = ["fp8_amax_scale"]
 
-# Largest finite values of Graphcore's float8 formats (popxl-addons' ``fp8_utils``). They are
-# the formats' own limits, not those of the OCP formats this simulator stores float8 data in
-# (Note [float8 encoding] in dtypes.py), so scales match what an IPU program computes.
-_FP8_MAX = {"float8_143": 240.0, "float8_152": 57344.0}
+# Largest finite values of Graphcore's float8 formats (``fp8_utils``). They are the formats' own
+# limits, not those of the OCP formats this simulator stores float8 data in (Note [float8
+# encoding] in dtypes.py), so scales match what an IPU program computes.
+_FP8_MAX = {
+    "float8_143": float(float8_143_def.max_value),
+    "float8_152": float(float8_152_def.max_value),
+}
 
 
 def _amax_scale(src: torch.Tensor, fp8_max: float) -> torch.Tensor:

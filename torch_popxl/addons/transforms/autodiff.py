@@ -195,8 +195,8 @@ def _graph_autodiff(self: GraphWithNamedArgs, grads_provided: Iterable[Tensor] |
         raise ValueError(f"method must be 'auto', 'autodiff' or 'build_grad'; got {method!r}.")
     if self.autodiff_applied and not force:
         raise ValueError(
-            f"{self.graph.id!r} has already been differentiated; autodiff appends forward "
-            "outputs, so a second pass needs force=True."
+            f"Autodiff has already been applied: {self.graph.id!r} has already been "
+            "differentiated; autodiff appends forward outputs, so a second pass needs force=True."
         )
     module = self.from_module
     if method in ("auto", "build_grad"):

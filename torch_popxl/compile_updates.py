@@ -551,10 +551,9 @@ def _scale(g, coef):
 
 def _count_factor(total, *, bound: int):
     # float64, rounded once (Note [exact losses over micro-batches]); a batch that counts
-    # nothing has zero gradients, as eager's mean over nothing (a NaN loss) gives
-    total = total.double()
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    return torch.where(total > 0, float(bound) / safe, torch.zeros_like(total)).to(total.dtype)
+    # nothing has zero gradients, as eager's mean over nothing (a NaN loss) gives: a count of
+    # 0 gives a finite factor that multiplies zero gradients
+    return (float(bound) / total.double().clamp_min(1e-20)).to(total.dtype)
 
 
 def _rescale(g, factor):

@@ -87,6 +87,23 @@ def train_both(model, loss_fn, batches, R, GA, optimizer=torch.optim.SGD, lr=0.1
     return trainer
 
 
+def train_own_loss(model, batches, optimizer, lr):
+    """A model that returns its loss, trained on dicts of inputs at R=2, GA=2 and eagerly."""
+    eager = copy.deepcopy(model)
+    opt = optimizer(eager.parameters(), lr=lr)
+    trainer = popxl.compile(model, None, optimizer(model.parameters(), lr=lr),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    for inputs in batches:
+        opt.zero_grad()
+        want = eager(**inputs)
+        want.backward()
+        opt.step()
+        assert trainer.step(inputs) == pytest.approx(want.item(), rel=RTOL)
+    trainer.sync_weights()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
 def token_loss(logits, targets):
     """The token-classification loss Hugging Face models used to write."""
     labels, attention = targets
@@ -160,21 +177,9 @@ def test_a_model_that_returns_a_masked_loss_trains_as_eager():
         def forward(self, ids, attention, labels):
             return token_loss(super().forward(ids), (labels, attention))
 
-    model = WithLoss()
-    eager = copy.deepcopy(model)
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    trainer = popxl.compile(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
-    for ids, (labels, attention) in token_batches():
-        inputs = {"ids": ids, "attention": attention, "labels": labels}
-        opt.zero_grad()
-        want = eager(**inputs)
-        want.backward()
-        opt.step()
-        assert trainer.step(inputs) == pytest.approx(want.item(), rel=RTOL)
-    trainer.sync_weights()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    batches = [{"ids": ids, "attention": attention, "labels": labels}
+               for ids, (labels, attention) in token_batches()]  # fmt: skip
+    train_own_loss(WithLoss(), batches, torch.optim.SGD, lr=0.1)
 
 
 class MaskedHead(nn.Module):
@@ -193,22 +198,9 @@ class MaskedHead(nn.Module):
 
 
 def test_a_head_over_the_selected_rows_trains_as_eager():
-    model = MaskedHead()
-    eager = copy.deepcopy(model)
-    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    trainer = popxl.compile(model, None, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
-    for ids, (labels, attention) in token_batches():
-        labels = labels.masked_fill(attention == 0, -100)
-        inputs = {"ids": ids, "labels": labels}
-        opt.zero_grad()
-        want = eager(**inputs)
-        want.backward()
-        opt.step()
-        assert trainer.step(inputs) == pytest.approx(want.item(), rel=RTOL)
-    trainer.sync_weights()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    batches = [{"ids": ids, "labels": labels.masked_fill(attention == 0, -100)}
+               for ids, (labels, attention) in token_batches()]  # fmt: skip
+    train_own_loss(MaskedHead(), batches, torch.optim.AdamW, lr=1e-2)
 
 
 @pytest.mark.parametrize(

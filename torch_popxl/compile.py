@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import inspect
 import math
 import sys
 import weakref
@@ -1821,8 +1822,6 @@ class Trainer:
 
 def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure (Note [optimizers that take a closure])."""
-    import inspect
-
     if not isinstance(optimizer, torch.optim.Optimizer):
         return False  # (the Trainer says what it expects)
     try:

@@ -58,7 +58,6 @@ from . import remote as _remote
 from .capture import call_torch
 from .compile_common import (
     _MAX_PROGRAMS,
-    _array,
     _attributes_restored,
     _check_positive,
     _check_tensors,
@@ -69,6 +68,7 @@ from .compile_common import (
     _micro_batches,
     _split_advice,
     _structured,
+    _structured_targets,
     _without_caches,
     host_float,
     loss_dtype,
@@ -198,7 +198,7 @@ def _torch_targets(batch: _Batch):
         return None
     ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
     ts = [t.long() if t.dtype == torch.int32 else t for t in ts]
-    return tuple(ts) if batch.targets_tuple else ts[0]
+    return pytree.tree_unflatten(ts, batch.targets_spec)
 
 
 def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_rows: bool
@@ -256,12 +256,13 @@ class _Slot:
 # back as they are.
 @dataclass
 class _Batch:
-    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple)."""
+    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple, list
+    or dict of them)."""
 
     args: list[np.ndarray]
     kwargs: dict[str, np.ndarray]
     targets: list[np.ndarray]
-    targets_tuple: bool
+    targets_spec: Any  # rebuilds the targets from their leaves; None without targets
     spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
     options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
     ga: int = 1  # micro-batches per replica (Note [a short last batch])
@@ -282,7 +283,7 @@ class _Batch:
             tuple((a.shape, a.dtype) for a in self.args),
             tuple((k, a.shape, a.dtype) for k, a in self.kwargs.items()),
             tuple((a.shape, a.dtype) for a in self.targets),
-            self.targets_tuple,
+            self.targets_spec,
             self.spec,
             options_key(self.options),
         )
@@ -1118,7 +1119,7 @@ class Trainer:
             args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
             kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
             targets = io[n_in:]
-            t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
+            t = pytree.tree_unflatten(targets, batch.targets_spec) if targets else None
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -1361,14 +1362,9 @@ class Trainer:
     def _check_batch(self, inputs, targets) -> _Batch:
         floats = host_float(self._tensors)
         args, kwargs, spec, options = _structured(inputs, "inputs", floats)
-        targets_tuple = isinstance(targets, tuple | list) and bool(targets)
-        if targets_tuple:
-            t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
-        elif targets is None:  # a model that returns its loss may take no targets
-            t = []
-        else:
-            t = [_array(targets, "targets", floats)]
-        batch = _Batch(args, kwargs, t, targets_tuple, spec, options)
+        # (no targets: a model that returns its loss may take none)
+        t, targets_spec = _structured_targets(targets, floats)
+        batch = _Batch(args, kwargs, t, targets_spec, spec, options)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
         # Note [the batch is dim 0]

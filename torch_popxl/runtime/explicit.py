@@ -1788,10 +1788,13 @@ class _OneOpVmap:
     def _slices(self, *tensors):
         """The op on each replica's rows, the results stacked (``per_slice``)."""
         rows = next(t.shape[0] for t, d in zip(tensors, self.in_dims, strict=True) if d == 0)
+        # (each replica's rows in a storage of their own, as one replica's tensor is: an op that
+        # reads its storage offset, ``as_strided_copy``, sees what it would see there)
         outs = [
-            self._one(*[t[r] if d == 0 else t for t, d in zip(tensors, self.in_dims, strict=True)])
+            self._one(*[t[r].clone() if d == 0 else t
+                        for t, d in zip(tensors, self.in_dims, strict=True)])
             for r in range(rows)
-        ]
+        ]  # fmt: skip
         if isinstance(outs[0], tuple):
             return tuple(torch.stack(list(o)) for o in zip(*outs, strict=True))
         return torch.stack(outs)

@@ -81,13 +81,18 @@ class Interpreter(Generic[V]):
         return self.enter(op, self.by_value(op, ins))
 
     def repeat(self, op: Op, ins: list[V]) -> Sequence[V]:
-        """A ``repeat`` op: by default its body runs ``repeat_count`` times (Note [repeat
+        """A ``repeat`` op: by default its body runs ``iterations(op)`` times (Note [repeat
         carries])."""
         carry = self.by_value(op, ins)
         k = len(op.attrs.graph._outputs)
-        for _ in range(op.attrs.repeat_count):
+        for _ in range(self.iterations(op)):
             carry[:k] = self.enter(op, carry)
         return carry[: len(op.outputs)]
+
+    def iterations(self, op: Op) -> int:
+        """How many times ``repeat`` runs a repeat's body: its ``repeat_count``, or fewer for
+        an analysis that learns all it needs from the first few."""
+        return op.attrs.repeat_count
 
     # ---- the walk -------------------------------------------------------------------------
 
@@ -227,6 +232,7 @@ def _torch_effects(op: Op) -> Effects:
     args, kwargs = op.attrs.args, op.attrs.kwargs
     written: set[int] = set()
     sets: dict[str, int] = {}
+    wildcard: int | None = None  # the input a list of views aliases (``Tensor(a -> *)``)
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
         if info is None:
@@ -238,21 +244,37 @@ def _torch_effects(op: Op) -> Effects:
                     written.add(s.index)
                 for a in info.before_set:
                     sets.setdefault(a, s.index)
+                if "*" in info.after_set and wildcard is None:
+                    wildcard = s.index
     undeclared: set[int] = set()
     hidden = _UNDECLARED_WRITES.get(target)
     if hidden is not None:
         for i in hidden(args):
             if i < len(args) and isinstance(args[i], Slot) and args[i].index not in written:
                 undeclared.add(args[i].index)
-    aliases: dict[int, int] = {}
+    aliased: dict[int, int] = {}  # schema return -> the input it aliases
     for k, ret in enumerate(schema.returns):
         info = ret.alias_info
-        if info is not None:
-            for a in info.before_set:
-                if a in sets:
-                    aliases[k] = sets[a]
+        if info is None:
+            continue
+        for a in info.before_set:
+            if a in sets:
+                aliased[k] = sets[a]
+        # ``Tensor(a)[]`` (split, unbind): torch's binding shows no alias set for a list's
+        # elements; they are views of the argument annotated ``Tensor(a -> *)``.
+        if not info.before_set and wildcard is not None:
+            aliased[k] = wildcard
+    aliases: dict[int, int] = {}
+    if aliased:  # per output: a single return holds them all, else path[0] is the return
+        single = len(schema.returns) == 1
+        for j, path in enumerate(op.attrs.out_paths):
+            k = 0 if single or not path else path[0]
+            if k in aliased:
+                aliases[j] = aliased[k]
     if not (written or undeclared or aliases or flags):
         return _NONE
+    if op.attrs.new_tensors and not written:  # Note [views of new tensors] in ir/views.py
+        return Effects(flags=flags, views=MappingProxyType(aliases))
     return Effects(frozenset(written | undeclared), MappingProxyType(aliases),
                    frozenset(undeclared), flags)  # fmt: skip
 

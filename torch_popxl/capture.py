@@ -454,14 +454,11 @@ def _views_of(func, args, inputs: list[Tensor], given: frozenset[str]) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None or not any(r.alias_info is not None for r in schema.returns):
         return False
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is not None and info.is_write:
-            return False
-        if info is not None and i < len(args) and isinstance(args[i], Slot):
-            if inputs[args[i].index].id in given:
-                return True
-    return False
+    aliased = [(i, a.alias_info) for i, a in enumerate(schema.arguments) if a.alias_info]
+    if any(info.is_write for _, info in aliased):
+        return False
+    return any(i < len(args) and isinstance(args[i], Slot) and inputs[args[i].index].id in given
+               for i, _ in aliased)  # fmt: skip
 
 
 def _without_legacy_empty(tensors):

@@ -5,8 +5,8 @@ call entering its callee with its arguments bound, a repeat running its body ``r
 times with loop-carried values, and the callee's outputs handed back to the caller. What an
 op *does* is the subclass's business (``Interpreter.op``), and so is what a value is: per-replica
 tensors (the reference executor), fake tensors (autodiff's replay), value names (the fast
-compiler's flattener), root-input indices (``mutated_inputs``), nothing at all (liveness,
-``executed_ops``). A subclass that wants a summary of a callee instead of entering it (for
+compiler's flattener), root-input indices (``mutated_inputs``), places in storage (which
+views to copy, ``ir/views.py``), nothing at all (liveness, ``executed_ops``). A subclass that wants a summary of a callee instead of entering it (for
 example the set of inputs it writes) overrides ``call`` / ``repeat``.
 
 Note [pass by value]
@@ -197,9 +197,12 @@ def executed_ops(ops: Iterable[Op], times: int = 1) -> list[tuple[Op, int]]:
 # the sum decomposition and the fast compiler's aliasing analyses. The answer comes from
 #
 # * a captured torch op's schema (``Tensor(a!)`` arguments are written; a return in alias set
-#   ``a`` aliases that argument), plus the writes torch makes without declaring them
-#   (``_UNDECLARED_WRITES``: batch norm's running statistics when training), and the flags of
-#   its definition, if the project defines it (the collectives);
+#   ``a`` aliases that argument, each element of a ``Tensor(a)[]`` return too), plus the writes
+#   torch makes without declaring them (``_UNDECLARED_WRITES``: batch norm's running
+#   statistics when training), and the flags of its definition, if the project defines it
+#   (the collectives); a view recorded for a PopXL non-in-place op (``TorchCall.new_tensors``)
+#   lists its outputs as ``views``, not ``aliases`` (Note [views of new tensors] in
+#   ir/views.py);
 # * a call or repeat: the callee inputs it writes (``mutated_inputs``) that the call site lets
 #   it write (``CallSite.modified``), in the callee's input numbering, which is the op's;
 # * a runtime op: its definition (Note [op definitions] in ir/opdef.py).

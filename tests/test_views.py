@@ -310,3 +310,25 @@ def test_popxl_compile_records_no_new_tensor_views():
     ops_ = [op for g in trainer.ir.graphs for op in g._ops]
     assert ops_ and not any(getattr(op.attrs, "new_tensors", False) for op in ops_)
     assert copied_views(trainer.ir) == frozenset()
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a callee output that is a torch view of a "
+                   "callee input shares the caller's storage (docs/semantics.md)")  # fmt: skip
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_call_output_viewing_a_call_input_is_a_new_tensor(executor):
+    """A call's outputs are new tensors upstream. The gradient graph of a reshape returns
+    torch's view of its input gradient, so an update of the caller's ``dy`` after the call
+    still reaches ``dx`` here."""
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.zeros((2, 3), np.float32))
+        dy = popxl.variable(np.ones(6, np.float32))
+        fwd = ir.create_graph(lambda a: a.reshape((6,)), x)
+        bwd = popxl.transforms.autodiff(fwd)
+        info = ops.call_with_info(fwd, x)
+        (dx,) = ops.call(bwd.graph, dy, inputs_dict=bwd.inputs_dict(info))
+        ops.var_updates.accumulate_(dy, popxl.constant(np.ones(6, np.float32)))
+        (dx_s,) = _stores(dx)
+    with popxl.Session(ir, "ipu_model", executor=executor) as session:
+        out = session.run()
+    np.testing.assert_array_equal(out[dx_s], np.ones((2, 3), np.float32))

@@ -17,7 +17,9 @@ given is marked, as is a handle the op returns unchanged, which becomes an ``ate
 Its effects (Note [one effects query] in ir/walk.py) list such outputs as ``views``, not
 ``aliases``: to the in-place ambiguity check and the mutation analysis ``y`` is a tensor of
 its own, as upstream; to the fast compiler's analyses of storage (``Effects.shared``) it
-shares ``x``'s memory, as it does at run time.
+shares ``x``'s memory, as it does at run time. A runtime op whose executors hand on its
+input's storage declares the same in its definition (``OpDef.views``: ``print_tensor``).
+Torch code run on handles (``torch.permute(x, ...)``, ``x.view(...)``) keeps torch's aliases.
 
 Sharing is only wrong where the program can see it: one side is written in place while the
 other is still used afterwards. The whole program is known before it runs, so one walk over

@@ -83,8 +83,12 @@ def test_captured_ops_answer_from_their_schema():
         acc = _last_op(main)
         _ = a + b
         plain = _last_op(main)
-        _ = a.reshape((3, 2))
+        _ = a.view(3, 2)  # torch's view: an alias
         view = _last_op(main)
+        _ = a.reshape((3, 2))  # PopXL's reshape: a new tensor that torch runs as a view
+        new = _last_op(main)
+        _ = torch.split(a, [1, 2], dim=1)  # a list of views
+        pieces = _last_op(main)
         ops.collectives.replicated_all_reduce(b)
         reduce = _last_op(main)
     e = effects(acc)
@@ -92,6 +96,9 @@ def test_captured_ops_answer_from_their_schema():
     assert e.aliases[0] == min(e.writes)
     assert not effects(plain).writes and not effects(plain).aliases
     assert not effects(view).writes and dict(effects(view).aliases) == {0: 0}
+    assert not effects(new).aliases and dict(effects(new).views) == {0: 0}
+    assert dict(effects(new).shared) == {0: 0}
+    assert dict(effects(pieces).aliases) == {0: 0, 1: 0} and len(pieces.outputs) == 2
     assert effects(reduce).is_collective and not effects(reduce).writes
 
 

@@ -171,11 +171,13 @@ def test_mutated_inputs_follow_views_and_calls_but_not_copies():
     spec = _spec(ir)
 
     def writes_through_a_view(a, b, c):
-        v = a.reshape((3,))
+        v = a.reshape_((3,))  # the in-place reshape: an alias of a
         v += 1.0  # writes a through its view
         d = c * 1.0
         d += 1.0  # a new value: c is untouched
-        return b + d
+        n = b.reshape((3,))  # the non-in-place reshape: a new tensor (upstream's ReshapeOp)
+        n += 1.0  # b is untouched
+        return b + d + n
 
     g = ir.create_graph(writes_through_a_view, spec, spec, spec)
     assert mutated_inputs(g) == {0}

@@ -143,11 +143,16 @@ def _op_name(func) -> str:
 
 
 class _Recorder(TorchDispatchMode):
-    """Appends every dispatched op to ``graph``, mapping fake tensors to handles."""
+    """Appends every dispatched op to ``graph``, mapping fake tensors to handles.
 
-    def __init__(self, graph: Graph, on_unknown=None):
+    ``new_tensors_of``: the ids of the handles a PopXL non-in-place op was given; a view op
+    of one of them is recorded with ``new_tensors`` (Note [views of new tensors] in
+    ir/views.py)."""
+
+    def __init__(self, graph: Graph, on_unknown=None, new_tensors_of: frozenset[str] = frozenset()):
         super().__init__()
         self.graph = graph
+        self.new_tensors_of = new_tensors_of
         # Note [no_grad in captured code]: torch code may compute part of its result under
         # ``torch.no_grad()`` (a scale it does not differentiate, spectral norm's power
         # iteration writing its buffers): eager autograd passes no gradient through those ops.
@@ -438,9 +443,24 @@ class _Recorder(TorchDispatchMode):
                 no_grad=self._grad_at_start
                 and not torch.is_grad_enabled()
                 and not _inside_torch_function[0],
+                new_tensors=bool(self.new_tensors_of)
+                and _views_of(func, args_t, inputs, self.new_tensors_of),
             ),
         )
         self.graph._append_op(op)
+
+
+def _views_of(func, args, inputs: list[Tensor], given: frozenset[str]) -> bool:
+    """Whether ``func`` is a view op (its schema returns an alias and writes nothing) whose
+    aliased argument is one of the handles in ``given`` (Note [views of new tensors])."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return False
+    aliased = [(i, a.alias_info) for i, a in enumerate(schema.arguments) if a.alias_info]
+    if any(info.is_write for _, info in aliased):
+        return False
+    return any(i < len(args) and isinstance(args[i], Slot) and inputs[args[i].index].id in given
+               for i, _ in aliased)  # fmt: skip
 
 
 def _without_legacy_empty(tensors):
@@ -466,10 +486,12 @@ def _tensor_leaves_with_paths(out, prefix=()):
 
 
 @contextlib.contextmanager
-def record_into(graph: Graph, on_unknown=None) -> Iterator[None]:
-    """Record all torch ops run inside into ``graph`` (fake mode + recorder)."""
+def record_into(graph: Graph, on_unknown=None,
+                new_tensors_of: frozenset[str] = frozenset()) -> Iterator[None]:  # fmt: skip
+    """Record all torch ops run inside into ``graph`` (fake mode + recorder); views of the
+    handles ``new_tensors_of`` are new tensors (Note [views of new tensors])."""
     # oneDNN off (Note [no oneDNN in captured code]).
-    recorder = _Recorder(graph, on_unknown)
+    recorder = _Recorder(graph, on_unknown, new_tensors_of)
     with (
         _onednn_off(),
         _distribution_checks_off(),  # Note [argument checks of torch.distributions]
@@ -769,17 +791,41 @@ def _dense_gradient(func, args, kwargs):
     return args, kwargs
 
 
-def call_torch(func, args, kwargs) -> Any:
-    """Run a torch callable on popxl handles in the current graph and record it."""
+def call_torch(func, args, kwargs, *, new_tensors: bool = False) -> Any:
+    """Run a torch callable on popxl handles in the current graph and record it.
+
+    With torch's semantics a view it returns aliases its source. ``new_tensors``: ``func``
+    is one of PopXL's non-in-place ops, whose results are new tensors: a view of a handle it
+    was given is recorded as such, and a handle it returns unchanged (``Tensor.to`` its own
+    dtype) comes back as a new tensor (Note [views of new tensors] in ir/views.py)."""
     graph = gcg()
+    given = frozenset(
+        x.id for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)
+    ) if new_tensors else frozenset()  # fmt: skip
     fargs = pytree.tree_map(lambda x: _to_fake(graph, x), args)
     fkwargs = pytree.tree_map(lambda x: _to_fake(graph, x), kwargs)
+    first = len(graph._ops)
     before = _host_draws()
-    with record_into(graph), in_torch_order():
+    with record_into(graph, new_tensors_of=given), in_torch_order():
         result = func(*fargs, **fkwargs)
+        if given:
+            result = pytree.tree_map(lambda x: _unless_given(graph, x, given, first), result)
     if _host_draws() != before:
         raise _host_random_error(func)
     return pytree.tree_map(lambda x: _from_fake(graph, x), result)
+
+
+def _unless_given(graph: Graph, x: Any, given: frozenset[str], first: int) -> Any:
+    """``x``, or a new-tensor view of it where it is a handle a PopXL non-in-place op was
+    given and returns unchanged (an in-place op, which writes it, returns its input)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = graph._tensor_for_fake(x)
+    if t is None or t.id not in given:
+        return x
+    if any(t in op.outputs for op in graph._ops[first:]):
+        return x
+    return aten.alias.default(x)
 
 
 # Note [Python random numbers in captured code]

@@ -51,15 +51,14 @@ class _TensorMethods:
         return self.transpose_()
 
     def transpose(self, *permutation) -> Tensor:
-        """PopXL ``transpose(permutation)``; torch-style ``transpose(dim0, dim1)`` also works."""
-        if (
-            len(permutation) == 2
-            and all(isinstance(p, int) for p in permutation)
-            and _this(self).rank != 2
-        ):
-            return self._torch_method("transpose", *permutation)
+        """PopXL ``transpose(permutation)``; torch-style ``transpose(dim0, dim1)`` also works.
+        Either way a new tensor (Note [views of new tensors] in ir/views.py)."""
         if len(permutation) == 2 and all(isinstance(p, int) for p in permutation):
-            permutation = ((1, 0) if permutation[0] != permutation[1] else (0, 1),)
+            rank = _this(self).rank
+            perm = list(range(rank))
+            a, b = (p % rank if rank else p for p in permutation)
+            perm[a], perm[b] = perm[b], perm[a]
+            permutation = (perm,)
         return ops.transpose(_this(self), permutation[0] if permutation else None)
 
     def transpose_(self, permutation=None) -> Tensor:
@@ -75,8 +74,9 @@ class _TensorMethods:
         return ops.reshape_(_this(self), shape)
 
     def flatten(self, *args) -> Tensor:
+        """PopXL ``flatten()``; torch-style ``flatten(start_dim, end_dim)`` also works."""
         if args:
-            return self._torch_method("flatten", *args)
+            return self._popxl_method("flatten", *args)
         return ops.flatten(_this(self))
 
     def flatten_(self) -> Tensor:
@@ -91,7 +91,7 @@ class _TensorMethods:
             raise ValueError(
                 f"diag() needs a 2-D tensor; {self._id!r} has shape {_this(self).shape}."
             )
-        return self._torch_method("diagonal")
+        return self._popxl_method("diagonal")
 
     def copy_to_ipu(self, destination: int, source: int | None = None) -> Tensor:
         return ops.ipu_copy(_this(self), destination, source)
@@ -196,8 +196,11 @@ class _TensorMethods:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return capture.call_torch(func, args, kwargs or {})
 
-    def _torch_method(self, name, *args, **kwargs):
-        return capture.call_torch(getattr(torch.Tensor, name), (self, *args), kwargs)
+    def _popxl_method(self, name, *args, **kwargs):
+        """A PopXL method run as the torch method ``name``: its result is a new tensor where
+        torch's is a view (Note [views of new tensors] in ir/views.py)."""
+        return capture.call_torch(getattr(torch.Tensor, name), (self, *args), kwargs,
+                                  new_tensors=True)  # fmt: skip
 
     # Hidden from the type checker, which would otherwise accept any attribute of a Tensor:
     # code that calls torch.Tensor methods on handles says so where it does.

@@ -21,13 +21,16 @@ class TorchCall:
     """A captured aten / ``torch_popxl`` op: ``target(*args, **kwargs)`` with ``Slot``
     placeholders for the tensor inputs; ``out_paths[i]`` locates output i in the result;
     ``no_grad``: the captured code ran it under ``torch.no_grad()`` (Note [no_grad in captured
-    code], capture.py)."""
+    code], capture.py); ``new_tensors``: a view op recorded for one of PopXL's non-in-place
+    ops, whose results are new tensors though torch returns views (Note [views of new tensors]
+    in ir/views.py)."""
 
     target: Any  # torch._ops.OpOverload
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     out_paths: tuple[tuple[int, ...], ...]
     no_grad: bool = False
+    new_tensors: bool = False
 
     def argument(self, name: str) -> Any:
         """The value of the schema argument ``name`` (positional, keyword or default)."""

@@ -63,14 +63,27 @@ class Effects:
     ir/walk.py).
 
     ``writes``: the input indices the op updates in place; ``aliases``: {output index: input
-    index} for outputs that share storage with an input; ``undeclared``: the subset of
-    ``writes`` torch makes without its schema saying so (batch norm's running statistics:
-    they carry no gradient); ``flags``: collective, streaming memory, host IO."""
+    index} for outputs that are aliases of an input (an update of either is seen by the
+    other); ``undeclared``: the subset of ``writes`` torch makes without its schema saying so
+    (batch norm's running statistics: they carry no gradient); ``flags``: collective,
+    streaming memory, host IO; ``views``: {output index: input index} for outputs that are new
+    tensors in the program's semantics but that torch's kernel returns as views of an input,
+    so they share its storage at run time unless the executors copy them (Note [views of new
+    tensors] in ir/views.py)."""
 
     writes: frozenset[int] = frozenset()
     aliases: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
     undeclared: frozenset[int] = frozenset()
     flags: Effect = Effect.NONE
+    views: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def shared(self) -> Mapping[int, int]:
+        """{output: input} for every output that shares an input's storage when the op runs:
+        its aliases and its views (what the fast compiler's analyses of storage need)."""
+        if not self.views:
+            return self.aliases
+        return MappingProxyType({**self.aliases, **self.views})
 
     @property
     def is_collective(self) -> bool:
@@ -96,8 +109,9 @@ class MissingRuleError(NotImplementedError):
 @dataclass(frozen=True, eq=False)
 class OpDef:
     """One op's definition (Note [op definitions]): its name, effect flags and rules; for a
-    runtime op also the attribute record its ops carry (``attrs``), the inputs it writes and
-    its {output: input} aliases."""
+    runtime op also the attribute record its ops carry (``attrs``), the inputs it writes, its
+    {output: input} aliases and its views (new tensors that run as an input's storage, Note
+    [views of new tensors] in ir/views.py)."""
 
     name: str
     effects: Effect = Effect.NONE
@@ -106,13 +120,17 @@ class OpDef:
     attrs: type | None = None
     writes: frozenset[int] = frozenset()
     aliases: Mapping[int, int] = field(default_factory=dict)
+    views: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", MappingProxyType(dict(self.rules)))
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
+        object.__setattr__(self, "views", MappingProxyType(dict(self.views)))
         object.__setattr__(self, "writes", frozenset(self.writes))
         object.__setattr__(
-            self, "_effects", Effects(self.writes, self.aliases, frozenset(), self.effects)
+            self,
+            "_effects",
+            Effects(self.writes, self.aliases, frozenset(), self.effects, self.views),
         )
 
     # A definition compares equal to its name, as ``OpKind`` members do to their values, so

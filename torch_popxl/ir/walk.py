@@ -5,8 +5,8 @@ call entering its callee with its arguments bound, a repeat running its body ``r
 times with loop-carried values, and the callee's outputs handed back to the caller. What an
 op *does* is the subclass's business (``Interpreter.op``), and so is what a value is: per-replica
 tensors (the reference executor), fake tensors (autodiff's replay), value names (the fast
-compiler's flattener), root-input indices (``mutated_inputs``), nothing at all (liveness,
-``executed_ops``). A subclass that wants a summary of a callee instead of entering it (for
+compiler's flattener), root-input indices (``mutated_inputs``), places in storage (which
+views to copy, ``ir/views.py``), nothing at all (liveness, ``executed_ops``). A subclass that wants a summary of a callee instead of entering it (for
 example the set of inputs it writes) overrides ``call`` / ``repeat``.
 
 Note [pass by value]
@@ -81,13 +81,18 @@ class Interpreter(Generic[V]):
         return self.enter(op, self.by_value(op, ins))
 
     def repeat(self, op: Op, ins: list[V]) -> Sequence[V]:
-        """A ``repeat`` op: by default its body runs ``repeat_count`` times (Note [repeat
+        """A ``repeat`` op: by default its body runs ``iterations(op)`` times (Note [repeat
         carries])."""
         carry = self.by_value(op, ins)
         k = len(op.attrs.graph._outputs)
-        for _ in range(op.attrs.repeat_count):
+        for _ in range(self.iterations(op)):
             carry[:k] = self.enter(op, carry)
         return carry[: len(op.outputs)]
+
+    def iterations(self, op: Op) -> int:
+        """How many times ``repeat`` runs a repeat's body: its ``repeat_count``, or fewer for
+        an analysis that learns all it needs from the first few."""
+        return op.attrs.repeat_count
 
     # ---- the walk -------------------------------------------------------------------------
 
@@ -192,9 +197,12 @@ def executed_ops(ops: Iterable[Op], times: int = 1) -> list[tuple[Op, int]]:
 # the sum decomposition and the fast compiler's aliasing analyses. The answer comes from
 #
 # * a captured torch op's schema (``Tensor(a!)`` arguments are written; a return in alias set
-#   ``a`` aliases that argument), plus the writes torch makes without declaring them
-#   (``_UNDECLARED_WRITES``: batch norm's running statistics when training), and the flags of
-#   its definition, if the project defines it (the collectives);
+#   ``a`` aliases that argument, each element of a ``Tensor(a)[]`` return too), plus the writes
+#   torch makes without declaring them (``_UNDECLARED_WRITES``: batch norm's running
+#   statistics when training), and the flags of its definition, if the project defines it
+#   (the collectives); a view recorded for a PopXL non-in-place op (``TorchCall.new_tensors``)
+#   lists its outputs as ``views``, not ``aliases`` (Note [views of new tensors] in
+#   ir/views.py);
 # * a call or repeat: the callee inputs it writes (``mutated_inputs``) that the call site lets
 #   it write (``CallSite.modified``), in the callee's input numbering, which is the op's;
 # * a runtime op: its definition (Note [op definitions] in ir/opdef.py).
@@ -227,6 +235,7 @@ def _torch_effects(op: Op) -> Effects:
     args, kwargs = op.attrs.args, op.attrs.kwargs
     written: set[int] = set()
     sets: dict[str, int] = {}
+    wildcard: int | None = None  # the input a list of views aliases (``Tensor(a -> *)``)
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
         if info is None:
@@ -238,21 +247,37 @@ def _torch_effects(op: Op) -> Effects:
                     written.add(s.index)
                 for a in info.before_set:
                     sets.setdefault(a, s.index)
+                if "*" in info.after_set and wildcard is None:
+                    wildcard = s.index
     undeclared: set[int] = set()
     hidden = _UNDECLARED_WRITES.get(target)
     if hidden is not None:
         for i in hidden(args):
             if i < len(args) and isinstance(args[i], Slot) and args[i].index not in written:
                 undeclared.add(args[i].index)
-    aliases: dict[int, int] = {}
+    aliased: dict[int, int] = {}  # schema return -> the input it aliases
     for k, ret in enumerate(schema.returns):
         info = ret.alias_info
-        if info is not None:
-            for a in info.before_set:
-                if a in sets:
-                    aliases[k] = sets[a]
+        if info is None:
+            continue
+        for a in info.before_set:
+            if a in sets:
+                aliased[k] = sets[a]
+        # ``Tensor(a)[]`` (split, unbind): torch's binding shows no alias set for a list's
+        # elements; they are views of the argument annotated ``Tensor(a -> *)``.
+        if not info.before_set and wildcard is not None:
+            aliased[k] = wildcard
+    aliases: dict[int, int] = {}
+    if aliased:  # per output: a single return holds them all, else path[0] is the return
+        single = len(schema.returns) == 1
+        for j, path in enumerate(op.attrs.out_paths):
+            k = 0 if single or not path else path[0]
+            if k in aliased:
+                aliases[j] = aliased[k]
     if not (written or undeclared or aliases or flags):
         return _NONE
+    if op.attrs.new_tensors and not written:  # Note [views of new tensors] in ir/views.py
+        return Effects(flags=flags, views=MappingProxyType(aliases))
     return Effects(frozenset(written | undeclared), MappingProxyType(aliases),
                    frozenset(undeclared), flags)  # fmt: skip
 

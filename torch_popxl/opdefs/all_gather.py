@@ -232,7 +232,9 @@ def replicated_all_gather(t: Handle, axis: int = 0, group: ReplicaGrouping | Non
     if not t.meta_shape:
         return flat
     n = math.prod(t.meta_shape)
-    return call_torch(torch.reshape, (flat[:n], tuple(t.meta_shape)), {})
+    # (torch's slice, not the PopXL method: ``flat`` is this op's own intermediate)
+    head = call_torch(torch.Tensor.__getitem__, (flat, slice(None, n)), {})
+    return call_torch(torch.reshape, (head, tuple(t.meta_shape)), {})
 
 
 opdef = register(

@@ -66,7 +66,9 @@ def _emit(op: Op, f, e: LowerEmission) -> None:
 
 # The printed value goes on unchanged (``passthrough``), yet its output is a new tensor, not an
 # alias (upstream's PrintTensorOp is out of place), so an in-place write of the input after
-# the print does not make the print's readers ambiguous.
+# the print does not make the print's readers ambiguous. Both executors hand on the input's
+# storage, so the output is a view of a new tensor (Note [views of new tensors] in
+# ir/views.py): copied where an in-place write of either side could be seen by the other.
 print_opdef = register(
     OpDef(
         "print",
@@ -80,5 +82,6 @@ print_opdef = register(
         },
         "PrintTensor",
         attrs=PrintOptions,
+        views={0: 0},
     )  # fmt: skip
 )

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..errors import given
 from ..ir.tensor import Tensor, constant
+from ._common import call_op
 from .nn import PadType, conv_function, conv_transpose_function
 from .rng import seeded_uniform
 
@@ -78,7 +78,7 @@ def pow2scale_then_cast(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
     def run(x, s):
         return _dtypes.round_to_float8(x.to(torch.float32) * _pow2(s), data_type)
 
-    return call_torch(run, (t, scale), {})
+    return call_op(run, (t, scale), {})
 
 
 def cast_then_pow2scale(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:
@@ -102,7 +102,7 @@ def cast_then_pow2scale(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype)
     def run(x, s):
         return (x.to(torch.float32) * _pow2(s)).to(target)
 
-    return call_torch(run, (t, scale), {})
+    return call_op(run, (t, scale), {})
 
 
 def _scale_and_type(log2_scale, data_type, default: _dtypes.dtype):
@@ -180,7 +180,7 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
     _float8_operands("matmul", lhs, rhs)
     scale = _int32_scale(log2_scale)
     # float8 values are exact in float32, and so are their products' partial sums here.
-    return call_torch(_scaled(torch.matmul), (lhs, rhs, scale), {})
+    return call_op(_scaled(torch.matmul), (lhs, rhs, scale), {})
 
 
 def conv_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
@@ -197,7 +197,7 @@ def conv_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
     _float8_operands("conv", t, weight)
     scale = _int32_scale(log2_scale)
     run = conv_function("conv_pow2scaled", t, weight, stride, padding, dilation, groups, pad_type)
-    return call_torch(_scaled(run), (t, weight, scale), {})
+    return call_op(_scaled(run), (t, weight, scale), {})
 
 
 def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
@@ -219,7 +219,7 @@ def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor,
     scale = _int32_scale(log2_scale)
     run = conv_transpose_function("conv_transpose_pow2scaled", t, weight, stride, padding,
                                   dilation, groups, pad_type, output_padding, output_shape)  # fmt: skip
-    return call_torch(_scaled(run), (t, weight, scale), {})
+    return call_op(_scaled(run), (t, weight, scale), {})
 
 
 def swish_(t: Tensor) -> Tensor:
@@ -229,7 +229,7 @@ def swish_(t: Tensor) -> Tensor:
     def run(x):
         return x.copy_(F.silu(x))
 
-    return call_torch(run, (t,), {})
+    return call_op(run, (t,), {})
 
 
 def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: float) -> Tensor:
@@ -266,7 +266,7 @@ def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: 
         mask = seeded_uniform(seed, shape).to(x.device) < keep
         return x * mask.to(x.dtype) / keep
 
-    return call_torch(run, (t, seed_tensor), {})
+    return call_op(run, (t, seed_tensor), {})
 
 
 _REDUCE = {"sum": "sum", "max": "amax", "min": "amin", "none": None}
@@ -326,4 +326,4 @@ def scatter_reduce(data: Tensor, indices: Tensor, reduction: Literal["sum", "min
         return base.scatter_reduce(axis, idx, src, mode, include_self=bool(init))
 
     args = (data, indices) if initial_values is None else (data, indices, initial_values)
-    return call_torch(run, args, {})
+    return call_op(run, args, {})

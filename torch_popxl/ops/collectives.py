@@ -11,13 +11,13 @@ import enum
 
 import torch
 
-from ..capture import call_torch
 from ..ir.tensor import Tensor
 from ..opdefs._api import CollectiveOperator
 from ..opdefs.all_gather import replicated_all_gather
 from ..opdefs.all_reduce import replicated_all_reduce, replicated_all_reduce_
 from ..opdefs.reduce_scatter import replica_sharded_slice, replicated_reduce_scatter
 from ..opdefs.take_own import replicated_slice
+from ._common import call_op
 
 __all__ = [
     "replicated_all_reduce",
@@ -88,7 +88,7 @@ def _all_reduce_checked(ts, ipus, op: str, name: str) -> list[Tensor]:
 def _copies(ts, ipus, value_of) -> list[Tensor]:
     outs = []
     for i, t in enumerate(ts):
-        out = call_torch(torch.clone, (value_of(i),), {})
+        out = call_op(torch.clone, (value_of(i),), {})
         out._ipu = ipus[i] if ipus is not None else t._ipu
         outs.append(out)
     return outs
@@ -104,7 +104,7 @@ def all_reduce(ts: list[Tensor], ipus: list[int] | None = None, op: str = "add")
     fn = _ALL_REDUCE_OPS[op]
     total = ts[0]
     for t in ts[1:]:
-        total = call_torch(fn, (total, t), {})
+        total = call_op(fn, (total, t), {})
     return _copies(ts, ipus, lambda _i: total)
 
 

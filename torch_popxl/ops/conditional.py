@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..errors import given
 from ..ir.context import gcg
 from ..ir.graph import Graph, OpKind
 from ..ir.opdef import Effect
 from ..ir.tensor import Tensor
 from ..ir.walk import effects
+from ._common import call_op
 from .call import CallSiteInfo, _connect, call_with_info
 
 __all__ = ["ConditionalSiteInfo", "conditional", "conditional_with_info"]
@@ -218,11 +218,11 @@ def conditional_with_info(
                                check_inputs=check_inputs)  # fmt: skip
     else_site = call_with_info(else_branch, *else_call[0], inputs_dict=else_call[1],
                                check_inputs=check_inputs)  # fmt: skip
-    flag = call_torch(torch.reshape, (cond, ()), {})
+    flag = call_op(torch.reshape, (cond, ()), {})
     outputs = []
     for a, b, ta, tb in zip(then_site.outputs, else_site.outputs, then_branch._outputs,
                             else_branch._outputs, strict=True):  # fmt: skip
-        out = call_torch(torch.where, (flag, a, b), {})
+        out = call_op(torch.where, (flag, a, b), {})
         out._meta_shape = a.meta_shape
         parent._rename_tensor(out, f"{ta.name}_or_{tb.name}")
         outputs.append(out)

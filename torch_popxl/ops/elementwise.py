@@ -16,9 +16,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from ..capture import call_torch
 from ..ir.tensor import Tensor
-from ._common import _check_tensor, _coerce, _TensorLike
+from ._common import _check_tensor, _coerce, _TensorLike, call_op
 from ._intsafe import int_safe, int_safe_inplace
 
 __all__ = [
@@ -35,11 +34,11 @@ def _binary(fn, lhs, rhs, op):
     if not isinstance(lhs, Tensor) and isinstance(rhs, Tensor):
         lhs = _coerce(rhs, lhs)
     lhs = _check_tensor(lhs, op)
-    return call_torch(int_safe(fn), (lhs, _coerce(lhs, rhs)), {})
+    return call_op(int_safe(fn), (lhs, _coerce(lhs, rhs)), {})
 
 
 def _unary(fn, t, op, **kwargs):
-    return call_torch(int_safe(fn), (_check_tensor(t, op),), kwargs)
+    return call_op(int_safe(fn), (_check_tensor(t, op),), kwargs)
 
 
 # ---- arithmetic ---------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def gelu(t: Tensor) -> Tensor:
 
 def geluerf(t: Tensor) -> Tensor:
     """GELU with the exact erf formula (``ops.gelu`` is the tanh approximation)."""
-    return call_torch(F.gelu, (_check_tensor(t, "geluerf"),), {})
+    return call_op(F.gelu, (_check_tensor(t, "geluerf"),), {})
 
 
 def tanh(t: Tensor) -> Tensor:
@@ -210,44 +209,44 @@ def where(condition: Tensor, lhs, rhs) -> Tensor:
     ref = lhs if isinstance(lhs, Tensor) else rhs
     if not isinstance(ref, Tensor):
         raise TypeError("ops.where needs at least one of lhs / rhs to be a popxl Tensor.")
-    return call_torch(torch.where, (condition, _coerce(ref, lhs), _coerce(ref, rhs)), {})
+    return call_op(torch.where, (condition, _coerce(ref, lhs), _coerce(ref, rhs)), {})
 
 
 def isfinite(t: Tensor) -> Tensor:
-    return call_torch(torch.isfinite, (_check_tensor(t, "isfinite"),), {})
+    return call_op(torch.isfinite, (_check_tensor(t, "isfinite"),), {})
 
 
 def isinf(t: Tensor) -> Tensor:
-    return call_torch(torch.isinf, (_check_tensor(t, "isinf"),), {})
+    return call_op(torch.isinf, (_check_tensor(t, "isinf"),), {})
 
 
 def isnan(t: Tensor) -> Tensor:
-    return call_torch(torch.isnan, (_check_tensor(t, "isnan"),), {})
+    return call_op(torch.isnan, (_check_tensor(t, "isnan"),), {})
 
 
 # ---- rounding and copies ------------------------------------------------------------------
 
 
 def ceil(t: Tensor) -> Tensor:
-    return call_torch(torch.ceil, (_check_tensor(t, "ceil"),), {})
+    return call_op(torch.ceil, (_check_tensor(t, "ceil"),), {})
 
 
 def floor(t: Tensor) -> Tensor:
-    return call_torch(torch.floor, (_check_tensor(t, "floor"),), {})
+    return call_op(torch.floor, (_check_tensor(t, "floor"),), {})
 
 
 def sign(t: Tensor) -> Tensor:
-    return call_torch(int_safe(torch.sign), (_check_tensor(t, "sign"),), {})
+    return call_op(int_safe(torch.sign), (_check_tensor(t, "sign"),), {})
 
 
 def identity(t: Tensor) -> Tensor:
     """A copy of ``t``."""
-    return call_torch(torch.clone, (_check_tensor(t, "identity"),), {})
+    return call_op(torch.clone, (_check_tensor(t, "identity"),), {})
 
 
 def io_tile_copy(t: Tensor) -> Tensor:
     """Copy between compute and IO tiles: a copy on the simulator, which has one tile set."""
-    return call_torch(torch.clone, (_check_tensor(t, "io_tile_copy"),), {})
+    return call_op(torch.clone, (_check_tensor(t, "io_tile_copy"),), {})
 
 
 # ---- in-place variants --------------------------------------------------------------------
@@ -256,19 +255,19 @@ def io_tile_copy(t: Tensor) -> Tensor:
 def add_(lhs: Tensor, rhs) -> Tensor:
     """``lhs += rhs`` in place; returns ``lhs`` (an alias). Differentiable."""
     lhs = _check_tensor(lhs, "add_")
-    return call_torch(int_safe_inplace(torch.Tensor.add_), (lhs, _coerce(lhs, rhs)), {})
+    return call_op(int_safe_inplace(torch.Tensor.add_), (lhs, _coerce(lhs, rhs)), {})
 
 
 def _copy_into(t: Tensor, fn, op: str, *args, **kwargs) -> Tensor:
     def run(x, *a):
         return x.copy_(fn(x, *a, **kwargs))
 
-    return call_torch(run, (_check_tensor(t, op), *args), {})
+    return call_op(run, (_check_tensor(t, op), *args), {})
 
 
 def relu_(t: Tensor) -> Tensor:
     """ReLU of ``t`` in place; returns ``t``."""
-    return call_torch(torch.Tensor.relu_, (_check_tensor(t, "relu_"),), {})
+    return call_op(torch.Tensor.relu_, (_check_tensor(t, "relu_"),), {})
 
 
 def gelu_(t: Tensor) -> Tensor:
@@ -278,7 +277,7 @@ def gelu_(t: Tensor) -> Tensor:
 
 def exp_(t: Tensor) -> Tensor:
     """``exp(t)`` in place; returns ``t``."""
-    return call_torch(torch.Tensor.exp_, (_check_tensor(t, "exp_"),), {})
+    return call_op(torch.Tensor.exp_, (_check_tensor(t, "exp_"),), {})
 
 
 def increment_mod_(t: Tensor, increment: float, modulus: float) -> Tensor:
@@ -289,4 +288,4 @@ def increment_mod_(t: Tensor, increment: float, modulus: float) -> Tensor:
     def run(x):
         return x.copy_(int_safe(torch.fmod)(int_safe(torch.add)(x, increment), modulus))
 
-    return call_torch(run, (_check_tensor(t, "increment_mod_"),), {})
+    return call_op(run, (_check_tensor(t, "increment_mod_"),), {})

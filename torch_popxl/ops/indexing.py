@@ -14,7 +14,7 @@ from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..errors import given
 from ..ir.tensor import Constant, Tensor, constant
-from ._common import _check_tensor
+from ._common import _check_tensor, call_op
 from .elementwise import where
 
 __all__ = [
@@ -28,7 +28,10 @@ __all__ = [
 
 def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
     """numpy-style slicing along ``axis`` (ints or lists, one entry per axis)."""
+    return _getitem(t, _slice_key(t, start, stop, step, axis))
 
+
+def _slice_key(t: Tensor, start, stop, step, axis) -> tuple:
     def as_list(x):
         return None if x is None else ([x] if isinstance(x, int) else list(x))
 
@@ -40,15 +43,16 @@ def slice(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
         key[ax] = builtins_slice(
             starts[i] if starts else None, stops[i] if stops else None, steps[i] if steps else None
         )
-    return _getitem(t, tuple(key))
+    return tuple(key)
 
 
 builtins_slice = __builtins__["slice"] if isinstance(__builtins__, dict) else __builtins__.slice
 
 
 def slice_(t: Tensor, start=None, stop=None, step=None, axis=None) -> Tensor:
-    """``slice`` whose output is a view of ``t`` (upstream's in-place slice)."""
-    return slice(t, start, stop, step, axis)
+    """``slice`` whose output is a view of ``t`` (upstream's in-place slice): updates of either
+    side reach the other."""
+    return _getitem(t, _slice_key(t, start, stop, step, axis), alias=True)
 
 
 def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
@@ -66,7 +70,9 @@ def subsample(t: Tensor, strides: int | Sequence[int]) -> Tensor:
     return _getitem(t, tuple(builtins_slice(None, None, int(s)) for s in strides))
 
 
-def _getitem(t: Tensor, key) -> Tensor:
+def _getitem(t: Tensor, key, alias: bool = False) -> Tensor:
+    """``t[key]``: a new tensor (``Tensor.__getitem__``, ``slice``), or with ``alias`` a view
+    of ``t`` (``slice_``)."""
     for k in key if isinstance(key, tuple) else (key,):
         # bool is an int to Python, but upstream refuses it as a key (as it does floats).
         ok = (
@@ -83,7 +89,7 @@ def _getitem(t: Tensor, key) -> Tensor:
             return where(idx, t, 0)
         return gather(t, idx, 0)
     t, key = _positive_steps(t, key)
-    return call_torch(torch.Tensor.__getitem__, (t, key), {})
+    return (call_torch if alias else call_op)(torch.Tensor.__getitem__, (t, key), {})
 
 
 def _positive_steps(t: Tensor, key):
@@ -111,7 +117,7 @@ def _positive_steps(t: Tensor, key):
         if k is not None and k is not Ellipsis:
             ax += 1
         out.append(k)
-    return call_torch(torch.flip, (t, flips), {}), tuple(out)
+    return call_op(torch.flip, (t, flips), {}), tuple(out)
 
 
 # ---- gather and one-hot -------------------------------------------------------------------
@@ -127,14 +133,14 @@ def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportio
     """
     if not isinstance(indices, Tensor):
         indices = constant(np.asarray(indices), _dtypes.int32)
-    flat = call_torch(torch.reshape, (indices, (-1,)), {})
-    flat = call_torch(torch.Tensor.to, (flat, torch.int64), {})
+    flat = call_op(torch.reshape, (indices, (-1,)), {})
+    flat = call_op(torch.Tensor.to, (flat, torch.int64), {})
     if zero_OOR:
-        out = call_torch(_take_zero_out_of_range, (t, axis, flat), {})
+        out = call_op(_take_zero_out_of_range, (t, axis, flat), {})
     else:
-        out = call_torch(torch.index_select, (t, axis, flat), {})
+        out = call_op(torch.index_select, (t, axis, flat), {})
     shape = (*t.shape[:axis], *indices.shape, *t.shape[axis + 1 :])
-    return call_torch(torch.reshape, (out, shape), {})
+    return call_op(torch.reshape, (out, shape), {})
 
 
 def tied_gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion=None,
@@ -177,7 +183,7 @@ def onehot(t: Tensor, num_classes: Tensor | int, values: Tensor, axis: int = -1)
             f"onehot: axis {axis} is out of range for the rank-{rank} output of {t.id!r} "
             f"(shape {t.shape}); use an axis in [{-rank}, {rank - 1}]."
         )
-    return call_torch(_onehot_torch, (t, values, n, axis % rank), {})
+    return call_op(_onehot_torch, (t, values, n, axis % rank), {})
 
 
 def _onehot_depth(num_classes) -> int:
@@ -249,7 +255,7 @@ def dynamic_slice(t: Tensor, index: Tensor, axes: Sequence[int], sizes: Sequence
             x = x.index_select(ax, _window(x, idx, i, ax, size))
         return x
 
-    return call_torch(run, (t, index), {})
+    return call_op(run, (t, index), {})
 
 
 def _update(x, idx, u, axes, sizes):
@@ -290,7 +296,7 @@ def dynamic_update(t: Tensor, index: Tensor, t_update: Tensor, axes: Sequence[in
     def run(x, idx, u):
         return _update(x, idx, u.to(x.dtype), axes, sizes)
 
-    return call_torch(run, (t, index, t_update), {})
+    return call_op(run, (t, index, t_update), {})
 
 
 def dynamic_update_(t: Tensor, index: Tensor, t_update: Tensor, axes: Sequence[int],
@@ -304,7 +310,7 @@ def dynamic_update_(t: Tensor, index: Tensor, t_update: Tensor, axes: Sequence[i
     def run(x, idx, u):
         return x.copy_(_update(x, idx, u.to(x.dtype), axes, sizes))
 
-    return call_torch(run, (t, index, t_update), {})
+    return call_op(run, (t, index, t_update), {})
 
 
 def scatter(t: Tensor, indices: Tensor, values: Tensor, axis: int = 0,
@@ -319,4 +325,4 @@ def scatter(t: Tensor, indices: Tensor, values: Tensor, axis: int = 0,
     def run(x, idx, v):
         return x.scatter(axis, idx.to(torch.int64), v.to(x.dtype))
 
-    return call_torch(run, (t, indices, values), {})
+    return call_op(run, (t, indices, values), {})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..ir.tensor import Tensor, constant
+from ._common import call_op
 from .elementwise import add, div, log, mul, neg, sub, where
 from .reductions import reduce_sum
 from .shape import cast, reshape
@@ -18,7 +18,7 @@ __all__ = ["nll_loss", "nll_loss_with_softmax_grad"]
 
 def _label_rows(probs: Tensor, labels: Tensor):
     p2 = reshape(probs, (-1, probs.shape[-1]))
-    l1 = call_torch(torch.Tensor.to, (reshape(labels, (-1,)), torch.int64), {})
+    l1 = call_op(torch.Tensor.to, (reshape(labels, (-1,)), torch.int64), {})
     return p2, l1
 
 
@@ -32,22 +32,22 @@ def nll_loss(probs: Tensor, labels: Tensor, ignore_index: int | None = None,
     """Negative log likelihood of ``labels`` under ``probs`` (or log-probs)."""
     _check_reduction(reduction)
     p2, l1 = _label_rows(probs, labels)
-    picked = call_torch(torch.gather, (p2, 1, call_torch(torch.unsqueeze, (l1, 1), {})), {})
+    picked = call_op(torch.gather, (p2, 1, call_op(torch.unsqueeze, (l1, 1), {})), {})
     picked = reshape(picked, (-1,))
     if log_prob:
         rows = neg(picked)
     else:
         eps = 6.104e-5 if probs.dtype == _dtypes.float16 else 1e-7
-        rows = neg(log(call_torch(torch.clamp, (picked,), {"min": eps})))
+        rows = neg(log(call_op(torch.clamp, (picked,), {"min": eps})))
     return _reduce_rows(rows, l1, labels, ignore_index, reduction)
 
 
 def _reduce_rows(rows, l1, labels, ignore_index, reduction):
     count = None
     if ignore_index is not None:
-        mask = call_torch(torch.ne, (l1, ignore_index), {})
+        mask = call_op(torch.ne, (l1, ignore_index), {})
         rows = where(mask, rows, 0.0)
-        count = call_torch(torch.clamp, (reduce_sum(cast(mask, rows.dtype)),), {"min": 1.0})
+        count = call_op(torch.clamp, (reduce_sum(cast(mask, rows.dtype)),), {"min": 1.0})
     if reduction == "none":
         return reshape(rows, labels.shape)
     total = reduce_sum(rows)
@@ -69,16 +69,16 @@ def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad=1,
         loss_grad = constant(float(loss_grad), _dtypes.float32)
     p2, l1 = _label_rows(probs, labels)
     num_classes = probs.shape[-1]
-    picked = call_torch(torch.gather, (p2, 1, call_torch(torch.unsqueeze, (l1, 1), {})), {})
+    picked = call_op(torch.gather, (p2, 1, call_op(torch.unsqueeze, (l1, 1), {})), {})
     rows = neg(log(add(reshape(picked, (-1,)), 1e-7)))
     loss = _reduce_rows(rows, l1, labels, ignore_index, reduction)
-    onehot_ = call_torch(torch.nn.functional.one_hot, (l1, num_classes), {})
+    onehot_ = call_op(torch.nn.functional.one_hot, (l1, num_classes), {})
     dx = sub(p2, cast(onehot_, probs.dtype))
     lg = cast(loss_grad, probs.dtype)
     if ignore_index is not None:
-        mask = cast(call_torch(torch.ne, (l1, ignore_index), {}), probs.dtype)
-        dx = mul(dx, call_torch(torch.unsqueeze, (mask, 1), {}))
-        count = call_torch(torch.clamp, (reduce_sum(mask),), {"min": 1.0})
+        mask = cast(call_op(torch.ne, (l1, ignore_index), {}), probs.dtype)
+        dx = mul(dx, call_op(torch.unsqueeze, (mask, 1), {}))
+        count = call_op(torch.clamp, (reduce_sum(mask),), {"min": 1.0})
     if reduction == "none":
         dx = mul(dx, reshape(lg, (-1, 1)) if lg.nelms > 1 else lg)
     elif reduction == "sum":
@@ -107,4 +107,4 @@ def _nll_softmax_grad_torch(probs, labels, loss_grad: float, reduction: str):
 
 
 def _nll_softmax_grad_fused(probs: Tensor, labels: Tensor, loss_grad: float, reduction: str):
-    return call_torch(_nll_softmax_grad_torch, (probs, labels, loss_grad, reduction), {})
+    return call_op(_nll_softmax_grad_torch, (probs, labels, loss_grad, reduction), {})

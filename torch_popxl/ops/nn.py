@@ -12,9 +12,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..capture import call_torch
 from ..ir.tensor import Tensor
-from ._common import _check_tensor
+from ._common import _check_tensor, call_op
 from .elementwise import _binary
 from .rng import _check_seed, seeded_uniform
 from .shape import cast
@@ -43,7 +42,7 @@ def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion=None, serialise
 
 
 def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
-    return call_torch(torch.nn.functional.layer_norm, (t, (t.shape[-1],), weight, bias, eps), {})
+    return call_op(torch.nn.functional.layer_norm, (t, (t.shape[-1],), weight, bias, eps), {})
 
 
 def group_norm(t: Tensor, weight: Tensor, bias: Tensor, num_groups: int,
@@ -55,7 +54,7 @@ def group_norm(t: Tensor, weight: Tensor, bias: Tensor, num_groups: int,
             f"group_norm: {t.shape[1]} channels of {t.id!r} cannot be split into "
             f"{num_groups} groups; num_groups must divide the channel count."
         )
-    return call_torch(F.group_norm, (t, num_groups, weight, bias, eps), {})
+    return call_op(F.group_norm, (t, num_groups, weight, bias, eps), {})
 
 
 def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, var: Tensor,
@@ -65,7 +64,7 @@ def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, v
     ``momentum`` is accepted for upstream's signature; inference does not update statistics.
     """
     t = _check_tensor(t, "batch_norm_inference")
-    return call_torch(F.batch_norm, (t, mean, var), {"weight": scale, "bias": bias, "eps": epsilon})
+    return call_op(F.batch_norm, (t, mean, var), {"weight": scale, "bias": bias, "eps": epsilon})
 
 
 def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Tensor:
@@ -92,7 +91,7 @@ def dropout(t: Tensor, seed_tensor: Tensor | None = None, p: float = 0.5) -> Ten
             u = torch.rand(x.shape, dtype=torch.float32, device=x.device)
         return x * (u < keep).to(x.dtype) / keep
 
-    return call_torch(run, (t,) if seed_tensor is None else (t, seed_tensor), {})
+    return call_op(run, (t,) if seed_tensor is None else (t, seed_tensor), {})
 
 
 # ---- pooling and convolution --------------------------------------------------------------
@@ -178,7 +177,7 @@ def average_pool(t: Tensor, kernel_size: Sequence[int], stride: Sequence[int] | 
         counts = pool(_pad_input(ones, pads, 0.0), kernel, stride_, 0, bool(ceil_mode), True)
         return summed / counts
 
-    return call_torch(run, (t,), {})
+    return call_op(run, (t,), {})
 
 
 def max_pool(t: Tensor, kernel_size: Sequence[int], stride: Sequence[int] | None = None,
@@ -199,7 +198,7 @@ def max_pool(t: Tensor, kernel_size: Sequence[int], stride: Sequence[int] | None
     def run(x):
         return pool(_pad_input(x, pads, -math.inf), kernel, stride_, 0, dil, bool(ceil_mode))
 
-    return call_torch(run, (t,), {})
+    return call_op(run, (t,), {})
 
 
 def conv(t: Tensor, weight: Tensor, stride: Sequence[int] | None = None,
@@ -208,7 +207,7 @@ def conv(t: Tensor, weight: Tensor, stride: Sequence[int] | None = None,
          partials_types=None, enable_conv_dithering=None) -> Tensor:  # fmt: skip
     """Convolution of an ``(N, C_in, ...)`` input with ``(C_out, C_in / groups, ...)`` weights."""
     run = conv_function("conv", t, weight, stride, padding, dilation, groups, pad_type)
-    return call_torch(run, (t, weight), {})
+    return call_op(run, (t, weight), {})
 
 
 def conv_function(op: str, t: Tensor, weight: Tensor, stride, padding, dilation, groups: int,
@@ -248,7 +247,7 @@ def conv_transpose(t: Tensor, weight: Tensor, stride: Sequence[int] | None = Non
     """
     run = conv_transpose_function("conv_transpose", t, weight, stride, padding, dilation, groups,
                                   pad_type, output_padding, output_shape)  # fmt: skip
-    return call_torch(run, (t, weight), {})
+    return call_op(run, (t, weight), {})
 
 
 # Note [transposed convolution padding]

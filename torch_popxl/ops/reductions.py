@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..ir.tensor import Tensor
-from ._common import _check_tensor
+from ._common import _check_tensor, call_op
 from ._intsafe import NARROW_UNSIGNED, int_safe
 from .shape import cast
 
@@ -135,7 +134,7 @@ def _reduce(t: Tensor, axis: _Axis, keepdims: bool, op: str, row: _Reduction) ->
     t = _check_tensor(t, op)
     axes = _axes(t, axis, op)
     if not axes and row.before is None and row.after is None:
-        return call_torch(torch.clone, (t,), {})
+        return call_op(torch.clone, (t,), {})
     dtype = _int_dtype(t) if row.keeps_int else {}
 
     def run(x):
@@ -147,7 +146,7 @@ def _reduce(t: Tensor, axis: _Axis, keepdims: bool, op: str, row: _Reduction) ->
             x = row.after(x)
         return x
 
-    return call_torch(int_safe(run), (t,), {})
+    return call_op(int_safe(run), (t,), {})
 
 
 # ---- upstream's names ---------------------------------------------------------------------
@@ -233,17 +232,15 @@ def reduce_median(t: Tensor, axis: _Axis = None, keepdims: bool = False) -> Tens
 
 
 def argmax(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
-    return cast(call_torch(torch.argmax, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
+    return cast(call_op(torch.argmax, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
 
 
 def argmin(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
-    return cast(call_torch(torch.argmin, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
+    return cast(call_op(torch.argmin, (t,), {"dim": dim, "keepdim": keepdim}), _dtypes.int32)
 
 
 def topk(t: Tensor, k: int, axis: int, largest: bool = True, sorted: bool = True):
-    values, idx = call_torch(
-        torch.topk, (t, k), {"dim": axis, "largest": largest, "sorted": sorted}
-    )
+    values, idx = call_op(torch.topk, (t, k), {"dim": axis, "largest": largest, "sorted": sorted})
     return values, cast(idx, _dtypes.int32)
 
 
@@ -252,7 +249,7 @@ def cumsum(t: Tensor, dim: int = 0) -> Tensor:
     t = _check_tensor(t, "cumsum")
     if not -t.rank <= dim < max(t.rank, 1):
         raise ValueError(f"cumsum: dim {dim} is out of range for {t.id!r} of rank {t.rank}.")
-    return call_torch(int_safe(torch.cumsum), (t, dim), {"dtype": t.dtype.as_torch()})
+    return call_op(int_safe(torch.cumsum), (t, dim), {"dtype": t.dtype.as_torch()})
 
 
 def histogram(t: Tensor, levels: Sequence[float], absolute_of_input: bool) -> Tensor:
@@ -270,4 +267,4 @@ def histogram(t: Tensor, levels: Sequence[float], absolute_of_input: bool) -> Te
         counts = F.one_hot(bins, len(edges) + 1).sum(0)
         return counts.to(torch.uint32)
 
-    return call_torch(run, (t,), {})
+    return call_op(run, (t,), {})

@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..capture import call_torch
 from ..ir.tensor import Tensor
-from ._common import _check_tensor
+from ._common import _check_tensor, call_op
 
 __all__ = ["interpolate", "roi_align"]
 
@@ -121,7 +120,7 @@ def interpolate(t: Tensor, scale_factor: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
             x = total
         return x
 
-    return call_torch(run, (t,), {})
+    return call_op(run, (t,), {})
 
 
 def _resize_source(ctm: str, length: int, size: int, scale: float) -> np.ndarray:
@@ -208,7 +207,7 @@ def roi_align(t: Tensor, rois: Tensor, batch_index: Tensor, output_size: tuple[i
         out = torch.einsum("kph,kchw,kqw->kcpq", ay.to(x.dtype), feats, ax.to(x.dtype))
         return out
 
-    return call_torch(run, (t, rois, batch_index), {})
+    return call_op(run, (t, rois, batch_index), {})
 
 
 def _roi_interpolation(start, end, scale: float, bins: int, grid: int, extent: int):

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..ir.tensor import Tensor, constant
+from ._common import call_op
 
 __all__ = ["random_uniform", "random_normal", "split_random_seed", "create_random_seed"]
 
@@ -88,7 +88,7 @@ def random_uniform(seed_tensor: Tensor, shape: Sequence[int], low: float = 0.0,
         u = seeded_uniform(seed, shape)
         return (u * (high - low) + low).to(dt.as_torch())
 
-    return call_torch(run, (seed_tensor,), {})
+    return call_op(run, (seed_tensor,), {})
 
 
 def random_normal(seed_tensor: Tensor, shape: Sequence[int], mean: float = 0.0,
@@ -103,7 +103,7 @@ def random_normal(seed_tensor: Tensor, shape: Sequence[int], mean: float = 0.0,
     def run(seed):
         return (seeded_normal(seed, shape) * std + mean).to(dt.as_torch())
 
-    return call_torch(run, (seed_tensor,), {})
+    return call_op(run, (seed_tensor,), {})
 
 
 def create_random_seed(seed: Tensor, modifier: Tensor) -> Tensor:
@@ -119,7 +119,7 @@ def create_random_seed(seed: Tensor, modifier: Tensor) -> Tensor:
         lo = (w[1] * 1664525 + m * 40503 + 1013904223) % (1 << 32)
         return torch.stack([hi, lo]).to(torch.uint32)
 
-    return call_torch(run, (seed, modifier), {})
+    return call_op(run, (seed, modifier), {})
 
 
 def split_random_seed(seed: Tensor, n: int = 2) -> tuple[Tensor, ...]:

@@ -13,7 +13,7 @@ import torch
 from .. import dtypes as _dtypes
 from ..capture import call_torch
 from ..ir.tensor import Tensor
-from ._common import _check_tensor
+from ._common import _check_tensor, call_op
 
 __all__ = [
     "reshape", "reshape_", "transpose", "transpose_", "flatten", "flatten_", "concat",
@@ -38,7 +38,7 @@ def _reshape_target(t: Tensor, shape: Sequence[int], name: str) -> tuple[int, ..
 
 
 def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
-    return call_torch(torch.reshape, (t, _reshape_target(t, shape, "reshape")), {})
+    return call_op(torch.reshape, (t, _reshape_target(t, shape, "reshape")), {})
 
 
 def reshape_(t: Tensor, shape: Sequence[int]) -> Tensor:
@@ -68,17 +68,20 @@ def _is_viewable(t: Tensor, shape: tuple[int, ...]) -> bool:
     return True
 
 
-def transpose(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
+def _permutation(t: Tensor, permutation: Sequence[int] | None, name: str) -> tuple[int, ...]:
     perm = tuple(reversed(range(t.rank))) if permutation is None else tuple(permutation)
     if sorted(p % t.rank if t.rank else p for p in perm) != list(range(t.rank)):
-        raise ValueError(
-            f"transpose: {perm} is not a permutation of the {t.rank} axes of {t.id!r}."
-        )
-    return call_torch(torch.permute, (t, perm), {})
+        raise ValueError(f"{name}: {perm} is not a permutation of the {t.rank} axes of {t.id!r}.")
+    return perm
+
+
+def transpose(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
+    return call_op(torch.permute, (t, _permutation(t, permutation, "transpose")), {})
 
 
 def transpose_(t: Tensor, permutation: Sequence[int] | None = None) -> Tensor:
-    return transpose(t, permutation)
+    """The in-place (aliasing) transpose: updates of either side reach the other."""
+    return call_torch(torch.permute, (t, _permutation(t, permutation, "transpose_")), {})
 
 
 def flatten(t: Tensor) -> Tensor:
@@ -96,14 +99,14 @@ def flatten_(t: Tensor) -> Tensor:
 def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
     ts = [_check_tensor(t, "concat") for t in ts]
     _check_concat_types(ts)
-    return call_torch(torch.cat, (ts,), {"dim": axis})
+    return call_op(torch.cat, (ts,), {"dim": axis})
 
 
 def concat_(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
     """Concatenation whose output aliases its inputs upstream; the values are ``concat``'s."""
     ts = [_check_tensor(t, "concat_") for t in ts]
     _check_concat_types(ts)
-    return call_torch(torch.cat, (ts,), {"dim": axis})
+    return call_op(torch.cat, (ts,), {"dim": axis})
 
 
 def _check_concat_types(ts: list[Tensor]) -> None:
@@ -127,18 +130,18 @@ def split(t: Tensor, splits: int | list[int], axis: int = 0) -> list[Tensor]:
         sizes = list(splits)
         if builtins.sum(sizes) != size:
             raise ValueError(f"split: sizes {sizes} do not add up to axis {axis} size {size}.")
-    return list(call_torch(torch.split, (t, sizes), {"dim": axis}))
+    return list(call_op(torch.split, (t, sizes), {"dim": axis}))
 
 
 def squeeze(t: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     if axes is None:
-        return call_torch(torch.squeeze, (t,), {})
-    return call_torch(torch.squeeze, (t, tuple(axes)), {})
+        return call_op(torch.squeeze, (t,), {})
+    return call_op(torch.squeeze, (t, tuple(axes)), {})
 
 
 def unsqueeze(t: Tensor, axes: Sequence[int]) -> Tensor:
     for ax in sorted(axes):
-        t = call_torch(torch.unsqueeze, (t, ax), {})
+        t = call_op(torch.unsqueeze, (t, ax), {})
     return t
 
 
@@ -147,11 +150,11 @@ def unsqueeze(t: Tensor, axes: Sequence[int]) -> Tensor:
 
 def cast(t: Tensor, data_type) -> Tensor:
     dt = _dtypes.dtype.as_dtype(data_type)
-    return call_torch(torch.Tensor.to, (t, dt.as_torch()), {})
+    return call_op(torch.Tensor.to, (t, dt.as_torch()), {})
 
 
 def detach(t: Tensor) -> Tensor:
-    return call_torch(torch.Tensor.detach, (t,), {})
+    return call_op(torch.Tensor.detach, (t,), {})
 
 
 def detach_(t: Tensor) -> Tensor:
@@ -163,7 +166,7 @@ def init(shape, dtype, name: str | None = None, init_type: str = "zero", meta_sh
     if init_type not in ("zero", "undef"):
         raise ValueError(f"init_type must be 'zero' or 'undef'; got {init_type!r}.")
     dt = _dtypes.dtype.as_dtype(dtype)
-    out = call_torch(torch.zeros, (tuple(shape),), {"dtype": dt.as_torch()})
+    out = call_op(torch.zeros, (tuple(shape),), {"dtype": dt.as_torch()})
     if meta_shape:
         out._meta_shape = tuple(meta_shape)
     return out

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dtypes
-from ..capture import call_torch
 from ..errors import PopXLError
 from ..ir.context import gcg
 from ..ir.tensor import Tensor, constant
+from ._common import call_op
 from ._intsafe import int_safe, int_safe_inplace
 
 __all__ = [
@@ -61,13 +61,13 @@ def _as_tensor(x, dtype) -> Tensor:
 def _cast(x: Tensor, like: Tensor) -> Tensor:
     if x.dtype == like.dtype:
         return x
-    return call_torch(torch.Tensor.to, (x, like.dtype.as_torch()), {})
+    return call_op(torch.Tensor.to, (x, like.dtype.as_torch()), {})
 
 
 def _t(fn, *args, **kwargs):
     # uint16/32/64 accumulators (step counters) run through int64: see ops/_intsafe.py.
     safe = int_safe_inplace(fn) if fn.__name__.endswith("_") else int_safe(fn)
-    return call_torch(safe, args, kwargs)
+    return call_op(safe, args, kwargs)
 
 
 def accumulate_(t: Tensor, X: Tensor, f: float | Tensor | None = None) -> Tensor:

@@ -25,6 +25,7 @@ from ..capture import view_or_copy
 from ..ir.attrs import PrintOptions
 from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
+from ..ir.views import copied_views
 from ..ir.walk import Interpreter
 from ..opdefs import backends
 from ..opdefs.aten_batching import COVERED
@@ -303,11 +304,13 @@ class FastExecutor:
         self.facts = ExecutorFacts(tuple(self.on_chip), tuple(self.defined), measures_traffic=True)
         # Note [one replica, stacked]: at R = 1 the program runs on one stacked row when that
         # lets an accumulation loop run as one pass; otherwise as the plain per-replica function.
+        copied = copied_views(ir)  # Note [views of new tensors] in ir/views.py
         for stacked in (True, False) if self.global_R == 1 else (self.global_R == self.R,):
             assume = self._assumptions(ir, stacked)
             while True:  # the fragments share variables: iterate until all agree
                 self.program = Program(device, self.global_R)
                 self.program.explicit_ok = stacked
+                self.program.copied = copied
                 settled = self._compile(assume)
                 if settled == assume:
                     break
@@ -598,6 +601,7 @@ class ReferenceExecutor:
         self.device = device
         self.on_chip, self.defined = fragment_signature(ir)
         self.facts = ExecutorFacts(tuple(self.on_chip), tuple(self.defined), measures_traffic=False)
+        self.copied = copied_views(ir)  # Note [views of new tensors] in ir/views.py
 
     def explain(self) -> list[str]:
         """Why this is not the fast path (see ``FastExecutor.explain``)."""
@@ -618,7 +622,7 @@ class ReferenceExecutor:
         if fragment != "weights_from_host":
             for t in self.defined:
                 env[t.id] = list(state.persistent[t.id].unbind(0))
-        rt = _RefRun(ins, state, nht, R, self.device)
+        rt = _RefRun(ins, state, nht, R, self.device, self.copied)
         rt.run(main._ops_in_context(fragment), env)
         if fragment == "weights_from_host":
             for t in self.defined:
@@ -645,7 +649,9 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
     """One run of the reference executor: a value is the list of every replica's tensor
     (``ir.walk.Interpreter`` does calls, repeats and pass-by-value)."""
 
-    def __init__(self, ins, state: SessionState, nht: int, R: int, device: torch.device):
+    def __init__(self, ins, state: SessionState, nht: int, R: int, device: torch.device,
+                 copied: frozenset[Op] = frozenset()):  # fmt: skip
+        self.copied = copied  # views to run as copies (Note [views of new tensors])
         self.ins = ins
         self.state = state
         self.nht = nht
@@ -663,12 +669,16 @@ class _RefRun(Interpreter[list[torch.Tensor]]):
 
     def op(self, op: Op, ins: list[list[torch.Tensor]], env) -> list[list[torch.Tensor]]:
         if op.kind == OpKind.TORCH:
-            return self._torch(op, ins)
-        # A runtime op: its definition's ``run`` rule, with this executor's services
-        # (``host_load``, ``host_store``, ``buffer``, ``print``).
-        opdef = opdefs.lookup(op)
-        assert opdef is not None, f"{op.kind} has no op definition"
-        return opdef.rule("run")(self, op, ins)
+            outs = self._torch(op, ins)
+        else:
+            # A runtime op: its definition's ``run`` rule, with this executor's services
+            # (``host_load``, ``host_store``, ``buffer``, ``print``).
+            opdef = opdefs.lookup(op)
+            assert opdef is not None, f"{op.kind} has no op definition"
+            outs = opdef.rule("run")(self, op, ins)
+        if op in self.copied:  # Note [views of new tensors] in ir/views.py
+            return [self.copy(values) for values in outs]
+        return outs
 
     def _torch(self, op: Op, ins) -> list[list[torch.Tensor]]:
         target = op.attrs.target

@@ -151,10 +151,15 @@ class _Flattener(Interpreter[str]):
 
     def op(self, op: Op, ins: list[str], env) -> list[str]:
         kind = op.kind
+        copied = op in self.program.copied  # Note [views of new tensors] in ir/views.py
         if isinstance(kind, OpDef) and kind.has("passthrough") and kind.rule("passthrough")(op):
             # print: the value goes on unchanged; the flat op only reads it
             self.out.append(FlatOp("runtime", op, ins, []))
-            return [ins[0]]
+            return [self.copy(ins[0]) if copied else ins[0]]
+        if copied:
+            views = [self.program.fresh() for _ in op.outputs]
+            self.out.append(FlatOp(str(kind), op, ins, views))
+            return [self.copy(v) for v in views]
         if (
             op.kind == OpKind.TORCH
             and op.attrs.target in _IDENTITY_VIEWS
@@ -389,7 +394,7 @@ class _Pass:
         else:
             out_b = any_b or _draws_random(f.source)
         e = effects(f.source)
-        written, aliases = e.writes, e.aliases
+        written, aliases = e.writes, e.shared  # storage: views of new tensors too
         # An in-place random op (bernoulli_, uniform_, ...) draws per replica: its target
         # must be batched, like a write of a per-replica value.
         write_b = any_b or (self.rows and _draws_random(f.source))
@@ -1201,6 +1206,8 @@ class Program:
         self._constants: dict[int, str] = {}
         self.sources: dict[str, str] = {}
         self.explicit_ok = False  # set by the executor (single process)
+        # the ops whose views run as copies (Note [views of new tensors] in ir/views.py)
+        self.copied: frozenset[Op] = frozenset()
         self.folded_loops = 0  # Note [fold the accumulation loop]: loops run as one pass
         self.var_names: dict[str, str] = {}
         # Note [inductor backend] (runtime/executor.py): literal name -> the OpOverload whose

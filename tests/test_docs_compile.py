@@ -22,7 +22,7 @@ def test_compile_guide_python_blocks_run_and_print_documented_values():
     assert lines[1] == "True True 2"  # fine-tuning: frozen, no grad; state for the head only
     assert lines[2] == "(64, 3) True"  # the outputs of the global batch
     assert lines[3] == "float True"  # a model that returns its loss
-    assert lines[4:6] == ["3 8", "refused: True"]  # a program per signature; a bad split
+    assert lines[4:6] == ["3 8", "padded: True"]  # a program per signature; a padded batch
     assert lines[6] == "(5, 3)"  # inference of any batch size
     assert lines[7] == "True"  # a summed loss is eager's global sum
     assert lines[8] == "LossDecompositionError"  # sqrt of a mean is refused

@@ -80,6 +80,7 @@ from .compile_common import (
 from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
 from .compile_masked import MaskedRows
+from .compile_renorm import EmbeddingRenorm, renormed
 from .compile_rows import OnRealRows, check_rows_independent, padded_split
 from .compile_updates import (
     _N_HYPER,
@@ -168,16 +169,19 @@ _STATE = ("on_chip", "remote")
 def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=None, *, loss_fn,
                       chunks: int, dtype: torch.dtype, over_rows: bool = False):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
-    count or None, count bound, number of host counts, model outputs). ``over_rows``: a
-    division of sums by a multiple of the micro-batch's rows is a mean (Note [a sum divided
-    by the batch's size]). ``real``: the real rows of a padded batch (Note [padded rows])."""
+    count or None, count bound, number of host counts, model outputs, the rows of max-norm
+    embeddings it looked up). ``over_rows``: a division of sums by a multiple of the
+    micro-batch's rows is a mean (Note [a sum divided by the batch's size]). ``real``: the
+    real rows of a padded batch (Note [padded rows])."""
     if real is not None:
         loss_fn, targets = OnRealRows(loss_fn), (targets, real)
+    renorm = EmbeddingRenorm(tensors)  # Note [embedding rows renormalised]
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
         with MaskedRows():  # Note [rows selected by a mask]
-            out = torch.func.functional_call(model, tensors, args, kwargs)
+            with renorm:
+                out = torch.func.functional_call(model, tensors, args, kwargs)
             loss = loss_fn(out, targets)
-        return _scalar_loss(loss), None, 1, 0, out
+        return _scalar_loss(loss), None, 1, 0, out, renorm.marked
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
     rows = None
     if over_rows:  # every input and target is split on dim 0
@@ -185,14 +189,15 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
     splitter = LossSplitter((args, kwargs, targets), rows, real)
     with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
-        out = torch.func.functional_call(model, tensors, args, kwargs)
+        with renorm:
+            out = torch.func.functional_call(model, tensors, args, kwargs)
         loss = loss_fn(out, targets)
     split = splitter.split(_scalar_loss(loss), chunks)
     obj, count = split.objective(chunks, inv_counts, dtype)
     counted = split.counted
     if split.deferred:
-        return obj, count, counted[0].bound, 0, out
-    return obj, count, 1, len(counted), out
+        return obj, count, counted[0].bound, 0, out, renorm.marked
+    return obj, count, 1, len(counted), out, renorm.marked
 
 
 def _loss_of(loss_fn, batch: _Batch):
@@ -783,6 +788,14 @@ class Trainer:
                 inv_vars.append(
                     variable(np.ones(MAX_COUNTS, book), downcast=False, name="loss/inv_counts")
                 )
+            # the rows of max-norm embeddings looked up, summed over the micro-batches and then
+            # over the replicas as a gradient is (Note [embedding rows renormalised])
+            seen_vars = []
+            for name, _, _ in self._renorms:
+                seen = variable(np.zeros(self._params[name].shape[0], np.float32),
+                                name=f"renorm/{name}")  # fmt: skip
+                seen._set_hints(replica_sum=True)
+                seen_vars.append(seen)
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             mutated = mutated_inputs(fwd)
@@ -791,7 +804,7 @@ class Trainer:
             if written:
                 raise ValueError(
                     f"popxl.compile: the forward writes the parameters {written} in place "
-                    "(nn.Embedding(max_norm=...) renormalises its rows so); the compiled step "
+                    "(nn.EmbeddingBag(max_norm=...) renormalises its rows so); the compiled step "
                     "keeps parameters as the optimizer leaves them (a frozen one as it is) and "
                     "cannot follow such a write. Renormalise outside the step (under "
                     "torch.no_grad(), between steps), or compute the normalised weight out of "
@@ -827,6 +840,8 @@ class Trainer:
                     else None
                 )
                 inv = [graph_input((MAX_COUNTS,), v.dtype, "loss/inv_counts") for v in inv_vars]
+                seen_in = [graph_input(v.shape, v.dtype, f"renorm/{n}", by_ref=True)
+                           for v, (n, _, _) in zip(seen_vars, self._renorms, strict=True)]  # fmt: skip
                 info = ops.call_with_info(fwd, *loaded, *ps, *fs, *bs, *inv)
                 loss = info.outputs[0]
                 # The loss is this micro-batch's part of the global loss (Note [exact losses
@@ -846,6 +861,9 @@ class Trainer:
                 for i, v in enumerate(info.outputs[first : first + self._n_outputs]):
                     out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                     ops.host_store(out_streams[-1], v)
+                first += self._n_outputs
+                for acc, v in zip(seen_in, info.outputs[first : first + len(seen_in)], strict=True):
+                    ops.var_updates.accumulate_(acc, v)
             # Note [zeroed before the loop]
             #     The accumulators are zeroed as the step begins, not after the update reads
             #     them: the same values for every step (nothing else reads them), and the
@@ -855,7 +873,20 @@ class Trainer:
                 ops.var_updates.accumulator_zero_(s.accum)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
-                       *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
+                       *([count_var] if count_var is not None else []), *inv_vars,
+                       *seen_vars)  # fmt: skip
+            # Note [embedding rows renormalised]: the rows the global batch looked up, once,
+            # before the optimizer reads the weight
+            var_of = {s.name: s.var for s in slots} | frozen_vars
+            for seen, (name, max_norm, p) in zip(seen_vars, self._renorms, strict=True):
+                rows: Any = seen
+                if R > 1:
+                    rows = ops.collectives.replicated_all_reduce(seen, "add")
+                weight = var_of[name]
+                ops.var_updates.copy_var_update_(
+                    weight, call_torch(renormed, (weight, max_norm, p, rows), {})
+                )
+                ops.var_updates.accumulator_zero_(seen)
 
             dynamic = scaling is not None and scaling.dynamic
             fused_reasons = [
@@ -1115,7 +1146,7 @@ class Trainer:
                     },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
-            obj, count, bound, n_host, outputs = captured
+            obj, count, bound, n_host, outputs, marked = captured
             outputs = _without_caches(outputs)
             graph_output(obj)
             if count is not None:
@@ -1126,7 +1157,10 @@ class Trainer:
                     if isinstance(v, Tensor):
                         graph_output(v)
                         n_out += 1
+            for _, seen, _, _ in marked:  # Note [embedding rows renormalised]
+                graph_output(seen)
         self._n_outputs = n_out  # (autodiff appends the saved activations after them)
+        self._renorms = [(name, max_norm, p) for name, _, max_norm, p in marked]
         metas = pytree.tree_map(
             lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
             if isinstance(h, Tensor) else h, outputs)  # fmt: skip

@@ -17,7 +17,11 @@ Note [rows selected by a mask]
     * elementwise ops (torch's ``pointwise`` tag), row-wise ones (softmax over a dim other
       than the rows, reductions over other dims, dropout, layer norm, a matrix product with
       the selection on the left: a head over the selected rows, ``decoder(hidden[m])``),
-      casts and views that keep the rows: the same mask on the result; operands without a
+      casts, views and lookups along other dims (``y[:, None]``, ``x[:, 0]``,
+      ``x.gather(1, y[:, None])``, ``F.one_hot``'s scatter) and views that merge the rows
+      with the dims after them (``logits.view(-1, C)``: one mask per such shape): the same
+      mask on the result; a ``max``/``min``/``any``/``all`` over everything reads the fill
+      rows as the copies they are (``F.one_hot``'s check of its classes); operands without a
       mask may broadcast over the trailing dims only, as they must against ``k`` rows in
       eager torch;
     * a sum: of ``where(mask, x, 0)``; a mean: that sum over the count of selected elements

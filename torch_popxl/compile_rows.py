@@ -13,8 +13,11 @@ Note [padded rows]
     a mask] in compile_masked.py). So sums add the real rows only, means become counted means
     over the real rows' elements (added up over micro-batches exactly: Note [exact losses over
     micro-batches] in compile_loss.py), a cross entropy's unselected rows get its
-    ``ignore_index``, and padded rows get no gradient (a micro-batch of padding only adds
-    nothing). The outputs returned to the user are the real rows'.
+    ``ignore_index``, a sum divided by the micro-batch's rows (``kl_div``'s ``batchmean``:
+    Note [a sum divided by the batch's size]) counts the real rows, and padded rows get no
+    gradient (a micro-batch of padding only adds nothing). The outputs returned to the user
+    are the real rows'. Under torchrun each process passes its own share, which must still
+    split over its replicas (padding one process's share would need the others' counts).
 
     That is eager's step only while the forward keeps rows independent: a row's outputs, and
     the module's buffers, must not depend on the other rows of its micro-batch (BatchNorm in

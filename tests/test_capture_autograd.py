@@ -253,16 +253,17 @@ def test_spectral_norm_power_iteration_under_no_grad_trains_as_eager(R, GA):
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_a_forward_writing_a_parameter_in_place_is_refused_with_nothing_changed(frozen):
-    # nn.Embedding(max_norm=...) renormalises the rows it reads in place under no_grad: eager
-    # then trains the renormalised rows; the compiled step would train the old ones.
+    # nn.EmbeddingBag(max_norm=...) renormalises the rows it reads in place under no_grad:
+    # eager then trains the renormalised rows; the compiled step would train the old ones.
+    # (nn.Embedding(max_norm=...) is followed: Note [embedding rows renormalised])
     class Renormed(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = torch.nn.Embedding(20, 8, max_norm=1.0)
+            self.emb = torch.nn.EmbeddingBag(20, 8, max_norm=1.0)
             self.head = torch.nn.Linear(8, 3)
 
         def forward(self, ids):
-            return self.head(self.emb(ids).mean(1))
+            return self.head(self.emb(ids))
 
     torch.manual_seed(0)
     model = Renormed()

@@ -227,9 +227,13 @@ def test_bad_input_gives_clear_errors():
         )
     with pytest.raises(ValueError, match="a loss_fn without an optimizer"):
         popxl.compile(model, torch.nn.functional.cross_entropy)
-    t = popxl.compile(model, torch.nn.functional.cross_entropy, adam(model.parameters()),
+    # 13 samples on 2 replicas are padded (Note [padded rows]), which BatchNorm in training
+    # mode would see (12 would run as 2 x 2 micro-batches of 3)
+    normed = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.BatchNorm1d(8),
+                                 torch.nn.Linear(8, 4))  # fmt: skip
+    t = popxl.compile(normed, torch.nn.functional.cross_entropy, adam(normed.parameters()),
                       replication_factor=2, gradient_accumulation=4)  # fmt: skip
-    x, y = _batches("mlp", 1, 13)[0]  # (12 would run as 2 x 2 micro-batches of 3)
+    x, y = _batches("mlp", 1, 13)[0]
     with pytest.raises(ValueError, match="13 samples does not split into equal shares for the "
                        "replication_factor = 2 replicas"):  # fmt: skip
         t.step(x, y)

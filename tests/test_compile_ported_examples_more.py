@@ -3,7 +3,7 @@
 Each test writes the loop of a pytorch/examples script (word_language_model's LSTM/GRU with
 its hidden state carried and detached across batches, mnist_rnn, siamese_network,
 super_resolution, fast_neural_style, a ViT with AdamW and a warmup-cosine LambdaLR, a dense
-GCN, mnist_forward_forward, dcgan) at a tiny size, once with the eager step
+GCN, gat, language_translation, mnist_forward_forward, dcgan) at a tiny size, once with the eager step
 (``zero_grad / backward / [clip] / step``) and once with ``trainer.step``, on the same
 synthetic data, and compares the printed losses of every step and the weights at the end.
 
@@ -503,6 +503,150 @@ def _run_gcn(compiled: bool):
 
 def test_gcn_with_a_dense_adjacency_and_a_train_mask_prints_eager_losses():
     _compare(_run_gcn)
+
+
+# ---- gat: graph attention, heads averaged or concatenated, edges masked, a train index ------
+
+
+class GraphAttention(torch.nn.Module):
+    """The example's layer: shared W, per-head attention vector a, scores for every pair of
+    nodes, non-edges set to -9e16 before the softmax over neighbours."""
+
+    def __init__(self, inputs, outputs, heads, concat=False, dropout=0.0, slope=0.2):
+        super().__init__()
+        self.heads, self.concat, self.dropout = heads, concat, dropout
+        self.hidden = outputs // heads if concat else outputs
+        self.W = torch.nn.Parameter(torch.empty(inputs, self.hidden * heads))
+        self.a = torch.nn.Parameter(torch.empty(heads, 2 * self.hidden, 1))
+        torch.nn.init.xavier_normal_(self.W)
+        torch.nn.init.xavier_normal_(self.a)
+        self.leaky = torch.nn.LeakyReLU(slope)
+
+    def forward(self, h, adj):
+        n = h.shape[0]
+        wh = F.dropout(torch.mm(h, self.W), self.dropout, training=self.training)
+        wh = wh.view(n, self.heads, self.hidden).permute(1, 0, 2)  # (heads, nodes, hidden)
+        source = torch.matmul(wh, self.a[:, : self.hidden, :])
+        target = torch.matmul(wh, self.a[:, self.hidden :, :])
+        e = self.leaky(source + target.mT)
+        e = torch.where(adj > 0, e, -9e16 * torch.ones_like(e))
+        attention = F.dropout(F.softmax(e, dim=-1), self.dropout, training=self.training)
+        out = torch.matmul(attention, wh)
+        if self.concat:
+            return out.permute(1, 0, 2).contiguous().view(n, self.heads * self.hidden)
+        return out.mean(dim=0)
+
+
+class GAT(torch.nn.Module):
+    def __init__(self, features=10, hidden=8, heads=4, classes=3, concat=False):
+        super().__init__()
+        self.gat1 = GraphAttention(features, hidden, heads, concat=concat)
+        self.gat2 = GraphAttention(hidden, classes, 1)
+
+    def forward(self, x, adj):
+        return F.log_softmax(self.gat2(F.elu(self.gat1(x, adj)), adj), dim=1)
+
+
+def _run_gat(compiled: bool, concat: bool):
+    torch.manual_seed(13)
+    model = GAT(concat=concat)
+    opt = torch.optim.Adam(model.parameters(), lr=0.005, weight_decay=5e-4)
+    g = torch.Generator().manual_seed(14)
+    nodes = 24
+    x, labels = torch.rand(nodes, 10, generator=g), torch.randint(0, 3, (nodes,), generator=g)
+    x = x / x.sum(1, keepdim=True)  # the example's row-normalised bag of words
+    edges = (torch.rand(nodes, nodes, generator=g) < 0.15).long()
+    adj = torch.eye(nodes) + edges  # self-loops plus the (directed) citations
+    order = torch.randperm(nodes, generator=g)
+    idx_val, idx_train = order[:8], order[8:]  # index tensors, as the example splits
+
+    def criterion(out, t):
+        return F.nll_loss(out[idx_train], t[idx_train])
+
+    # the whole graph is one sample (attention mixes the nodes): one replica, no accumulation
+    step = (popxl.compile(model, criterion, opt).step if compiled
+            else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(5):
+        model.train()
+        printed.append(float(step((x, adj), labels)))
+        model.eval()  # the example's test(): eager, on the weights the step left in the module
+        with torch.no_grad():
+            out = model(x, adj)[idx_val]
+            printed.append(float(F.nll_loss(out, labels[idx_val])))
+            printed.append(float((out.argmax(1) == labels[idx_val]).float().sum() / len(idx_val)))
+    return model, printed
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_gat_with_masked_attention_heads_and_an_index_split_prints_eager_losses(concat):
+    _compare(lambda compiled: _run_gat(compiled, concat))
+
+
+# ---- language_translation: nn.Transformer seq2seq, padding masks, a causal target mask, a
+# ---- token mean over non-pad targets; the DataLoader's last batch does not split over R -----
+
+PAD, BOS, VOCAB = 0, 1, 12
+
+
+class Seq2Seq(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.src_emb = torch.nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.tgt_emb = torch.nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.pos = torch.nn.Parameter(torch.randn(1, 10, d) * 0.1)
+        self.transformer = torch.nn.Transformer(d, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.generator = torch.nn.Linear(d, VOCAB)
+
+    def forward(self, src, tgt_in):
+        steps = tgt_in.shape[1]
+        src_pad, tgt_pad = src == PAD, tgt_in == PAD
+        out = self.transformer(
+            self.src_emb(src) + self.pos[:, : src.shape[1]],
+            self.tgt_emb(tgt_in) + self.pos[:, :steps],
+            tgt_mask=torch.nn.Transformer.generate_square_subsequent_mask(steps),
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
+        return self.generator(out)
+
+
+def _translation_data(n=15):
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(3, VOCAB, (n, 7), generator=g)
+    tgt = torch.randint(3, VOCAB, (n, 6), generator=g)
+    for i in range(n):  # sentences of different lengths, padded at the end
+        src[i, 7 - i % 4 :] = PAD
+        tgt[i, 6 - i % 3 :] = PAD
+    return src, torch.cat([torch.full((n, 1), BOS), tgt[:, :-1]], 1), tgt
+
+
+def _run_translation(compiled: bool):
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    # the example's Adam has eps=1e-9, which turns the attention key biases' gradients (0 up to
+    # rounding: a softmax does not see a shift) into full steps either way: eps=1e-6 here
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+
+    def criterion(logits, tgt_out):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
+
+    src, tgt_in, tgt_out = _translation_data()
+    step = (popxl.compile(model, criterion, opt, replication_factor=R,
+                          gradient_accumulation=GA).step if compiled
+            else _eager_step(model, opt, criterion))  # fmt: skip
+    printed = []
+    for _epoch in range(2):  # batches of 6, 6 and 3: 3 rows on 2 replicas (Note [padded rows])
+        for (s, t_in), t_out in _batches((src, tgt_in), tgt_out, 6):
+            printed.append(float(step((s, t_in), t_out)))
+    return model, printed
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+def test_language_translation_seq2seq_with_a_last_batch_that_does_not_split_prints_eager_losses():
+    _compare(_run_translation)
 
 
 # ---- mnist_forward_forward: per-layer goodness losses, each layer trained on detached input -

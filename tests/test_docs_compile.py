@@ -23,7 +23,7 @@ def test_compile_guide_python_blocks_run_and_print_documented_values():
     assert lines[2] == "[1.0, 1.0, 2.0, 2.0]"  # unfrozen after a step: its own step count
     assert lines[3] == "(64, 3) True"  # the outputs of the global batch
     assert lines[4] == "float True"  # a model that returns its loss
-    assert lines[5:7] == ["3 8", "refused: True"]  # a program per signature; a bad split
+    assert lines[5:7] == ["3 8", "padded: True"]  # a program per signature; a padded batch
     assert lines[7] == "(5, 3)"  # inference of any batch size
     assert lines[8] == "True"  # a summed loss is eager's global sum
     assert lines[9] == "LossDecompositionError"  # sqrt of a mean is refused

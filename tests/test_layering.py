@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "torch_popxl.compile_loss",
             "torch_popxl.compile_masked",
             "torch_popxl.compile_optim",
+            "torch_popxl.compile_renorm",
+            "torch_popxl.compile_rows",
             "torch_popxl.compile_updates",
             "torch_popxl.addons",
             "torch_popxl.plan",

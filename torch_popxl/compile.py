@@ -66,6 +66,8 @@ from .compile_common import (
     _host,
     _mark_eager_step,
     _micro_batches,
+    _pad_rows,
+    _sizes_that_split,
     _split_advice,
     _structured,
     _structured_targets,
@@ -78,6 +80,8 @@ from .compile_common import (
 from .compile_infer import InferenceProgram
 from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
 from .compile_masked import MaskedRows
+from .compile_renorm import EmbeddingRenorm, renormed
+from .compile_rows import OnRealRows, check_rows_independent, padded_split
 from .compile_updates import (
     _N_HYPER,
     _adam_one_pass,
@@ -139,9 +143,9 @@ _STATE = ("on_chip", "remote")
 #     structure does), so every program trains the same state. A training batch runs as
 #     equal micro-batches (the loss parts add up to the global batch's loss: Note [exact
 #     losses over micro-batches]; Note [a short last batch]); one that cannot split over the
-#     replicas is refused before anything changes. An eval-mode inference batch that does not
-#     split over the replicas is padded with copies of its last row, whose outputs are
-#     dropped (its rows are independent).
+#     replicas is padded (Note [padded rows] in compile_rows.py). An eval-mode inference
+#     batch that does not split over the replicas is padded with copies of its last row,
+#     whose outputs are dropped (its rows are independent).
 
 # Note [a short last batch]
 #     A DataLoader without ``drop_last`` ends an epoch with a short batch, 80 of CIFAR's
@@ -152,41 +156,57 @@ _STATE = ("on_chip", "remote")
 #     micro-batches per replica, ``GA' = GA`` where ``R x GA`` divides ``n``, else the
 #     largest ``GA' < GA`` that divides each replica's share ``n / R`` (80 samples on 4
 #     replicas with GA 8: 5 micro-batches of 4 each). Its program is built for that batch's
-#     shapes (as any new shape is) with ``GA'`` repeats. Only the replicas' shares must be
-#     equal (each replica runs the same program): ``n`` not a multiple of R is refused,
-#     saying which sizes work. As for any batch, BatchNorm normalises per micro-batch (Note
-#     [per-replica batch statistics]) and updates its running statistics ``GA'`` times.
+#     shapes (as any new shape is) with ``GA'`` repeats. The replicas' shares must be equal
+#     (each replica runs the same program): ``n`` not a multiple of R is padded with rows
+#     the loss does not read (Note [padded rows] in compile_rows.py). As for any batch,
+#     BatchNorm normalises per micro-batch (Note [per-replica batch statistics]) and updates
+#     its running statistics ``GA'`` times.
 
 
 # ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
 
 
-def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, *, loss_fn,
+def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=None, *, loss_fn,
                       chunks: int, dtype: torch.dtype, over_rows: bool = False):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
-    count or None, count bound, number of host counts, model outputs). ``over_rows``: a
-    division of sums by a multiple of the micro-batch's rows is a mean (Note [a sum divided
-    by the batch's size])."""
+    count or None, count bound, number of host counts, model outputs, the rows of max-norm
+    embeddings it looked up). ``over_rows``: a division of sums by a multiple of the
+    micro-batch's rows is a mean (Note [a sum divided by the batch's size]). ``real``: the
+    real rows of a padded batch (Note [padded rows])."""
+    if real is not None:
+        loss_fn, targets = OnRealRows(loss_fn), (targets, real)
+    renorm = EmbeddingRenorm(tensors)  # Note [embedding rows renormalised]
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
         with MaskedRows():  # Note [rows selected by a mask]
-            out = torch.func.functional_call(model, tensors, args, kwargs)
+            with renorm:
+                out = torch.func.functional_call(model, tensors, args, kwargs)
             loss = loss_fn(out, targets)
-        return _scalar_loss(loss), None, 1, 0, out
+        return _scalar_loss(loss), None, 1, 0, out, renorm.marked
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
     rows = None
     if over_rows:  # every input and target is split on dim 0
         rows = next(t.shape[0] for t in pytree.tree_leaves((args, kwargs, targets))
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
-    splitter = LossSplitter((args, kwargs, targets), rows)
+    splitter = LossSplitter((args, kwargs, targets), rows, real)
     with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
-        out = torch.func.functional_call(model, tensors, args, kwargs)
+        with renorm:
+            out = torch.func.functional_call(model, tensors, args, kwargs)
         loss = loss_fn(out, targets)
     split = splitter.split(_scalar_loss(loss), chunks)
     obj, count = split.objective(chunks, inv_counts, dtype)
     counted = split.counted
     if split.deferred:
-        return obj, count, counted[0].bound, 0, out
-    return obj, count, 1, len(counted), out
+        return obj, count, counted[0].bound, 0, out, renorm.marked
+    return obj, count, 1, len(counted), out, renorm.marked
+
+
+def _loss_of(loss_fn, batch: _Batch):
+    """``loss_fn`` and the batch's targets as the step's loss reads them: on a padded batch's
+    real rows (Note [padded rows]); None for targets ``_torch_targets`` cannot give."""
+    targets = _torch_targets(batch)
+    if batch.real is None or (targets is None and batch.targets):
+        return loss_fn, targets
+    return OnRealRows(loss_fn), (targets, torch.from_numpy(batch.real))
 
 
 def _torch_targets(batch: _Batch):
@@ -206,7 +226,7 @@ def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_r
     """``check_decomposition`` on the captured outputs' shapes and this batch's targets, and
     host counts where the step needs them (so a loss they cannot count fails at build); True
     when the loss must be captured again reading divisions by the rows as means."""
-    targets = _torch_targets(batch)
+    loss_fn, targets = _loss_of(loss_fn, batch)
     if targets is None:
         if n_host and not batch.targets:  # a model's own loss: its counts cannot be counted
             host_counts(loss_fn, metas, None, chunks, n_host)  # (raises, saying why)
@@ -266,10 +286,26 @@ class _Batch:
     spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
     options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
     ga: int = 1  # micro-batches per replica (Note [a short last batch])
+    real: np.ndarray | None = None  # the real rows of a padded batch (Note [padded rows])
 
     @property
     def arrays(self) -> list[np.ndarray]:
-        return [*self.args, *self.kwargs.values(), *self.targets]
+        return [*self.args, *self.kwargs.values(), *self.targets, *self.real_rows]
+
+    @property
+    def real_rows(self) -> list[np.ndarray]:
+        return [] if self.real is None else [self.real]
+
+    @property
+    def n_real(self) -> int:
+        return self.size if self.real is None else int(self.real.sum())
+
+    def padded(self, n: int) -> None:
+        """Rows up to ``n`` as copies of the last, and the mask of the real ones."""
+        self.real = np.arange(n) < self.size
+        self.args = [_pad_rows(a, n) for a in self.args]
+        self.kwargs = {k: _pad_rows(a, n) for k, a in self.kwargs.items()}
+        self.targets = [_pad_rows(a, n) for a in self.targets]
 
     @property
     def size(self) -> int:
@@ -286,6 +322,7 @@ class _Batch:
             self.targets_spec,
             self.spec,
             options_key(self.options),
+            self.real is not None,
         )
 
 
@@ -750,6 +787,8 @@ class Trainer:
         _refuse_cumulative_batch_norm(self.model)
         R, GA = self.replication_factor, batch.ga  # Note [a short last batch]
         chunks = _distributed.local_replicas(R) * GA  # Note [the batch is dim 0]
+        if batch.real is not None:  # Note [padded rows]
+            self._check_rows_independent(batch, chunks)
         spec_of = {n: (i, spec) for i, spec in enumerate(specs) for n in spec.names}
         ir = _distributed.make_ir(R)
         ir.num_host_transfers = GA
@@ -758,6 +797,7 @@ class Trainer:
             names = [f"inputs/{i}" for i in range(len(batch.args))]
             names += [f"inputs/{k}" for k in batch.kwargs]
             names += [f"targets/{i}" for i in range(len(batch.targets))]
+            names += ["rows/real" for _ in batch.real_rows]  # Note [padded rows]
             in_streams = [
                 _h2d((a.shape[0] // chunks, *a.shape[1:]), a.dtype, n)
                 for n, a in zip(names, batch.arrays, strict=True)
@@ -808,6 +848,14 @@ class Trainer:
                 inv_vars.append(
                     variable(np.ones(MAX_COUNTS, book), downcast=False, name="loss/inv_counts")
                 )
+            # the rows of max-norm embeddings looked up, summed over the micro-batches and then
+            # over the replicas as a gradient is (Note [embedding rows renormalised])
+            seen_vars = []
+            for name, _, _ in self._renorms:
+                seen = variable(np.zeros(self._params[name].shape[0], np.float32),
+                                name=f"renorm/{name}")  # fmt: skip
+                seen._set_hints(replica_sum=True)
+                seen_vars.append(seen)
             n_params, n_io = len(slots), len(in_streams)
             param_inputs = list(fwd.inputs[n_io : n_io + n_params])
             mutated = mutated_inputs(fwd)
@@ -816,7 +864,7 @@ class Trainer:
             if written:
                 raise ValueError(
                     f"popxl.compile: the forward writes the parameters {written} in place "
-                    "(nn.Embedding(max_norm=...) renormalises its rows so); the compiled step "
+                    "(nn.EmbeddingBag(max_norm=...) renormalises its rows so); the compiled step "
                     "keeps parameters as the optimizer leaves them (a frozen one as it is) and "
                     "cannot follow such a write. Renormalise outside the step (under "
                     "torch.no_grad(), between steps), or compute the normalised weight out of "
@@ -852,6 +900,8 @@ class Trainer:
                     else None
                 )
                 inv = [graph_input((MAX_COUNTS,), v.dtype, "loss/inv_counts") for v in inv_vars]
+                seen_in = [graph_input(v.shape, v.dtype, f"renorm/{n}", by_ref=True)
+                           for v, (n, _, _) in zip(seen_vars, self._renorms, strict=True)]  # fmt: skip
                 info = ops.call_with_info(fwd, *loaded, *ps, *fs, *bs, *inv)
                 loss = info.outputs[0]
                 # The loss is this micro-batch's part of the global loss (Note [exact losses
@@ -871,6 +921,9 @@ class Trainer:
                 for i, v in enumerate(info.outputs[first : first + self._n_outputs]):
                     out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
                     ops.host_store(out_streams[-1], v)
+                first += self._n_outputs
+                for acc, v in zip(seen_in, info.outputs[first : first + len(seen_in)], strict=True):
+                    ops.var_updates.accumulate_(acc, v)
             # Note [zeroed before the loop]
             #     The accumulators are zeroed as the step begins, not after the update reads
             #     them: the same values for every step (nothing else reads them), and the
@@ -880,7 +933,20 @@ class Trainer:
                 ops.var_updates.accumulator_zero_(s.accum)
             ops.repeat(body, GA, *[s.accum for s in slots], *[s.var for s in slots],
                        *frozen_vars.values(), *buffer_vars.values(), *scale_vars[:1],
-                       *([count_var] if count_var is not None else []), *inv_vars)  # fmt: skip
+                       *([count_var] if count_var is not None else []), *inv_vars,
+                       *seen_vars)  # fmt: skip
+            # Note [embedding rows renormalised]: the rows the global batch looked up, once,
+            # before the optimizer reads the weight
+            var_of = {s.name: s.var for s in slots} | frozen_vars
+            for seen, (name, max_norm, p) in zip(seen_vars, self._renorms, strict=True):
+                rows: Any = seen
+                if R > 1:
+                    rows = ops.collectives.replicated_all_reduce(seen, "add")
+                weight = var_of[name]
+                ops.var_updates.copy_var_update_(
+                    weight, call_torch(renormed, (weight, max_norm, p, rows), {})
+                )
+                ops.var_updates.accumulator_zero_(seen)
 
             dynamic = scaling is not None and scaling.dynamic
             fused_reasons = [
@@ -1118,8 +1184,9 @@ class Trainer:
             n_in = len(batch.args) + len(batch.kwargs)
             args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
             kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
-            targets = io[n_in:]
+            targets = io[n_in : n_in + len(batch.targets)]
             t = pytree.tree_unflatten(targets, batch.targets_spec) if targets else None
+            real = io[-1] if batch.real is not None else None  # Note [padded rows]
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -1141,7 +1208,7 @@ class Trainer:
             with _attributes_restored(self.model), _requiring_grad(trained):
                 captured = call_torch(
                     _forward_and_loss,
-                    (self.model, {**params, **bufs}, args, kwargs, t, inv),
+                    (self.model, {**params, **bufs}, args, kwargs, t, inv, real),
                     {
                         "loss_fn": self.loss_fn,
                         "chunks": chunks,
@@ -1150,7 +1217,7 @@ class Trainer:
                     },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
-            obj, count, bound, n_host, outputs = captured
+            obj, count, bound, n_host, outputs, marked = captured
             outputs = _without_caches(outputs)
             graph_output(obj)
             if count is not None:
@@ -1161,7 +1228,10 @@ class Trainer:
                     if isinstance(v, Tensor):
                         graph_output(v)
                         n_out += 1
+            for _, seen, _, _ in marked:  # Note [embedding rows renormalised]
+                graph_output(seen)
         self._n_outputs = n_out  # (autodiff appends the saved activations after them)
+        self._renorms = [(name, max_norm, p) for name, _, max_norm, p in marked]
         metas = pytree.tree_map(
             lambda h: torch.empty(h.shape, dtype=h.dtype.as_torch(), device="meta")
             if isinstance(h, Tensor) else h, outputs)  # fmt: skip
@@ -1381,9 +1451,36 @@ class Trainer:
             )
         ga = _micro_batches(batch.size, R, GA)  # Note [a short last batch]
         if ga is None:
-            raise ValueError(_split_advice(batch.size, R, GA))
+            if not batch.size or R != self.replication_factor:  # (one instance's share only)
+                raise ValueError(_split_advice(batch.size, R, GA))
+            n, ga = padded_split(batch.size, R, GA)  # Note [padded rows]
+            batch.padded(n)
         batch.ga = ga
         return batch
+
+    def _check_rows_independent(self, batch: _Batch, chunks: int) -> None:
+        """Note [padded rows]: refused where the forward mixes the rows of a micro-batch."""
+        n_in = len(batch.args) + len(batch.kwargs)
+        options = dict(batch.options)
+
+        def rebuild(tensors):
+            args, kwargs = pytree.tree_unflatten(list(tensors), batch.spec)
+            return tuple(args), {**kwargs, **options}
+
+        def refuse(why: str) -> ValueError:
+            R, n = self.replication_factor, batch.n_real
+            return ValueError(
+                f"popxl.compile: a global batch of {n} samples does not split into equal "
+                f"shares for the replication_factor = {R} replicas, so the step pads each "
+                "replica's share with rows that add nothing to the loss (Note [padded rows]); "
+                f"that is eager's step only where the forward keeps rows independent, but "
+                f"{why}. Keep rows independent in training mode (BatchNorm normalises over the "
+                f"batch: GroupNorm or LayerNorm do not). {_sizes_that_split(n, R)}"
+            )
+
+        micro = batch.size // chunks
+        check_rows_independent(self.model, batch.arrays[:n_in], rebuild, micro, batch.n_real,
+                               refuse)  # fmt: skip
 
     def _check_module_tensors(self) -> None:
         """The module must still hold the parameter and buffer objects the program trains: a
@@ -1509,7 +1606,7 @@ class Trainer:
             if GA * local_R == 1:  # nothing was cut (Note [the batch is dim 0])
                 o = o[0]
             elif st.shape and st.shape[0] * GA * local_R == n:
-                o = o.reshape(n, *st.shape[1:])
+                o = o.reshape(n, *st.shape[1:])[: batch.n_real]  # Note [padded rows]
             values.append(o)
         spec, leaves = prog.out_spec
         it = iter(values)
@@ -1521,7 +1618,7 @@ class Trainer:
         n, metas = prog.host_counts
         if not n:
             return None
-        targets = _torch_targets(batch)
+        loss_fn, targets = _loss_of(self.loss_fn, batch)
         if targets is None:
             raise ValueError(
                 "popxl.compile: this loss combines a mean over counted elements with other "
@@ -1529,7 +1626,7 @@ class Trainer:
             )
         R = self.replication_factor
         local = _distributed.local_replicas(R) * batch.ga
-        counts = host_counts(self.loss_fn, metas, targets, local, n, verify=False)
+        counts = host_counts(loss_fn, metas, targets, local, n, verify=False)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
         inv = torch.ones(MAX_COUNTS, dtype=loss_dtype(self._tensors))  # Note [float64 models]

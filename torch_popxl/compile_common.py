@@ -271,13 +271,20 @@ def _micro_batches(n: int, R: int, GA: int) -> int | None:
 
 def _split_advice(n: int, R: int, GA: int) -> str:
     """Why ``n`` samples do not split over ``R`` replicas, and what would."""
-    lower, upper = n // R * R, (n // R + 1) * R
-    sizes = f"{lower} or {upper}" if lower else f"{upper}"
     return (
         f"popxl.compile: a global batch of {n} samples does not split into equal shares for "
         f"the replication_factor = {R} replicas (each replica runs the same program on its own "
         f"micro-batches; gradient_accumulation = {GA} adapts to a short batch, the replicas "
-        f"cannot). Give a multiple of {R} (such as {sizes}) or drop a short last batch "
+        f"cannot). {_sizes_that_split(n, R)}"
+    )
+
+
+def _sizes_that_split(n: int, R: int) -> str:
+    """What to give instead of ``n`` samples on ``R`` replicas."""
+    lower, upper = n // R * R, (n // R + 1) * R
+    sizes = f"{lower} or {upper}" if lower else f"{upper}"
+    return (
+        f"Give a multiple of {R} (such as {sizes}) or drop a short last batch "
         "(DataLoader(..., drop_last=True)). Nothing was changed."
     )
 

@@ -1,13 +1,39 @@
 """``popxl.compile`` without an optimizer: the inference program (a program per input
-signature, split over the replicas)."""
+signature, split over the replicas).
+
+Note [the nested-tensor path of TransformerEncoder]
+    In eval mode with a ``src_key_padding_mask`` (and no gradient to record, fast-path
+    kernels enabled, no ``mask``, ...), ``nn.TransformerEncoder.forward`` runs its layers on
+    a nested tensor of the unpadded positions and pads the result with zeros, before its
+    final ``norm``: eager's outputs at padded positions are then 0 (or the norm of 0), where
+    the layers on the padded batch (the slow path, which the captured graph records: under
+    capture torch sees its modes and declines the fast path) compute values there; the
+    positions that are not padding agree. So while an inference program is captured, every
+    ``TransformerEncoder`` of the model asks torch whether it would take that path for this
+    call: a copy of it runs eagerly, with capture's modes set aside, on a tiny batch with a
+    left-aligned padding mask of the call's dtype (and a ``mask`` and ``is_causal`` where the
+    call has them), once as the fast path is set and once with it disabled; the outputs at the
+    padded position differ (beyond the rounding of the layers' fused kernels) only where
+    torch took the nested path. Where it would, the
+    captured graph sets the last layer's outputs at padded positions to 0 (the final norm
+    follows as in eager) when the call's mask is left-aligned (torch's ``mask_check``; a
+    batch split over replicas checks each replica's rows). The decision depends on the grad
+    mode and on ``torch.backends.mha.get_fastpath_enabled()``, so both are part of the
+    program's key. (A Trainer's forward records a gradient: the slow path, as in eager.)
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import ops
 from .capture import call_torch
@@ -83,7 +109,7 @@ class InferenceProgram:
             loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
             a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
             k_in = {**k_in, **dict(options)}  # Note [keyword options]
-            with _attributes_restored(self.model):
+            with _attributes_restored(self.model), _nested_paths_as_eager(self.model):
                 y = call_torch(
                     torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
                 )
@@ -152,6 +178,8 @@ class InferenceProgram:
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
             in_spec,
             options_key(options),
+            # Note [the nested-tensor path of TransformerEncoder]
+            (torch.is_grad_enabled(), torch.backends.mha.get_fastpath_enabled()),
         )
         built = self._programs.pop(key, None)
         if built is None:
@@ -182,3 +210,90 @@ class InferenceProgram:
                 o = o[:n]
             leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
+
+
+# ---- Note [the nested-tensor path of TransformerEncoder] ----------------------------------
+
+
+def _takes_nested_path(encoder: torch.nn.TransformerEncoder, src, mask, pad, is_causal) -> bool:
+    """Whether eager torch runs ``encoder`` on a nested tensor for a call like this one (a
+    copy of it on a tiny batch, with and without the fast path, outside capture)."""
+    first = encoder.layers[0]
+    batch_first = first.self_attn.batch_first
+    d_model = first.self_attn.embed_dim
+    gen = torch.Generator().manual_seed(0)
+    # (torch warns that nested tensors are a prototype: the probe's, not the user's)
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.randn(2, 3, d_model, generator=gen, dtype=src.dtype)
+        x = x if batch_first else x.transpose(0, 1)
+        padded = torch.tensor([[False, False, True], [False, False, False]])
+        key_mask = padded if pad.dtype == torch.bool else torch.zeros(2, 3, dtype=pad.dtype)
+        if pad.dtype != torch.bool:
+            key_mask = key_mask.masked_fill(padded, float("-inf"))
+        attn = None
+        if mask is not None:  # causal where the call says so (the layers' kernels trust it)
+            causal = torch.ones(3, 3, dtype=torch.bool).triu(1) & bool(is_causal)
+            fill = True if mask.dtype == torch.bool else float("-inf")
+            attn = torch.zeros(3, 3, dtype=mask.dtype).masked_fill(causal, fill)
+        enabled = torch.backends.mha.get_fastpath_enabled()
+        outs = []
+        try:
+            for fast in (enabled, False):  # (as the user set it, and disabled)
+                torch.backends.mha.set_fastpath_enabled(fast)
+                y = encoder(x, mask=attn, src_key_padding_mask=key_mask, is_causal=is_causal)
+                outs.append(y[0, 2] if batch_first else y[2, 0])
+        finally:
+            torch.backends.mha.set_fastpath_enabled(enabled)
+        # the nested path's zeros (or their norm) against the layers' values; the layers' own
+        # fused kernels differ from their ops by rounding only
+        return not torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+@contextlib.contextmanager
+def _nested_paths_as_eager(model: torch.nn.Module) -> Iterator[None]:
+    """Note [the nested-tensor path of TransformerEncoder]: while inside, each encoder's last
+    layer gives 0 at padded positions where eager torch would."""
+    encoders = [m for m in model.modules() if isinstance(m, torch.nn.TransformerEncoder)]
+    if not encoders:
+        yield
+        return
+    pending: dict[int, Any] = {}  # id(last layer) -> (padded positions, left-aligned, batch_first)
+    # real copies to ask torch with (inside the capture the module holds fake tensors)
+    copies = {id(e): copy.deepcopy(e) for e in encoders}
+
+    def before(encoder, args, kwargs):
+        call = dict(zip(("src", "mask", "src_key_padding_mask", "is_causal"), args,
+                        strict=False)) | kwargs  # fmt: skip
+        src, pad = call.get("src"), call.get("src_key_padding_mask")
+        if pad is None or src is None or src.dim() != 3:
+            return
+        if not _takes_nested_path(copies[id(encoder)], src, call.get("mask"), pad,
+                                  call.get("is_causal")):  # fmt: skip
+            return
+        padded = pad if pad.dtype == torch.bool else pad != 0
+        aligned = (
+            (padded[:, 1:] >= padded[:, :-1]).all()
+            if getattr(encoder, "mask_check", True)
+            else torch.ones((), dtype=torch.bool)
+        )
+        batch_first = encoder.layers[0].self_attn.batch_first
+        pending[id(encoder.layers[-1])] = (padded, aligned, batch_first)
+
+    def after(layer, _args, out):
+        found = pending.pop(id(layer), None)
+        if found is None:
+            return out
+        padded, aligned, batch_first = found
+        at = (padded if batch_first else padded.transpose(0, 1)).unsqueeze(-1) & aligned
+        return torch.where(at, torch.zeros_like(out), out)
+
+    hooks = []
+    try:
+        for e in encoders:
+            hooks.append(e.register_forward_pre_hook(before, with_kwargs=True))
+            hooks.append(e.layers[-1].register_forward_hook(after))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()

@@ -67,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import VALUE_FREE
 from .compile_masked import MaskedRows
+from .compile_rows import real_rows
 
 __all__ = [
     "MAX_COUNTS",
@@ -150,11 +151,12 @@ class LossSplitter(TorchDispatchMode):
     """Follows batch data through the loss and records its terms (Note [exact losses over
     micro-batches]). ``batch`` holds the tensors that hold (or derive from) batch data."""
 
-    def __init__(self, batch, rows: int | None = None):
+    def __init__(self, batch, rows: int | None = None, real: torch.Tensor | None = None):
         super().__init__()
         # Note [a sum divided by the batch's size]: the micro-batch's rows, where a division
         # of sums by a multiple of them is a mean over rows
         self._rows = rows
+        self._real = real  # a padded batch's real rows: the rows they count (Note [padded rows])
         self._keep: list[torch.Tensor] = []  # ids below stay valid while these live
         self._batch: set[int] = set()
         self._counts: dict[int, torch.Tensor] = {}  # integer sums of batch data (counts)
@@ -264,7 +266,14 @@ class LossSplitter(TorchDispatchMode):
                 rows is not None and rows > 0 and float(den).is_integer() and den % rows == 0
             )
             if fn is not None and over_rows and self._sums_only(fn):
-                self._term(_Term("mean", out), out)  # Note [a sum divided by the batch's size]
+                # Note [a sum divided by the batch's size]; a padded batch's real rows are
+                # counted (Note [padded rows])
+                if self._real is None:
+                    self._term(_Term("mean", out), out)
+                else:
+                    assert rows is not None
+                    count = aten.mul.Tensor(aten.sum.default(self._real), int(den) // rows)
+                    self._term(_Term("count", out, count, int(den), numerator=num), out)
                 return None
             return None if fn is None else fn.scaled(1.0 / float(den))
         if isinstance(den, torch.Tensor) and id(den) not in self._counts:
@@ -445,7 +454,7 @@ def _splits_on_dim0(outputs, micro: int) -> bool:
 
 
 def _replay(loss_fn, leaves, spec, targets, chunks: int, rows: int | None = None):
-    splitter = LossSplitter((leaves, targets), rows)
+    splitter = LossSplitter((leaves, targets), rows, real_rows(loss_fn, targets))
     # selections kept whole, as captured (Note [rows selected by a mask])
     with torch.no_grad(), splitter, MaskedRows(splitter.untracked, always=True):
         loss = loss_fn(pytree.tree_unflatten(leaves, spec), targets)

@@ -17,7 +17,11 @@ Note [rows selected by a mask]
     * elementwise ops (torch's ``pointwise`` tag), row-wise ones (softmax over a dim other
       than the rows, reductions over other dims, dropout, layer norm, a matrix product with
       the selection on the left: a head over the selected rows, ``decoder(hidden[m])``),
-      casts and views that keep the rows: the same mask on the result; operands without a
+      casts, views and lookups along other dims (``y[:, None]``, ``x[:, 0]``,
+      ``x.gather(1, y[:, None])``, ``F.one_hot``'s scatter) and views that merge the rows
+      with the dims after them (``logits.view(-1, C)``: one mask per such shape): the same
+      mask on the result; a ``max``/``min``/``any``/``all`` over everything reads the fill
+      rows as the copies they are (``F.one_hot``'s check of its classes); operands without a
       mask may broadcast over the trailing dims only, as they must against ``k`` rows in
       eager torch;
     * a sum: of ``where(mask, x, 0)``; a mean: that sum over the count of selected elements
@@ -76,6 +80,24 @@ _LIKE = {
     aten.empty_like.default, aten.rand_like.default, aten.randn_like.default,
 }  # fmt: skip
 _NONE, _MEAN, _SUM = 0, 1, 2
+# views and lookups along one dim (second argument) or two: row-wise where neither is the rows'
+_AT_DIM = {
+    aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.slice.Tensor,
+    aten.gather.default, aten.index_select.default, aten.scatter.value, aten.scatter.src,
+    aten.scatter_.value, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
+}  # fmt: skip
+# lookups along a dim whose index (third argument) has the rows: ``x.gather(1, y[:, None])``,
+# ``F.one_hot``'s scatter
+_BY_INDEX = {op for op in _AT_DIM if op.overloadpacket in (aten.gather, aten.scatter,
+                                                           aten.scatter_, aten.scatter_add,
+                                                           aten.scatter_add_)}  # fmt: skip
+_AT_DIMS = {aten.transpose.int, aten.squeeze.dims, aten.permute.default}
+# reductions a repeated row does not change: over the rows, the fill rows (copies of a
+# selected row) leave the selected rows' result (``F.one_hot``'s check of its classes)
+_REPEATS_FREE = {
+    aten.aminmax.default, aten.max.default, aten.min.default, aten.any.default,
+    aten.all.default,
+}  # fmt: skip
 
 
 def _dims(dims, ndim: int) -> list[int]:
@@ -228,6 +250,16 @@ class MaskedRows(TorchDispatchMode):
             out = func(*args, **kwargs)
             if out[0].ndim > 1:  # (a layer norm over dim 0 too: not row-wise)
                 return (self._mark(out[0], mask), *out[1:])
+        if func in _REPEATS_FREE and len(args) == 1 and not kwargs:
+            return func(*args)
+        if func in _AT_DIM or func in _AT_DIMS:
+            return self._along(func, args, kwargs, mask)
+        if (
+            func is aten.expand.default
+            and x.ndim == len(args[1])
+            and args[1][0] in (-1, x.shape[0])
+        ):
+            return self._mark(func(*args, **kwargs), mask)
         if func in _SAME or func in _LIKE:
             return self._mark(func(*args, **kwargs), mask)
         if func in _VIEWS:
@@ -243,6 +275,25 @@ class MaskedRows(TorchDispatchMode):
                     self._mark(o, mask)
             return out
         raise self._refuse(func, "it is not elementwise, row-wise or a reduction")
+
+    def _along(self, func, args, kwargs, mask):
+        """A view or a lookup along dims other than the rows': the rows stay (an unsqueeze,
+        ``x[:, 0]``, ``x.gather(1, y[:, None])`` with the index selected too)."""
+        x = args[0]
+        if func is aten.permute.default:
+            ok = list(args[1])[0] % x.ndim == 0
+        else:
+            dims = args[1:3] if func is aten.transpose.int else args[1]
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            ndim = x.ndim + (func is aten.unsqueeze.default)
+            ok = x.ndim > 0 and all(d % ndim != 0 for d in dims)
+        if func in _BY_INDEX or func is aten.index_select.default:
+            index = args[2]
+            ok = ok and (id(index) in self._masks) == (func in _BY_INDEX)
+        if not ok:
+            raise self._refuse(func, "it is not elementwise, row-wise or a reduction (it "
+                                     "reads along the selected rows)")  # fmt: skip
+        return self._mark(func(*args, **kwargs), mask)
 
     def _where_selected(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep = aten.reshape.default(mask, [mask.numel()] + [1] * (x.ndim - 1))
@@ -291,10 +342,18 @@ class MaskedRows(TorchDispatchMode):
         n = mask.numel()
         if out.ndim > 0 and out.shape[0] == n:
             return self._mark(out, mask)
-        if out.ndim == 1 and x.ndim > 1 and out.shape[0] == x.numel():  # rows x elements, flat
-            per_row = x.numel() // n
-            expanded = aten.expand.default(aten.unsqueeze.default(mask, 1), [n, per_row])
-            return self._mark(out, aten.reshape.default(expanded, [n * per_row]))
+        # the rows merged with the dims after them (rows x positions, or all flat): each
+        # new row lies in one selected row
+        lead = next((j for j in range(2, x.ndim + 1)
+                     if out.ndim > 0 and out.shape[0] == x.shape[:j].numel()), None)  # fmt: skip
+        if lead is not None:
+            per_row = x.shape[1:lead].numel()
+            key = (id(mask), per_row)  # one mask for every view of the rows so
+            if key not in self._expanded:
+                self._keep.append(mask)
+                expanded = aten.expand.default(aten.unsqueeze.default(mask, 1), [n, per_row])
+                self._expanded[key] = aten.reshape.default(expanded, [n * per_row])
+            return self._mark(out, self._expanded[key])
         raise self._refuse(func, f"it reshapes the selected rows to {shape}")
 
     @staticmethod

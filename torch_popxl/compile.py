@@ -554,6 +554,7 @@ class _Program:
     frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
     grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
     grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    grads: tuple | None = None  # (parameter, bound tensor or None, variable) per grad_vars entry
     norm_var: Any = None  # the total gradient norm before clipping (max_grad_norm)
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
@@ -1579,10 +1580,11 @@ class Trainer:
         replicas and over the instances, divided once by a counted mean's count (Note [exact
         losses over micro-batches]). ``parts``: the loss stream's stored values, one per
         micro-batch and replica (in the host array's order: one full sum, as of that array)."""
-        R = self.replication_factor
         local = float(parts.double().sum())
-        instances = R // _distributed.local_replicas(R)
-        total = _distributed.mean_over_instances(local, R) * instances
+        instances = prog.ir._num_instances  # (the layout the program was built for)
+        total = local
+        if instances > 1:
+            total = _distributed.mean_over_instances(local, self.replication_factor) * instances
         if prog.count_var is None:
             return total
         count: Any
@@ -1613,16 +1615,17 @@ class Trainer:
         """
         if not prog.grad_vars:
             return
-        unbound = [v for n, v in prog.grad_vars.items() if n not in prog.grad_t]
+        if prog.grads is None:  # (the trainer's parameters stay: _check_module_tensors)
+            prog.grads = tuple((self._params[n], prog.grad_t.get(n), v)
+                               for n, v in prog.grad_vars.items())  # fmt: skip
+        unbound = [v for _, g, v in prog.grads if g is None]
         if unbound and prog.ir._num_instances > 1:
             data = prog.session.get_tensors_data(unbound)
             values = {v.id: numpy_to_torch(data[v], v.dtype) for v in unbound}
         else:
             values = {v.id: prog.session._device_rows(v)[0] for v in unbound}
         with torch.no_grad():
-            for n, v in prog.grad_vars.items():
-                p = self._params[n]
-                g = prog.grad_t.get(n)
+            for p, g, v in prog.grads:
                 if g is None:
                     g = values[v.id].clone().to(p.device)
                 if p.grad is not g:  # a bound one usually is already (its setter checks)
@@ -1638,7 +1641,7 @@ class Trainer:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values
         # Note [per-replica batch statistics]: every replica starts from the module's buffers.
-        per_replica = _distributed.local_replicas(self.replication_factor) > 1
+        per_replica = prog.ir.instance_replication_factor > 1
         buffers = {v.id for v in prog.buffer_vars.values()} if per_replica else set()
         for entry in prog.copied:
             var, tensor, snapshot = entry

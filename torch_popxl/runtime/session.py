@@ -260,12 +260,12 @@ class Session:
         # weights_from_host of one session is counted in another session's run. The scope's
         # counts are kept: the "normal" fragment's are the last run's figures. Large blocks the
         # fragment frees are kept for its next run (Note [step cache] in csrc/step_cache.cpp).
-        with (
-            backends.traffic_scope() as counted,
-            backends.use_collectives(self._collectives),
-            step_cache.running(),
-        ):
-            result = self._executor.run(self._state, fragment, ins, nht)
+        with backends.traffic_scope() as counted, step_cache.running():
+            if self._collectives is None:  # (one process: no context to enter every step)
+                result = self._executor.run(self._state, fragment, ins, nht)
+            else:
+                with backends.use_collectives(self._collectives):
+                    result = self._executor.run(self._state, fragment, ins, nht)
         if fragment == "normal":
             self._last_run_counters = counted
         return result

@@ -304,9 +304,9 @@ class _Batch:
 # its stream unconverted or by a plain cast, takes it (the full path narrows float64, reads
 # bf16 bits, walks nested inputs); a loss with host-counted means or ``return_outputs``
 # never does. Why it matters: the step moves ~24 MB, which evicts the interpreter's code and
-# data, so each Python line around the generated function costs several times what it costs
-# hot (the seed MLP's 55 us of batch checks cost ~430 us inside a step; Note [less Python on
-# the step path] in docs/benchmarks.md).
+# data, so each Python line around the generated function costs 5-15 times what it costs hot
+# (the seed MLP's trainer and session code: ~70 us in a loop, ~0.7 ms inside its steps before
+# this path, ~0.45 ms with it; docs/benchmarks.md, "Peers, latest").
 _FAST_NUMPY = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.int64, np.int32,
                                                np.int16, np.int8, np.uint8, np.bool_))  # fmt: skip
 _FAST_TORCH = frozenset({torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -383,8 +383,10 @@ class _FastStep:
             return None
         ins: list = [None] * len(self.streams)
         for x, (i, shape, dtype, private) in zip(given, self.streams, strict=True):
-            t = torch.from_numpy(x) if type(x) is np.ndarray else x.detach()
-            ins[i] = t.reshape(shape).to(device=self.device, dtype=dtype, copy=private)
+            t = (torch.from_numpy(x) if type(x) is np.ndarray else x.detach()).reshape(shape)
+            if private or t.dtype != dtype or t.device != self.device:
+                t = t.to(device=self.device, dtype=dtype, copy=private)
+            ins[i] = t
         return prog, ins
 
 

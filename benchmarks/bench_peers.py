@@ -23,14 +23,21 @@ weights only: batch norm keeps per-replica statistics (as DDP does) and dropout 
 On a loaded machine ``--cpu-time --threads 1`` times each step by the process's CPU time on
 one thread, which other processes' load hardly moves (wall-clock time does).
 
+``--fused-adam`` builds every peer's Adam/AdamW with ``fused=True`` (torch's one-call kernel
+over a param group, which rounds differently from the default single-tensor step; the
+compiled step calls the same kernel: Note [fused optimizer updates] in
+torch_popxl/compile_updates.py); the equality checks are the same. By default every peer runs
+torch's default Adam, which the compiled step matches bit for bit.
+
 Usage: ``python benchmarks/bench_peers.py [--device cpu|cuda] [--models mlp,gpt]
-[--rounds N] [--no-torch-compile] [--cpu-time] [--threads N]``.
+[--rounds N] [--no-torch-compile] [--cpu-time] [--threads N] [--fused-adam]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -146,6 +153,21 @@ def _cnn() -> Workload:
     return Workload("CNN with batch norm and dropout (MNIST shapes), SGD momentum",
                     DropoutCNN, torch.nn.functional.cross_entropy,
                     lambda ps: torch.optim.SGD(ps, 0.01, momentum=0.9), 2, 2, 16, batch)  # fmt: skip
+
+
+def _fused_adam(make: Callable) -> Callable:
+    """``make`` (params -> optimizer) with an Adam/AdamW built ``fused=True``; any other
+    optimizer as ``make`` builds it."""
+
+    def build(params):
+        params = list(params)
+        opt = make(params)
+        if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+            return opt
+        keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        return type(opt)(params, **{k: opt.defaults[k] for k in keep}, fused=True)
+
+    return build
 
 
 WORKLOADS = {"mlp": _mlp, "gpt": _gpt, "hf-gpt2": _hf_gpt2, "resnet18": _resnet, "cnn": _cnn}
@@ -297,8 +319,11 @@ def check_equal(fns, batches, device, exact: bool = True) -> dict[str, float]:
 
 
 def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: float,
-        local_tensor: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict:  # fmt: skip
+        local_tensor: bool = False, clock: Callable[[], float] = time.perf_counter,
+        fused_adam: bool = False) -> dict:  # fmt: skip
     w = WORKLOADS[key]()
+    if fused_adam:
+        w = dataclasses.replace(w, optimizer=_fused_adam(w.optimizer))
     rng = np.random.default_rng(0)
     n = w.R * w.GA * w.micro
     batches = [w.batch(rng, n) for _ in range(3)]
@@ -331,7 +356,8 @@ def run(key: str, device: torch.device, rounds: int, torch_compile: bool, rate: 
             samples[name].append(clock() - t0)
     meds = {k: statistics.median(v) for k, v in samples.items()}
     fastest = min((k for k in meds if not k.startswith("popxl")), key=meds.get)
-    print(f"\n{w.name}; R={w.R}, GA={w.GA}, micro-batch {w.micro} ({n} samples per step); "
+    adam = " (fused=True)" if fused_adam and "Adam" in w.name else ""
+    print(f"\n{w.name}{adam}; R={w.R}, GA={w.GA}, micro-batch {w.micro} ({n} samples per step); "
           f"{flops / 1e9:.2f} GFLOP of matmul-counted work per step; setup + 3 checked steps "
           f"{setup:.1f} s")  # fmt: skip
     print(f"  {'peer':<18} {'ms / step, median (min-max)':<30} {'vs ' + fastest:<22} "
@@ -359,6 +385,8 @@ def main(argv=None) -> dict:
                         help="time steps by process CPU time (CPU; robust on a loaded machine)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's intra-op threads (default: torch's own choice)")  # fmt: skip
+    parser.add_argument("--fused-adam", action="store_true",
+                        help="every peer's Adam/AdamW with fused=True (default: torch's default)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -370,11 +398,10 @@ def main(argv=None) -> dict:
     print(f"device: {device_name(device)} ({device}); torch {torch.__version__}; measured "
           f"float32 GEMM rate {rate / 1e12:.2f} TFLOP/s; {torch.get_num_threads()} threads; "
           f"{'CPU' if args.cpu_time else 'wall-clock'} time per step")  # fmt: skip
+    options = (rate, args.local_tensor, clock, args.fused_adam)
+    compiled = not args.no_torch_compile
     return {
-        key: run(
-            key, device, args.rounds, not args.no_torch_compile, rate, args.local_tensor, clock
-        )
-        for key in args.models.split(",")
+        key: run(key, device, args.rounds, compiled, *options) for key in args.models.split(",")
     }
 
 

@@ -11,7 +11,12 @@ own (``--no-rss`` skips that). The step should take the same time at every R, si
 simulator runs the replicas as one stacked program: ``spread`` is the slowest median over the
 fastest.
 
-Usage: ``python benchmarks/bench_scaling.py [--replicas 1,4,64,256] [--rounds N] [--no-rss]``.
+On a loaded machine ``--cpu-time --threads 1`` times each step by the process's CPU time on
+one thread (as ``bench_peers.py``): with more runnable processes than cores, two threads wait
+for each other at every parallel region and wall-clock time says little.
+
+Usage: ``python benchmarks/bench_scaling.py [--replicas 1,4,64,256] [--rounds N] [--no-rss]
+[--cpu-time] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -107,7 +112,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                         help=f"comma-separated, of {', '.join(LAYOUTS)}")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (default: 10)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time steps by process CPU time (robust on a loaded machine)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (default: torch's own choice)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     replicas = [int(r) for r in args.replicas.split(",")]
     layouts = args.layouts.split(",")
     for r in replicas:
@@ -116,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     for layout in layouts:
         if layout not in LAYOUTS:
             parser.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
-    print(f"{device_name()}, {torch.get_num_threads()} threads; "
-          f"global batch {GLOBAL}, MNIST MLP, Adam")  # fmt: skip
+    print(f"{device_name()}, {torch.get_num_threads()} threads; global batch {GLOBAL}, MNIST "
+          f"MLP, Adam; {'CPU' if args.cpu_time else 'wall-clock'} time per step")  # fmt: skip
     x, y = data()
     fns = {}
     for layout in layouts:
@@ -125,7 +136,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
             model, trainer = build(r, layout)
             check(model, trainer, x, y)
             fns[f"{layout} R={r}"] = lambda t=trainer: t.step(x, y)
-    samples = interleaved_samples(fns, repeats=args.rounds, warmup=2)
+    cpu: dict[str, list[float]] = {}
+    samples = interleaved_samples(fns, repeats=args.rounds, warmup=2, cpu=cpu)
+    if args.cpu_time:
+        samples = cpu
     for layout in layouts:
         rows = {k: v for k, v in samples.items() if k.startswith(layout + " ")}
         base = statistics.median(next(iter(rows.values())))

@@ -326,6 +326,109 @@ class _Batch:
         )
 
 
+# Note [the step's fast path]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A training loop feeds batches of one shape. Once a step has checked a batch, built or found
+# its program and run, the trainer keeps what that proved (``_FastStep``): the input's and
+# target's types, shapes and dtypes, the program and how each array enters its stream. A later
+# batch of the same types, shapes and dtypes skips what depends on them alone (the structure,
+# equal sample counts, the micro-batch split, the streams' shape and dtype checks, the
+# program lookup) and enters the streams as views of the caller's arrays reshaped to
+# ``[nht, R, ...]`` (copied where the program writes a stream, Note [inputs are never
+# written]). Everything a user can change between steps is still checked every step, with the
+# same errors: replaced module tensors, train/eval mode, gradient hooks, the optimizer's param
+# groups, replaced storages, optimizer state; any change takes the full path (which may build
+# a program). Only a plain array or CPU tensor as input and as target, of a dtype that enters
+# its stream unconverted or by a plain cast, takes it (the full path narrows float64, reads
+# bf16 bits, walks nested inputs); a loss with host-counted means or ``return_outputs``
+# never does. Why it matters: the step moves ~24 MB, which evicts the interpreter's code and
+# data, so each Python line around the generated function costs 5-15 times what it costs hot
+# (the seed MLP's trainer and session code: ~70 us in a loop, ~0.7 ms inside its steps before
+# this path, ~0.45 ms with it; docs/benchmarks.md, "Peers, latest").
+_FAST_NUMPY = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.int64, np.int32,
+                                               np.int16, np.int8, np.uint8, np.bool_))  # fmt: skip
+_FAST_TORCH = frozenset({torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                         torch.int8, torch.uint8, torch.bool})  # fmt: skip
+
+
+def _fast_leaf(x) -> tuple | None:
+    """(type, shape, dtype) of a step's array that may take the fast path, else None."""
+    if type(x) is np.ndarray and x.dtype in _FAST_NUMPY and x.ndim and x.flags.c_contiguous:
+        return np.ndarray, x.shape, x.dtype
+    if type(x) is torch.Tensor and x.dtype in _FAST_TORCH and x.ndim and x.device.type == "cpu":
+        return torch.Tensor, tuple(x.shape), x.dtype
+    return None
+
+
+@dataclass(frozen=True)
+class _FastStep:
+    """What a checked step proved for batches like it (Note [the step's fast path])."""
+
+    leaves: tuple  # (type, shape, dtype) of the input and, if any, of the target
+    key: tuple  # the program's key (Trainer._prepare)
+    prog: _Program
+    streams: tuple  # per leaf: (position among the h2d streams, [nht, R, ...] shape, dtype, copy)
+    device: torch.device
+
+    @staticmethod
+    def record(trainer: Trainer, prog: _Program, batch: _Batch, inputs, targets):
+        """The fast step for batches like ``batch`` (just run by ``prog``), or None where
+        they cannot take it."""
+        given = (inputs,) if targets is None else (inputs, targets)
+        leaves = tuple(_fast_leaf(x) for x in given)
+        session, ir = prog.session, prog.ir
+        h2d = list(ir._h2d_streams)
+        in_streams = prog.streams[0]
+        if (
+            None in leaves
+            or trainer.return_outputs
+            or prog.host_counts[0]
+            or batch.options
+            or len(batch.arrays) != len(given)
+            or set(h2d) != set(in_streams)
+        ):
+            return None
+        streams = tuple(
+            (h2d.index(st), (ir.num_host_transfers, ir.instance_replication_factor, *st.shape),
+             st.dtype.as_torch(), session._input_written(st))
+            for st in in_streams
+        )  # fmt: skip
+        key = (trainer.model.training, batch.key, _parameter_hooks(trainer._params))
+        return _FastStep(leaves, key, prog, streams, session._torch_device)
+
+    def take(self, trainer: Trainer, inputs, targets) -> tuple[_Program, list] | None:
+        """The program and its stream inputs for a batch like the recorded one, with every
+        check of the trainer's state run; None for another batch or a changed trainer."""
+        given = (inputs,) if targets is None else (inputs, targets)
+        if len(given) != len(self.leaves):
+            return None
+        for x, (kind, shape, dtype) in zip(given, self.leaves, strict=True):
+            if type(x) is not kind or x.shape != shape or x.dtype != dtype:
+                return None
+            if kind is np.ndarray and not x.flags.c_contiguous:
+                return None
+            if kind is torch.Tensor and x.device.type != "cpu":
+                return None
+        trainer._check_module_tensors()
+        prog = self.prog
+        key = (trainer.model.training, self.key[1], _parameter_hooks(trainer._params))
+        if (
+            key != self.key
+            or trainer._active is not prog
+            or trainer._programs.get(key) is not prog
+            or trainer._specs() != prog.specs
+            or trainer._torch_state_changed()  # (its lags: Note [parameters stepped fewer times])
+        ):
+            return None
+        ins: list = [None] * len(self.streams)
+        for x, (i, shape, dtype, private) in zip(given, self.streams, strict=True):
+            t = (torch.from_numpy(x) if type(x) is np.ndarray else x.detach()).reshape(shape)
+            if private or t.dtype != dtype or t.device != self.device:
+                t = t.to(device=self.device, dtype=dtype, copy=private)
+            ins[i] = t
+        return prog, ins
+
+
 # Note [requires_grad in captured code]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Torch code reads ``requires_grad``: a tensor hook is registered only on a tensor that needs a
@@ -492,6 +595,7 @@ class _Program:
     frozen_vars: dict = field(default_factory=dict)  # Note [frozen parameters]
     grad_vars: dict = field(default_factory=dict)  # name -> variable (Note [p.grad ...])
     grad_t: dict = field(default_factory=dict)  # name -> the bound torch tensor, where bound
+    grads: tuple | None = None  # (parameter, bound tensor or None, variable) per grad_vars entry
     norm_var: Any = None  # the total gradient norm before clipping (max_grad_norm)
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
@@ -687,6 +791,7 @@ class Trainer:
         self._programs: dict[tuple, _Program] = {}
         self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
+        self._fast: _FastStep | None = None  # Note [the step's fast path]
         self._stepped: _Program | None = None  # the program of the last step
         self._step_count = 0
         self._lags: dict[str, int] = {}  # Note [parameters stepped fewer times]
@@ -1555,8 +1660,14 @@ class Trainer:
         Under torchrun every process passes its own share, the ``R/W * GA * micro`` samples of
         its local replicas; the returned loss is the mean over all instances.
         """
-        batch = self._check_batch(inputs, targets)
-        prog = self._prepare(batch)
+        # Note [the step's fast path]
+        fast = None if self._fast is None else self._fast.take(self, inputs, targets)
+        batch: _Batch | None = None
+        if fast:
+            prog, ins = fast
+        else:
+            batch = self._check_batch(inputs, targets)
+            prog = self._prepare(batch)
         for name, t, ptr in prog.storages:
             if t.data_ptr() != ptr:
                 raise ValueError(
@@ -1564,7 +1675,15 @@ class Trainer:
                     "example model.to(...), .half() or `.data = ...`); the program would no "
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
-        inv = self._inverse_counts(prog, batch)  # may raise: before anything changes
+        inv = None
+        if batch is not None:  # may raise: before anything changes
+            inv = self._inverse_counts(prog, batch)
+            feed = {st: self._split(a, batch.ga)
+                    for st, a in zip(prog.streams[0], batch.arrays, strict=True)}  # fmt: skip
+            # the arrays are narrowed already, float64 ones only for float64-free models
+            # (Note [float64 models])
+            ins = prog.session._stream_inputs(feed, downcast=False)
+            self._fast = _FastStep.record(self, prog, batch, inputs, targets)
         if self._torch_state_changed():
             # optimizer.load_state_dict, a state set before compiling, an eager
             # optimizer.step() (Note [eager optimizer steps]) or entries set or removed:
@@ -1573,13 +1692,7 @@ class Trainer:
         self._push(prog)
         if inv is not None:
             prog.session._set_device_value(prog.inv_vars[0], inv)
-        in_streams, loss_stream = prog.streams
-        feed = {
-            st: self._split(a, batch.ga) for st, a in zip(in_streams, batch.arrays, strict=True)
-        }
-        # the arrays are narrowed already, float64 ones only for float64-free models (Note
-        # [float64 models])
-        out = prog.session.run(feed, downcast_inputs=False)
+        stored = prog.session._run_stacked(ins)
         self._stepped = prog
         self._pull(prog)
         self._set_grads(prog)
@@ -1589,10 +1702,11 @@ class Trainer:
         # that scheduler.step() came before optimizer.step() (the flag their wrapper sets).
         # (an attribute torch's wrapper sets, unknown to the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        loss = self._loss_value(prog, out[loss_stream])
+        loss = self._loss_value(prog, stored[prog.streams[1]._index])
         if not self.return_outputs:
             return loss
-        return loss, self._outputs(prog, out, batch)
+        assert batch is not None  # (no fast path with outputs)
+        return loss, self._outputs(prog, prog.session._host_outputs(stored), batch)
 
     def _outputs(self, prog: _Program, out: dict, batch: _Batch):
         """The model's outputs of the global batch, in its rows' order: every micro-batch's
@@ -1633,17 +1747,16 @@ class Trainer:
         inv[: len(counts)] = 1.0 / torch.tensor(counts, dtype=torch.float64)
         return inv
 
-    def _loss_value(self, prog: _Program, parts: np.ndarray) -> float:
+    def _loss_value(self, prog: _Program, parts: torch.Tensor) -> float:
         """The global batch's loss: the sum of the micro-batch parts over this instance's
         replicas and over the instances, divided once by a counted mean's count (Note [exact
-        losses over micro-batches])."""
-        R = self.replication_factor
-        if parts.dtype.fields is None:  # a plain float array: summed as it is, no copy
-            local = float(torch.from_numpy(parts).double().sum())
-        else:
-            local = float(numpy_to_torch(parts, prog.streams[1].dtype).double().sum())
-        instances = R // _distributed.local_replicas(R)
-        total = _distributed.mean_over_instances(local, R) * instances
+        losses over micro-batches]). ``parts``: the loss stream's stored values, one per
+        micro-batch and replica (in the host array's order: one full sum, as of that array)."""
+        local = float(parts.double().sum())
+        instances = prog.ir._num_instances  # (the layout the program was built for)
+        total = local
+        if instances > 1:
+            total = _distributed.mean_over_instances(local, self.replication_factor) * instances
         if prog.count_var is None:
             return total
         count: Any
@@ -1674,19 +1787,21 @@ class Trainer:
         """
         if not prog.grad_vars:
             return
-        unbound = [v for n, v in prog.grad_vars.items() if n not in prog.grad_t]
+        if prog.grads is None:  # (the trainer's parameters stay: _check_module_tensors)
+            prog.grads = tuple((self._params[n], prog.grad_t.get(n), v)
+                               for n, v in prog.grad_vars.items())  # fmt: skip
+        unbound = [v for _, g, v in prog.grads if g is None]
         if unbound and prog.ir._num_instances > 1:
             data = prog.session.get_tensors_data(unbound)
             values = {v.id: numpy_to_torch(data[v], v.dtype) for v in unbound}
         else:
             values = {v.id: prog.session._device_rows(v)[0] for v in unbound}
         with torch.no_grad():
-            for n, v in prog.grad_vars.items():
-                p = self._params[n]
-                g = prog.grad_t.get(n)
+            for p, g, v in prog.grads:
                 if g is None:
                     g = values[v.id].clone().to(p.device)
-                p.grad = g
+                if p.grad is not g:  # a bound one usually is already (its setter checks)
+                    p.grad = g
 
     def _push(self, prog: _Program) -> None:
         """Hyperparameters and changed unbound module tensors into the program."""
@@ -1698,7 +1813,7 @@ class Trainer:
                     prog.session._set_device_value(v, t)
             prog.hyper_last = values
         # Note [per-replica batch statistics]: every replica starts from the module's buffers.
-        per_replica = _distributed.local_replicas(self.replication_factor) > 1
+        per_replica = prog.ir.instance_replication_factor > 1
         buffers = {v.id for v in prog.buffer_vars.values()} if per_replica else set()
         for entry in prog.copied:
             var, tensor, snapshot = entry

@@ -260,12 +260,12 @@ class Session:
         # weights_from_host of one session is counted in another session's run. The scope's
         # counts are kept: the "normal" fragment's are the last run's figures. Large blocks the
         # fragment frees are kept for its next run (Note [step cache] in csrc/step_cache.cpp).
-        with (
-            backends.traffic_scope() as counted,
-            backends.use_collectives(self._collectives),
-            step_cache.running(),
-        ):
-            result = self._executor.run(self._state, fragment, ins, nht)
+        with backends.traffic_scope() as counted, step_cache.running():
+            if self._collectives is None:  # (one process: no context to enter every step)
+                result = self._executor.run(self._state, fragment, ins, nht)
+            else:
+                with backends.use_collectives(self._collectives):
+                    result = self._executor.run(self._state, fragment, ins, nht)
         if fragment == "normal":
             self._last_run_counters = counted
         return result
@@ -474,21 +474,46 @@ class Session:
         self._validate_run_io_streams(inputs, self._inputs_expected, shapes=False)
         if verify_outputs:  # arrays made by create_host_outputs are right by construction
             self._validate_run_outputs(outputs)
-        nht = self._ir.num_host_transfers
-        h2d = self._ir._h2d_streams  # in index order (appended as created)
-        # Note [inputs are never written]: a private copy only of the streams whose loaded
-        # values the program updates in place (all of them for an executor that cannot say).
-        written = getattr(self._executor, "written_streams", None)
-        ins = [
-            self._input_tensor(
-                s, inputs[s], downcast_inputs, copy=written is None or s._index in written
-            )  # fmt: skip
+        stored = self._run_stacked(self._stream_inputs(inputs, downcast_inputs))
+        self._fill_outputs(outputs, stored)
+
+    def _stream_inputs(self, inputs: Mapping, downcast: bool) -> list[torch.Tensor]:
+        """Every h2d stream's input (a zero slot for a stream without one) as ``Tensor[nht,
+        R, *shape]`` on the session device, in stream order, each checked (``_input_tensor``)."""
+        return [
+            self._input_tensor(s, inputs[s], downcast, copy=self._input_written(s))
             if s in inputs
             else self._unused_input(s)
-            for s in h2d
+            for s in self._ir._h2d_streams  # in index order (appended as created)
         ]
-        stored = self._run_fragment("normal", ins, nht)  # also records this run's traffic
-        self._in_sync = False
+
+    def _input_written(self, s: HostToDeviceStream) -> bool:
+        """Whether the program updates the value it loads from ``s`` in place, so that its
+        input must be a private copy (Note [inputs are never written]; True for an executor
+        that cannot say)."""
+        written = getattr(self._executor, "written_streams", None)
+        return written is None or s._index in written
+
+    def _run_stacked(self, ins: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Run the main program on inputs already in the stacked layout ``_stream_inputs``
+        gives (the caller vouches for their shapes and dtypes); returns each d2h stream's
+        stored values, ``[stores, R, *shape]`` or folded ``[1, stores * R, *shape]``, by
+        stream index."""
+        self._require_attached("run")
+        stored = self._run_fragment("normal", ins, self._ir.num_host_transfers)
+        self._in_sync = False  # (the run also recorded its traffic)
+        return stored
+
+    def _host_outputs(
+        self, stored: dict[int, torch.Tensor]
+    ) -> dict[DeviceToHostStream, np.ndarray]:
+        """A run's stored values as ``run`` returns them: one array per d2h stream."""
+        outputs = self.create_host_outputs()
+        self._fill_outputs(outputs, stored)
+        return outputs
+
+    def _fill_outputs(self, outputs: Mapping, stored: dict[int, torch.Tensor]) -> None:
+        """Write a run's stored values into the d2h streams' host arrays."""
         for s, arr in outputs.items():
             values = stored.get(s._index)
             if values is None:

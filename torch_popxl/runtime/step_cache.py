@@ -13,7 +13,6 @@ gives every cached block back to the system, and ``stats`` says what it holds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 from ..opdefs._common import ops
 
@@ -22,14 +21,24 @@ __all__ = ["empty", "running", "set_limit", "stats"]
 _STAT_NAMES = ("cached_bytes", "live_bytes", "hits", "misses", "limit")
 
 
-@contextlib.contextmanager
-def running() -> Iterator[None]:
-    """Install the caching allocator for the enclosed code (nests across threads)."""
-    ops.step_cache_begin()
-    try:
-        yield
-    finally:
+class _Running:
+    """The context of ``running()``: a plain class, not a generator (entered every step)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        ops.step_cache_begin()
+
+    def __exit__(self, *exc: object) -> None:
         ops.step_cache_end()
+
+
+_RUNNING = _Running()
+
+
+def running() -> contextlib.AbstractContextManager[None]:
+    """Install the caching allocator for the enclosed code (nests across threads)."""
+    return _RUNNING
 
 
 def empty() -> None:

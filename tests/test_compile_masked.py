@@ -244,3 +244,73 @@ def test_what_cannot_read_a_selection_is_refused_naming_the_op():
             trainer.step(x, t)
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k]), k
+
+
+class QNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                 nn.Linear(32, 2))  # fmt: skip
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class DQNLoss(nn.Module):
+    """PyTorch's DQN tutorial's ``optimize_model``: the next states' values from the target
+    network over the non-final rows only, written back into a zero vector
+    (``next_values[non_final] = target(next[non_final]).max(1).values``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.policy = QNet()
+        self.target = copy.deepcopy(self.policy).requires_grad_(False)
+
+    def forward(self, state, action, next_state, non_final, reward):
+        q = self.policy(state).gather(1, action)
+        with torch.no_grad():
+            next_values = torch.zeros(state.shape[0])
+            next_values[non_final] = self.target(next_state[non_final]).max(1).values
+        return F.smooth_l1_loss(q, (next_values * 0.99 + reward).unsqueeze(1))
+
+
+@pytest.mark.parametrize(("R", "GA"), [(1, 1), (2, 2)])
+def test_dqn_tutorial_optimize_model_with_soft_target_updates_trains_as_eager(R, GA):
+    g = _gen(2)
+    batches = [(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16, 1), generator=g),
+                torch.randn(16, 4, generator=g), torch.rand(16, generator=g) > 0.25,
+                torch.randn(16, generator=g)) for _ in range(4)]  # fmt: skip
+    model, eager = DQNLoss(), DQNLoss()
+    opt = torch.optim.AdamW(model.policy.parameters(), lr=1e-3, amsgrad=True)
+    opt_e = torch.optim.AdamW(eager.policy.parameters(), lr=1e-3, amsgrad=True)
+    trainer = popxl.compile(model, None, opt, replication_factor=R, gradient_accumulation=GA)
+    for batch in batches:
+        opt_e.zero_grad()
+        want = eager(*batch)
+        want.backward()
+        opt_e.step()
+        assert trainer.step(batch) == pytest.approx(want.item(), rel=RTOL, abs=ATOL)
+        for m in (model, eager):  # the tutorial's soft update of the target network
+            policy, target = m.policy.state_dict(), m.target.state_dict()
+            m.target.load_state_dict({k: policy[k] * 0.005 + target[k] * 0.995 for k in policy})
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def row_ops_over_a_selection(out, t):
+    rows = out[~t.isnan().any(1)]
+    top = rows.topk(2, dim=1).values.sum()
+    ordered = rows.sort(dim=1).values[:, 0].mean()
+    best = rows.gather(1, rows.argmax(1, keepdim=True)).sum()
+    return top + ordered + best + rows.cumsum(1).mean() + rows.max(1).values.mean()
+
+
+def test_ops_along_another_dim_than_the_rows_read_a_selection_as_eager():
+    train_both(regressor(), row_ops_over_a_selection, regression_batches(), 2, 2)
+    with torch.no_grad():
+        x, t = regression_batches(1)[0]
+        out = regressor()(x)
+        with MaskedRows(always=True):
+            got = row_ops_over_a_selection(out, t)
+        torch.testing.assert_close(got, row_ops_over_a_selection(out, t), rtol=RTOL, atol=ATOL)

@@ -16,7 +16,8 @@ Note [rows selected by a mask]
       no log of 0 and no 0 * inf in the backward);
     * elementwise ops (torch's ``pointwise`` tag), row-wise ones (softmax over a dim other
       than the rows, reductions over other dims, dropout, layer norm, a matrix product with
-      the selection on the left: a head over the selected rows, ``decoder(hidden[m])``),
+      the selection on the left: a head over the selected rows, ``decoder(hidden[m])``; a
+      max, sort, top-k or running sum along another dim: ``target(next[m]).max(1)``),
       casts, views and lookups along other dims (``y[:, None]``, ``x[:, 0]``,
       ``x.gather(1, y[:, None])``, ``F.one_hot``'s scatter) and views that merge the rows
       with the dims after them (``logits.view(-1, C)``: one mask per such shape): the same
@@ -28,9 +29,11 @@ Note [rows selected by a mask]
       (a counted mean, which the loss splitter adds up over micro-batches exactly: Note [exact
       losses over micro-batches]); a loss op with ``reduction='mean'`` or ``'sum'``: the same
       on its ``'none'`` result; ``nll_loss`` (cross entropy): the unselected rows' targets set
-      to its ``ignore_index``, so its counted mean and class weights are torch's own.
+      to its ``ignore_index``, so its counted mean and class weights are torch's own;
+    * a selection written back under its own mask (``values[m] = target(next[m]).max(1)``,
+      PyTorch's DQN tutorial): the selected rows take it, the others keep theirs.
 
-    Anything else that reads a selection (a matmul over rows, ``sort``, a sum over the rows
+    Anything else that reads a selection (a matmul over rows, a sort over them, a sum over the rows
     kept as a vector, ``len(x[mask])``' value in arithmetic is the one thing not seen: it reads
     ``N``) is refused with a ``DataDependentError`` naming the op. Where the mask's values are
     known at capture time, the recorder folds the selection as a constant shape instead.
@@ -60,6 +63,16 @@ _SAME = {
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # ops over one dim (``dim`` second): row-wise where it is not the rows' dim
 _ALONG_DIM = {aten._log_softmax.default, aten._softmax.default}
+# ops along one dim ``dim`` (by name in their schema) whose every output keeps the rows where
+# ``dim`` is not the rows' dim: a max per row (DQN's ``target(next[m]).max(1).values``), a sort
+# or top-k per row, a running sum per row
+_ONE_DIM = {
+    aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.sort.default,
+    aten.sort.stable, aten.topk.default, aten.cumsum.default, aten.cumprod.default,
+    aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
+}  # fmt: skip
+# writes of a selection back into the rows it came from: ``out[m] = x[m] * 2``
+_PUT = {aten.index_put.default, aten.index_put_.default}
 _REDUCE_DIMS = {
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
     aten.logsumexp.default,
@@ -241,6 +254,10 @@ class MaskedRows(TorchDispatchMode):
             if args[1] % x.ndim == 0:
                 raise self._refuse(func, "it runs along the selected rows")
             return self._mark(func(*args, **kwargs), mask)
+        if func in _ONE_DIM and id(x) in self._masks:
+            return self._one_dim(func, args, kwargs, mask)
+        if func in _PUT:
+            return self._put(func, args, kwargs, mask)
         if func in _LEFT_ROWS:  # a head over the selected rows (``decoder(hidden[m])``)
             left = _LEFT_ROWS[func]
             if any(id(a) in self._masks for i, a in enumerate(args) if i != left):
@@ -294,6 +311,47 @@ class MaskedRows(TorchDispatchMode):
             raise self._refuse(func, "it is not elementwise, row-wise or a reduction (it "
                                      "reads along the selected rows)")  # fmt: skip
         return self._mark(func(*args, **kwargs), mask)
+
+    def _one_dim(self, func, args, kwargs, mask):
+        """An op along one dim that is not the rows': each output keeps the rows."""
+        x = args[0]
+        names = [a.name for a in func._schema.arguments]
+        at = names.index("dim")
+        dim = (
+            args[at]
+            if len(args) > at
+            else kwargs.get("dim", func._schema.arguments[at].default_value)
+        )
+        if dim is None or x.ndim == 0 or dim % x.ndim == 0:
+            raise self._refuse(func, "it runs along the selected rows")
+        out = func(*args, **kwargs)
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.ndim > 0 and o.shape[0] == mask.numel():
+                self._mark(o, mask)
+        return out
+
+    def _put(self, func, args, kwargs, mask):
+        """``out[m] = values``: ``values`` selected by the same mask ``m``, ``out`` holding all
+        the rows: the selected rows take the values, the others keep theirs."""
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        out, index, values = bound["self"], bound["indices"], bound["values"]
+        m = index[0] if len(index) == 1 else None
+        if (id(out) in self._masks or m is None or self._flat.get(id(m)) is not mask
+                or id(values) not in self._masks or tuple(out.shape[: m.ndim]) != tuple(m.shape)):  # fmt: skip
+            raise self._refuse(func, "it writes rows selected by another mask than its index")
+        n = mask.numel()
+        rows = aten.reshape.default(out, [n, *out.shape[m.ndim :]])
+        keep = aten.reshape.default(mask, [n] + [1] * (rows.ndim - 1))
+        new = aten.expand.default(values, list(rows.shape)) if values.ndim == rows.ndim else (
+            aten.expand.default(aten.reshape.default(values, [n] + [1] * (rows.ndim - 1)),
+                                list(rows.shape)))  # fmt: skip
+        if bound.get("accumulate", False):
+            new = aten.add.Tensor(rows, new)
+        result = aten.reshape.default(aten.where.self(keep, new, rows), list(out.shape))
+        if func is aten.index_put_.default:
+            return aten.copy_.default(out, result)
+        return result
 
     def _where_selected(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep = aten.reshape.default(mask, [mask.numel()] + [1] * (x.ndim - 1))

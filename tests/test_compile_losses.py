@@ -421,3 +421,48 @@ def test_ctc_ops_on_stacked_replicas_match_torch_per_replica(padded):
         (want_grad,) = torch.autograd.grad(want.sum(), lp)
         torch.testing.assert_close(got[r], want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_grad[r], want_grad, rtol=1e-6, atol=1e-6)
+
+
+class TwoHeads(torch.nn.Module):
+    """A multi-task model: a dict of a classification and a box-regression output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.cls, self.box = (torch.nn.Linear(12, 16), torch.nn.Linear(16, 4),
+                                         torch.nn.Linear(16, 2))  # fmt: skip
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return {"cls": self.cls(h), "box": self.box(h)}
+
+
+def multi_task(out, targets):
+    labels, (boxes, weights) = targets["cls"], targets["box"]
+    per_box = F.smooth_l1_loss(out["box"], boxes, reduction="none").sum(1)
+    return F.cross_entropy(out["cls"], labels, ignore_index=-1) + (per_box * weights).mean()
+
+
+@pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS[:3])
+def test_targets_as_a_dict_of_nested_tensors_train_as_eager(R, GA, rts, state):
+    """``trainer.step(x, {"cls": labels, "box": (boxes, weights)})``: the targets reach the loss
+    in the structure given, cut into micro-batches leaf by leaf."""
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(3):
+        labels = torch.randint(0, 4, (16,), generator=g)
+        labels[::5] = -1  # ignored rows: micro-batches count different numbers
+        box = (torch.randn(16, 2, generator=g), torch.rand(16, generator=g))
+        batches.append((torch.randn(16, 12, generator=g), {"cls": labels, "box": box}))
+    model, eager = TwoHeads(), TwoHeads()
+    opt, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager))
+    trainer = popxl.compile(model, multi_task, opt, replication_factor=R, gradient_accumulation=GA,
+                            rts_threshold=8 if rts else None, optimizer_state=state)  # fmt: skip
+    for x, y in batches:
+        opt_e.zero_grad()
+        want = multi_task(eager(x), y)
+        want.backward()
+        opt_e.step()
+        assert trainer.step(x, y) == pytest.approx(want.item(), rel=RTOL)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=n)

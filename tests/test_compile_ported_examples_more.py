@@ -1047,3 +1047,52 @@ def test_word_language_model_with_dropout_between_rnn_layers_trains(kind):
         losses.append(loss)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.2
     assert abs(losses[0] - no_dropout) > 1e-4  # summation order moves it by ~1e-6
+
+
+# ---- pytorch/tutorials' spatial transformer network: affine_grid + grid_sample ---------------
+
+
+class STNet(torch.nn.Module):
+    """The tutorial's network: a localisation net regresses an affine transform (its last layer
+    starts at the identity), the input is resampled with it, then classified."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.conv1, self.conv2 = nn.Conv2d(1, 10, 5), nn.Conv2d(10, 20, 5)
+        self.fc1, self.fc2 = nn.Linear(320, 50), nn.Linear(50, 10)
+        self.localization = nn.Sequential(
+            nn.Conv2d(1, 8, 7), nn.MaxPool2d(2, 2), nn.ReLU(True),
+            nn.Conv2d(8, 10, 5), nn.MaxPool2d(2, 2), nn.ReLU(True),
+        )  # fmt: skip
+        self.fc_loc = nn.Sequential(nn.Linear(90, 32), nn.ReLU(True), nn.Linear(32, 6))
+        self.fc_loc[2].weight.data.zero_()
+        self.fc_loc[2].bias.data.copy_(torch.tensor([1.0, 0, 0, 0, 1, 0]))
+
+    def forward(self, x):
+        theta = self.fc_loc(self.localization(x).view(-1, 90)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, x.size(), align_corners=False)
+        x = F.grid_sample(x, grid, align_corners=False)
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x.view(-1, 320)))), dim=1)
+
+
+def test_spatial_transformer_tutorial_prints_eager_losses():
+    """At the identity transform grid_sample samples exactly at pixel centres, where its
+    gradient jumps: affine_grid must give eager's bits (Note [one op through torch's batching
+    rule]), or the localisation head's gradient is 40 % off at R * GA > 1."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 1, 28, 28, generator=g), torch.randint(0, 10, (48,), generator=g)
+
+    def run(compiled):
+        model = STNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        trainer = (popxl.compile(model, F.nll_loss, opt, replication_factor=R,
+                                 gradient_accumulation=GA) if compiled else None)  # fmt: skip
+        step = trainer.step if compiled else _eager_step(model, opt, F.nll_loss)
+        losses = [step(xb, yb) for xb, yb in _batches(x, y, 16)]
+        return model, losses
+
+    _compare(run)

@@ -629,3 +629,69 @@ def test_a_trainer_collected_inside_a_fake_mode_still_publishes_its_optimizer_st
         got, want = opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]
         assert type(got) is torch.Tensor
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+class TeacherForced(torch.nn.Module):
+    """A seq2seq decoder that feeds either the targets or its own predictions (the PyTorch
+    seq2seq tutorial's teacher forcing), drawn from Python's ``random`` unless given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.cell = torch.nn.Embedding(10, 8), torch.nn.GRUCell(8, 8)
+        self.out = torch.nn.Linear(8, 10)
+
+    def forward(self, src, tgt, teacher_forcing=None):
+        import random
+
+        if teacher_forcing is None:
+            teacher_forcing = random.random() < 0.5
+        h, tok, outs = self.emb(src).mean(1), src[:, 0], []
+        for t in range(tgt.shape[1]):
+            h = self.cell(self.emb(tok), h)
+            outs.append(self.out(h))
+            tok = tgt[:, t] if teacher_forcing else outs[-1].argmax(-1)
+        return torch.stack(outs, 1)
+
+
+def _seq_ce(out, y):
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def test_python_random_draws_in_captured_code_are_refused_and_passing_them_in_trains_as_eager():
+    """Note [Python random numbers in captured code]: a program would repeat the build's draw."""
+    import random
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 10, (8, 5), generator=g), torch.randint(0, 10, (8, 3), generator=g))
+            for _ in range(4)]  # fmt: skip
+    model = TeacherForced()
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, _seq_ce, torch.optim.SGD(model.parameters(), lr=0.1),
+                            replication_factor=2)  # fmt: skip
+    with pytest.raises(popxl.errors.DataDependentError, match="draws from Python's `random`"):
+        trainer.step({"src": data[0][0], "tgt": data[0][1]}, data[0][1])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    def numpy_noise(out, y):
+        return _seq_ce(out, y) * float(np.random.uniform(0.9, 1.1))
+
+    other = popxl.compile(model, numpy_noise, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(popxl.errors.DataDependentError, match="numpy's global generator"):
+        other.step({"src": data[0][0], "tgt": data[0][1], "teacher_forcing": True}, data[0][1])
+
+    # The way out the error names: draw on the host, pass the value in as a keyword option.
+    eager = TeacherForced()
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    random.seed(1)
+    draws = [random.random() < 0.5 for _ in data]
+    assert len(set(draws)) == 2  # both branches
+    for (src, tgt), tf in zip(data, draws, strict=True):
+        opt.zero_grad()
+        want = _seq_ce(eager(src, tgt, teacher_forcing=tf), tgt)
+        want.backward()
+        opt.step()
+        got = trainer.step({"src": src, "tgt": tgt, "teacher_forcing": tf}, tgt)
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    assert_same_params(model, eager)

@@ -11,7 +11,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "compile.md"
 
 def test_compile_guide_python_blocks_run_and_print_documented_values():
     blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
-    assert len(blocks) == 10
+    assert len(blocks) == 11
     scope: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -20,17 +20,18 @@ def test_compile_guide_python_blocks_run_and_print_documented_values():
     lines = out.getvalue().splitlines()
     assert lines[0] == "float torch.Size([32, 20])"  # the step's loss and p.grad
     assert lines[1] == "True True 2"  # fine-tuning: frozen, no grad; state for the head only
-    assert lines[2] == "(64, 3) True"  # the outputs of the global batch
-    assert lines[3] == "float True"  # a model that returns its loss
-    assert lines[4:6] == ["3 8", "padded: True"]  # a program per signature; a padded batch
-    assert lines[6] == "(5, 3)"  # inference of any batch size
-    assert lines[7] == "True"  # a summed loss is eager's global sum
-    assert lines[8] == "LossDecompositionError"  # sqrt of a mean is refused
-    for line in lines[9:12]:  # the clipped norm is clip_grad_norm_'s, bit for bit
+    assert lines[2] == "[1.0, 1.0, 2.0, 2.0]"  # unfrozen after a step: its own step count
+    assert lines[3] == "(64, 3) True"  # the outputs of the global batch
+    assert lines[4] == "float True"  # a model that returns its loss
+    assert lines[5:7] == ["3 8", "padded: True"]  # a program per signature; a padded batch
+    assert lines[7] == "(5, 3)"  # inference of any batch size
+    assert lines[8] == "True"  # a summed loss is eager's global sum
+    assert lines[9] == "LossDecompositionError"  # sqrt of a mean is refused
+    for line in lines[10:13]:  # the clipped norm is clip_grad_norm_'s, bit for bit
         assert re.fullmatch(r"grad norm \d+\.\d{4} True", line), line
-    assert lines[12] == "True"  # and so are the weights
-    assert lines[13] == "True True 2 True"  # batch norm: the per-replica reference
+    assert lines[13] == "True"  # and so are the weights
+    assert lines[14] == "True True 2 True"  # batch norm: the per-replica reference
     # a custom Function's backward reaches the first layer; the unused layer has no gradient
     # and no optimizer state (4 entries: a and b)
-    assert lines[14] == "True True 4"
-    assert len(lines) == 15
+    assert lines[15] == "True True 4"
+    assert len(lines) == 16

@@ -68,7 +68,7 @@ def test_an_op_without_a_stacked_rule_runs_traced_on_the_fast_path(no_single_op_
     assert isinstance(session._executor._traced["normal"], _Traced)  # traced, not failed
 
 
-def test_an_op_torch_cannot_batch_is_reported_as_a_per_replica_loop():
+def test_an_op_torch_cannot_batch_is_reported_as_a_per_replica_loop(no_single_op_vmap):
     # nonzero_static has no batching rule, torch's or the project's (opdefs/aten_batching.py)
     got, lines, _ = _run(lambda t: torch.nonzero_static(t.remainder(5) > 2, size=4), X)
     want = np.stack([np.argwhere(X[r] % 5 > 2)[:4] for r in range(2)])
@@ -76,6 +76,18 @@ def test_an_op_torch_cannot_batch_is_reported_as_a_per_replica_loop():
         np.testing.assert_array_equal(g, want)
     assert lines == ["normal: torch has no batching rule for aten.nonzero_static.default: run "
                      "once per replica"]  # fmt: skip
+
+
+def test_an_op_torch_cannot_batch_runs_alone_once_per_replica_in_a_stacked_fragment():
+    """Note [one op through torch's batching rule]: the op on each replica's rows, the rest of
+    the fragment stacked; nothing to report."""
+    got, lines, session = _run(lambda t: torch.nonzero_static(t.remainder(5) > 2, size=4), X)
+    want = np.stack([np.argwhere(X[r] % 5 > 2)[:4] for r in range(2)])
+    for g in got:
+        np.testing.assert_array_equal(g, want)
+    assert lines == []
+    fn = session._executor.fns["normal"]
+    assert fn.explicit and fn.vmapped_ops == ("aten.nonzero_static.default",)
 
 
 def test_an_op_batched_by_the_projects_table_runs_on_the_fast_path():

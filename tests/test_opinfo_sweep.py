@@ -57,7 +57,6 @@ ALLOWED_BACKWARD_ERRORS = {
     "nn.functional.embedding_bag": "its gradient asks autograd for an integer offset's",
     "bfloat16": "a bfloat16 gradient seed: numpy has no bfloat16",
     "to": "a channels_last conversion of a value whose rank is not 4",
-    "to_sparse": "a sparse output",
 }
 # Cases off the fast path today (of ~1,175 forward, ~985 backward); they may only shrink:
 # forward, linspace/logspace with a tensor start and no steps (torch's batching rule fails

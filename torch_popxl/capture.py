@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import get_computation_dtype
@@ -772,9 +774,40 @@ def call_torch(func, args, kwargs) -> Any:
     graph = gcg()
     fargs = pytree.tree_map(lambda x: _to_fake(graph, x), args)
     fkwargs = pytree.tree_map(lambda x: _to_fake(graph, x), kwargs)
+    before = _host_draws()
     with record_into(graph), in_torch_order():
         result = func(*fargs, **fkwargs)
+    if _host_draws() != before:
+        raise _host_random_error(func)
     return pytree.tree_map(lambda x: _from_fake(graph, x), result)
+
+
+# Note [Python random numbers in captured code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Captured code runs once, while its program is built, and the program repeats what it
+# recorded. A draw from Python's ``random`` or numpy's global generator inside it (seq2seq's
+# teacher forcing, ``if random.random() < ratio:``) would be the value drawn at build time at
+# every step, where eager torch draws anew each time. So a capture that moves either
+# generator is refused, naming the way out: draw on the host and pass the value in (a Python
+# value in a dict of inputs is a keyword option, with a program per value: Note [keyword
+# options]), or draw with torch (``torch.rand``), whose draws the program makes at every
+# step. Only the generators' positions are compared (before and after), not each call.
+def _host_draws() -> tuple:
+    """Where Python's and numpy's global generators stand."""
+    _, keys, pos, has_gauss, _ = np.random.get_state()
+    return random.getstate(), pos, has_gauss, hash(keys.tobytes())
+
+
+def _host_random_error(func) -> DataDependentError:
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    return DataDependentError(
+        f"captured code ({name}) draws from Python's `random` or numpy's global generator; "
+        "the compiled program would repeat the value drawn now at every step, where eager torch "
+        "draws anew (Note [Python random numbers in captured code]). Draw it on the host and "
+        "pass it in (e.g. trainer.step({'x': x, 'teacher_forcing': random.random() < 0.5}, y): "
+        "a Python value in a dict of inputs selects a program per value), or draw with torch "
+        "(torch.rand(()) < 0.5 with torch.where), which the program draws at every step."
+    )
 
 
 def in_torch_order() -> contextlib.AbstractContextManager:

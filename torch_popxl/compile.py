@@ -58,7 +58,6 @@ from . import remote as _remote
 from .capture import call_torch
 from .compile_common import (
     _MAX_PROGRAMS,
-    _array,
     _attributes_restored,
     _check_positive,
     _check_tensors,
@@ -71,6 +70,7 @@ from .compile_common import (
     _sizes_that_split,
     _split_advice,
     _structured,
+    _structured_targets,
     _without_caches,
     host_float,
     loss_dtype,
@@ -218,7 +218,7 @@ def _torch_targets(batch: _Batch):
         return None
     ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.targets]
     ts = [t.long() if t.dtype == torch.int32 else t for t in ts]
-    return tuple(ts) if batch.targets_tuple else ts[0]
+    return pytree.tree_unflatten(ts, batch.targets_spec)
 
 
 def _check_split(loss_fn, metas, batch: _Batch, chunks: int, n_host: int, over_rows: bool
@@ -276,12 +276,13 @@ class _Slot:
 # back as they are.
 @dataclass
 class _Batch:
-    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple)."""
+    """One step's host data: positional and keyword inputs, targets (a tensor or a tuple, list
+    or dict of them)."""
 
     args: list[np.ndarray]
     kwargs: dict[str, np.ndarray]
     targets: list[np.ndarray]
-    targets_tuple: bool
+    targets_spec: Any  # rebuilds the targets from their leaves; None without targets
     spec: Any = None  # rebuilds (args, kwargs) from their leaves (Note [nested inputs])
     options: tuple[tuple[str, Any], ...] = ()  # Note [keyword options]
     ga: int = 1  # micro-batches per replica (Note [a short last batch])
@@ -318,7 +319,7 @@ class _Batch:
             tuple((a.shape, a.dtype) for a in self.args),
             tuple((k, a.shape, a.dtype) for k, a in self.kwargs.items()),
             tuple((a.shape, a.dtype) for a in self.targets),
-            self.targets_tuple,
+            self.targets_spec,
             self.spec,
             options_key(self.options),
             self.real is not None,
@@ -495,6 +496,18 @@ class _Program:
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
     host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
+    lags: tuple = ()  # ((param name, lag), ...): Note [parameters stepped fewer times]
+
+
+def _lag_key(lags: dict[str, int]) -> tuple:
+    """A program's lags as structure (Note [parameters stepped fewer times])."""
+    return tuple(sorted((n, lag) for n, lag in lags.items() if lag))
+
+
+def _lagged(step: torch.Tensor, *, lag: int) -> torch.Tensor:
+    """A parameter's step count, ``lag`` behind the program's (Note [parameters stepped fewer
+    times])."""
+    return step - lag
 
 
 class _LiveState(collections.defaultdict):
@@ -504,6 +517,43 @@ class _LiveState(collections.defaultdict):
     def __init__(self, trainer: Trainer, data=()):
         super().__init__(dict, data)
         self._trainer = weakref.ref(trainer)
+        # an entry set or removed by the user (``state.clear()`` to restart the moments,
+        # ``state[p] = {...}``): the next step imports the state as torch would use it
+        self.edited = False
+
+    def _edit(self) -> None:
+        self._sync()
+        self.edited = True
+
+    def __setitem__(self, key, value):
+        self._edit()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._edit()
+        super().__delitem__(key)
+
+    def clear(self):
+        self._edit()
+        super().clear()
+
+    def pop(self, *args):
+        self._edit()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._edit()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self._sync()
+        if not super().__contains__(key):
+            self.edited = True
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self._edit()
+        super().update(*args, **kwargs)
 
     def _sync(self) -> None:
         tr = self._trainer()
@@ -639,6 +689,7 @@ class Trainer:
         self._active: _Program | None = None
         self._stepped: _Program | None = None  # the program of the last step
         self._step_count = 0
+        self._lags: dict[str, int] = {}  # Note [parameters stepped fewer times]
         self._opt_stale = False
         self._live: _LiveState | None = None
         # Note [state of parameters the program does not train]: param id -> (param, entry)
@@ -722,7 +773,16 @@ class Trainer:
             and numel >= self.rts_threshold
         )
 
-    def _build(self, batch: _Batch, specs: tuple[_GroupSpec, ...]) -> _Program:
+    def _torch_state_changed(self) -> bool:
+        """Whether ``optimizer.state`` is no longer what the active program published."""
+        live = self._live
+        return (
+            live is None or self.optimizer.state is not live or self._eager_stepped or live.edited
+        )
+
+    def _build(
+        self, batch: _Batch, specs: tuple[_GroupSpec, ...], lags: dict[str, int]
+    ) -> _Program:
         _refuse_backward_hooks(self.model)
         _refuse_cumulative_batch_norm(self.model)
         R, GA = self.replication_factor, batch.ga  # Note [a short last batch]
@@ -903,16 +963,23 @@ class Trainer:
                 scalar_dtype(s.var.dtype.as_torch() for s in slots if s.group == i)
                 for i in range(len(specs))
             ]
-            scalars = [  # a captured step reads its lr from hyper/i itself
-                h
+            # each parameter's step count (Note [parameters stepped fewer times])
+            lag_of = [lags.get(s.name, 0) for s in slots]
+            steps = {lag: step if lag == 0 else call_torch(_lagged, (step,), {"lag": lag})
+                     for lag in sorted(set(lag_of))}  # fmt: skip
+            scalars = {  # per (group, lag); a captured step reads its lr from hyper/i itself
+                (i, lag): h
                 if spec.kind == "torch"
                 else None  # the one-pass kernel reads hyper/i itself
                 if spec.kind == "sgd" and reason is None
-                else call_torch(_group_scalars, (h, step), {"kind": spec.kind, "dtype": dtype})
-                for h, spec, reason, dtype in zip(
-                    hyper_vars, specs, fused_reasons, scalar_dtypes, strict=True
-                )  # fmt: skip
-            ]
+                else call_torch(
+                    _group_scalars, (h, steps[lag]), {"kind": spec.kind, "dtype": dtype}
+                )
+                for i, (h, spec, reason, dtype) in enumerate(
+                    zip(hyper_vars, specs, fused_reasons, scalar_dtypes, strict=True)
+                )
+                for lag in sorted({lag_of[k] for k, s in enumerate(slots) if s.group == i})
+            }
             reduced = [self._reduce(s, R) for s in slots]
             # The gradients' multipliers (how each multiplies, by what), applied as they come
             # except for the one-pass kernels, which apply those after the last one a
@@ -981,16 +1048,20 @@ class Trainer:
                 members = [k for k, s in enumerate(slots) if s.group == i]
                 if group_one_pass[i]:
                     for k in members:
-                        s = slots[k]
-                        grad_out = grad_vars.get(s.name)
-                        self._one_pass_update(s, reduced[k], step, hyper_vars[i], scalars[i],
-                                              factor_lists[applied[k]], grad_out)  # fmt: skip
+                        s, lag = slots[k], lag_of[k]
+                        self._one_pass_update(s, reduced[k], steps[lag], hyper_vars[i],
+                                              scalars[i, lag], factor_lists[applied[k]],
+                                              grad_vars.get(s.name))  # fmt: skip
                 elif fused_reasons[i] is not None or not members:
                     for k in members:
-                        self._update(slots[k], reduced[k], step, scalars[i], found)
-                else:
-                    self._fused_update([(slots[k], reduced[k]) for k in members], spec, step,
-                                       hyper_vars[i])  # fmt: skip
+                        lag = lag_of[k]
+                        self._update(slots[k], reduced[k], steps[lag], scalars[i, lag], found)
+                else:  # one kernel call per step count
+                    for lag in sorted({lag_of[k] for k in members}):
+                        self._fused_update(
+                            [(slots[k], reduced[k]) for k in members if lag_of[k] == lag],
+                            spec, steps[lag], hyper_vars[i],
+                        )  # fmt: skip
             if found is None:
                 ops.var_updates.accumulate_(step, constant(np.float32(1.0)))
             else:  # a skipped step is no step (GradScaler skips optimizer.step())
@@ -1010,7 +1081,7 @@ class Trainer:
             scale_vars=scale_vars, fused_reasons=tuple(fused_reasons), count_var=total_var,
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
             out_streams=out_streams, out_spec=self._out_spec,
-            frozen_vars=frozen_vars, grad_vars=grad_vars, norm_var=norm_var,
+            frozen_vars=frozen_vars, grad_vars=grad_vars, norm_var=norm_var, lags=_lag_key(lags),
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -1114,7 +1185,7 @@ class Trainer:
             args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
             kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
             targets = io[n_in : n_in + len(batch.targets)]
-            t = tuple(targets) if batch.targets_tuple else (targets[0] if targets else None)
+            t = pytree.tree_unflatten(targets, batch.targets_spec) if targets else None
             real = io[-1] if batch.real is not None else None  # Note [padded rows]
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
@@ -1361,14 +1432,9 @@ class Trainer:
     def _check_batch(self, inputs, targets) -> _Batch:
         floats = host_float(self._tensors)
         args, kwargs, spec, options = _structured(inputs, "inputs", floats)
-        targets_tuple = isinstance(targets, tuple | list) and bool(targets)
-        if targets_tuple:
-            t = [_array(v, f"targets[{i}]", floats) for i, v in enumerate(targets)]
-        elif targets is None:  # a model that returns its loss may take no targets
-            t = []
-        else:
-            t = [_array(targets, "targets", floats)]
-        batch = _Batch(args, kwargs, t, targets_tuple, spec, options)
+        # (no targets: a model that returns its loss may take none)
+        t, targets_spec = _structured_targets(targets, floats)
+        batch = _Batch(args, kwargs, t, targets_spec, spec, options)
         R, GA = _distributed.local_replicas(self.replication_factor), self.gradient_accumulation
         sizes = [a.shape[0] for a in batch.arrays]
         # Note [the batch is dim 0]
@@ -1444,11 +1510,16 @@ class Trainer:
         # kept, the least recently used dropped beyond ``max_programs``.
         key = (self.model.training, batch.key, _parameter_hooks(self._params))
         prog = self._programs.pop(key, None)
-        if prog is not None and prog.specs != specs:
+        lags = self._lags
+        if (prog is None or prog is not self._active or prog.specs != specs
+                or self._torch_state_changed()):  # fmt: skip
+            # the program will import torch's state: its lags are structure
+            lags = self._counts(*self._from_torch_state(self.optimizer.state))[1]
+        if prog is not None and (prog.specs != specs or prog.lags != _lag_key(lags)):
             prog = None  # a new param group, nesterov or momentum/weight decay toggled
         while prog is None:
             try:
-                prog = self._build(batch, specs)
+                prog = self._build(batch, specs, lags)
             except _NoGradientPath as e:
                 if e.names <= self._no_grad_path:
                     raise
@@ -1464,7 +1535,7 @@ class Trainer:
             del self._programs[next(iter(self._programs))]
         if prog is not self._active:
             if self._active is not None and self._live is self.optimizer.state:
-                self._publish_optimizer_state()
+                self._live._sync()  # (keeps what the user set or removed since)
                 # Hand the state over as a plain torch state: the new program imports it.
                 self.optimizer.state = collections.defaultdict(
                     dict,
@@ -1494,9 +1565,10 @@ class Trainer:
                     "longer train the module's tensor. Change the model first, then compile it."
                 )
         inv = self._inverse_counts(prog, batch)  # may raise: before anything changes
-        if self.optimizer.state is not self._live or self._eager_stepped:
-            # optimizer.load_state_dict, a state set before compiling or an eager
-            # optimizer.step() (Note [eager optimizer steps]): applied now.
+        if self._torch_state_changed():
+            # optimizer.load_state_dict, a state set before compiling, an eager
+            # optimizer.step() (Note [eager optimizer steps]) or entries set or removed:
+            # applied now.
             self._import_torch_state(prog)
         self._push(prog)
         if inv is not None:
@@ -1704,8 +1776,11 @@ class Trainer:
             if name not in state:  # frozen: no state, as torch keeps none
                 continue
             entry = {}
+            count = self._step_count - self._lags.get(name, 0)
+            if count == 0:  # unfrozen since the last step: torch has no state for it yet
+                continue
             if specs[name].has_step:  # torch's Adam keeps a float32 step per parameter
-                entry["step"] = torch.tensor(float(self._step_count))
+                entry["step"] = torch.tensor(float(count))
             entry.update(state[name])
             if entry:
                 dict.__setitem__(live, p, entry)
@@ -1720,23 +1795,21 @@ class Trainer:
     #     trained parameters' entries come from the program.
     def _import_torch_state(self, prog: _Program) -> None:
         """Write a torch-format ``optimizer.state`` into the program (all-or-nothing)."""
-        by_name, step = self._from_torch_state(self.optimizer.state)
+        by_name, steps = self._from_torch_state(self.optimizer.state)
+        step, lags = self._counts(by_name, steps)
+        if _lag_key(lags) != prog.lags:  # _prepare built the program for this state
+            raise AssertionError(f"program built for lags {prog.lags}, state has {lags}")
+        self._loaded_step = None
         trained = {id(self._params[n]) for spec in prog.specs for n in spec.names}
         kept = {id(p): (p, entry) for p, entry in dict.items(self.optimizer.state)
                 if entry and id(p) not in trained}  # fmt: skip
-        if not any(spec.has_step for spec in prog.specs):
-            # torch's SGD keeps no count: ours goes on unless state is new (at least 1 with
-            # momentum buffers: step 0 would restart them from the gradient)
-            if by_name:
-                step = max(self._step_count, 1)
-            else:
-                step = self._step_count if not self._has_momentum(prog) else 0
-        if self._loaded_step is not None:
-            step, self._loaded_step = self._loaded_step, None
         writes = {}
         for s in prog.slots:
             for k, v in s.state.items():
-                value = by_name[s.name][k] if by_name else self._initial_state(s.name, s.spec)[k]
+                if s.name in by_name:
+                    value = by_name[s.name][k]
+                else:  # not stepped yet (Note [parameters stepped fewer times])
+                    value = self._initial_state(s.name, s.spec)[k]
                 if (s.name, k) in prog.state_t:
                     prog.state_t[(s.name, k)].copy_(value)
                 else:
@@ -1754,30 +1827,27 @@ class Trainer:
             prog.session.weights_to_host()
             prog.session.write_variables_data(writes)
         self._step_count = step
+        self._lags = lags
         self._kept_state = kept
         self._live = None
         self._eager_stepped = False
         self._publish_optimizer_state()
 
-    @staticmethod
-    def _has_momentum(prog: _Program) -> bool:
-        return any(spec.momentum for spec in prog.specs)
-
-    def _from_torch_state(self, state) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-        """``optimizer.state`` (torch's layout) -> ({param name: {state: tensor}}, step),
-        validated: every parameter's entry complete, of the parameter's shape, one step."""
+    def _from_torch_state(self, state) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+        """``optimizer.state`` (torch's layout) -> ({param name: {state: tensor}}, {param name:
+        step}), validated: every parameter's entry complete and of the parameter's shape. The
+        steps are those of the entries that keep one (Note [parameters stepped fewer times])."""
         if isinstance(state, _LiveState):
             state._sync()
         raw = {id(k): v for k, v in dict.items(state)}
         specs = {n: spec for spec in self._specs() for n in spec.names}
-        by_name, steps = {}, set()
+        by_name, steps = {}, {}
         for name, p in self._params.items():
             if name not in specs:  # frozen (Note [frozen parameters])
                 continue
             entry = raw.get(id(p))
             want = specs[name].state_of(name)
             if not entry or not want:
-                steps.add(0)
                 continue
             missing = [k for k in want if k not in entry]
             if missing:
@@ -1794,21 +1864,38 @@ class Trainer:
                         f"{tuple(getattr(v, 'shape', ()))}; {shape} is expected."
                     )
             by_name[name] = {k: entry[k] for k in want}
-            steps.add(int(float(entry["step"])) if "step" in entry else -1)
-        steps.discard(-1)  # torch's SGD keeps no step count
-        fresh = sorted(n for n in specs if n not in by_name and specs[n].state_of(n))
-        # (state at step 0 for every parameter is an initial state: torch's Adagrad makes it
-        # in its constructor)
-        if by_name and (len(steps) > 1 or (0 in steps and fresh)):
-            raise ValueError(
-                "popxl.compile keeps one step count for all trained parameters; this optimizer "
-                f"state has {len(by_name)} of {len(specs)} of them stepped (steps "
-                f"{sorted(steps)}; without state: {fresh}). A parameter unfrozen or added to the "
-                "optimizer after the first step starts without state while the others have "
-                "some: unfreeze before the first step, or build a new optimizer and compile "
-                "again. A checkpoint must have every parameter stepped equally."
-            )
-        return by_name, (steps.pop() if steps else 0)
+            if "step" in entry:
+                steps[name] = int(float(entry["step"]))
+        return by_name, steps
+
+    # Note [parameters stepped fewer times]
+    #     torch keeps a step count per parameter: a layer unfrozen (or added with
+    #     ``add_param_group``) after some steps starts from step 0 while the others go on, and
+    #     its bias corrections are its own. The program keeps one count, the leading one
+    #     (``step_var``); a parameter stepped fewer times has a *lag* behind it, part of the
+    #     program's structure (``_Program.lags``): its update reads ``step - lag``, and the
+    #     group's scalars are computed once per distinct lag. Lags change only when torch's
+    #     state is imported (a checkpoint, an eager step) or the trained set changes
+    #     (unfreezing), which rebuild the program anyway. torch's SGD keeps no count: a
+    #     parameter without a momentum buffer among others with one lags by the whole count,
+    #     so that its first update starts the buffer from its gradient as torch does.
+    def _counts(self, by_name: dict, steps: dict[str, int]) -> tuple[int, dict[str, int]]:
+        """The leading step count of a torch state and every trained parameter's nonzero lag
+        behind it (Note [parameters stepped fewer times])."""
+        specs = {n: spec for spec in self._specs() for n in spec.names}
+        stateful = [n for n in self._params if n in specs and specs[n].state_of(n)]
+        if self._has_step():
+            counts = {n: steps.get(n, 0) for n in stateful}
+            lead = max(counts.values(), default=0)
+        else:  # torch's SGD keeps no count: ours goes on (step 0 starts momentum buffers)
+            if by_name:
+                lead = max(self._step_count, 1)
+            else:
+                lead = self._step_count if not any(s.momentum for s in specs.values()) else 0
+            counts = {n: lead if n in by_name else 0 for n in stateful}
+        if self._loaded_step is not None:  # Trainer.load_state_dict: its count
+            lead = self._loaded_step
+        return lead, {n: lead - c for n, c in counts.items() if c != lead}
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -1834,17 +1921,18 @@ class Trainer:
         before the first step is returned as loaded.
         """
         out = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
-        by_name, step = self._from_torch_state(self.optimizer.state)
-        if self._loaded_step is not None:
-            step = self._loaded_step
-        elif self.optimizer.state is self._live or not self._has_step() or not by_name:
-            step = self._step_count  # else: a torch state loaded since, with its own count
+        by_name, steps = self._from_torch_state(self.optimizer.state)
+        step, lags = self._counts(by_name, steps)
+        if not self._has_step() and self._loaded_step is None:
+            step = self._step_count  # torch's SGD keeps no count: ours
         out["optimizer"] = {
             "state": {
                 n: {k: v.detach().clone() for k, v in st.items()} for n, st in by_name.items()
             },
             "step": step,
         }
+        if lags:  # Note [parameters stepped fewer times]; a parameter stepped 0 times has no state
+            out["optimizer"]["steps"] = {n: step - lags.get(n, 0) for n in by_name}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1854,20 +1942,36 @@ class Trainer:
             raise ValueError("load_state_dict expects the dict returned by Trainer.state_dict().")
         _check_tensors("model", state["model"], self.model.state_dict())
         opt = state["optimizer"]
-        if not isinstance(opt, dict) or set(opt) != {"state", "step"}:
+        keys = set(opt) if isinstance(opt, dict) else set()
+        if not {"state", "step"} <= keys <= {"state", "step", "steps"}:
             raise ValueError(
                 "load_state_dict: state['optimizer'] must be {'state': {...}, 'step': n} "
-                "as returned by Trainer.state_dict()."
+                "(and 'steps': {name: n} where parameters were stepped fewer times) as "
+                "returned by Trainer.state_dict()."
             )
         step = opt["step"]
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"load_state_dict: optimizer step must be an int >= 0; got {step!r}.")
+        counts = opt.get("steps", {})
+        if not isinstance(counts, dict) or any(
+            isinstance(c, bool) or not isinstance(c, int | np.integer) or not 0 < c <= step
+            for c in counts.values()
+        ):
+            raise ValueError(
+                f"load_state_dict: optimizer 'steps' must map parameter names to ints in 1.."
+                f"{step} (the steps each was stepped); got {counts!r}."
+            )
         specs = {n: spec for spec in self._specs() for n in spec.names}
         if opt["state"]:
+            if "steps" in opt and set(counts) != set(opt["state"]):
+                raise ValueError(
+                    "load_state_dict: optimizer 'steps' must name the parameters in 'state'; "
+                    f"got {sorted(counts)} for {sorted(opt['state'])}."
+                )
             expected = {
                 f"{n}.{k}": self._initial_state(n, specs[n])[k]
                 for n in self._params
-                if n in specs
+                if n in specs and ("steps" not in opt or n in counts)
                 for k in specs[n].state_of(n)
             }
             given = {}
@@ -1882,7 +1986,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         torch_state: collections.defaultdict[Any, dict] = collections.defaultdict(dict)
         for n, st in opt["state"].items():
-            entry = {"step": torch.tensor(float(step))} if self._has_step() else {}
+            entry = {"step": torch.tensor(float(counts.get(n, step)))} if self._has_step() else {}
             entry.update({k: v.detach().clone() for k, v in st.items()})
             torch_state[self._params[n]] = entry
         self._loaded_step = int(step)

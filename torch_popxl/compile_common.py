@@ -241,6 +241,18 @@ def _structured(
     return out_args, out_kwargs, spec, options
 
 
+def _structured_targets(x, floats: type = np.float32) -> tuple[list[np.ndarray], Any]:
+    """Targets as arrays and the structure that rebuilds them for ``loss_fn``: a tensor, or a
+    tuple, list or dict of them, nested (a multi-task loss's ``{"cls": y, "box": b}``); no
+    arrays and None without targets."""
+    if x is None:
+        return [], None
+    flat, spec = pytree.tree_flatten_with_path(x, is_leaf=_is_array_like)
+    if not flat:
+        raise ValueError(f"targets: an empty {type(x).__name__}; give None for no targets.")
+    return [_array(v, "targets" + pytree.keystr(path), floats) for path, v in flat], spec
+
+
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
     """``a`` with copies of its last row up to ``n`` rows."""
     return np.concatenate([a, np.repeat(a[-1:], n - a.shape[0], axis=0)])

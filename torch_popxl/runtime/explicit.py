@@ -1675,12 +1675,18 @@ def _embedding_backward_stacked(grad, ids, num_weights, padding_idx, scale):
 #     project's, Note [aten batching rules]), that draws no random numbers, and whose every
 #     output is per replica (as the analysis makes the outputs of an op with a per-replica
 #     input); any other op keeps its fragment on the vmap path. An op torch has no batching
-#     rule for but a decomposition (``torch._decomp``: ``binary_cross_entropy_with_logits``,
-#     ``tril_``) runs that decomposition under vmap instead (``_batching_form``): torch
-#     declares the op equal to it, and its ops have batching rules. The fragment's
-#     ``vmapped_ops`` lists the ops that took it (bench_generality.py prints them); one whose
-#     trace failed runs under vmap at every step, and ``explain()`` says so.
-_BATCHING_KEYS = ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
+#     rule for (``affine_grid_generator``), or one vmap decomposes
+#     (``FuncTorchBatchedDecomposition``: ``binary_cross_entropy_with_logits``), runs once per
+#     replica on its rows instead, the results stacked (``_OneOpVmap.per_slice``): a
+#     decomposition rounds differently from the op's kernel, and a last bit can be all the
+#     difference (affine_grid's decomposed grid lands grid_sample a hair off the pixel
+#     centres its kernel hits, and grid_sample's gradient there jumps by 40 %: the spatial
+#     transformer tutorial). Only an op that writes or aliases an input (``tril_``), where
+#     stacking would break what it returns, runs torch's decomposition under vmap
+#     (``_batching_form``). The fragment's ``vmapped_ops`` lists the ops that took this
+#     path (bench_generality.py prints them); one whose trace failed runs under vmap at every
+#     step, and ``explain()`` says so.
+_BATCHING_KEY = "FuncTorchBatched"
 
 
 def _one_op_vmap_ok(f, a) -> bool:
@@ -1697,13 +1703,20 @@ def _one_op_vmap_ok(f, a) -> bool:
 
 
 def _batching_form(target):
-    """What runs ``target`` under vmap with a batching rule (Note [one op through torch's
-    batching rule]): the op itself where torch or the project has a rule for it, else torch's
-    decomposition of it, else None."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    if target in COVERED or any(has(target.name(), k) for k in _BATCHING_KEYS):
+    """What runs ``target`` under vmap (Note [one op through torch's batching rule]): the op
+    itself where torch or the project has a batching rule for it, ``PER_SLICE`` where it is
+    functional (run on each replica's rows), else torch's decomposition of it, else None."""
+    if target in COVERED or torch._C._dispatch_has_kernel_for_dispatch_key(
+        target.name(), _BATCHING_KEY
+    ):
         return SAFE_FORMS.get(target, target)  # as the generated code calls it
+    schema = target._schema
+    if not schema.is_mutable and not any(r.alias_info for r in schema.returns):
+        return PER_SLICE
     return decomposition_table.get(target)
+
+
+PER_SLICE = object()  # ``_batching_form``: the op itself, once per replica
 
 
 _MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
@@ -1727,9 +1740,13 @@ class _OneOpVmap:
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, Slot)]
         self.leaves = [device if isinstance(v, torch.device) else v for v in leaves]
         self.name = str(target)
-        self.target = _batching_form(target) or target
-        in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
-        self.vmapped = torch.func.vmap(self._one, in_dims=in_dims)
+        form = _batching_form(target)
+        self.per_slice = form is PER_SLICE
+        self.target = target if self.per_slice or form is None else form
+        self.in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
+        self.vmapped = (
+            self._slices if self.per_slice else torch.func.vmap(self._one, in_dims=self.in_dims)
+        )
         self.traces: dict[tuple, Any] = {}
         self.failed: str | None = None  # why a trace failed (it then runs under vmap)
         self.none_at: tuple[int, ...] = ()  # the positions of None in a tuple result
@@ -1767,6 +1784,20 @@ class _OneOpVmap:
         # returns tensors only (a backward's gradient left out by its output mask is None).
         self.none_at = tuple(i for i, o in enumerate(out) if o is None)
         return tuple(o for o in out if o is not None)
+
+    def _slices(self, *tensors):
+        """The op on each replica's rows, the results stacked (``per_slice``)."""
+        rows = next(t.shape[0] for t, d in zip(tensors, self.in_dims, strict=True) if d == 0)
+        # (each replica's rows in a storage of their own, as one replica's tensor is: an op that
+        # reads its storage offset, ``as_strided_copy``, sees what it would see there)
+        outs = [
+            self._one(*[t[r].clone() if d == 0 else t
+                        for t, d in zip(tensors, self.in_dims, strict=True)])
+            for r in range(rows)
+        ]  # fmt: skip
+        if isinstance(outs[0], tuple):
+            return tuple(torch.stack(list(o)) for o in zip(*outs, strict=True))
+        return torch.stack(outs)
 
     def __call__(self, *tensors):
         return self.call(*tensors)

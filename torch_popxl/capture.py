@@ -794,7 +794,9 @@ def call_torch(func, args, kwargs) -> Any:
 # step. Only the generators' positions are compared (before and after), not each call.
 def _host_draws() -> tuple:
     """Where Python's and numpy's global generators stand."""
-    _, keys, pos, has_gauss, _ = np.random.get_state()
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple)  # (the legacy form; the dict form is the other)
+    _, keys, pos, has_gauss, _ = state
     return random.getstate(), pos, has_gauss, hash(keys.tobytes())
 
 

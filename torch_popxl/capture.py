@@ -840,7 +840,9 @@ def _unless_given(graph: Graph, x: Any, given: frozenset[str], first: int) -> An
 # step. Only the generators' positions are compared (before and after), not each call.
 def _host_draws() -> tuple:
     """Where Python's and numpy's global generators stand."""
-    _, keys, pos, has_gauss, _ = np.random.get_state()
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple)  # (the legacy form; the dict form is the other)
+    _, keys, pos, has_gauss, _ = state
     return random.getstate(), pos, has_gauss, hash(keys.tobytes())
 
 

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_compile_shapes import loader as batches
+from test_compile_shapes import sgd
 
 import torch_popxl as popxl
 
@@ -29,16 +31,6 @@ def mlp(norm=None):
     layers = [torch.nn.Linear(12, 32)]
     layers += [norm(32)] if norm is not None else []
     return torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(32, 4))
-
-
-def batches(sizes, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, 12, generator=g), torch.randint(0, 4, (n,), generator=g))
-            for n in sizes]  # fmt: skip
-
-
-def sgd(m):
-    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
 
 def adam(m):

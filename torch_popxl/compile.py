@@ -1999,17 +1999,18 @@ class Trainer:
         behind it (Note [parameters stepped fewer times])."""
         specs = {n: spec for spec in self._specs() for n in spec.names}
         stateful = [n for n in self._params if n in specs and specs[n].state_of(n)]
+        loaded = self._loaded_step  # Trainer.load_state_dict's count, until applied
         if self._has_step():
             counts = {n: steps.get(n, 0) for n in stateful}
-            lead = max(counts.values(), default=0)
+            lead = max(counts.values(), default=0) if loaded is None else loaded
         else:  # torch's SGD keeps no count: ours goes on (step 0 starts momentum buffers)
-            if by_name:
+            if loaded is not None:
+                lead = loaded
+            elif by_name:
                 lead = max(self._step_count, 1)
             else:
                 lead = self._step_count if not any(s.momentum for s in specs.values()) else 0
             counts = {n: lead if n in by_name else 0 for n in stateful}
-        if self._loaded_step is not None:  # Trainer.load_state_dict: its count
-            lead = self._loaded_step
         return lead, {n: lead - c for n, c in counts.items() if c != lead}
 
     # ---- state ----------------------------------------------------------------------------

@@ -1742,6 +1742,7 @@ class _OneOpVmap:
         self.name = str(target)
         form = _batching_form(target)
         self.per_slice = form is PER_SLICE
+        self.reads_offsets = any(a.name == "storage_offset" for a in target._schema.arguments)
         self.target = target if self.per_slice or form is None else form
         self.in_dims = tuple(0 if batched[leaves[i].index] else None for i in self.slots)
         self.vmapped = (
@@ -1788,10 +1789,11 @@ class _OneOpVmap:
     def _slices(self, *tensors):
         """The op on each replica's rows, the results stacked (``per_slice``)."""
         rows = next(t.shape[0] for t, d in zip(tensors, self.in_dims, strict=True) if d == 0)
-        # (each replica's rows in a storage of their own, as one replica's tensor is: an op that
-        # reads its storage offset, ``as_strided_copy``, sees what it would see there)
+        # (an op that takes a storage offset, ``as_strided_copy``, reads each replica's rows in a
+        # storage of their own, as one replica's tensor is; the others read them in place)
+        own = self.reads_offsets
         outs = [
-            self._one(*[t[r].clone() if d == 0 else t
+            self._one(*[(t[r].clone() if own else t[r]) if d == 0 else t
                         for t, d in zip(tensors, self.in_dims, strict=True)])
             for r in range(rows)
         ]  # fmt: skip

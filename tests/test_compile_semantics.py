@@ -695,3 +695,41 @@ def test_python_random_draws_in_captured_code_are_refused_and_passing_them_in_tr
         got = trainer.step({"src": src, "tgt": tgt, "teacher_forcing": tf}, tgt)
         assert got == pytest.approx(want.item(), rel=1e-5)
     assert_same_params(model, eager)
+
+
+# ---- data-parallel wrappers (Note [data-parallel wrappers]) ------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=IDS[:2])
+def test_a_model_wrapped_in_data_parallel_trains_as_the_module_it_holds(layout):
+    """Scripts written for GPUs wrap their model in nn.DataParallel; compiling the wrapper
+    trains the module it holds as eager does (DataParallel on the CPU calls the module), and
+    the wrapper, the module and the optimizer all see the trained weights and state."""
+    torch.manual_seed(0)
+    model, ref = mlp(), mlp()
+    ref.load_state_dict(model.state_dict())
+    wrapped = torch.nn.DataParallel(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (wrapped, ref))
+    trainer = compiled(wrapped, opt, layout)
+    R, GA = layout[:2]
+    for x, y in batches(3):
+        assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, R * GA), "loss")
+    assert_same_params(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+    x = batches(1, seed=5)[0][0]
+    with torch.no_grad():
+        assert_close(wrapped(x), ref(x), "the wrapper's forward after training")
+        assert_close(popxl.compile(wrapped, replication_factor=2)(x), ref(x), "inference")
+
+
+def test_hooks_on_a_data_parallel_wrapper_are_refused_before_anything_changes():
+    torch.manual_seed(0)
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    wrapped = torch.nn.DataParallel(model)
+    wrapped.register_forward_hook(lambda m, i, o: o * 2)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"DataParallel wrapper has its own hooks.*model\.module"):
+        popxl.compile(wrapped, CE, opt)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -205,11 +205,28 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def _train(replication, optimizer, **kwargs):
-    """Three popxl.compile steps (R=4, GA=2, micro=3); every instance feeds its own share."""
+def _fp16_compress(state, bucket):
+    """DDP's fp16 gradient compression (torch's own hook), imported where a process group runs."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return fp16_compress_hook(state, bucket)
+
+
+def _data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The wrapper a GPU script puts around its model: DistributedDataParallel in a process
+    group (under torchrun), DataParallel alone (Note [data-parallel wrappers])."""
+    if torch.distributed.is_initialized():
+        return torch.nn.parallel.DistributedDataParallel(model)
+    return torch.nn.DataParallel(model)
+
+
+def _train(replication, optimizer, wrap=None, **kwargs):
+    """Three popxl.compile steps (R=4, GA=2, micro=3); every instance feeds its own share;
+    ``wrap`` puts a wrapper around the model given to popxl.compile."""
     GA = 2
     model = _mlp()
-    trainer = popxl.compile(model, torch.nn.functional.cross_entropy, optimizer(model.parameters()),
+    given = model if wrap is None else wrap(model)
+    trainer = popxl.compile(given, torch.nn.functional.cross_entropy, optimizer(given.parameters()),
                             replication_factor=R, gradient_accumulation=GA, **kwargs)  # fmt: skip
     rng = np.random.default_rng(1)
     result = {}
@@ -246,8 +263,12 @@ def scenario_training(replication, executor):
     )
     # on-chip fused AdamW: one fused kernel call per step (Note [fused optimizer updates])
     fused = _train(replication, lambda p: torch.optim.AdamW(p, lr=0.01, fused=True))
+    # a DDP-wrapped model under torchrun, DataParallel in one process: the module they hold
+    wrapped = _train(replication, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                     wrap=_data_parallel)  # fmt: skip
     return {**{f"{k}@sgd": v for k, v in sgd.items()}, **{f"{k}@adam": v for k, v in adam.items()},
-            **{f"{k}@fused_adamw": v for k, v in fused.items()}}  # fmt: skip
+            **{f"{k}@fused_adamw": v for k, v in fused.items()},
+            **{f"{k}@sgd_wrapped": v for k, v in wrapped.items()}}  # fmt: skip
 
 
 def scenario_layout(replication, executor):
@@ -359,6 +380,14 @@ def _worker_all(out: Path) -> None:
         results["error/int_bad_factor"] = np.array("")
     except ValueError as error:
         results["error/int_bad_factor"] = np.array(str(error))
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+    ddp.register_comm_hook(None, _fp16_compress)
+    try:
+        popxl.compile(ddp, torch.nn.functional.cross_entropy,
+                      torch.optim.SGD(ddp.parameters(), lr=0.1), replication_factor=R)  # fmt: skip
+        results["error/comm_hook"] = np.array("")
+    except ValueError as error:
+        results["error/comm_hook"] = np.array(str(error))
     ir = popxl.Ir()  # one replica: nothing to split, every process runs it alone
     results["layout/one"] = np.array([ir._num_instances, ir.instance_replication_factor])
     results["layout/compiled_alone"] = _compiled_alone()
@@ -674,6 +703,15 @@ def test_a_replication_factor_that_does_not_split_is_rejected(launches, world):
         f"global replication factor {R + 1}" in message
         and "TORCH_POPXL_REPLICATION_FACTOR" in message
     )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_ddp_communication_hook_is_refused_by_name(launches, world):
+    """Note [data-parallel wrappers]: a DDP-wrapped model trains as the module it holds
+    (scenario_training's ``@sgd_wrapped`` keys); a communication hook, which would change the
+    summed gradients, is refused naming it."""
+    message = str(_rank_results(launches, world)[0]["error/comm_hook"])
+    assert "DistributedDataParallel wrapper has a communication hook (_fp16_compress)" in message
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])

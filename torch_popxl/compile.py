@@ -2137,6 +2137,45 @@ class Trainer:
 #     optimizer's own.
 
 
+# Note [data-parallel wrappers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Scripts written for GPUs wrap their model in ``nn.DataParallel`` (one process, the batch
+# split over the devices, outputs gathered, gradients summed) or ``DistributedDataParallel``
+# (a process per replica, gradients averaged by all-reduce, buffers broadcast from rank 0 at
+# every forward). A compiled step does that itself: its replicas take the wrapper's devices
+# or processes, with the same split of the batch, the same reduction of the gradients, and
+# every step starting all replicas from the module's buffers (DDP's ``broadcast_buffers``).
+# So ``popxl.compile`` looks through the wrappers and compiles the module they hold (torch's
+# own functional API refuses them). What the wrapper itself would change is refused, since
+# the compiled step would silently drop it: a DDP communication hook (fp16 / PowerSGD
+# compression changes the summed gradients) and hooks registered on the wrapper module.
+
+
+def _without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a DataParallel / DistributedDataParallel wrapper holds (Note
+    [data-parallel wrappers]); ``model`` itself otherwise."""
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(model, wrappers):
+        kind = type(model).__name__
+        if getattr(model, "_comm_hooks", None):
+            raise ValueError(
+                f"popxl.compile: the {kind} wrapper has a communication hook "
+                f"({model._comm_hooks[0][0].__name__}); the compiled step sums the replicas' "
+                "gradients itself and would not run it. Pass the module without the hook "
+                "(popxl.compile(model.module, ...)), or train it eagerly."
+            )
+        hooks = [n for n in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                             "_backward_pre_hooks") if getattr(model, n, None)]  # fmt: skip
+        if hooks:
+            raise ValueError(
+                f"popxl.compile: the {kind} wrapper has its own hooks ({', '.join(hooks)}); "
+                "the compiled step compiles the module it holds and would not run them. "
+                "Register them on model.module instead."
+            )
+        model = model.module
+    return model
+
+
 def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure (Note [optimizers that take a closure])."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -2200,6 +2239,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable | None = None, optimizer: 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"popxl.compile expects a torch.nn.Module; got {type(model).__name__}.")
+    model = _without_data_parallel(model)  # Note [data-parallel wrappers]
     if optimizer is None and loss_fn is not None:
         raise ValueError(
             "popxl.compile: a loss_fn without an optimizer; give an optimizer for training "

@@ -733,3 +733,38 @@ def test_hooks_on_a_data_parallel_wrapper_are_refused_before_anything_changes():
         popxl.compile(wrapped, CE, opt)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+# ---- a loss that reads the model (Note [the loss reads the model's parameters]) ----------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_an_l2_penalty_the_loss_fn_reads_from_the_model_trains_as_eager(layout):
+    """``loss_fn`` closes over the model and adds an L2 penalty on its parameters: the penalty
+    and its gradient follow the trained weights at every step (bit for bit at one replica)."""
+    torch.manual_seed(0)
+    model, ref = mlp(), mlp()
+    ref.load_state_dict(model.state_dict())
+
+    def penalised(m):
+        return lambda out, y: CE(out, y) + 0.01 * sum(p.pow(2).sum() for p in m.parameters())
+
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    R, GA, rts, state = layout
+    trainer = popxl.compile(model, penalised(model), opt, replication_factor=R,
+                            gradient_accumulation=GA, rts_threshold=64 if rts else None,
+                            optimizer_state=state)  # fmt: skip
+    for x, y in batches(3):
+        ref_opt.zero_grad()
+        want = penalised(ref)(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        got = trainer.step(x, y)
+        if R * GA == 1:
+            assert got == want.item()
+        assert_close(got, want.item(), "loss")
+    if R * GA == 1:
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q)
+    assert_same_params(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)

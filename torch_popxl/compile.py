@@ -166,6 +166,27 @@ _STATE = ("on_chip", "remote")
 # ---- the forward and the loss (Note [exact losses over micro-batches]) ---------------------
 
 
+# Note [the loss reads the model's parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A loss_fn may read the model, not only its output: an L2 penalty written into the loss
+# (``ce(out, y) + wd * sum(p.pow(2).sum() for p in model.parameters())``), a second forward
+# for a consistency term. Run as ``functional_call(model, ...)`` followed by ``loss_fn``,
+# those reads would see the module's own tensors: the values at build time, captured as
+# constants, with no gradient (each step then trained without the penalty's gradient, and
+# the loss value went stale from the second step). So the module holds the program's
+# parameter and buffer tensors for the forward and the loss both, as torch.func's
+# functional_call does for the forward alone (the same reparametrisation, tied weights
+# kept tied).
+
+
+def _on_program_tensors(model: torch.nn.Module, tensors: dict):
+    """A context in which ``model``'s parameters and buffers are the program's ``tensors``
+    (Note [the loss reads the model's parameters])."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(model, tensors, tie_weights=True, strict=False)
+
+
 def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=None, *, loss_fn,
                       chunks: int, dtype: torch.dtype, over_rows: bool = False):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
@@ -177,9 +198,9 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
         loss_fn, targets = OnRealRows(loss_fn), (targets, real)
     renorm = EmbeddingRenorm(tensors)  # Note [embedding rows renormalised]
     if chunks == 1:  # the micro-batch is the global batch: the loss as written
-        with MaskedRows():  # Note [rows selected by a mask]
+        with MaskedRows(), _on_program_tensors(model, tensors):  # Note [rows selected by a mask]
             with renorm:
-                out = torch.func.functional_call(model, tensors, args, kwargs)
+                out = model(*args, **kwargs)
             loss = loss_fn(out, targets)
         return _scalar_loss(loss), None, 1, 0, out, renorm.marked
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
@@ -189,9 +210,10 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
     splitter = LossSplitter((args, kwargs, targets), rows, real)
     with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
-        with renorm:
-            out = torch.func.functional_call(model, tensors, args, kwargs)
-        loss = loss_fn(out, targets)
+        with _on_program_tensors(model, tensors):
+            with renorm:
+                out = model(*args, **kwargs)
+            loss = loss_fn(out, targets)
     split = splitter.split(_scalar_loss(loss), chunks)
     obj, count = split.objective(chunks, inv_counts, dtype)
     counted = split.counted

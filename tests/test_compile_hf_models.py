@@ -50,6 +50,14 @@ def _config(family: str):
     return {
         "mistral": lambda: T.MistralConfig(vocab_size=VOCAB, num_key_value_heads=1,
                                            sliding_window=8, **seq, **_SIZES),
+        # mixtures of experts: torch._grouped_mm over the routed tokens (Note [a meta kernel
+        # stricter than the kernel] in torch_popxl/ir/fake.py)
+        "mixtral": lambda: T.MixtralConfig(vocab_size=VOCAB, num_key_value_heads=1,
+                                           num_local_experts=4, num_experts_per_tok=2, **seq,
+                                           **_SIZES),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(vocab_size=VOCAB, num_key_value_heads=1,
+                                              head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, **seq, **_SIZES),
         "gpt_neo": lambda: T.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2,
                                           num_heads=2, attention_types=[[["global", "local"], 1]],
                                           window_size=8, **seq),
@@ -83,7 +91,8 @@ def _config(family: str):
 
 
 _MODEL = {
-    "mistral": "MistralForCausalLM", "gpt_neo": "GPTNeoForCausalLM", "gptj": "GPTJForCausalLM",
+    "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_neo": "GPTNeoForCausalLM", "gptj": "GPTJForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "falcon": "FalconForCausalLM",
     "mamba": "MambaForCausalLM", "mbart": "MBartForConditionalGeneration",
     "xlnet": "XLNetLMHeadModel", "deberta_v2": "DebertaV2ForMaskedLM",
@@ -137,7 +146,7 @@ def test_hugging_face_family_trains_as_eager_with_adamw(family):
     assert trainer.explain() == []
 
 
-@pytest.mark.parametrize("family", ["mistral", "whisper", "wav2vec2"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "whisper", "wav2vec2"])
 def test_hugging_face_family_trains_as_eager_with_sharded_remote_adamw(family):
     """The same with replicated tensor sharding (every tensor of 16 elements or more) and
     the optimizer state in remote buffers."""

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import opdefs
 from ..capture import view_or_copy
 from ..ir.attrs import PrintOptions
+from ..ir.fake import trace_fake
 from ..ir.graph import Op, OpKind, Slot
 from ..ir.tensor import Constant, Tensor, Variable
 from ..ir.views import copied_views
@@ -240,7 +240,7 @@ def _trace_vmap(batched, args, titles: list) -> _Traced | str:
     with backends.traffic_scope() as counted:
         try:
             with _quiet_vmap_fallback():
-                graph = make_fx(batched, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+                graph = trace_fake(batched, *args)
         except Exception as e:  # noqa: BLE001 - any failure keeps the vmap path (reported)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             graph, reason = None, f"{type(e).__name__}: {first[:200]}"

@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import opdefs
+from ..ir.fake import trace_fake
 from ..ir.graph import Op, Slot
 from ..ir.walk import effects
 from ..opdefs.aten_batching import COVERED
@@ -1724,7 +1725,7 @@ _MAX_TRACES = 4  # layouts traced per op before it keeps calling vmap
 
 def _trace_fake(fn, tensors):
     """``fn`` traced on fake tensors shaped like ``tensors``."""
-    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+    return trace_fake(fn, *tensors)
 
 
 class _OneOpVmap:

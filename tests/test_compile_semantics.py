@@ -768,3 +768,40 @@ def test_an_l2_penalty_the_loss_fn_reads_from_the_model_trains_as_eager(layout):
             assert torch.equal(p, q)
     assert_same_params(model, ref)
     assert_same_optimizer_state(opt, ref_opt)
+
+
+# ---- writes under a boolean mask (runtime/explicit.py _masked_index_put) ------------------
+
+
+class _MaskedWrites(torch.nn.Module):
+    """``x[mask] = v`` in three forms: a mask from the data, a fixed mask over a later dim
+    (``h[:, dead] = v``), and out of place (``torch.index_put``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(12, 16), torch.nn.Linear(16, 4)
+        self.register_buffer("dead", torch.arange(16) % 5 == 0)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h[h < 0] = 0.0
+        h[:, self.dead] = 0.5
+        out = self.out(h)
+        return torch.index_put(out, (out > 0.3,), torch.tensor(0.3))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_writes_under_a_boolean_mask_train_as_eager(layout):
+    """torch's batching rule refuses ``index_put`` with a boolean mask (a selection's size
+    depends on the data); one value written under one mask is a ``masked_fill``: the same
+    numbers on every replica (Gemma 3 writes its token ids so)."""
+    torch.manual_seed(0)
+    model, ref = _MaskedWrites(), _MaskedWrites()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, ref))
+    trainer = compiled(model, opt, layout)
+    R, GA = layout[:2]
+    for x, y in batches(3):
+        assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, R * GA), "loss")
+    assert_same_params(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)

@@ -991,8 +991,32 @@ def _index_fill_tensor(x, dim: int, index, value):
     return x.index_copy(dim % x.dim(), index, value.to(x.dtype).expand(shape))
 
 
+def _masked_index_put(op):
+    """``op`` (``index_put`` or ``index_put_``), with a write of one value under one boolean
+    mask as ``masked_fill``: the same result, and torch's batching rule for ``index_put``
+    refuses boolean masks (a selection has a data-dependent size; ``x[mask] = 0``, as Gemma 3
+    writes its token-type ids, does not)."""
+
+    def form(x, indices, values, accumulate=False):
+        given = [(k, i) for k, i in enumerate(indices) if i is not None]
+        if len(given) == 1 and not accumulate and values.numel() == 1:
+            at, mask = given[0]
+            if mask.dtype == torch.bool and mask.shape == x.shape[at : at + mask.dim()]:
+                mask = mask.reshape((1,) * at + mask.shape + (1,) * (x.dim() - at - mask.dim()))
+                value = values.reshape(()).to(x.dtype)
+                fill = x.masked_fill_ if op is aten.index_put_.default else x.masked_fill
+                return fill(mask, value)
+        return op(x, indices, values, accumulate)
+
+    return form
+
+
 # aten overloads the generated code calls through another form (``Program.aten``)
-SAFE_FORMS = {aten.index_fill.int_Tensor: _index_fill_tensor}
+SAFE_FORMS = {
+    aten.index_fill.int_Tensor: _index_fill_tensor,
+    aten.index_put.default: _masked_index_put(aten.index_put.default),
+    aten.index_put_.default: _masked_index_put(aten.index_put_.default),
+}
 
 
 def _emit_outputs(em, f, ind: str, call: str) -> None:

@@ -805,3 +805,28 @@ def test_writes_under_a_boolean_mask_train_as_eager(layout):
         assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, R * GA), "loss")
     assert_same_params(model, ref)
     assert_same_optimizer_state(opt, ref_opt)
+
+
+class _BuildsALayerInForward(torch.nn.Module):
+    """BigBird's forward (block-sparse attention on a short sequence) builds new attention
+    layers and moves its weights into them: a layer made inside the forward, whose
+    initialisation writes its fresh parameters in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        torch.nn.Linear(12, 12)  # made and dropped, as the weights BigBird's new layers make
+        return self.net(x)
+
+
+def test_a_layer_built_inside_the_forward_trains_as_eager():
+    torch.manual_seed(0)
+    model = _BuildsALayerInForward()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    trainer = compiled(model, opt, LAYOUTS[1])
+    for x, y in batches(2):
+        assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, 8), "loss")
+    assert_same_params(model, ref)

@@ -121,7 +121,9 @@ def _fake_results(op: Op, where: str) -> list[tuple[tuple[int, ...], torch.dtype
     is_slot = lambda x: isinstance(x, Slot)  # noqa: E731
     args = pytree.tree_map(fill, list(op.attrs.args), is_leaf=is_slot)
     kwargs = pytree.tree_map(fill, dict(op.attrs.kwargs), is_leaf=is_slot)
-    with fake_mode():
+    # (no autograd: a handle's fake may require grad, and an in-place op on a leaf that does
+    # is refused by autograd, not by the op; shapes and dtypes are the same without it)
+    with fake_mode(), torch.no_grad():
         result = op.attrs.target(*args, **kwargs)
     found = []
     for path in op.attrs.out_paths:

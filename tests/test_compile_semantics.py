@@ -774,19 +774,22 @@ def test_an_l2_penalty_the_loss_fn_reads_from_the_model_trains_as_eager(layout):
 
 
 class _MaskedWrites(torch.nn.Module):
-    """``x[mask] = v`` in three forms: a mask from the data, a fixed mask over a later dim
-    (``h[:, dead] = v``), and out of place (``torch.index_put``)."""
+    """``x[mask] = v`` in four forms: a mask from the data, a fixed mask over a later dim
+    (``h[:, dead] = v``), a row of values added to the masked rows (``accumulate=True``),
+    and out of place (``torch.index_put``)."""
 
     def __init__(self):
         super().__init__()
         self.inp, self.out = torch.nn.Linear(12, 16), torch.nn.Linear(16, 4)
         self.register_buffer("dead", torch.arange(16) % 5 == 0)
+        self.register_buffer("shift", torch.tensor([0.5, -0.25, 0.0, 1.0]))
 
     def forward(self, x):
         h = self.inp(x)
         h[h < 0] = 0.0
         h[:, self.dead] = 0.5
         out = self.out(h)
+        out = out.index_put((out.sum(1) > 0,), self.shift, accumulate=True)  # rows += shift
         return torch.index_put(out, (out > 0.3,), torch.tensor(0.3))
 
 

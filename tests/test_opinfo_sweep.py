@@ -36,7 +36,6 @@ ALLOWED_ERRORS = {
     "histogramdd": _NO_TORCH_BATCHING,
     "nn.functional.rrelu": _NO_TORCH_BATCHING,
     "as_strided_scatter": _NO_TORCH_BATCHING,
-    "index_put": _NO_TORCH_BATCHING + " (accumulate over a boolean mask index)",
     # A known gap of this project, to fix: resize_ changes the shape of the value it was
     # given in place, which a static graph's tensor cannot (it is recorded as a clone)
     "resize_": "resize_ recorded as a clone that changes shape",
@@ -54,6 +53,7 @@ ALLOWED_BACKWARD_ERRORS = {
         _CROSS_GRAPH,
     ),  # fmt: skip
     "index_fill": _DATA_DEPENDENT_SHAPE + " (its gradient takes unique indices)",
+    "index_put": _DATA_DEPENDENT_SHAPE + " (the values' gradient selects under a boolean mask)",
     "nn.functional.embedding_bag": "its gradient asks autograd for an integer offset's",
     "bfloat16": "a bfloat16 gradient seed: numpy has no bfloat16",
     "to": "a channels_last conversion of a value whose rank is not 4",

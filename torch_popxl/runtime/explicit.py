@@ -992,23 +992,44 @@ def _index_fill_tensor(x, dim: int, index, value):
 
 
 def _masked_index_put(op):
-    """``op`` (``index_put`` or ``index_put_``), with a write of one value under one boolean
-    mask as ``masked_fill``: the same result, and torch's batching rule for ``index_put``
-    refuses boolean masks (a selection has a data-dependent size; ``x[mask] = 0``, as Gemma 3
-    writes its token-type ids, does not)."""
+    """``op`` (``index_put`` or ``index_put_``) under one boolean mask, with values that
+    broadcast over the selected elements, as a ``where`` (a ``masked_fill`` for one value):
+    the same result, and torch's batching rule for ``index_put`` refuses boolean masks (a
+    selection's size depends on the data; ``x[mask] = 0``, as Gemma 3 writes its token ids,
+    or ``x[mask] += v`` does not). Other index forms run as ``op``."""
 
     def form(x, indices, values, accumulate=False):
-        given = [(k, i) for k, i in enumerate(indices) if i is not None]
-        if len(given) == 1 and not accumulate and values.numel() == 1:
-            at, mask = given[0]
-            if mask.dtype == torch.bool and mask.shape == x.shape[at : at + mask.dim()]:
-                mask = mask.reshape((1,) * at + mask.shape + (1,) * (x.dim() - at - mask.dim()))
-                value = values.reshape(()).to(x.dtype)
-                fill = x.masked_fill_ if op is aten.index_put_.default else x.masked_fill
-                return fill(mask, value)
-        return op(x, indices, values, accumulate)
+        where = _under_one_mask(x, indices, values)
+        if where is None:
+            return op(x, indices, values, accumulate)
+        mask, values = where
+        if not accumulate and values.dim() == 0:
+            fill = x.masked_fill_ if op is aten.index_put_.default else x.masked_fill
+            return fill(mask, values)
+        result = torch.where(mask, x + values if accumulate else values, x)
+        return x.copy_(result) if op is aten.index_put_.default else result
 
     return form
+
+
+def _under_one_mask(x, indices, values):
+    """(the mask shaped to broadcast over ``x``, the values shaped to broadcast over ``x``)
+    when ``indices`` is one boolean mask over dims of ``x`` and ``values`` fills every
+    selected element alike (its shape broadcasts over the dims after the mask); else None."""
+    given = [(k, i) for k, i in enumerate(indices) if i is not None]
+    if len(given) != 1 or values.dtype != x.dtype or x.dtype == torch.bool:
+        return None
+    at, mask = given[0]
+    if mask.dtype != torch.bool or mask.shape != x.shape[at : at + mask.dim()]:
+        return None
+    rest = x.shape[at + mask.dim() :]
+    while values.dim() > len(rest) and values.shape[0] == 1:
+        values = values[0]  # (the selection's own dim, of size 1)
+    if values.dim() > len(rest):
+        return None
+    if any(v not in (1, r) for v, r in zip(reversed(values.shape), reversed(rest), strict=False)):
+        return None
+    return mask.reshape((1,) * at + mask.shape + (1,) * len(rest)), values
 
 
 # aten overloads the generated code calls through another form (``Program.aten``)

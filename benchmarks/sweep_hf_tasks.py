@@ -1,5 +1,7 @@
-"""Every causal language model Hugging Face transformers knows, trained through popxl.compile
-beside eager torch: transformers does the enumerating (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
+"""Every model Hugging Face transformers knows for a task, trained through popxl.compile beside
+eager torch: transformers does the enumerating (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` for
+``--task causal-lm``, the default; ``masked-lm`` and ``seq-cls`` (sequence classification)
+likewise).
 
 Each architecture is built offline from its default config made small (the integer sizes it
 has among ``SMALL`` set so, its dropout-like probabilities set to 0), checked to run in eager
@@ -14,8 +16,8 @@ top-k, an attention key's bias): a weight difference of ~1e-4 with agreeing loss
 their largest, and exactly where they are not ~1e-12). Models that draw random numbers in
 training under another name than ``RANDOM``'s differ as dropout does.
 
-Usage: ``python benchmarks/sweep_hf_causal_lms.py [--models llama,mixtral] [--timeout S]
-[--out results.jsonl]``; one line per model, a tally at the end.
+Usage: ``python benchmarks/sweep_hf_tasks.py [--task causal-lm] [--models llama,mixtral]
+[--timeout S] [--out results.jsonl]``; one line per model, a tally at the end.
 """
 
 from __future__ import annotations
@@ -75,7 +77,37 @@ def small_config(name: str):
             token = getattr(part, key, None)
             if isinstance(token, int) and token >= VOCAB:
                 _set(part, key, 0 if key == "pad_token_id" else 1)
+        if getattr(part, "pad_token_id", 0) is None:  # (a classifier's last-token rule needs it)
+            _set(part, "pad_token_id", 0)
     return config
+
+
+def _batch(task: str, g: torch.Generator, rows: int) -> dict:
+    """A batch of ``rows`` sequences of 12 tokens with the task's labels."""
+    ids = torch.randint(3, VOCAB, (rows, 12), generator=g)
+    if task == "causal-lm":
+        return {"input_ids": ids, "labels": ids}
+    if task == "masked-lm":  # a third of the positions ignored
+        labels = ids.clone()
+        labels[:, ::3] = -100
+        return {"input_ids": ids, "labels": labels}
+    return {"input_ids": ids, "labels": torch.randint(0, 2, (rows,), generator=g)}
+
+
+def _tasks():
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSequenceClassification,
+    )
+    from transformers.models.auto import modeling_auto as auto
+
+    return {
+        "causal-lm": (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, AutoModelForCausalLM),
+        "masked-lm": (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, AutoModelForMaskedLM),
+        "seq-cls": (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                    AutoModelForSequenceClassification),
+    }  # fmt: skip
 
 
 def _set(obj, key: str, value) -> None:
@@ -93,21 +125,20 @@ def _alarm(*_):
     raise _Timeout
 
 
-def run(name: str) -> dict:
-    """Two AdamW steps of ``name`` compiled (R=2, GA=2) and eager; what happened."""
-    from transformers import AutoModelForCausalLM
-
+def run(name: str, task: str = "causal-lm") -> dict:
+    """Two AdamW steps of ``name``'s ``task`` model compiled (R=2, GA=2) and eager; what
+    happened."""
+    auto_class = _tasks()[task][1]
     torch.manual_seed(0)
     try:
         config = small_config(name)
-        model = AutoModelForCausalLM.from_config(config).train()
+        model = auto_class.from_config(config).train()
     except Exception as e:  # noqa: BLE001 - the shrunk config's own constraint
         return {"status": "build", "error": f"{type(e).__name__}: {str(e)[:200]}"}
     eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     try:
-        ids = torch.randint(3, VOCAB, (8, 12), generator=g)
-        eager(input_ids=ids[:2], labels=ids[:2])
+        eager(**_batch(task, g, 2))
     except Exception as e:  # noqa: BLE001
         return {"status": "eager", "error": f"{type(e).__name__}: {str(e)[:200]}"}
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
@@ -116,12 +147,12 @@ def run(name: str) -> dict:
         trainer = popxl.compile(model, None, opt, replication_factor=2, gradient_accumulation=2)
         loss_diff = 0.0
         for _ in range(2):
-            ids = torch.randint(3, VOCAB, (8, 12), generator=g)
+            batch = _batch(task, g, 8)
             opt_e.zero_grad()
-            want = eager(input_ids=ids, labels=ids).loss
+            want = eager(**batch).loss
             want.backward()
             opt_e.step()
-            got = trainer.step({"input_ids": ids, "labels": ids})
+            got = trainer.step(batch)
             loss_diff = max(loss_diff, abs(float(got) - want.item()))
         trainer.sync_weights()
     except Exception as e:  # noqa: BLE001 - reported per model
@@ -134,14 +165,13 @@ def run(name: str) -> dict:
 
 
 def main() -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="causal-lm", choices=sorted(_tasks()))
     ap.add_argument("--models", help="comma-separated config names (default: all)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per model (default 120)")
     ap.add_argument("--out", help="also append one JSON line per model to this file")
     args = ap.parse_args()
-    names = args.models.split(",") if args.models else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    names = args.models.split(",") if args.models else sorted(_tasks()[args.task][0])
     torch.set_num_threads(1)
     signal.signal(signal.SIGALRM, _alarm)
     tally: collections.Counter = collections.Counter()
@@ -149,12 +179,17 @@ def main() -> None:
         start = time.perf_counter()
         signal.alarm(args.timeout)
         try:
-            record = run(name)
+            record = run(name, args.task)
         except _Timeout:
             record = {"status": "timeout"}
         finally:
             signal.alarm(0)
-        record = {"name": name, **record, "s": round(time.perf_counter() - start, 1)}
+        record = {
+            "name": name,
+            "task": args.task,
+            **record,
+            "s": round(time.perf_counter() - start, 1),
+        }
         tally[record["status"]] += 1
         print(json.dumps(record), flush=True)
         if args.out:

@@ -14,7 +14,7 @@ Adam amplifies last-bit gradient differences where a gradient is ~0 (a router's 
 top-k, an attention key's bias): a weight difference of ~1e-4 with agreeing losses is that
 (session 16: cpmant and deepseek_v4, whose gradients after one SGD step agree to 2e-5 of
 their largest, and exactly where they are not ~1e-12). Models that draw random numbers in
-training under another name than ``RANDOM``'s differ as dropout does.
+training under names ``_random`` does not know differ as dropout does.
 
 Usage: ``python benchmarks/sweep_hf_tasks.py [--task causal-lm] [--models llama,mixtral]
 [--timeout S] [--out results.jsonl]``; one line per model, a tally at the end.
@@ -47,11 +47,14 @@ SMALL = {
     "v_head_dim": 16, "sliding_window": 16, "rotary_dim": 8, "state_size": 8, "conv_kernel": 4,
     "expand": 2, "n_groups": 1, "mamba_n_heads": 4, "mamba_d_head": 16,
 }  # fmt: skip
-RANDOM = ("dropout", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop",
-          "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-          "activation_dropout", "classifier_dropout", "layerdrop", "decoder_layerdrop",
-          "residual_dropout", "router_jitter_noise", "embed_dropout", "resid_dropout",
-          "ffn_dropout", "emb_dropout")  # fmt: skip
+
+
+def _random(key: str) -> bool:
+    """Whether a config's float ``key`` is a probability of a random draw in training
+    (dropout under any of its names, LayerDrop, a router's jitter): set to 0."""
+    return "drop" in key or key.endswith("jitter_noise")
+
+
 VOCAB = 128
 
 
@@ -67,8 +70,8 @@ def small_config(name: str):
             old = getattr(part, key, None)
             if isinstance(old, int) and not isinstance(old, bool):
                 _set(part, key, value)
-        for key in RANDOM:
-            if isinstance(getattr(part, key, None), float):
+        for key, value in part.to_dict().items():
+            if _random(key) and isinstance(value, float):
                 _set(part, key, 0.0)
         for key in ("layer_types", "mlp_layer_types"):
             if isinstance(getattr(part, key, None), list):

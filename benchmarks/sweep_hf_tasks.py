@@ -120,7 +120,7 @@ def _set(obj, key: str, value) -> None:
         pass
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # (not caught as a model's own failure)
     pass
 
 

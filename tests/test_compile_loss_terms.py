@@ -217,6 +217,8 @@ class MultiTask(torch.nn.Module):
         if self.weighting == "weighted_mean":  # a weighted mean: a computed denominator
             per_row = ((pred - values) ** 2).sum(1)
             return ce + (per_row * weights).sum() / weights.sum()
+        if self.weighting == "over_rows":  # a sum divided by the batch's size, as a number
+            return ce + 0.1 * ((pred - values) ** 2).sum() / pred.shape[0]
         return ce + 0.5 * F.mse_loss(pred, values)
 
 
@@ -232,11 +234,13 @@ def _multi_task_batches(n=3, rows=B):
     return out
 
 
-@pytest.mark.parametrize("weighting", ["numbers", "learned", "weighted_mean"])
+@pytest.mark.parametrize("weighting", ["numbers", "learned", "weighted_mean", "over_rows"])
 @pytest.mark.parametrize(("R", "GA", "rts", "state"), LAYOUTS)
 def test_multi_task_loss_computed_in_forward_trains_as_eager(weighting, R, GA, rts, state):
     """``ce + 0.5 * mse`` in the forward; the same weighted by ``exp(-s)`` with ``s`` a
-    parameter (its gradient too); ``ce`` plus a weighted mean ``sum(w * l) / sum(w)``."""
+    parameter (its gradient too); ``ce`` plus a weighted mean ``sum(w * l) / sum(w)``; ``ce``
+    plus a sum divided by the batch's rows as a number (a mean over the global batch's rows:
+    Note [a sum divided by the batch's size])."""
     _train_both(MultiTask(weighting), None, _multi_task_batches(), R, GA, rts, state)
 
 

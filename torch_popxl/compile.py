@@ -80,10 +80,12 @@ from .compile_common import (
 from .compile_infer import InferenceProgram
 from .compile_loss import (
     MAX_COUNTS,
+    LossDecompositionError,
     LossSplitter,
     check_decomposition,
-    check_parts_add_up,
     host_counts,
+    parts_differ,
+    term_mismatch,
 )
 from .compile_masked import MaskedRows
 from .compile_renorm import EmbeddingRenorm, renormed
@@ -210,6 +212,24 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
                 out = model(*args, **kwargs)
             loss = loss_fn(out, targets)
         return _scalar_loss(loss), None, 1, 0, out, renorm.marked, None
+    splitter, split, out = _split_loss(model, tensors, args, kwargs, targets, real,
+                                       loss_fn=loss_fn, chunks=chunks, over_rows=over_rows,
+                                       renorm=renorm)  # fmt: skip
+    obj, count = split.objective(chunks, inv_counts, dtype)
+    counted = split.counted
+    if split.deferred:
+        return obj, count, counted[0].bound, 0, out, renorm.marked, None
+    recipe = None  # Note [counts computed in the forward]
+    if splitter.recording and any(t.forward for t in counted):
+        recipe = splitter.count_recipe(counted, chunks)
+    return obj, count, 1, len(counted), out, renorm.marked, recipe
+
+
+def _split_loss(model, tensors, args, kwargs, targets, real, *, loss_fn, chunks: int,
+                over_rows: bool, renorm=None, eager: bool = False):  # fmt: skip
+    """The module and the loss (``targets``: with ``real`` where ``loss_fn`` reads the real
+    rows) under the loss splitter: (splitter, split, model outputs). ``eager``: on torch
+    tensors, every selection by a mask kept whole as the capture keeps it."""
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
     rows = None
     if over_rows:  # every input and target is split on dim 0
@@ -217,22 +237,18 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
     # (the leaves ``_loss_leaves`` gives on the host)
     splitter = LossSplitter((args, kwargs, targets), rows, real, recipes=True)
-    with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
-        with _on_program_tensors(model, tensors):
-            with renorm:
-                splitter.in_forward = True
-                out = model(*args, **kwargs)
-                splitter.in_forward = False
-            loss = loss_fn(out, targets)
-    split = splitter.split(_scalar_loss(loss), chunks)
-    obj, count = split.objective(chunks, inv_counts, dtype)
-    counted = split.counted
-    if split.deferred:
-        return obj, count, counted[0].bound, 0, out, renorm.marked, None
-    recipe = None
-    if any(t.forward for t in counted):  # Note [counts computed in the forward]
-        recipe = splitter.count_recipe(counted, chunks)
-    return obj, count, 1, len(counted), out, renorm.marked, recipe
+    # Note [rows selected by a mask]; Note [the loss reads the model's parameters]
+    with (
+        splitter,
+        MaskedRows(splitter.untracked, always=eager),
+        _on_program_tensors(model, tensors),
+    ):
+        with renorm if renorm is not None else contextlib.nullcontext():
+            splitter.in_forward = True
+            out = model(*args, **kwargs)
+            splitter.in_forward = False
+        loss = loss_fn(out, targets)
+    return splitter, splitter.split(_scalar_loss(loss), chunks), out
 
 
 def _loss_inputs(batch: _Batch, values: list) -> tuple:
@@ -263,9 +279,12 @@ def _loss_leaves(batch: _Batch, values: list) -> list:
 def _check_forward_split(model, loss_fn, batch: _Batch, chunks: int, recipe, *, dtype,
                          over_rows: bool) -> None:  # fmt: skip
     """The loss of the first batch, computed eagerly on the host in eval mode (no dropout),
-    whole and as the step adds up its ``chunks`` parts with ``recipe``'s counts: a loss whose
-    forward pairs the samples of a micro-batch (a contrastive loss, a product of two means
-    over the batch) has parts that do not add up (Note [counts computed in the forward])."""
+    whole and as the step adds up its ``chunks`` parts with ``recipe``'s counts, term by term:
+    a loss whose forward pairs the samples of a micro-batch (a contrastive loss, a product of
+    two means over the batch) has parts that do not add up (Note [counts computed in the
+    forward]); one that divides a sum by the micro-batch's rows taken as a number (``(p **
+    2).sum() / p.shape[0]``) adds up read as a mean over rows (``_LossOverRows``: Note [a sum divided by the
+    batch's size])."""
     tensors = {n: t.detach().clone() for n, t in
                (*model.named_parameters(), *model.named_buffers())}  # fmt: skip
 
@@ -277,18 +296,30 @@ def _check_forward_split(model, loss_fn, batch: _Batch, chunks: int, recipe, *, 
     counts = [sum(c) for c in zip(*(recipe(_loss_leaves(batch, p)) for p in parts), strict=True)]
     inv = torch.ones(MAX_COUNTS, dtype=dtype)
     inv[: len(counts)] = torch.tensor([1.0 / c if c else math.inf for c in counts])
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), _attributes_restored(model):
-        model.eval()
-        args, kwargs, t, real = _loss_inputs(batch, torch_values(batch.arrays))
-        whole = _forward_and_loss(model, tensors, args, kwargs, t, None, real, loss_fn=loss_fn,
-                                  chunks=1, dtype=dtype)[0]  # fmt: skip
-        total = 0.0
-        for p in parts:
-            args, kwargs, t, real = _loss_inputs(batch, torch_values(p))
-            total += float(_forward_and_loss(model, tensors, args, kwargs, t, inv, real,
-                                             loss_fn=loss_fn, chunks=chunks, dtype=dtype,
-                                             over_rows=over_rows)[0])  # fmt: skip
-    check_parts_add_up(float(whole), total, chunks)
+
+    def splits(over_rows: bool):
+        """The whole batch's split (as one micro-batch) and its parts'."""
+        out = []
+        for values in (batch.arrays, *parts):
+            args, kwargs, t, real = _loss_inputs(batch, torch_values(values))
+            lf, t = (loss_fn, t) if real is None else (OnRealRows(loss_fn), (t, real))
+            n = 1 if values is batch.arrays else chunks
+            out.append(_split_loss(model, tensors, args, kwargs, t, real, loss_fn=lf, chunks=n,
+                                   over_rows=over_rows, eager=True)[1])  # fmt: skip
+        return out[0], out[1:], inv, chunks
+
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _attributes_restored(model):
+            model.eval()
+            mismatch = term_mismatch(*splits(over_rows))
+            if mismatch is not None and not over_rows and term_mismatch(*splits(True)) is None:
+                raise _LossOverRows  # Note [a sum divided by the batch's size]
+    except (LossDecompositionError, _LossOverRows):
+        raise
+    except Exception:  # (it does not run eagerly on the host arrays: the structural split only)
+        return
+    if mismatch is not None:
+        raise parts_differ(mismatch, chunks)
 
 
 def _loss_of(loss_fn, batch: _Batch):

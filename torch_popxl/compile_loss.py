@@ -60,8 +60,10 @@ Note [counts computed in the forward]
     mixture of experts' load-balancing loss over all tokens: a product of two means over the
     batch), so a program that uses a recipe is checked once when it is built: the model and
     loss run eagerly in eval mode (no dropout) on the first batch, whole and in parts added
-    up as the step adds them with the recipe's counts, and must agree (to 1e-3), else the
-    loss is refused.
+    up as the step adds them with the recipe's counts, and every term must agree (to 1e-3 of
+    itself, so a term with a small weight, an auxiliary loss, is checked as closely), else
+    the loss is refused; where the terms agree only with divisions by the micro-batch's
+    rows read as means, it is captured again so (Note [a sum divided by the batch's size]).
 
 Note [reductions over the rows]
     A sum or mean over the rows (dim 0) that keeps other dims is not a number, so it is not a
@@ -115,7 +117,8 @@ __all__ = [
     "Split",
     "CountRecipe",
     "check_decomposition",
-    "check_parts_add_up",
+    "parts_differ",
+    "term_mismatch",
     "host_counts",
 ]
 
@@ -290,12 +293,14 @@ class LossSplitter(TorchDispatchMode):
         self._untracked = 0
         self.in_forward = False  # the model's forward is running (``_Term.forward``)
         # Note [counts computed in the forward]: the ops that read only the batch and
-        # constants, where ``recipes``; id(value) -> where it comes from
-        self._recipes = recipes
+        # constants, where ``recipes`` and the loss is captured (on fake tensors; eagerly
+        # every tensor would be a constant); id(value) -> where it comes from
+        leaves = pytree.tree_leaves(batch)
+        self.recording = recipes and any(isinstance(t, FakeTensor) for t in leaves)
         self._src: dict[int, _Ref] = {}
         self._ops: list[tuple[Any, Any, Any]] = []
         self._dtypes: dict[int, torch.dtype] = {}
-        for i, t in enumerate(pytree.tree_leaves(batch)):
+        for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 self._mark(t)
                 self._src[id(t)] = _Ref("leaf", i)
@@ -338,7 +343,7 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._recipes:
+        if self.recording:
             self._record(func, args, kwargs, out)
         if self._untracked:
             return out
@@ -431,7 +436,7 @@ class LossSplitter(TorchDispatchMode):
                     assert rows is not None
                     real = aten.sum.default(self._real)
                     count = aten.mul.Tensor(real, int(den) // rows)
-                    if self._recipes:
+                    if self.recording:
                         self._record(aten.sum.default, (self._real,), {}, real)
                         self._record(aten.mul.Tensor, (real, int(den) // rows), {}, count)
                     self._term(_Term("count", out, count, int(den), numerator=num), out)
@@ -684,7 +689,20 @@ class Split:
         model, Note [float64 models] in compile_common.py) and, for a deferred counted mean,
         its count; torch ops, so they are captured with the loss. ``inv_counts`` holds one
         over the global count of every counted mean (host counts)."""
+        parts, count = self.contributions(chunks, inv_counts, dtype)
         obj: Any = None
+        for part in parts:
+            obj = part if obj is None else obj + part
+        if obj is None:  # a loss of numbers only
+            raise LossDecompositionError(_explain("the loss does not depend on the model", chunks))
+        if _nonzero(self.const):
+            obj = obj + self.const / chunks
+        return obj, count
+
+    def contributions(self, chunks: int, inv_counts=None, dtype: torch.dtype = torch.float32
+                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:  # fmt: skip
+        """Each term's part of ``objective`` (in ``parts``' order), and a deferred count."""
+        out = []
         count = None
         counted = self.counted
         for term, c in self.parts:
@@ -701,12 +719,8 @@ class Split:
                     assert inv_counts is not None
                     i = next(j for j, t in enumerate(counted) if t is term)
                     part = term.numerator.to(dtype) * inv_counts[i] * c
-            obj = part if obj is None else obj + part
-        if obj is None:  # a loss of numbers only
-            raise LossDecompositionError(_explain("the loss does not depend on the model", chunks))
-        if _nonzero(self.const):
-            obj = obj + self.const / chunks
-        return obj, count
+            out.append(part)
+        return out, count
 
 
 def _explain(why: str, chunks: int) -> str:
@@ -849,10 +863,11 @@ def _adds_up(whole: float, total: float) -> bool:
     return abs(total - whole) <= 1e-3 * max(abs(whole), 1e-6) + 1e-6
 
 
-def _parts_differ(on: str, whole: float, total: float, chunks: int) -> LossDecompositionError:
+def _parts_differ(on: str, whole: float, total: float, chunks: int, what: str = "the loss"
+                  ) -> LossDecompositionError:  # fmt: skip
     return LossDecompositionError(
         _explain(
-            f"on the first batch's {on}, the loss of the whole batch is {whole:.6g} but its "
+            f"on the first batch's {on}, {what} of the whole batch is {whole:.6g} but its "
             f"{chunks} parts add up to {total:.6g}: each part depends on the other samples of "
             "its micro-batch, as a loss that pairs the samples of the batch with each other "
             "does (in-batch negatives, a ratio of sums over the batch such as a "
@@ -864,9 +879,27 @@ def _parts_differ(on: str, whole: float, total: float, chunks: int) -> LossDecom
     )
 
 
-def check_parts_add_up(whole: float, total: float, chunks: int) -> None:
-    """A loss computed in the model's forward, run eagerly on the first batch whole and in
-    ``chunks`` parts added up as the step adds them (Note [counts computed in the forward]),
-    must give the same value."""
-    if math.isfinite(whole) and not _adds_up(whole, total):
-        raise _parts_differ("data (the model run eagerly in eval mode)", whole, total, chunks)
+def term_mismatch(whole: Split, parts: list[Split], inv: torch.Tensor, chunks: int
+                  ) -> tuple[float, float] | None:  # fmt: skip
+    """Where a term of a loss computed on the whole batch (``whole``, split as one
+    micro-batch) differs from the sum of its parts over ``parts`` as the step adds them
+    (``inv``: one over the global counts), (its value, the parts' sum); None where every term
+    adds up (Note [counts computed in the forward]). Term by term, so a term with a small
+    weight is checked as closely as a large one."""
+    want, _ = whole.contributions(1, inv)
+    got = [0.0] * len(want)
+    for split in parts:
+        values, _ = split.contributions(chunks, inv)
+        if len(values) != len(want):  # (another structure: compared as a whole)
+            w, _ = whole.objective(1, inv)
+            total = sum(float(p.objective(chunks, inv)[0]) for p in parts)
+            return None if _adds_up(float(w), total) else (float(w), total)
+        got = [g + float(v) for g, v in zip(got, values, strict=True)]
+    return next(((float(w), g) for w, g in zip(want, got, strict=True)
+                 if math.isfinite(float(w)) and not _adds_up(float(w), g)), None)  # fmt: skip
+
+
+def parts_differ(mismatch: tuple[float, float], chunks: int) -> LossDecompositionError:
+    """The error of a loss computed in the model's forward whose parts do not add up."""
+    return _parts_differ("data (the model run eagerly in eval mode)", *mismatch, chunks,
+                         what="a term of the loss")  # fmt: skip

@@ -205,7 +205,7 @@ class CountRecipe:
 
         for k, (func, args, kwargs) in enumerate(self.ops):
             out = func(*pytree.tree_map(value, args), **pytree.tree_map(value, kwargs))
-            for j, o in enumerate(o for o in pytree.tree_leaves(out)):
+            for j, o in enumerate(pytree.tree_leaves(out)):
                 values[("out", (k, j))] = o
         return [float(value(c)) for c in self.counts]
 
@@ -240,9 +240,9 @@ def _is_scalar(t) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() == 1
 
 
-def _over_rows(func, args, out) -> str | None:
-    """ "sum" or "mean" where ``func`` reduces a float tensor over its rows (dim 0) to a
-    tensor that is not a number (Note [reductions over the rows]), else None."""
+def _row_reduction(func, args, out) -> str | None:
+    """How ``func`` reduces a float tensor over its rows (dim 0) to a tensor that is not a
+    number, "sum" or "mean" (Note [reductions over the rows]); else None."""
     x = args[0] if args else None
     if not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.ndim > 0):
         return None
@@ -347,12 +347,9 @@ class LossSplitter(TorchDispatchMode):
             self._record(func, args, kwargs, out)
         if self._untracked:
             return out
-        if (
-            func in _ZEROS
-            or (func in _KEEP or func is aten.detach.default)
-            and args
-            and id(args[0]) in self._zeros
-        ):  # (a sum over the rows started from zeros stays one)
+        # (a sum over the rows started from zeros stays one: Note [reductions over the rows])
+        same = func in _KEEP or func is aten.detach.default
+        if func in _ZEROS or (same and args and id(args[0]) in self._zeros):
             self._keep.append(out)
             self._zeros.add(id(out))
         if func in VALUE_FREE:  # ``ones_like(out)`` seeding ``autograd.grad`` of a batch sum
@@ -495,7 +492,7 @@ class LossSplitter(TorchDispatchMode):
                 self._term(_Term("sum", value), value)
             return
         if not (isinstance(out, torch.Tensor) and out.ndim == 0):
-            kind = _over_rows(func, args, out)
+            kind = _row_reduction(func, args, out)
             if kind is not None:  # Note [reductions over the rows]
                 self._stats[id(out)] = kind
             return

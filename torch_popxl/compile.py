@@ -2285,10 +2285,11 @@ def _without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
     wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     while isinstance(model, wrappers):
         kind = type(model).__name__
-        if getattr(model, "_comm_hooks", None):
+        comm_hooks: Any = getattr(model, "_comm_hooks", None)  # ([(hook, state)], untyped)
+        if comm_hooks:
             raise ValueError(
                 f"popxl.compile: the {kind} wrapper has a communication hook "
-                f"({model._comm_hooks[0][0].__name__}); the compiled step sums the replicas' "
+                f"({comm_hooks[0][0].__name__}); the compiled step sums the replicas' "
                 "gradients itself and would not run it. Pass the module without the hook "
                 "(popxl.compile(model.module, ...)), or train it eagerly."
             )

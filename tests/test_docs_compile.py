@@ -11,7 +11,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "compile.md"
 
 def test_compile_guide_python_blocks_run_and_print_documented_values():
     blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
-    assert len(blocks) == 11
+    assert len(blocks) == 12
     scope: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -26,12 +26,13 @@ def test_compile_guide_python_blocks_run_and_print_documented_values():
     assert lines[5:7] == ["3 8", "padded: True"]  # a program per signature; a padded batch
     assert lines[7] == "(5, 3)"  # inference of any batch size
     assert lines[8] == "True"  # a summed loss is eager's global sum
-    assert lines[9] == "LossDecompositionError"  # sqrt of a mean is refused
-    for line in lines[10:13]:  # the clipped norm is clip_grad_norm_'s, bit for bit
+    assert lines[9] == "True"  # a counted mean plus a mean in the forward: eager's loss
+    assert lines[10] == "LossDecompositionError"  # sqrt of a mean is refused
+    for line in lines[11:14]:  # the clipped norm is clip_grad_norm_'s, bit for bit
         assert re.fullmatch(r"grad norm \d+\.\d{4} True", line), line
-    assert lines[13] == "True"  # and so are the weights
-    assert lines[14] == "True True 2 True"  # batch norm: the per-replica reference
+    assert lines[14] == "True"  # and so are the weights
+    assert lines[15] == "True True 2 True"  # batch norm: the per-replica reference
     # a custom Function's backward reaches the first layer; the unused layer has no gradient
     # and no optimizer state (4 entries: a and b)
-    assert lines[15] == "True True 4"
-    assert len(lines) == 16
+    assert lines[16] == "True True 4"
+    assert len(lines) == 17

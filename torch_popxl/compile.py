@@ -78,7 +78,15 @@ from .compile_common import (
     options_key,
 )
 from .compile_infer import InferenceProgram
-from .compile_loss import MAX_COUNTS, LossSplitter, check_decomposition, host_counts
+from .compile_loss import (
+    MAX_COUNTS,
+    LossDecompositionError,
+    LossSplitter,
+    check_decomposition,
+    host_counts,
+    parts_differ,
+    term_mismatch,
+)
 from .compile_masked import MaskedRows
 from .compile_renorm import EmbeddingRenorm, renormed
 from .compile_rows import OnRealRows, check_rows_independent, padded_split
@@ -191,7 +199,8 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
                       chunks: int, dtype: torch.dtype, over_rows: bool = False):  # fmt: skip
     """The module on one micro-batch and the part of the loss it contributes: (objective,
     count or None, count bound, number of host counts, model outputs, the rows of max-norm
-    embeddings it looked up). ``over_rows``: a division of sums by a multiple of the
+    embeddings it looked up, the recipe of the host counts where the forward computes one:
+    Note [counts computed in the forward]). ``over_rows``: a division of sums by a multiple of the
     micro-batch's rows is a mean (Note [a sum divided by the batch's size]). ``real``: the
     real rows of a padded batch (Note [padded rows])."""
     if real is not None:
@@ -202,24 +211,115 @@ def _forward_and_loss(model, tensors, args, kwargs, targets, inv_counts, real=No
             with renorm:
                 out = model(*args, **kwargs)
             loss = loss_fn(out, targets)
-        return _scalar_loss(loss), None, 1, 0, out, renorm.marked
+        return _scalar_loss(loss), None, 1, 0, out, renorm.marked, None
+    splitter, split, out = _split_loss(model, tensors, args, kwargs, targets, real,
+                                       loss_fn=loss_fn, chunks=chunks, over_rows=over_rows,
+                                       renorm=renorm)  # fmt: skip
+    obj, count = split.objective(chunks, inv_counts, dtype)
+    counted = split.counted
+    if split.deferred:
+        return obj, count, counted[0].bound, 0, out, renorm.marked, None
+    recipe = None  # Note [counts computed in the forward]
+    if splitter.recording and any(t.forward for t in counted):
+        recipe = splitter.count_recipe(counted, chunks)
+    return obj, count, 1, len(counted), out, renorm.marked, recipe
+
+
+def _split_loss(model, tensors, args, kwargs, targets, real, *, loss_fn, chunks: int,
+                over_rows: bool, renorm=None, eager: bool = False):  # fmt: skip
+    """The module and the loss (``targets``: with ``real`` where ``loss_fn`` reads the real
+    rows) under the loss splitter: (splitter, split, model outputs). ``eager``: on torch
+    tensors, every selection by a mask kept whole as the capture keeps it."""
     # The model too: a forward may reduce the batch itself (a model that returns its loss).
     rows = None
     if over_rows:  # every input and target is split on dim 0
         rows = next(t.shape[0] for t in pytree.tree_leaves((args, kwargs, targets))
                     if isinstance(t, torch.Tensor) and t.ndim > 0)  # fmt: skip
-    splitter = LossSplitter((args, kwargs, targets), rows, real)
-    with splitter, MaskedRows(splitter.untracked):  # Note [rows selected by a mask]
-        with _on_program_tensors(model, tensors):
-            with renorm:
-                out = model(*args, **kwargs)
-            loss = loss_fn(out, targets)
-    split = splitter.split(_scalar_loss(loss), chunks)
-    obj, count = split.objective(chunks, inv_counts, dtype)
-    counted = split.counted
-    if split.deferred:
-        return obj, count, counted[0].bound, 0, out, renorm.marked
-    return obj, count, 1, len(counted), out, renorm.marked
+    # (the leaves ``_loss_leaves`` gives on the host)
+    splitter = LossSplitter((args, kwargs, targets), rows, real, recipes=True)
+    # Note [rows selected by a mask]; Note [the loss reads the model's parameters]
+    with (
+        splitter,
+        MaskedRows(splitter.untracked, always=eager),
+        _on_program_tensors(model, tensors),
+    ):
+        with renorm if renorm is not None else contextlib.nullcontext():
+            splitter.in_forward = True
+            out = model(*args, **kwargs)
+            splitter.in_forward = False
+        loss = loss_fn(out, targets)
+    return splitter, splitter.split(_scalar_loss(loss), chunks), out
+
+
+def _loss_inputs(batch: _Batch, values: list) -> tuple:
+    """(args, kwargs, targets, real rows or None) of ``values`` laid out as ``batch.arrays``
+    (the stream handles, or one micro-batch's arrays)."""
+    n_in = len(batch.args) + len(batch.kwargs)
+    args, kwargs = pytree.tree_unflatten(values[:n_in], batch.spec)
+    kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
+    targets = values[n_in : n_in + len(batch.targets)]
+    t = pytree.tree_unflatten(targets, batch.targets_spec) if targets else None
+    real = values[-1] if batch.real is not None else None  # Note [padded rows]
+    return args, kwargs, t, real
+
+
+def _micro_arrays(batch: _Batch, chunks: int) -> list[list[np.ndarray]]:
+    """The arrays of each of this instance's ``chunks`` micro-batches (any order: what is
+    read from them is summed)."""
+    micro = batch.size // chunks
+    return [[a[i * micro : (i + 1) * micro] for a in batch.arrays] for i in range(chunks)]
+
+
+def _loss_leaves(batch: _Batch, values: list) -> list:
+    """The leaves the loss splitter follows (``_forward_and_loss``'s), of ``values``."""
+    args, kwargs, t, real = _loss_inputs(batch, values)
+    return pytree.tree_leaves((args, kwargs, t if real is None else (t, real)))
+
+
+def _check_forward_split(model, loss_fn, batch: _Batch, chunks: int, recipe, *, dtype,
+                         over_rows: bool) -> None:  # fmt: skip
+    """The loss of the first batch, computed eagerly on the host in eval mode (no dropout),
+    whole and as the step adds up its ``chunks`` parts with ``recipe``'s counts, term by term:
+    a loss whose forward pairs the samples of a micro-batch (a contrastive loss, a product of
+    two means over the batch) has parts that do not add up (Note [counts computed in the
+    forward]); one that divides a sum by the micro-batch's rows taken as a number (``(p **
+    2).sum() / p.shape[0]``) adds up read as a mean over rows (``_LossOverRows``: Note [a sum divided by the
+    batch's size])."""
+    tensors = {n: t.detach().clone() for n, t in
+               (*model.named_parameters(), *model.named_buffers())}  # fmt: skip
+
+    def torch_values(values):
+        return [torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+                for a in values]  # fmt: skip
+
+    parts = _micro_arrays(batch, chunks)
+    counts = [sum(c) for c in zip(*(recipe(_loss_leaves(batch, p)) for p in parts), strict=True)]
+    inv = torch.ones(MAX_COUNTS, dtype=dtype)
+    inv[: len(counts)] = torch.tensor([1.0 / c if c else math.inf for c in counts])
+
+    def splits(over_rows: bool):
+        """The whole batch's split (as one micro-batch) and its parts'."""
+        out = []
+        for values in (batch.arrays, *parts):
+            args, kwargs, t, real = _loss_inputs(batch, torch_values(values))
+            lf, t = (loss_fn, t) if real is None else (OnRealRows(loss_fn), (t, real))
+            n = 1 if values is batch.arrays else chunks
+            out.append(_split_loss(model, tensors, args, kwargs, t, real, loss_fn=lf, chunks=n,
+                                   over_rows=over_rows, eager=True)[1])  # fmt: skip
+        return out[0], out[1:], inv, chunks
+
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _attributes_restored(model):
+            model.eval()
+            mismatch = term_mismatch(*splits(over_rows))
+            if mismatch is not None and not over_rows and term_mismatch(*splits(True)) is None:
+                raise _LossOverRows  # Note [a sum divided by the batch's size]
+    except (LossDecompositionError, _LossOverRows):
+        raise
+    except Exception:  # (it does not run eagerly on the host arrays: the structural split only)
+        return
+    if mismatch is not None:
+        raise parts_differ(mismatch, chunks)
 
 
 def _loss_of(loss_fn, batch: _Batch):
@@ -621,7 +721,9 @@ class _Program:
     norm_var: Any = None  # the total gradient norm before clipping (max_grad_norm)
     out_streams: list = field(default_factory=list)  # return_outputs=True
     out_spec: Any = None  # (pytree spec, leaves: None where a tensor comes from a stream)
-    host_counts: tuple = (0, None)  # (number of host-counted means, captured output metas)
+    # (number of host-counted means, captured output metas, their recipe or None: Note
+    # [counts computed in the forward])
+    host_counts: tuple = (0, None, None)
     lags: tuple = ()  # ((param name, lag), ...): Note [parameters stepped fewer times]
 
 
@@ -786,7 +888,7 @@ class Trainer:
         self._out_spec: Any = None
         # the loss split of the program being built (Note [exact losses over micro-batches])
         self._loss_bound: int | None = None
-        self._loss_host: tuple = (0, None)
+        self._loss_host: tuple = (0, None, None)
         self._n_outputs = 0
         self._scaling = _loss_scaling(loss_scaling)
         # The loss scale and GradScaler's growth tracker, shared by the programs of both
@@ -1308,12 +1410,7 @@ class Trainer:
             for i, a in enumerate(batch.arrays):
                 if a.dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
                     io[i] = call_torch(torch.Tensor.long, (io[i],), {})
-            n_in = len(batch.args) + len(batch.kwargs)
-            args, kwargs = pytree.tree_unflatten(io[:n_in], batch.spec)
-            kwargs = {**kwargs, **dict(batch.options)}  # Note [keyword options]
-            targets = io[n_in : n_in + len(batch.targets)]
-            t = pytree.tree_unflatten(targets, batch.targets_spec) if targets else None
-            real = io[-1] if batch.real is not None else None  # Note [padded rows]
+            args, kwargs, t, real = _loss_inputs(batch, io)
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)
                 for n, p in self._params.items()
@@ -1344,7 +1441,7 @@ class Trainer:
                     },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
-            obj, count, bound, n_host, outputs, marked = captured
+            obj, count, bound, n_host, outputs, marked, recipe = captured
             outputs = _without_caches(outputs)
             graph_output(obj)
             if count is not None:
@@ -1366,13 +1463,18 @@ class Trainer:
         self._out_spec = (spec, [None if isinstance(v, Tensor) else v for v in leaves])
         if chunks > 1:  # this instance's share of the batch (all of it in one process)
             local = _distributed.local_replicas(self.replication_factor) * batch.ga
-            if _check_split(self.loss_fn, metas, batch, local, n_host, self._loss_over_rows):
+            # (host counts from a recipe need no loss_fn replay to count them)
+            n_loss_fn = n_host if recipe is None else 0
+            if _check_split(self.loss_fn, metas, batch, local, n_loss_fn, self._loss_over_rows):
                 raise _LossOverRows
+            if recipe is not None:
+                _check_forward_split(self.model, self.loss_fn, batch, local, recipe,
+                                     dtype=dtype, over_rows=self._loss_over_rows)  # fmt: skip
         # Note [exact losses over micro-batches]: with a counted mean alone, the summed
         # gradients are multiplied by bound * chunks / (the count over micro-batches and
         # replicas); counted means among other terms are counted on the host at every step.
         self._loss_bound = None if count is None else bound * chunks
-        self._loss_host = (n_host, metas)
+        self._loss_host = (n_host, metas, recipe)
         return graph
 
     def _check_hookable(self, s: _Slot) -> None:
@@ -1751,18 +1853,22 @@ class Trainer:
     def _inverse_counts(self, prog: _Program, batch: _Batch) -> torch.Tensor | None:
         """One over the global count of every counted mean that the step combines with other
         terms, counted on the host (Note [exact losses over micro-batches])."""
-        n, metas = prog.host_counts
+        n, metas, recipe = prog.host_counts
         if not n:
             return None
-        loss_fn, targets = _loss_of(self.loss_fn, batch)
-        if targets is None:
-            raise ValueError(
-                "popxl.compile: this loss combines a mean over counted elements with other "
-                "terms, which needs its targets as float32 or integer tensors to count them."
-            )
         R = self.replication_factor
         local = _distributed.local_replicas(R) * batch.ga
-        counts = host_counts(loss_fn, metas, targets, local, n, verify=False)
+        if recipe is not None:  # Note [counts computed in the forward]
+            per_micro = [recipe(_loss_leaves(batch, a)) for a in _micro_arrays(batch, local)]
+            counts = [sum(c) for c in zip(*per_micro, strict=True)]
+        else:
+            loss_fn, targets = _loss_of(self.loss_fn, batch)
+            if targets is None:
+                raise ValueError(
+                    "popxl.compile: this loss combines a mean over counted elements with other "
+                    "terms, which needs its targets as float32 or integer tensors to count them."
+                )
+            counts = host_counts(loss_fn, metas, targets, local, n, verify=False)
         instances = R // _distributed.local_replicas(R)
         counts = [_distributed.mean_over_instances(c, R) * instances for c in counts]
         inv = torch.ones(MAX_COUNTS, dtype=loss_dtype(self._tensors))  # Note [float64 models]
@@ -2179,10 +2285,11 @@ def _without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
     wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     while isinstance(model, wrappers):
         kind = type(model).__name__
-        if getattr(model, "_comm_hooks", None):
+        comm_hooks: Any = getattr(model, "_comm_hooks", None)  # ([(hook, state)], untyped)
+        if comm_hooks:
             raise ValueError(
                 f"popxl.compile: the {kind} wrapper has a communication hook "
-                f"({model._comm_hooks[0][0].__name__}); the compiled step sums the replicas' "
+                f"({comm_hooks[0][0].__name__}); the compiled step sums the replicas' "
                 "gradients itself and would not run it. Pass the module without the hook "
                 "(popxl.compile(model.module, ...)), or train it eagerly."
             )

@@ -39,6 +39,46 @@ Note [exact losses over micro-batches]
     the micro-batch's size hidden in a number is read as such (below) or is an error, never
     a silent difference.
 
+Note [counts computed in the forward]
+    Hugging Face models compute their losses in ``forward``: GPT2DoubleHeadsModel a token
+    mean over the labels that are not -100 and a multiple-choice cross-entropy over rows
+    (``out.loss + out.mc_loss``), BertForPreTraining a masked-LM token mean plus a
+    next-sentence mean, the question-answering heads ``(start_ce + end_ce) / 2`` whose
+    positions outside the sequence are clamped to an ignored index. Each is a counted mean
+    whose count depends on the inputs the model was given (its labels), not on ``loss_fn``'s
+    targets, so ``host_counts`` cannot count them. The captured graph says how: while the
+    loss is captured, ``LossSplitter`` keeps every op that reads only the batch's data and
+    constants (``labels != -100``, a pad and a slice of the labels, a clamp of positions;
+    an ``nll_loss``'s ``total_weight`` reads only its targets and class weights, so its
+    input is replaced by zeros). Where the forward holds a counted mean among other terms,
+    ``count_recipe`` keeps the ops between the batch's leaves and each count, and at every
+    step they are replayed eagerly on each micro-batch's host arrays: the global count of
+    every term, summed over micro-batches (and instances), gives ``inv_counts`` as for a
+    ``loss_fn``'s counts. A count that depends on the parameters (tokens routed to an expert)
+    has no recipe and is refused. The splitter cannot see every way a forward pairs the
+    samples of a micro-batch (a contrastive loss: a product of embeddings of two samples; a
+    mixture of experts' load-balancing loss over all tokens: a product of two means over the
+    batch), so a program that uses a recipe is checked once when it is built: the model and
+    loss run eagerly in eval mode (no dropout) on the first batch, whole and in parts added
+    up as the step adds them with the recipe's counts, and every term must agree (to 1e-3 of
+    itself, so a term with a small weight, an auxiliary loss, is checked as closely), else
+    the loss is refused; where the terms agree only with divisions by the micro-batch's
+    rows read as means, it is captured again so (Note [a sum divided by the batch's size]).
+
+Note [reductions over the rows]
+    A sum or mean over the rows (dim 0) that keeps other dims is not a number, so it is not a
+    term, but it is a statistic of the micro-batch: ``histc`` of routed experts, a router's
+    probabilities summed over tokens. Linear ops keep it one (views, sums, a multiplication by
+    a number or by a tensor that does not depend on the batch, a sum of two, zeros plus one),
+    and where they reduce it to a number it is a term of its kind (a sum: ``w = 1``; a mean
+    over rows: ``w = 1 / (R * GA)``), so ``x.mean(0).sum()`` adds up as eager's. Any other op
+    on it alone (a product of two, a nonlinear function) is the first op that leaves the sums
+    of parts; a loss it reaches as a number is refused, naming that op (Mixtral's
+    load-balancing loss: the share of tokens routed to each expert times the mean routing
+    probability, over the whole batch). An op that applies it to the rows (``h - h.mean(0)``,
+    a hand-written batch norm) normalises them by a statistic of their micro-batch, as
+    BatchNorm does (Note [per-replica batch statistics] in compile.py): rows as any other.
+
 Note [a sum divided by the batch's size]
     Some means divide a sum by the batch's size taken as a Python number:
     ``kl_div(reduction='batchmean')`` (``sum / input.size(0)``), a soft-label
@@ -63,6 +103,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture import VALUE_FREE
@@ -74,7 +115,10 @@ __all__ = [
     "LossDecompositionError",
     "LossSplitter",
     "Split",
+    "CountRecipe",
     "check_decomposition",
+    "parts_differ",
+    "term_mismatch",
     "host_counts",
 ]
 
@@ -91,6 +135,14 @@ _REDUCING_LOSSES = {
     aten.multi_margin_loss.default, aten.multilabel_margin_loss_forward.default,
 }  # fmt: skip
 _NLL = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+_IN_PLACE = {aten.add_: aten.add, aten.sub_: aten.sub, aten.mul_: aten.mul, aten.div_: aten.div}
+# linear ops (views, sums) that keep a reduction over the rows one
+_ROW_LINEAR = {
+    aten.sum, aten.mean, aten.neg, aten.t, aten.transpose, aten.permute, aten.select,
+    aten.slice, aten.unsqueeze, aten.squeeze, aten.expand, aten.view, aten.reshape,
+    aten._unsafe_view, aten.clone, aten._to_copy, aten.contiguous, aten.alias,
+}  # fmt: skip
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
 _MEANS = {aten.mean.default, aten.mean.dim}
 # ops that keep a scalar's linear form (a value-preserving cast or view)
@@ -113,19 +165,71 @@ class _Term:
     bound: int = 1  # elements per micro-batch the count can reach (its normaliser)
     # a counted mean's numerator: its sum (``value * count``, but finite where count is 0)
     numerator: torch.Tensor | None = None
+    forward: bool = False  # recorded while the model's forward ran (not in ``loss_fn``)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a value of a count's recipe comes from: a leaf of the batch (``at``: its index),
+    an output of an earlier op of the recipe (``at``: (op, output)), zeros (``at``: (shape,
+    dtype)), or a constant tensor (``at``: the tensor)."""
+
+    kind: str  # "leaf" | "out" | "zeros" | "const"
+    at: Any
+
+
+@dataclass(frozen=True)
+class CountRecipe:
+    """The counts of a loss's counted means from one micro-batch's data alone (Note [counts
+    computed in the forward]): the ops of the captured forward and loss between the batch's
+    leaves and each count, replayed eagerly on the host."""
+
+    dtypes: tuple[tuple[int, torch.dtype], ...]  # (batch leaf index, its dtype as captured)
+    ops: tuple[tuple[Any, Any, Any], ...]  # (op, args, kwargs) with ``_Ref``s for tensors
+    counts: tuple[_Ref, ...]  # one per counted mean, in ``Split.counted``'s order
+
+    def __call__(self, leaves: list) -> list[float]:
+        """The counts of one micro-batch, ``leaves`` its batch leaves (arrays or tensors)."""
+        values: dict[Any, torch.Tensor] = {}
+        for i, dtype in self.dtypes:  # (copies: an op of the recipe may write in place)
+            values[("leaf", i)] = torch.as_tensor(leaves[i]).to(dtype).clone()
+
+        def value(x):
+            if not isinstance(x, _Ref):
+                return x
+            if x.kind == "zeros":
+                return torch.zeros(x.at[0], dtype=x.at[1])
+            if x.kind == "const":
+                return x.at
+            return values[(x.kind, x.at)]
+
+        for k, (func, args, kwargs) in enumerate(self.ops):
+            out = func(*pytree.tree_map(value, args), **pytree.tree_map(value, kwargs))
+            for j, o in enumerate(pytree.tree_leaves(out)):
+                values[("out", (k, j))] = o
+        return [float(value(c)) for c in self.counts]
+
+
+# a term's coefficient: a number, or a scalar tensor that does not depend on the batch (a
+# weight computed from the parameters, a buffer): the same in every micro-batch
+Coef = float | torch.Tensor
+
+
+def _nonzero(c: Coef) -> bool:
+    return isinstance(c, torch.Tensor) or c != 0.0
 
 
 @dataclass
 class _Form:
     """``const + sum(coef * term)`` over term indices."""
 
-    coefs: dict[int, float] = field(default_factory=dict)
-    const: float = 0.0
+    coefs: dict[int, Coef] = field(default_factory=dict)
+    const: Coef = 0.0
 
-    def scaled(self, c: float) -> _Form:
+    def scaled(self, c: Coef) -> _Form:
         return _Form({k: v * c for k, v in self.coefs.items()}, self.const * c)
 
-    def plus(self, other: _Form, alpha: float = 1.0) -> _Form:
+    def plus(self, other: _Form, alpha: Coef = 1.0) -> _Form:
         coefs = dict(self.coefs)
         for k, v in other.coefs.items():
             coefs[k] = coefs.get(k, 0.0) + alpha * v
@@ -134,6 +238,23 @@ class _Form:
 
 def _is_scalar(t) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() == 1
+
+
+def _row_reduction(func, args, out) -> str | None:
+    """How ``func`` reduces a float tensor over its rows (dim 0) to a tensor that is not a
+    number, "sum" or "mean" (Note [reductions over the rows]); else None."""
+    x = args[0] if args else None
+    if not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.ndim > 0):
+        return None
+    if func is aten.histc.default:  # counts of values in bins: a sum over every element
+        return "sum"
+    if func not in (aten.sum.dim_IntList, aten.mean.dim) or len(args) < 2:
+        return None
+    dims = args[1]
+    dims = [dims] if isinstance(dims, int) else list(dims or range(x.ndim))
+    if 0 not in [d % x.ndim for d in dims] or out.ndim == 0:
+        return None
+    return "sum" if func is aten.sum.dim_IntList else "mean"
 
 
 def _reduction(func, args, kwargs) -> int | None:
@@ -151,7 +272,8 @@ class LossSplitter(TorchDispatchMode):
     """Follows batch data through the loss and records its terms (Note [exact losses over
     micro-batches]). ``batch`` holds the tensors that hold (or derive from) batch data."""
 
-    def __init__(self, batch, rows: int | None = None, real: torch.Tensor | None = None):
+    def __init__(self, batch, rows: int | None = None, real: torch.Tensor | None = None,
+                 *, recipes: bool = False):  # fmt: skip
         super().__init__()
         # Note [a sum divided by the batch's size]: the micro-batch's rows, where a division
         # of sums by a multiple of them is a mean over rows
@@ -163,11 +285,26 @@ class LossSplitter(TorchDispatchMode):
         self._summed: dict[int, torch.Tensor] = {}  # id(a float sum) -> what it sums
         self._forms: dict[int, _Form] = {}
         self._opaque: dict[int, str] = {}  # batch scalars that are no linear form, and why
+        # Note [reductions over the rows]: id -> "sum" | "mean", how its parts add up
+        self._stats: dict[int, str] = {}
+        self._zeros: set[int] = set()
+        self._derived: dict[int, str] = {}  # nonlinear functions of those alone, and why
         self.terms: list[_Term] = []
         self._untracked = 0
-        for t in pytree.tree_leaves(batch):
+        self.in_forward = False  # the model's forward is running (``_Term.forward``)
+        # Note [counts computed in the forward]: the ops that read only the batch and
+        # constants, where ``recipes`` and the loss is captured (on fake tensors; eagerly
+        # every tensor would be a constant); id(value) -> where it comes from
+        leaves = pytree.tree_leaves(batch)
+        self.recording = recipes and any(isinstance(t, FakeTensor) for t in leaves)
+        self._src: dict[int, _Ref] = {}
+        self._ops: list[tuple[Any, Any, Any]] = []
+        self._dtypes: dict[int, torch.dtype] = {}
+        for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 self._mark(t)
+                self._src[id(t)] = _Ref("leaf", i)
+                self._dtypes[i] = t.dtype
 
     def _mark(self, t: torch.Tensor) -> None:
         self._keep.append(t)
@@ -184,6 +321,7 @@ class LossSplitter(TorchDispatchMode):
             self._untracked -= 1
 
     def _term(self, term: _Term, out: torch.Tensor) -> None:
+        term.forward = self.in_forward
         self.terms.append(term)
         self._mark(out)
         self._forms[id(out)] = _Form({len(self.terms) - 1: 1.0})
@@ -205,8 +343,15 @@ class LossSplitter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.recording:
+            self._record(func, args, kwargs, out)
         if self._untracked:
             return out
+        # (a sum over the rows started from zeros stays one: Note [reductions over the rows])
+        same = func in _KEEP or func is aten.detach.default
+        if func in _ZEROS or (same and args and id(args[0]) in self._zeros):
+            self._keep.append(out)
+            self._zeros.add(id(out))
         if func in VALUE_FREE:  # ``ones_like(out)`` seeding ``autograd.grad`` of a batch sum
             return out
         leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -214,6 +359,8 @@ class LossSplitter(TorchDispatchMode):
         involved = [a for a in leaves if id(a) in self._forms or id(a) in self._opaque]
         if involved:
             self._combine(func, args, kwargs, out, outs)
+        elif any(id(a) in self._stats or id(a) in self._derived for a in leaves):
+            self._on_stat(func, args, out, leaves, outs)
         elif any(id(a) in self._batch for a in leaves):
             self._reduce(func, args, kwargs, out, outs)
         return out
@@ -221,7 +368,7 @@ class LossSplitter(TorchDispatchMode):
     def _combine(self, func, args, kwargs, out, outs) -> None:
         """An op on a term combination: a new linear form, or an opaque value."""
         form = None
-        name = func.overloadpacket
+        name = _IN_PLACE.get(func.overloadpacket, func.overloadpacket)  # (``loss += aux``)
         a0 = args[0] if args else None
         if func in _KEEP and _is_scalar(out):
             form = self._form(a0)
@@ -239,9 +386,11 @@ class LossSplitter(TorchDispatchMode):
             form = None if fa is None else fa.scaled(-1.0)
         elif name is aten.mul and len(args) == 2:
             for x, c in ((args[0], args[1]), (args[1], args[0])):
-                if isinstance(c, int | float) and not isinstance(c, bool):
-                    fx = self._form(x)
-                    form = None if fx is None else fx.scaled(float(c))
+                coef = self._coefficient(c)
+                fx = None if coef is None else self._forms.get(id(x))
+                if fx is not None and coef is not None:
+                    form = fx.scaled(coef)
+                    break
         elif name is aten.div and len(args) == 2:
             form = self._divide(args[0], args[1], out)
             if form is None and id(out) in self._forms:
@@ -258,6 +407,16 @@ class LossSplitter(TorchDispatchMode):
             self._mark(o)
             self._opaque[id(o)] = why
 
+    def _coefficient(self, c) -> Coef | None:
+        """``c`` as a coefficient of terms: a number, or a scalar tensor that does not depend
+        on the batch (``exp(-s) * ce + s``, ``loss * self.weight``)."""
+        if isinstance(c, int | float) and not isinstance(c, bool):
+            return float(c)
+        if (isinstance(c, torch.Tensor) and _is_scalar(c) and c.dtype.is_floating_point
+                and id(c) not in self._batch and id(c) not in self._opaque):  # fmt: skip
+            return c
+        return None
+
     def _divide(self, num, den, out) -> _Form | None:
         if isinstance(den, int | float) and not isinstance(den, bool) and den != 0:
             fn = self._form(num)
@@ -272,10 +431,18 @@ class LossSplitter(TorchDispatchMode):
                     self._term(_Term("mean", out), out)
                 else:
                     assert rows is not None
-                    count = aten.mul.Tensor(aten.sum.default(self._real), int(den) // rows)
+                    real = aten.sum.default(self._real)
+                    count = aten.mul.Tensor(real, int(den) // rows)
+                    if self.recording:
+                        self._record(aten.sum.default, (self._real,), {}, real)
+                        self._record(aten.mul.Tensor, (real, int(den) // rows), {}, count)
                     self._term(_Term("count", out, count, int(den), numerator=num), out)
                 return None
             return None if fn is None else fn.scaled(1.0 / float(den))
+        coef = None if isinstance(den, int | float) else self._coefficient(den)
+        if coef is not None:  # a batch-free scalar tensor: a coefficient
+            fn = self._forms.get(id(num))
+            return None if fn is None else fn.scaled(aten.reciprocal.default(coef))
         if isinstance(den, torch.Tensor) and id(den) not in self._counts:
             self._weighted_count(den)
         if isinstance(den, torch.Tensor) and id(den) in self._counts:
@@ -292,16 +459,16 @@ class LossSplitter(TorchDispatchMode):
         step adds up over micro-batches like ``mask.sum()``; one of the model's outputs has a
         gradient and stays a term (a ratio of such sums is refused)."""
         form = self._forms.get(id(den))
-        if den.requires_grad or form is None or form.const != 0.0 or len(form.coefs) != 1:
+        if den.requires_grad or form is None or _nonzero(form.const) or len(form.coefs) != 1:
             return
         ((k, c),) = form.coefs.items()
         summed = self._summed.get(id(self.terms[k].value))
-        if c == 1.0 and self.terms[k].kind == "sum" and summed is not None:
+        if isinstance(c, float) and c == 1.0 and self.terms[k].kind == "sum" and summed is not None:
             self._counts[id(den)] = summed
 
     def _sums_only(self, form: _Form) -> bool:
         return (
-            form.const == 0.0
+            not _nonzero(form.const)
             and bool(form.coefs)
             and all(self.terms[k].kind == "sum" for k in form.coefs)
         )
@@ -325,6 +492,9 @@ class LossSplitter(TorchDispatchMode):
                 self._term(_Term("sum", value), value)
             return
         if not (isinstance(out, torch.Tensor) and out.ndim == 0):
+            kind = _row_reduction(func, args, out)
+            if kind is not None:  # Note [reductions over the rows]
+                self._stats[id(out)] = kind
             return
         if func in _SUMS and isinstance(first, torch.Tensor):
             if first.dtype.is_floating_point or first.dtype.is_complex:
@@ -344,6 +514,128 @@ class LossSplitter(TorchDispatchMode):
                 return
         self._opaque[id(out)] = f"{func} reduces the batch to a number"
 
+    def _on_stat(self, func, args, out, leaves, outs) -> None:
+        """An op on a reduction over the rows (Note [reductions over the rows]): linear ones
+        keep it one (a term where they give a number); with the rows, a normalisation by a
+        statistic of the micro-batch; others leave the sums of parts."""
+        for o in outs:
+            self._mark(o)
+        derived = [self._derived[id(a)] for a in leaves if id(a) in self._derived]
+        kinds = {self._stats[id(a)] for a in leaves if id(a) in self._stats}
+        batch_free = all(id(a) not in self._batch for a in leaves if id(a) not in self._stats)
+        name = _IN_PLACE.get(func.overloadpacket, func.overloadpacket)
+        kind = next(iter(kinds)) if len(kinds) == 1 else None
+        if name in (aten.mul, aten.div):  # by a number or a batch-free tensor, not by a stat
+            linear = (
+                batch_free
+                and (name is aten.mul or id(args[1]) not in self._stats)
+                and (name is aten.div or sum(id(a) in self._stats for a in args) == 1)
+            )
+        elif name in (aten.add, aten.sub):  # stats of one kind, zeros; a mean's plus a constant
+            linear = batch_free and (kind == "mean" or all(
+                id(a) in self._stats or id(a) in self._zeros for a in leaves))  # fmt: skip
+        else:
+            linear = func in _KEEP or name in _ROW_LINEAR
+        if not derived and kind is not None and linear and isinstance(out, torch.Tensor):
+            if out.ndim == 0:
+                self._term(_Term(kind, out), out)
+            else:
+                self._stats[id(out)] = kind
+            return
+        if any(id(a) in self._batch and id(a) not in self._stats and id(a) not in self._derived
+               for a in leaves):  # fmt: skip
+            return  # rows normalised per micro-batch (as BatchNorm's: the documented difference)
+        why = derived[0] if derived else (
+            f"{func} applied to a reduction of the batch over its rows (dim 0), which the "
+            "micro-batches' parts do not add up to: a product or another nonlinear function "
+            "of sums or means over the batch (a mixture of experts' load-balancing loss "
+            "over all tokens: the share of tokens each expert gets times its mean routing "
+            "probability)"
+        )  # fmt: skip
+        for o in outs:
+            if o.ndim == 0:  # a number: not a term
+                self._opaque[id(o)] = why
+            else:
+                self._derived[id(o)] = why
+
+    # ---- counts computed in the forward (Note [counts computed in the forward]) -----------
+
+    def _ref(self, x: torch.Tensor) -> _Ref | None:
+        ref = self._src.get(id(x))
+        if ref is not None:
+            return ref
+        if not isinstance(x, FakeTensor):  # a real tensor: a constant of the loss
+            return _Ref("const", x.detach())
+        constant = getattr(x, "constant", None)  # a constant made during the capture
+        return None if constant is None else _Ref("const", constant)
+
+    def _record(self, func, args, kwargs, out) -> None:
+        """Keeps ``func`` for the recipes where it reads only the batch's data and constants;
+        an ``nll_loss``'s count (``total_weight``) reads only its targets and class weights."""
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return
+        if func in _NLL and isinstance(args[0], torch.Tensor) and self._ref(args[0]) is None:
+            zeros = _Ref("zeros", (tuple(args[0].shape), args[0].dtype))
+            args, outputs = (zeros, *args[1:]), {1}  # (its values do not change the count)
+        else:
+            outputs = None
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        refs = {id(a): self._ref(a) for a in tensors}
+        if any(r is None for r in refs.values()):
+            return
+        rargs, rkwargs = pytree.tree_map(
+            lambda a: refs[id(a)] if isinstance(a, torch.Tensor) else a, (args, kwargs)
+        )
+        if "device" in rkwargs:  # (replayed on the host)
+            rkwargs = {**rkwargs, "device": torch.device("cpu")}
+        k = len(self._ops)
+        self._ops.append((func, rargs, rkwargs))
+        for j, o in enumerate(pytree.tree_leaves(out)):
+            if isinstance(o, torch.Tensor) and (outputs is None or j in outputs):
+                self._keep.append(o)
+                self._src[id(o)] = _Ref("out", (k, j))
+
+    def count_recipe(self, counted: list[_Term], chunks: int) -> CountRecipe:
+        """The recipe of ``counted``'s counts, or a ``LossDecompositionError`` naming a count
+        that depends on more than the batch (on the model's parameters)."""
+        outs = []
+        for t in counted:
+            ref = None if t.count is None else self._src.get(id(t.count))
+            if ref is None:
+                raise LossDecompositionError(_explain(
+                    "the count of a mean over counted elements depends on more than the batch's "
+                    "data (on the model's parameters, such as tokens routed to an expert), so "
+                    "it cannot be counted before the step", chunks))  # fmt: skip
+            outs.append(ref)
+
+        def refs_of(x) -> list[_Ref]:
+            return [r for r in pytree.tree_leaves(x) if isinstance(r, _Ref)]
+
+        # the ops the counts read, and every op that writes in place before the last of them
+        need: set[int] = set()
+        todo = [r.at[0] for r in outs if r.kind == "out"]
+        last = max(todo, default=-1)
+        todo += [k for k in range(last) if self._ops[k][0]._schema.is_mutable]
+        while todo:
+            k = todo.pop()
+            if k not in need:
+                need.add(k)
+                todo += [r.at[0] for r in refs_of(self._ops[k][1:]) if r.kind == "out"]
+        order = sorted(need)
+        new = {k: i for i, k in enumerate(order)}
+
+        def renumber(x):
+            if isinstance(x, _Ref) and x.kind == "out":
+                return _Ref("out", (new[x.at[0]], x.at[1]))
+            return x
+
+        ops = tuple((f, *pytree.tree_map(renumber, (a, kw))) for f, a, kw in
+                    (self._ops[k] for k in order))  # fmt: skip
+        leaves = {r.at for op in ops for r in refs_of(op[1:]) if r.kind == "leaf"}
+        leaves |= {r.at for r in outs if r.kind == "leaf"}
+        return CountRecipe(tuple((i, self._dtypes[i]) for i in sorted(leaves)), ops,
+                           tuple(renumber(r) for r in outs))  # fmt: skip
+
     # ---- the split -------------------------------------------------------------------------
 
     def split(self, loss: torch.Tensor, chunks: int) -> Split:
@@ -357,7 +649,7 @@ class LossSplitter(TorchDispatchMode):
                     _explain("the loss is not reached through a reduction this splitter knows", chunks))  # fmt: skip
             form = _Form({len(self.terms): 1.0})  # batch-free: counted once
             self.terms.append(_Term("fixed", loss))
-        used = {k: c for k, c in form.coefs.items() if c != 0.0}
+        used = {k: c for k, c in form.coefs.items() if _nonzero(c)}
         counted = {id(self.terms[k]) for k in used if self.terms[k].kind == "count"}
         if len(counted) > MAX_COUNTS:
             raise LossDecompositionError(
@@ -374,8 +666,8 @@ class LossSplitter(TorchDispatchMode):
 class Split:
     """A loss as ``const + sum(coef * term)`` (Note [exact losses over micro-batches])."""
 
-    parts: list[tuple[_Term, float]]
-    const: float
+    parts: list[tuple[_Term, Coef]]
+    const: Coef
 
     @property
     def counted(self) -> list[_Term]:
@@ -385,7 +677,8 @@ class Split:
     def deferred(self) -> bool:
         """One counted mean alone: its count is summed in the step and the gradients are
         divided by it once; otherwise counts come from the host (``host_counts``)."""
-        return len(self.parts) == 1 and self.parts[0][0].kind == "count" and not self.const
+        return (len(self.parts) == 1 and self.parts[0][0].kind == "count"
+                and not _nonzero(self.const))  # fmt: skip
 
     def objective(self, chunks: int, inv_counts=None,
                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
@@ -393,7 +686,20 @@ class Split:
         model, Note [float64 models] in compile_common.py) and, for a deferred counted mean,
         its count; torch ops, so they are captured with the loss. ``inv_counts`` holds one
         over the global count of every counted mean (host counts)."""
+        parts, count = self.contributions(chunks, inv_counts, dtype)
         obj: Any = None
+        for part in parts:
+            obj = part if obj is None else obj + part
+        if obj is None:  # a loss of numbers only
+            raise LossDecompositionError(_explain("the loss does not depend on the model", chunks))
+        if _nonzero(self.const):
+            obj = obj + self.const / chunks
+        return obj, count
+
+    def contributions(self, chunks: int, inv_counts=None, dtype: torch.dtype = torch.float32
+                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:  # fmt: skip
+        """Each term's part of ``objective`` (in ``parts``' order), and a deferred count."""
+        out = []
         count = None
         counted = self.counted
         for term, c in self.parts:
@@ -410,12 +716,8 @@ class Split:
                     assert inv_counts is not None
                     i = next(j for j, t in enumerate(counted) if t is term)
                     part = term.numerator.to(dtype) * inv_counts[i] * c
-            obj = part if obj is None else obj + part
-        if obj is None:  # a loss of numbers only
-            raise LossDecompositionError(_explain("the loss does not depend on the model", chunks))
-        if self.const:
-            obj = obj + self.const / chunks
-        return obj, count
+            out.append(part)
+        return out, count
 
 
 def _explain(why: str, chunks: int) -> str:
@@ -462,10 +764,9 @@ def _replay(loss_fn, leaves, spec, targets, chunks: int, rows: int | None = None
 
 
 _FORWARD_COUNTS = (
-    "it combines a mean over counted elements computed in the model's forward with other "
-    "terms (only a loss_fn's counts can be counted ahead; a loss that pairs the samples of "
-    "the batch with each other, such as a contrastive loss over the batch, has no "
-    "micro-batch parts at all)"
+    "it combines means over counted elements with other terms, and their counts could not be "
+    "counted from the targets (a loss that pairs the samples of the batch with each other, "
+    "such as a contrastive loss over the batch, has no micro-batch parts at all)"
 )
 
 
@@ -540,29 +841,62 @@ def check_decomposition(loss_fn, outputs, targets, chunks: int, over_rows: bool 
             total *= bound * chunks / count
         return whole, total
 
-    def adds_up(whole: float, total: float) -> bool:
-        return abs(total - whole) <= 1e-3 * max(abs(whole), 1e-6) + 1e-6
-
     try:
         whole, total = parts_total(over_rows)
         if not math.isfinite(whole):  # (a mask that selects nothing of synthetic outputs)
             return False
-        if adds_up(whole, total):
+        if _adds_up(whole, total):
             return False
-        if not over_rows and adds_up(*parts_total(True)):
+        if not over_rows and _adds_up(*parts_total(True)):
             return True
     except LossDecompositionError:
         raise
     except Exception:  # the loss does not run on synthetic outputs: structural split only
         return False
-    raise LossDecompositionError(
+    raise _parts_differ("targets and synthetic outputs", whole, total, chunks)
+
+
+def _adds_up(whole: float, total: float) -> bool:
+    return abs(total - whole) <= 1e-3 * max(abs(whole), 1e-6) + 1e-6
+
+
+def _parts_differ(on: str, whole: float, total: float, chunks: int, what: str = "the loss"
+                  ) -> LossDecompositionError:  # fmt: skip
+    return LossDecompositionError(
         _explain(
-            f"on the first batch's targets and synthetic outputs, the loss of the whole "
-            f"batch is {whole:.6g} but its {chunks} parts add up to {total:.6g}: each part "
-            "depends on the other samples of its micro-batch (in-batch negatives, a ratio of "
-            "sums over the batch such as a dice score), or the loss divides by another "
-            "function of the micro-batch's size than a multiple of its rows "
-            "(`/ x.shape[0] ** 0.5`)",
+            f"on the first batch's {on}, {what} of the whole batch is {whole:.6g} but its "
+            f"{chunks} parts add up to {total:.6g}: each part depends on the other samples of "
+            "its micro-batch, as a loss that pairs the samples of the batch with each other "
+            "does (in-batch negatives, a ratio of sums over the batch such as a "
+            "dice score, a product of two means over the batch such as a mixture of experts' "
+            "load-balancing loss over all tokens), or the loss divides by another function of "
+            "the micro-batch's size than a multiple of its rows (`/ x.shape[0] ** 0.5`)",
             chunks,
         )
     )
+
+
+def term_mismatch(whole: Split, parts: list[Split], inv: torch.Tensor, chunks: int
+                  ) -> tuple[float, float] | None:  # fmt: skip
+    """Where a term of a loss computed on the whole batch (``whole``, split as one
+    micro-batch) differs from the sum of its parts over ``parts`` as the step adds them
+    (``inv``: one over the global counts), (its value, the parts' sum); None where every term
+    adds up (Note [counts computed in the forward]). Term by term, so a term with a small
+    weight is checked as closely as a large one."""
+    want, _ = whole.contributions(1, inv)
+    got = [0.0] * len(want)
+    for split in parts:
+        values, _ = split.contributions(chunks, inv)
+        if len(values) != len(want):  # (another structure: compared as a whole)
+            w, _ = whole.objective(1, inv)
+            total = sum(float(p.objective(chunks, inv)[0]) for p in parts)
+            return None if _adds_up(float(w), total) else (float(w), total)
+        got = [g + float(v) for g, v in zip(got, values, strict=True)]
+    return next(((float(w), g) for w, g in zip(want, got, strict=True)
+                 if math.isfinite(float(w)) and not _adds_up(float(w), g)), None)  # fmt: skip
+
+
+def parts_differ(mismatch: tuple[float, float], chunks: int) -> LossDecompositionError:
+    """The error of a loss computed in the model's forward whose parts do not add up."""
+    return _parts_differ("data (the model run eagerly in eval mode)", *mismatch, chunks,
+                         what="a term of the loss")  # fmt: skip

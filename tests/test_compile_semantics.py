@@ -833,3 +833,30 @@ def test_a_layer_built_inside_the_forward_trains_as_eager():
     for x, y in batches(2):
         assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, 8), "loss")
     assert_same_params(model, ref)
+
+
+class _ScoresAndLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x, labels):
+        scores = self.net(x)
+        return {"scores": scores, "loss": CE(scores, labels)}
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_inference_hands_int64_inputs_to_the_model_as_int64(R):
+    """Host int64 travels as int32 (as PopXL streams it); the model gets int64 back, as in
+    eager: a cross-entropy on labels given to an inference program (a validation loss the
+    model computes) takes them. (With replicas a loss the model reduces over the batch
+    comes back per replica: the scores are compared there.)"""
+    torch.manual_seed(0)
+    model = _ScoresAndLoss().eval()
+    x, y = batches(1)[0]
+    got = popxl.compile(model, replication_factor=R)({"x": x, "labels": y})
+    with torch.no_grad():
+        want = model(x, y)
+    assert_close(got["scores"], want["scores"], "scores")
+    if R == 1:
+        assert_close(got["loss"], want["loss"], "loss")

@@ -72,6 +72,7 @@ from .compile_common import (
     _structured,
     _structured_targets,
     _without_caches,
+    as_host_dtype,
     host_float,
     loss_dtype,
     model_loss,
@@ -1407,9 +1408,7 @@ class Trainer:
         graph = ir.create_empty_graph("forward")
         with graph:
             io = [graph_input(st.shape, st.dtype, st.tensor_id) for st in in_streams]
-            for i, a in enumerate(batch.arrays):
-                if a.dtype == np.int64:  # streamed as int32 (PopXL downcasts host data)
-                    io[i] = call_torch(torch.Tensor.long, (io[i],), {})
+            io = [as_host_dtype(t, a.dtype) for t, a in zip(io, batch.arrays, strict=True)]
             args, kwargs, t, real = _loss_inputs(batch, io)
             params = {
                 n: graph_input(p.shape, _dtype.as_dtype(p.dtype), n)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from .capture import call_torch
 from .dtypes import dtype as _dtype
 from .dtypes import to_numpy
 from .ir.streams import h2d_stream
@@ -302,3 +303,12 @@ def _h2d(shape, np_dtype, name):
     if dt.name == "int64":  # host data is downcast to int32 (as PopXL does)
         dt = _dtype.as_dtype("int32")
     return h2d_stream(shape, dt, name)
+
+
+def as_host_dtype(loaded, np_dtype):
+    """A tensor loaded from an ``_h2d`` stream in the dtype of the host array it carries
+    (int64 travels as int32, as PopXL streams host data; a cross-entropy's targets and an
+    embedding's ids are int64 in the model, as in eager torch)."""
+    if np.dtype(np_dtype) != np.int64:
+        return loaded
+    return call_torch(torch.Tensor.long, (loaded,), {})

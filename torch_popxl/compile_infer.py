@@ -46,6 +46,7 @@ from .compile_common import (
     _pad_rows,
     _structured,
     _without_caches,
+    as_host_dtype,
     host_float,
     options_key,
 )
@@ -106,7 +107,9 @@ class InferenceProgram:
             ]
             tensors = {n: variable(_host(t), _dtype.as_dtype(t.dtype), name=n)
                        for n, t in [*params.items(), *buffers.items()]}  # fmt: skip
-            loaded = [ops.host_load(st, f"x{i}") for i, st in enumerate(streams)]
+            loaded = [as_host_dtype(ops.host_load(st, f"x{i}"), a.dtype)
+                      for i, (st, a) in enumerate(zip(streams, [*args, *kwargs.values()],
+                                                      strict=True))]  # fmt: skip
             a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
             k_in = {**k_in, **dict(options)}  # Note [keyword options]
             with _attributes_restored(self.model), _nested_paths_as_eager(self.model):

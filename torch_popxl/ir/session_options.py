@@ -190,6 +190,7 @@ class SessionOptions(_Struct):
     numIOTiles: int
     enableStochasticRounding: bool
     enableInplaceAmbiguityChecking: bool
+    throwIfLog2ScaleTensorNotInRange: bool
     enableEngineCaching: bool
     cachePath: str
     engineOptions: dict[str, str]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_popxl as popxl
-from torch_popxl import ops
+from torch_popxl import ops, popart
 
 
 def _run(ir, tensors):
@@ -217,3 +217,41 @@ def test_scaled_convolutions_are_the_float32_convolutions_scaled_in_float16(fp8)
                                                    output_padding=(1, 0))  # fmt: skip
     np.testing.assert_array_equal(got_c, (want_c / 4).half().numpy())
     np.testing.assert_array_equal(got_ct, (want_ct / 4).half().numpy())
+
+
+@pytest.mark.parametrize("executor", ["fast", "reference"])
+def test_a_log2_scale_out_of_range_stops_the_run_unless_the_option_is_off(executor):
+    # Upstream checks a float8 op's run-time scale against [-32, 32) and raises Poplar's
+    # application_runtime_error; throwIfLog2ScaleTensorNotInRange = False runs without the
+    # check (Note [log2 scale range check]). Two replicas: replica 1's scale is out of range.
+    x = np.array([1.5, -2.0, 0.25], np.float32)
+    for scales, bad in (([0, 40], [40]), ([-32, 31], None), ([-33, 3], [-33])):
+        ir = popxl.Ir(replication=2)
+        with ir.main_graph:
+            per_replica = ir.replica_grouping(group_size=1)
+            s = popxl.variable(np.array(scales, np.int32), popxl.int32,
+                               replica_grouping=per_replica)  # fmt: skip
+            f8 = ops.pow2scale_cast_to_fp8(popxl.variable(x), s, popxl.float8_143)
+            y = ops.pow2scale_cast_from_fp8(f8, popxl.constant(np.int32(0)), popxl.float32)
+            d = popxl.d2h_stream(y.shape, y.dtype)
+            ops.host_store(d, y)
+        with popxl.Session(ir, "ipu_model", executor=executor) as session:
+            if bad is None:
+                got = session.run()[d]
+            else:
+                with pytest.raises(popart.poplar_application_runtime_error) as e:
+                    session.run()
+                assert "not in the range [-32, 32)" in str(e.value)
+                assert str(bad) in str(e.value)
+                assert "throwIfLog2ScaleTensorNotInRange" in str(e.value)
+        ir._pb_ir.getSessionOptions().throwIfLog2ScaleTensorNotInRange = False
+        with popxl.Session(ir, "ipu_model", executor=executor) as session:
+            unchecked = session.run()[d]
+        if bad is None:
+            np.testing.assert_array_equal(unchecked, got)
+        # Each replica's value is x * 2**scale, exact in float8_143 where it is in the format's
+        # range here, NaN above its largest value (448) and 0 far below its smallest (2**-9).
+        for r, scale in enumerate(scales):
+            v = x.astype(np.float64) * 2.0**scale
+            want = np.where(np.abs(v) > 448, np.nan, np.where(np.abs(v) < 2.0**-11, 0.0, v))
+            np.testing.assert_array_equal(unchecked[r], want.astype(np.float32))

@@ -312,13 +312,11 @@ def test_popxl_compile_records_no_new_tensor_views():
     assert copied_views(trainer.ir) == frozenset()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a callee output that is a torch view of a "
-                   "callee input shares the caller's storage (docs/semantics.md)")  # fmt: skip
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_a_call_output_viewing_a_call_input_is_a_new_tensor(executor):
     """A call's outputs are new tensors upstream. The gradient graph of a reshape returns
-    torch's view of its input gradient, so an update of the caller's ``dy`` after the call
-    still reaches ``dx`` here."""
+    torch's view of its input gradient; an update of the caller's ``dy`` after the call must
+    not reach ``dx`` (Note [call outputs are new tensors])."""
     ir = popxl.Ir()
     with ir.main_graph, popxl.in_sequence():
         x = popxl.variable(np.zeros((2, 3), np.float32))

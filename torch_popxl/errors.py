@@ -5,7 +5,13 @@ does). IR-construction errors that PopXL reports from its C++ core (``popart_exc
 raise :class:`PopXLError`, so programs can catch one project error class.
 """
 
-__all__ = ["PopXLError", "UndefinedValue", "DataDependentError", "IrVerificationError"]
+__all__ = [
+    "PopXLError",
+    "UndefinedValue",
+    "DataDependentError",
+    "IrVerificationError",
+    "ApplicationRuntimeError",
+]
 
 
 class PopXLError(RuntimeError):
@@ -14,6 +20,11 @@ class PopXLError(RuntimeError):
 
 class UndefinedValue(ValueError):
     """A tensor attribute (for example ``ipu``) was read before it was set."""
+
+
+class ApplicationRuntimeError(RuntimeError):
+    """A check compiled into the program failed while it ran (Poplar's
+    ``application_runtime_error``, ``popart.poplar_application_runtime_error``)."""
 
 
 class DataDependentError(PopXLError):

@@ -6,7 +6,8 @@ name communication groups (``popart.CommGroupType``, ``popart.CommGroup``: the c
 ``popxl.ops.collectives`` exports, as upstream's are the same objects) and data types
 (``popart.DataType.FLOAT8_143``), set log levels (``popart.getLogger().setLevel("DEBUG")``)
 and catch ``popart.popart_exception``, the error PopART raises
-for a program it refuses (here ``PopXLError``, which the same checks raise). ``import popart``
+for a program it refuses (here ``PopXLError``, which the same checks raise), and
+``popart.poplar_application_runtime_error``, raised by a check that runs with the program. ``import popart``
 ports as ``import torch_popxl.popart as popart``. Programs reach PopART's options through
 ``ir._pb_ir.getSessionOptions()``.
 """
@@ -16,13 +17,16 @@ from __future__ import annotations
 import enum
 import logging
 
-from .errors import PopXLError
+from .errors import ApplicationRuntimeError, PopXLError
 from .ops.collectives import CommGroup, CommGroupType
 
 __all__ = ["PyWeightsIO", "CommGroup", "CommGroupType", "DataType", "popart_exception",
-           "getLogger"]  # fmt: skip
+           "poplar_application_runtime_error", "getLogger"]  # fmt: skip
 
 popart_exception = PopXLError
+# A check compiled into the program failed while it ran (a float8 op's log2 scale out of
+# range: Note [log2 scale range check] in opdefs/log2_scale.py).
+poplar_application_runtime_error = ApplicationRuntimeError
 
 
 class PyWeightsIO(dict):

@@ -19,7 +19,8 @@ What the fields mean here:
   (instance) replication factor; ``globalReplicationFactor`` / ``globalReplicaOffset`` /
   ``enableDistributedReplicatedGraphs`` read the Ir's replica layout (``popxl.Ir(replication=)``
   sets it, as PopDist does upstream); ``enableInplaceAmbiguityChecking = False`` turns off the
-  check a Session runs (``ir/inplace.py``); ``enableEngineCaching`` / ``cachePath`` start from
+  check a Session runs (``ir/inplace.py``); ``throwIfLog2ScaleTensorNotInRange = False`` turns
+  off the run-time check of float8 ops' scales (Note [log2 scale range check]); ``enableEngineCaching`` / ``cachePath`` start from
   ``$POPXL_CACHE_DIR`` (else ``$POPART_CACHE_DIR``) as upstream.
 * ``numIOTiles`` feeds the cost model and so the memory report's modeled times: compute runs on
   the tiles left over (Note [IO tiles] in ``runtime/cost_model.py``); ``popxl.io_tiles()``
@@ -189,6 +190,7 @@ class SessionOptions(_Struct):
     numIOTiles: int
     enableStochasticRounding: bool
     enableInplaceAmbiguityChecking: bool
+    throwIfLog2ScaleTensorNotInRange: bool
     enableEngineCaching: bool
     cachePath: str
     engineOptions: dict[str, str]
@@ -224,7 +226,7 @@ class SessionOptions(_Struct):
         "enableFloatingPointChecks": False,
         "enableFullyConnectedPass": True,
         "enableGroupedMatmuls": False,
-        # The device's float8 scales are not range-checked here (docs/semantics.md).
+        # Read by Session (Note [log2 scale range check] in opdefs/log2_scale.py).
         "throwIfLog2ScaleTensorNotInRange": True,
         "enableStableNorm": False,
         "enableNonStableSoftmax": False,

@@ -35,13 +35,23 @@ run, the host). Both executors copy the results of exactly these ops where they 
 (``.clone()`` of the view), so their values are upstream's; every other view stays a view.
 popxl.compile's programs record torch's own code, whose views are torch's aliases: they have
 no marked op, and the walk is skipped.
+
+Note [call outputs are new tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A call's outputs are new tensors upstream too, but a callee may return torch's alias of one
+of its inputs without any marked op: a gradient graph records torch's backward code, and
+the backward of ``reshape`` is a view of the incoming gradient. The walk therefore treats a
+callee output that shares storage with an argument of its call, through no marked op, as
+made new by the op of the callee that produced it: when a write can see the sharing, that
+op's results are copied (every call of the callee then copies; no other walk changes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .graph import Op, OpKind
+from .graph import Graph, Op, OpKind
 from .tensor import Constant, Tensor
 from .walk import Env, Interpreter, effects
 
@@ -99,7 +109,7 @@ class _Storage(Interpreter[_Node]):
         for k, t in enumerate(op.outputs):
             if t.id in env:  # an in-place op returns its input
                 outs.append(env[t.id])
-            elif k in e.aliases:
+            elif k in e.aliases and op not in self.copied:
                 outs.append(self.node(ins[e.aliases[k]]))
             elif k in e.views and op not in self.copied:
                 outs.append(self.node(ins[e.views[k]], op))
@@ -126,6 +136,23 @@ class _Storage(Interpreter[_Node]):
         # first two.
         return min(op.attrs.repeat_count, 2)
 
+    def enter(self, op: Op, args: Sequence[_Node]) -> list[_Node]:
+        # Note [call outputs are new tensors]
+        graph: Graph = op.attrs.graph
+        outs = super().enter(op, args)
+        shared = {a.root for a in args}
+        for k, (t, n) in enumerate(zip(graph._outputs, outs, strict=True)):
+            if n.root not in shared or _has_edge(n):
+                continue
+            producer = graph._producer(t)
+            if (
+                producer is not None
+                and producer.kind == OpKind.TORCH
+                and not effects(producer).writes
+            ):
+                outs[k] = self.node(n, producer)
+        return outs
+
     def conflicts(self) -> set[Op]:
         """The op to copy on each conflicting path (the one nearest the leaves)."""
         found: set[Op] = set()
@@ -137,6 +164,15 @@ class _Storage(Interpreter[_Node]):
                 if edge is not None:
                     found.add(edge)
         return found
+
+
+def _has_edge(n: _Node) -> bool:
+    """Whether a new-tensor op lies between ``n`` and the root of its storage."""
+    while n.base is not None:
+        if n.edge is not None:
+            return True
+        n = n.base
+    return False
 
 
 def _deepest_edge(a: _Node, b: _Node) -> Op | None:
@@ -181,4 +217,5 @@ def copied_views(ir: Ir) -> frozenset[Op]:
         found = _walk(ir, copied)
         if not found:
             return copied
+        assert not found <= copied, f"copying {sorted(map(str, found))} resolved no conflict"
         copied = copied | found

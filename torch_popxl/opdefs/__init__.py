@@ -6,7 +6,7 @@ rules, and its public wrapper — registered by name in one ``OpDef`` (``registr
 
 Stanzas: ``all_reduce``, ``all_reduce_tp`` (popxl-addons' differentiable TP all-reduce), ``all_gather``, ``reduce_scatter`` (with ``'local'``, PopXL's
 ``replica_sharded_slice``), ``take_own`` (``replicated_slice``), ``remote`` (remote loads and
-stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
+stores), ``host`` (host streams), ``print_tensor`` (host prints), ``ipu_copy`` (copies between IPUs), ``log2_scale`` (the run-time range check of a float8 op's scale: Note [log2 scale range check]), ``fused`` (ops the fast compiler makes by fusion), ``scalar_tensor`` (optimizer updates whose
 scalar is a tensor), ``sgd`` (the one-pass SGD update) and
 ``compute`` (FLOP counts of captured matmuls), ``ctc`` (CTC loss with static shapes: Note [CTC
 loss in a captured graph]), ``attention`` (the CPU flash-attention ops a
@@ -32,6 +32,7 @@ from . import (
     fused,
     host,
     ipu_copy,
+    log2_scale,
     print_tensor,
     reduce_scatter,
     reference,
@@ -59,6 +60,7 @@ __all__ = [
     "fused",
     "host",
     "ipu_copy",
+    "log2_scale",
     "lookup",
     "print_tensor",
     "reduce_scatter",

@@ -12,7 +12,8 @@ Note [power-of-two scaling]
     ``conv_transpose_pow2scaled``) ``(lhs @ rhs) * 2**log2_scale`` in float16 (the IPU's output
     and partials type for float8 matmuls and convolutions). The products are exact powers of two,
     so only the casts round; float8 data is held in torch's formats (Note [float8 encoding]
-    in dtypes.py), whose out-of-range conversions torch defines.
+    in dtypes.py), whose out-of-range conversions torch defines. A scale outside [-32, 32)
+    stops the run, as upstream (Note [log2 scale range check] in opdefs/log2_scale.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from .. import dtypes as _dtypes
 from ..errors import given
 from ..ir.tensor import Tensor, constant
+from ..opdefs.log2_scale import checked_log2_scale
 from ._common import call_op
 from .nn import PadType, conv_function, conv_transpose_function
 from .rng import seeded_uniform
@@ -57,7 +59,8 @@ def _scale(log2_scale, op: str) -> Tensor:
 
 
 def _pow2(scale: torch.Tensor) -> torch.Tensor:
-    return torch.pow(2.0, scale.to(torch.float32))
+    # The scale is read at run time, and checked then (Note [log2 scale range check]).
+    return torch.pow(2.0, checked_log2_scale(scale).to(torch.float32))
 
 
 def pow2scale_then_cast(t: Tensor, log2_scale: Tensor, data_type: _dtypes.dtype) -> Tensor:

@@ -22,7 +22,7 @@ from ..ir.inplace import check_inplace_ambiguity
 from ..ir.ir import Ir
 from ..ir.streams import DeviceToHostStream, HostToDeviceStream
 from ..ir.tensor import Constant, Tensor, Variable
-from ..opdefs import backends
+from ..opdefs import backends, log2_scale
 from . import distributed, grouped_values, remote_io, step_cache
 from .executor import FastExecutor, ReferenceExecutor, SessionState
 from .report import build_report
@@ -107,8 +107,12 @@ class Session:
         ir.verify()
         # Upstream builds every Ir with enableInplaceAmbiguityChecking (Note [in-place ambiguity]);
         # a program may turn it off through the session options, as upstream.
-        if ir._pb_ir.getSessionOptions().enableInplaceAmbiguityChecking:
+        options = ir._pb_ir.getSessionOptions()
+        if options.enableInplaceAmbiguityChecking:
             check_inplace_ambiguity(ir)
+        # Read when the session is built, as upstream compiles the check in (Note [log2 scale
+        # range check] in opdefs/log2_scale.py).
+        self._check_log2_scale = bool(options.throwIfLog2ScaleTensorNotInRange)
         if device_desc not in _DEVICES:
             raise ValueError(
                 f"Incorrect device type provided {device_desc!r}: expected one of {_DEVICES} (all "
@@ -260,7 +264,11 @@ class Session:
         # weights_from_host of one session is counted in another session's run. The scope's
         # counts are kept: the "normal" fragment's are the last run's figures. Large blocks the
         # fragment frees are kept for its next run (Note [step cache] in csrc/step_cache.cpp).
-        with backends.traffic_scope() as counted, step_cache.running():
+        with (
+            backends.traffic_scope() as counted,
+            step_cache.running(),
+            log2_scale.checking(self._check_log2_scale),
+        ):
             if self._collectives is None:  # (one process: no context to enter every step)
                 result = self._executor.run(self._state, fragment, ins, nht)
             else:

@@ -700,22 +700,31 @@ def test_python_random_draws_in_captured_code_are_refused_and_passing_them_in_tr
 # ---- data-parallel wrappers (Note [data-parallel wrappers]) ------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=IDS[:2])
-def test_a_model_wrapped_in_data_parallel_trains_as_the_module_it_holds(layout):
-    """Scripts written for GPUs wrap their model in nn.DataParallel; compiling the wrapper
-    trains the module it holds as eager does (DataParallel on the CPU calls the module), and
-    the wrapper, the module and the optimizer all see the trained weights and state."""
+def _adam_trained_as_eager(make, layout, wrap=None):
+    """``make()`` trained three Adam steps through popxl.compile (given wrapped in ``wrap``
+    when set) and an equal copy eagerly on the compiled schedule: losses, weights and Adam
+    state compared; returns (model, eager copy)."""
     torch.manual_seed(0)
-    model, ref = mlp(), mlp()
+    model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
-    wrapped = torch.nn.DataParallel(model)
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (wrapped, ref))
-    trainer = compiled(wrapped, opt, layout)
+    given = model if wrap is None else wrap(model)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (given, ref))
+    trainer = compiled(given, opt, layout)
     R, GA = layout[:2]
     for x, y in batches(3):
         assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, R * GA), "loss")
     assert_same_params(model, ref)
     assert_same_optimizer_state(opt, ref_opt)
+    return model, ref
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=IDS[:2])
+def test_a_model_wrapped_in_data_parallel_trains_as_the_module_it_holds(layout):
+    """Scripts written for GPUs wrap their model in nn.DataParallel; compiling the wrapper
+    trains the module it holds as eager does (DataParallel on the CPU calls the module), and
+    the wrapper, the module and the optimizer all see the trained weights and state."""
+    model, ref = _adam_trained_as_eager(mlp, layout, wrap=torch.nn.DataParallel)
+    wrapped = torch.nn.DataParallel(model)
     x = batches(1, seed=5)[0][0]
     with torch.no_grad():
         assert_close(wrapped(x), ref(x), "the wrapper's forward after training")
@@ -798,16 +807,7 @@ def test_writes_under_a_boolean_mask_train_as_eager(layout):
     """torch's batching rule refuses ``index_put`` with a boolean mask (a selection's size
     depends on the data); one value written under one mask is a ``masked_fill``: the same
     numbers on every replica (Gemma 3 writes its token ids so)."""
-    torch.manual_seed(0)
-    model, ref = _MaskedWrites(), _MaskedWrites()
-    ref.load_state_dict(model.state_dict())
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, ref))
-    trainer = compiled(model, opt, layout)
-    R, GA = layout[:2]
-    for x, y in batches(3):
-        assert_close(trainer.step(x, y), eager_step(ref, ref_opt, x, y, R * GA), "loss")
-    assert_same_params(model, ref)
-    assert_same_optimizer_state(opt, ref_opt)
+    _adam_trained_as_eager(_MaskedWrites, layout)
 
 
 class _BuildsALayerInForward(torch.nn.Module):

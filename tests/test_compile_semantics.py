@@ -836,27 +836,35 @@ def test_a_layer_built_inside_the_forward_trains_as_eager():
 
 
 class _ScoresAndLoss(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, reduction: str):
         super().__init__()
-        self.net = mlp()
+        self.net, self.reduction = mlp(), reduction
 
     def forward(self, x, labels):
         scores = self.net(x)
-        return {"scores": scores, "loss": CE(scores, labels)}
+        return {"scores": scores, "loss": CE(scores, labels, reduction=self.reduction)}
 
 
-@pytest.mark.parametrize("R", [1, 2])
-def test_inference_hands_int64_inputs_to_the_model_as_int64(R):
+@pytest.mark.parametrize("R, reduction", [(1, "mean"), (2, "none"), (3, "none")])
+def test_inference_hands_int64_inputs_to_the_model_as_int64(R, reduction):
     """Host int64 travels as int32 (as PopXL streams it); the model gets int64 back, as in
-    eager: a cross-entropy on labels given to an inference program (a validation loss the
-    model computes) takes them. (With replicas a loss the model reduces over the batch
-    comes back per replica: the scores are compared there.)"""
+    eager: a cross-entropy on labels given to an inference program takes them (per sample
+    on replicas; 16 rows on 3 replicas are padded, the padding's outputs dropped)."""
     torch.manual_seed(0)
-    model = _ScoresAndLoss().eval()
+    model = _ScoresAndLoss(reduction).eval()
     x, y = batches(1)[0]
     got = popxl.compile(model, replication_factor=R)({"x": x, "labels": y})
     with torch.no_grad():
         want = model(x, y)
     assert_close(got["scores"], want["scores"], "scores")
-    if R == 1:
-        assert_close(got["loss"], want["loss"], "loss")
+    assert_close(got["loss"], want["loss"], "loss")
+
+
+def test_an_inference_output_reduced_over_the_batch_is_refused_on_replicas_by_name():
+    """A validation loss the model reduces over the batch has no per-replica parts that put
+    together give eager's value: with replicas it is refused naming the output (was returned
+    as one value per replica)."""
+    model = _ScoresAndLoss("mean").eval()
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match=r"output\['loss'\] has shape \[\] .*leave out `labels`"):
+        popxl.compile(model, replication_factor=2)({"x": x, "labels": y})

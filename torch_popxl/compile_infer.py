@@ -123,6 +123,8 @@ class InferenceProgram:
                     f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
                     "program returns tensors (in a tuple, list or dict)."
                 )
+            if R > 1:
+                _check_per_sample(leaves, spec, streams[0].shape[0] if streams else 0, R)
             out_streams: list[DeviceToHostStream | None] = []
             for i, v in enumerate(leaves):
                 if v is None:
@@ -213,6 +215,24 @@ class InferenceProgram:
                 o = o[:n]
             leaves.append(o)
         return pytree.tree_unflatten(leaves, spec)
+
+
+def _check_per_sample(leaves, spec, rows: int, R: int) -> None:
+    """Every output has a row per sample of the replica's ``rows`` (Note [the batch is dim
+    0]), so the replicas' outputs put together are eager's on the whole batch; a value the
+    model reduces over the batch (a loss, a statistic) has no such parts: refused, naming it."""
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(list(range(len(leaves))), spec))[0]]  # fmt: skip
+    for path, v in zip(paths, leaves, strict=True):
+        if v is not None and (not v.shape or v.shape[0] != rows):
+            raise ValueError(
+                f"popxl.compile: the model's output{path or ''} has shape {list(v.shape)} on "
+                f"each replica's {rows} rows, not one row per sample (a loss or a statistic "
+                f"the forward reduces over the batch); with replication_factor={R} the "
+                "replicas' values cannot be put together as eager's. Return per-sample values "
+                "and reduce them after the call (for Hugging Face models: leave out `labels` "
+                "and compute the loss from the logits), or compile with replication_factor=1."
+            )
 
 
 # ---- Note [the nested-tensor path of TransformerEncoder] ----------------------------------

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.modules.module as _nn_module
 import torch.utils._pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import compile_optim as _optim
@@ -191,8 +192,6 @@ _STATE = ("on_chip", "remote")
 def _on_program_tensors(model: torch.nn.Module, tensors: dict):
     """A context in which ``model``'s parameters and buffers are the program's ``tensors``
     (Note [the loss reads the model's parameters])."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     return _reparametrize_module(model, tensors, tie_weights=True, strict=False)
 
 
@@ -271,6 +270,12 @@ def _micro_arrays(batch: _Batch, chunks: int) -> list[list[np.ndarray]]:
     return [[a[i * micro : (i + 1) * micro] for a in batch.arrays] for i in range(chunks)]
 
 
+def _recipe_counts(recipe, batch: _Batch, parts: list[list[np.ndarray]]) -> list:
+    """Each counted term's count over the micro-batches ``parts``: ``recipe`` replayed on
+    each, summed (Note [counts computed in the forward])."""
+    return [sum(c) for c in zip(*(recipe(_loss_leaves(batch, p)) for p in parts), strict=True)]
+
+
 def _loss_leaves(batch: _Batch, values: list) -> list:
     """The leaves the loss splitter follows (``_forward_and_loss``'s), of ``values``."""
     args, kwargs, t, real = _loss_inputs(batch, values)
@@ -294,7 +299,7 @@ def _check_forward_split(model, loss_fn, batch: _Batch, chunks: int, recipe, *, 
                 for a in values]  # fmt: skip
 
     parts = _micro_arrays(batch, chunks)
-    counts = [sum(c) for c in zip(*(recipe(_loss_leaves(batch, p)) for p in parts), strict=True)]
+    counts = _recipe_counts(recipe, batch, parts)
     inv = torch.ones(MAX_COUNTS, dtype=dtype)
     inv[: len(counts)] = torch.tensor([1.0 / c if c else math.inf for c in counts])
 
@@ -1858,8 +1863,7 @@ class Trainer:
         R = self.replication_factor
         local = _distributed.local_replicas(R) * batch.ga
         if recipe is not None:  # Note [counts computed in the forward]
-            per_micro = [recipe(_loss_leaves(batch, a)) for a in _micro_arrays(batch, local)]
-            counts = [sum(c) for c in zip(*per_micro, strict=True)]
+            counts = _recipe_counts(recipe, batch, _micro_arrays(batch, local))
         else:
             loss_fn, targets = _loss_of(self.loss_fn, batch)
             if targets is None:

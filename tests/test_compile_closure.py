@@ -8,7 +8,9 @@ a closure), run eagerly on the same batches.
 Tolerance: one replica runs eager's arithmetic, so losses, weights, p.grad are equal bit for
 bit. With replicas and accumulation the gradients are summed in another order; LBFGS's inner
 iterations amplify float32 rounding (1e-7 grows to 1e-2 in three steps), so those runs are in
-float64, where they agree to 1e-8.
+float64, where the weights agree to 1e-6: measured at R=2, GA=2 on an Intel Xeon (MKL), the
+largest relative difference grows 1.5e-12 -> 3.6e-11 -> 2.3e-8 over the three steps (a wrong
+gradient moves them by O(1)).
 """
 
 import copy
@@ -97,7 +99,7 @@ def test_lbfgs_on_replicas_with_accumulation_matches_eager_on_the_global_batch(R
     model, eager, _, _, losses, eager_losses = _run(R, GA, torch.float64, line_search_fn)
     assert losses == pytest.approx(eager_losses, rel=1e-10)
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-8, atol=1e-9, msg=name)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-8, msg=name)
 
 
 def test_lbfgs_returns_the_first_closures_loss_and_outputs():

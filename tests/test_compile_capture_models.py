@@ -259,6 +259,93 @@ def test_attributes_set_in_forward_keep_their_eager_values(R, GA):
     assert not hasattr(fresh, "last_mean") and fresh.calls == 0
 
 
+# ---- modules converted in their forward (Note [module conversions in captured code]) ------
+
+
+class ConvertsItself(torch.nn.Module):
+    """Converts a layer to a dtype it has already in every forward, as SwitchTransformers'
+    router does (``self.classifier = self.classifier.to(self.dtype)``)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.dtype = dtype
+
+    def forward(self, x):
+        self.head = self.head.to(self.dtype)
+        self.body.float().to(x.device)
+        return self.head(torch.relu(self.body(x)))
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_a_forward_that_converts_its_modules_to_their_own_dtype_trains_as_eager(R, GA):
+    """``module.to(dtype)`` / ``.float()`` in the forward changes nothing in eager torch where
+    the module has that dtype; captured it trains as eager, and inference runs (was
+    "_apply(): Couldn't swap Linear.weight")."""
+    torch.manual_seed(0)
+    model = ConvertsItself()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    train_both(model, F.mse_loss, batches, R, GA)
+    x = batches[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(popxl.compile(model, replication_factor=R)(x), model(x),
+                                   rtol=RTOL, atol=1e-6)  # fmt: skip
+
+
+def test_a_forward_that_changes_a_parameters_dtype_is_refused_by_name():
+    """``.to(float64)`` of a float32 layer in the forward would convert the module's
+    parameter in eager torch (for the steps after too): refused, naming it, nothing changed."""
+    model = ConvertsItself(torch.float64)
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"converts parameter 'weight' of a Linear .*float32.*"
+        r"to torch.float64.*before popxl.compile",
+    ):
+        trainer.step(torch.randn(8, 8), torch.randn(8, 4))
+    for k, v in model.state_dict().items():
+        assert v.dtype == before[k].dtype
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+class SwitchRouted(torch.nn.Module):
+    """Hugging Face SwitchTransformers' top-1 router (it converts its classifier in every
+    forward) in front of dense experts: each token's routed expert, scaled by its
+    probability, and the router's z-loss."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.SwitchTransformersConfig(d_model=8, num_experts=4,
+                                                       expert_capacity=3, router_jitter_noise=0.0)  # fmt: skip
+        switch = transformers.models.switch_transformers.modeling_switch_transformers
+        self.router = switch.SwitchTransformersTop1Router(config)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        index, probs, logits = self.router(x)
+        h = torch.stack([e(x) for e in self.experts], -2)
+        z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+        return (index.unsqueeze(-1) * h).sum(-2) * probs, z_loss
+
+
+@pytest.mark.parametrize("R,GA", [(1, 1), (2, 2)])
+def test_switch_transformers_router_trains_as_eager(R, GA):
+    """The router's ``self.classifier = self.classifier.to(self.dtype)`` (was "_apply():
+    Couldn't swap Linear.weight"), its capacity mask and z-loss train as eager."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 6, 8, generator=g), torch.randn(8, 6, 8, generator=g))
+               for _ in range(3)]  # fmt: skip
+
+    def loss_fn(out, y):
+        return F.mse_loss(out[0], y) + 0.01 * out[1]
+
+    train_both(SwitchRouted(), loss_fn, batches, R, GA)
+
+
 # ---- autocast --------------------------------------------------------------------------------
 
 

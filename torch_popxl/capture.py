@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import get_computation_dtype
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -500,8 +501,66 @@ def record_into(graph: Graph, on_unknown=None,
         _functions_recorded_by(recorder),
         _DetachCalls(),  # Note [saved results in second-order gradients]
         PackedRNN(),  # Note [packed sequences in a captured graph]
+        _conversions_in_place(),  # Note [module conversions in captured code]
     ):
         yield
+
+
+# Note [module conversions in captured code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Model code converts modules while it runs: SwitchTransformers' router runs
+# ``self.classifier = self.classifier.to(self.dtype)`` in every forward, which in eager torch
+# changes nothing when the classifier has that dtype already (``Tensor.to`` returns the
+# parameter itself). Captured, the module holds the capture's fake tensors, and
+# ``Module._apply`` swaps every fake parameter with its converted copy
+# (``torch.utils.swap_tensors``, which it always uses for fakes), even where that copy is the
+# parameter itself; torch refuses the swap ("Couldn't swap Linear.weight": the parameter is
+# referenced elsewhere). While something records, a parameter whose conversion gives back the
+# parameter itself stays as it is, as in eager torch, and the rest of ``_apply`` runs as
+# torch's. A conversion that changes a captured parameter (``.half()`` of a float32 module
+# in its forward) is refused naming it: eager torch would convert the module's parameter in
+# place for the steps after, which a program built once does not do.
+_module_apply = torch.nn.Module._apply
+
+
+def _apply_keeping_fakes(module: torch.nn.Module, fn, recurse: bool = True):
+    saved = dict(module._parameters)
+    fakes = [k for k, p in saved.items() if isinstance(p, FakeTensor)]
+    if not fakes:
+        return _module_apply(module, fn, recurse)
+    for key in fakes:
+        p = saved[key]
+        assert p is not None
+        with torch.no_grad():
+            converted = fn(p)
+        if converted is not p:
+            raise ValueError(
+                f"captured code converts parameter {key!r} of a {type(module).__name__} "
+                f"({p.dtype}, {p.device}) to {converted.dtype} on {converted.device} (module.to, "
+                ".half, .cuda, ...: Note [module conversions in captured code]); a program "
+                "keeps its parameters' dtype and device. Convert the model before the program "
+                "is built (model.to(...) before popxl.compile), or convert the inputs instead."
+            )
+    for key in fakes:
+        del module._parameters[key]
+    try:
+        _module_apply(module, fn, recurse)
+    finally:
+        rest = dict(module._parameters)
+        module._parameters.clear()
+        module._parameters.update({k: saved[k] if k in fakes else rest[k] for k in saved})
+    return module
+
+
+@contextlib.contextmanager
+def _conversions_in_place() -> Iterator[None]:
+    """Note [module conversions in captured code], while inside."""
+    before = torch.nn.Module._apply  # (captures nest: the outer one's stays)
+    torch.nn.Module._apply = _apply_keeping_fakes  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = before  # type: ignore[method-assign]
 
 
 # Note [argument checks of torch.distributions]

@@ -117,3 +117,36 @@ def fast_matches_reference(model_fn, R: int, GA: int, batches, first_loss=None,
     for k, want in ref.items():
         np.testing.assert_allclose(fast[k], want, rtol=1e-4, atol=state_atol, err_msg=k)
     return fast, fns
+
+
+def per_replica_eager_step(model, opt, loss_fn, R: int, GA: int):
+    """The eager reference of a step with batch norm at R replicas x GA micro-batches (Note
+    [per-replica batch statistics] in torch_popxl/compile.py): each replica runs its own
+    micro-batches (rows g*R + r of the R*GA equal parts) in order from the module's buffers,
+    the gradients of all parts are summed, and the module keeps replica 0's buffers."""
+    buffers = list(model.buffers())
+
+    def step(data, target):
+        opt.zero_grad()
+        parts = R * GA
+        xs, ys = data.chunk(parts), target.chunk(parts)
+        start = [b.clone() for b in buffers]
+        replica0 = None
+        total = 0.0
+        for r in range(R):
+            with torch.no_grad():
+                for b, v in zip(buffers, start, strict=True):
+                    b.copy_(v)
+            for g in range(GA):
+                loss = loss_fn(model(xs[g * R + r]), ys[g * R + r])
+                (loss / parts).backward()  # the global mean: equal parts
+                total += loss.item() / parts
+            if r == 0:
+                replica0 = [b.clone() for b in buffers]
+        with torch.no_grad():
+            for b, v in zip(buffers, replica0, strict=True):
+                b.copy_(v)
+        opt.step()
+        return total
+
+    return step

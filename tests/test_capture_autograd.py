@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from optim_checks import train_both
+from optim_checks import per_replica_eager_step, train_both
 from test_autodiff import assert_grads_match_torch
 
 import torch_popxl as popxl
@@ -378,18 +378,33 @@ def test_a_detached_input_gradient_passes_no_second_order_gradient():
                rtol=1e-4, atol=1e-6)  # fmt: skip
 
 
-def test_batch_norm_with_a_cumulative_average_is_refused_with_nothing_changed():
-    # momentum=None weights each step by 1 / num_batches_tracked, read as a Python number
+@pytest.mark.parametrize("R, GA", [(1, 1), (1, 2), (2, 2)])
+def test_batch_norm_with_a_cumulative_average_trains_as_eager(R, GA):
+    """momentum=None (the running statistics a cumulative average, each batch weighted by 1 /
+    num_batches_tracked, read as a Python number) trains as eager torch run on each replica's
+    micro-batches in order (Note [per-replica batch statistics]; Note [cumulative batch
+    norm]): every step's loss, the weights, running_mean / running_var (float64 blends of
+    float32 statistics: rtol 1e-6) and num_batches_tracked after four steps (was refused)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16, momentum=None),
-                                torch.nn.Linear(16, 3))  # fmt: skip
-    before = copy.deepcopy(model.state_dict())
-    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"batch norm \['1'\] has momentum=None.*momentum"):
-        trainer.step(torch.randn(8, 12), torch.randint(0, 3, (8,)))
-    for k, v in model.state_dict().items():
-        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
-    model.eval()  # evaluation reads the running statistics only: it runs
+                                torch.nn.ReLU(), torch.nn.Linear(16, 3))  # fmt: skip
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    trainer = popxl.compile(model, F.cross_entropy, opt, replication_factor=R,
+                            gradient_accumulation=GA)  # fmt: skip
+    eager = per_replica_eager_step(ref, ref_opt, F.cross_entropy, R, GA)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(16, 12, generator=g) * 3 + 1, torch.randint(0, 3, (16,), generator=g)
+        torch.testing.assert_close(torch.tensor(trainer.step(x, y)), torch.tensor(eager(x, y)),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    state, want = model.state_dict(), ref.state_dict()
+    assert int(state["1.num_batches_tracked"]) == int(want["1.num_batches_tracked"]) == 4 * GA
+    for k in ("1.running_mean", "1.running_var"):
+        torch.testing.assert_close(state[k], want[k], rtol=1e-6, atol=1e-7)
+    for k in ("0.weight", "3.weight"):
+        torch.testing.assert_close(state[k], want[k], rtol=1e-5, atol=1e-6)
+    model.eval()  # evaluation reads the running statistics
     evaluate = popxl.compile(model)
     x = torch.randn(8, 12)
     torch.testing.assert_close(evaluate(x), model(x), rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_checks import per_replica_eager_step
 from torch.utils.data import DataLoader, TensorDataset
 
 import torch_popxl as popxl
@@ -307,39 +308,6 @@ def test_torchvision_classifier_with_sgd_momentum_and_validation_prints_eager_lo
 # ---- a batch-norm torchvision classifier (ResNet-18 at 32x32): per-replica statistics ---------
 
 
-def _per_replica_eager_step(model, opt, loss_fn):
-    """The eager reference of a step with batch norm at R replicas x GA micro-batches (Note
-    [per-replica batch statistics] in torch_popxl/compile.py): each replica runs its own
-    micro-batches (rows g*R + r of the R*GA equal parts) in order from the module's buffers,
-    the gradients of all parts are summed, and the module keeps replica 0's buffers."""
-    buffers = list(model.buffers())
-
-    def step(data, target):
-        opt.zero_grad()
-        parts = R * GA
-        xs, ys = data.chunk(parts), target.chunk(parts)
-        start = [b.clone() for b in buffers]
-        replica0 = None
-        total = 0.0
-        for r in range(R):
-            with torch.no_grad():
-                for b, v in zip(buffers, start, strict=True):
-                    b.copy_(v)
-            for g in range(GA):
-                loss = loss_fn(model(xs[g * R + r]), ys[g * R + r])
-                (loss / parts).backward()  # the global mean: equal parts
-                total += loss.item() / parts
-            if r == 0:
-                replica0 = [b.clone() for b in buffers]
-        with torch.no_grad():
-            for b, v in zip(buffers, replica0, strict=True):
-                b.copy_(v)
-        opt.step()
-        return total
-
-    return step
-
-
 def _run_resnet(compiled: bool):
     import torchvision
 
@@ -352,7 +320,7 @@ def _run_resnet(compiled: bool):
     val_x, val_y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     loss_fn = torch.nn.CrossEntropyLoss()
     step = (_compiled_step(model, opt, loss_fn)[0] if compiled
-            else _per_replica_eager_step(model, opt, loss_fn))  # fmt: skip
+            else per_replica_eager_step(model, opt, loss_fn, R, GA))  # fmt: skip
     vals, after_first_epoch = [], []
 
     def validate(epoch):  # the example's validate(): eval mode, the running statistics

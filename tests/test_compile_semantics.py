@@ -845,11 +845,12 @@ class _ScoresAndLoss(torch.nn.Module):
         return {"scores": scores, "loss": CE(scores, labels, reduction=self.reduction)}
 
 
-@pytest.mark.parametrize("R, reduction", [(1, "mean"), (2, "none"), (3, "none")])
+@pytest.mark.parametrize("R, reduction", [(1, "mean"), (2, "none"), (3, "none"), (3, "mean")])
 def test_inference_hands_int64_inputs_to_the_model_as_int64(R, reduction):
     """Host int64 travels as int32 (as PopXL streams it); the model gets int64 back, as in
-    eager: a cross-entropy on labels given to an inference program takes them (per sample
-    on replicas; 16 rows on 3 replicas are padded, the padding's outputs dropped)."""
+    eager: a cross-entropy on labels given to an inference program takes them (16 rows on 3
+    replicas are padded, the padding's outputs dropped; a mean over the batch is put
+    together from the replicas' parts: tests/test_compile_infer_losses.py)."""
     torch.manual_seed(0)
     model = _ScoresAndLoss(reduction).eval()
     x, y = batches(1)[0]
@@ -858,13 +859,3 @@ def test_inference_hands_int64_inputs_to_the_model_as_int64(R, reduction):
         want = model(x, y)
     assert_close(got["scores"], want["scores"], "scores")
     assert_close(got["loss"], want["loss"], "loss")
-
-
-def test_an_inference_output_reduced_over_the_batch_is_refused_on_replicas_by_name():
-    """A validation loss the model reduces over the batch has no per-replica parts that put
-    together give eager's value: with replicas it is refused naming the output (was returned
-    as one value per replica)."""
-    model = _ScoresAndLoss("mean").eval()
-    x, y = batches(1)[0]
-    with pytest.raises(ValueError, match=r"output\['loss'\] has shape \[\] .*leave out `labels`"):
-        popxl.compile(model, replication_factor=2)({"x": x, "labels": y})

@@ -74,6 +74,7 @@ from .compile_common import (
     _structured_targets,
     _without_caches,
     as_host_dtype,
+    cumulative_batch_norms,
     host_float,
     loss_dtype,
     model_loss,
@@ -641,23 +642,6 @@ def _run_parameter_hooks(grad: torch.Tensor, *, hooks: tuple) -> torch.Tensor:
     return grad
 
 
-def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
-    """Batch norm with ``momentum=None`` (a cumulative average) weights each step's statistics
-    by ``1 / num_batches_tracked`` read as a Python number in its forward: a value the captured
-    program would freeze at the step it was built in. Refused, with the ways out."""
-    found = [name or type(model).__name__ for name, m in model.named_modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-             and m.track_running_stats and m.momentum is None]  # fmt: skip
-    if found:
-        raise ValueError(
-            f"popxl.compile: batch norm {found} has momentum=None (a cumulative moving average "
-            "of the batch statistics), whose weight 1 / num_batches_tracked its forward reads "
-            "as a Python number at every step; a compiled step cannot follow that number. "
-            "Give it a momentum (torch's default is 0.1), or train with "
-            "track_running_stats=False."
-        )
-
-
 # Note [parameters without a gradient]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A trained parameter the loss does not depend on (a layer the forward skips, a head used only
@@ -1019,7 +1003,6 @@ class Trainer:
         self, batch: _Batch, specs: tuple[_GroupSpec, ...], lags: dict[str, int]
     ) -> _Program:
         _refuse_backward_hooks(self.model)
-        _refuse_cumulative_batch_norm(self.model)
         R, GA = self.replication_factor, batch.ga  # Note [a short last batch]
         chunks = _distributed.local_replicas(R) * GA  # Note [the batch is dim 0]
         if batch.real is not None:  # Note [padded rows]
@@ -1433,7 +1416,11 @@ class Trainer:
                 if chunks > 1
                 else None
             )
-            with _attributes_restored(self.model), _requiring_grad(trained):
+            with (
+                _attributes_restored(self.model),
+                _requiring_grad(trained),
+                cumulative_batch_norms(self.model),  # Note [cumulative batch norm]
+            ):
                 captured = call_torch(
                     _forward_and_loss,
                     (self.model, {**params, **bufs}, args, kwargs, t, inv, real),

@@ -89,6 +89,48 @@ def _attributes_restored(model: torch.nn.Module):
 _MISSING = object()
 
 
+# Note [cumulative batch norm]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# BatchNorm with ``momentum=None`` keeps a cumulative moving average of the batch statistics:
+# its forward counts the batch (``num_batches_tracked += 1``) and weights the batch's
+# statistics by ``1.0 / float(num_batches_tracked)``, a Python number read from a tensor,
+# which a program built once cannot follow. So while a forward is captured each such module
+# (in training mode, tracking running statistics) runs with momentum 0, where torch's kernel
+# leaves the running statistics as they are (``0 * batch + 1 * running``), and a forward hook
+# then updates them as the kernel would have, with the weight a tensor of the program: ``f =
+# 1 / num_batches_tracked`` and ``running = f * batch + (1 - f) * running`` in float64 (the
+# kernel's accumulation type on a CPU), the batch's mean and unbiased variance over every dim
+# but the channels. Each micro-batch counts and updates once, in order, as in eager torch
+# (Note [per-replica batch statistics] in compile.py).
+@contextlib.contextmanager
+def cumulative_batch_norms(model: torch.nn.Module):
+    """While inside, ``model``'s cumulative batch norms update their running statistics
+    with the count as a tensor (Note [cumulative batch norm])."""
+    found = [m for m in model.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+             and m.track_running_stats and m.momentum is None]  # fmt: skip
+    hooks = []
+    try:
+        for m in found:
+            m.momentum = 0.0
+            hooks.append(m.register_forward_hook(_cumulative_update))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in found:
+            m.momentum = None
+
+
+def _cumulative_update(bn, args, _out) -> None:
+    x = args[0].detach()
+    with torch.no_grad():
+        var, mean = torch.var_mean(x.to(torch.float64), dim=[0, *range(2, x.ndim)], correction=1)
+        f = 1.0 / bn.num_batches_tracked.to(torch.float64)
+        for running, batch in ((bn.running_mean, mean), (bn.running_var, var)):
+            running.copy_(f * batch + (1 - f) * running.to(torch.float64))
+
+
 def _mark_eager_step(trainer_ref) -> None:
     trainer = trainer_ref()
     if trainer is not None:

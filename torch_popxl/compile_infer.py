@@ -20,15 +20,40 @@ Note [the nested-tensor path of TransformerEncoder]
     batch split over replicas checks each replica's rows). The decision depends on the grad
     mode and on ``torch.backends.mha.get_fastpath_enabled()``, so both are part of the
     program's key. (A Trainer's forward records a gradient: the slow path, as in eager.)
+
+Note [batch-reduced outputs of an inference program]
+    With replicas each replica runs the forward on its share of the batch, so an output the
+    forward reduces over the batch (a validation loss from given labels, ``model(x,
+    labels=y).loss``; a model's ``(logits, mse)``) would be a value per replica, not eager's
+    on the whole batch. It is put together as the trainer puts its loss together (Note
+    [exact losses over micro-batches] in compile_loss.py): while the forward is captured the
+    loss splitter follows the batch through it and writes each such number as a combination
+    of terms; each replica streams its terms (``Split.summands``: a counted mean as its
+    numerator and its count, such as a token mean over the labels that are not -100) and the
+    host adds them up (``add_up``): sums added, means of a fixed count averaged, a counted
+    mean's numerators and counts each added and divided once. Without a gradient nothing
+    needs the global count before the run, so every count is computed by the program (no
+    host recipe: Note [counts computed in the forward]). A forward that pairs the samples
+    of the batch (a contrastive loss over it) has terms that look right but whose parts do
+    not add up, so when a program is built its first batch also runs eagerly in eval mode,
+    whole and in its replicas' parts: they must add up, else the output is refused by name;
+    where they add up only with divisions by the replica's rows read as means (``sum /
+    x.shape[0]``: Note [a sum divided by the batch's size]) the program is captured again
+    so. A reduction that is no combination of terms (``sqrt`` of a mean, a max over the
+    batch) is refused by name when the program is built. A batch that does not split over
+    the replicas is padded by whole replicas (each replica's share the smallest divisor of
+    the batch not below ``ceil(n / R)``: 7 rows on 2 replicas run as 7 on one), whose values
+    are dropped. Under torchrun each process returns the value of its own share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,9 +72,12 @@ from .compile_common import (
     _structured,
     _without_caches,
     as_host_dtype,
+    cumulative_batch_norms,
     host_float,
+    loss_dtype,
     options_key,
 )
+from .compile_loss import LossDecompositionError, LossSplitter, add_up
 from .dtypes import dtype as _dtype
 from .dtypes import numpy_to_torch
 from .ir.context import in_sequence
@@ -82,6 +110,9 @@ class InferenceProgram:
         # (training, input signature) -> (ir, session, ...), least recently used first
         self._programs: dict[tuple, tuple] = {}
         self.max_programs = _MAX_PROGRAMS
+        # the structures (key without shapes) whose programs return batch-reduced outputs:
+        # padded by whole replicas (Note [batch-reduced outputs of an inference program])
+        self._reducing: set[tuple] = set()
 
     @property
     def programs(self) -> tuple[tuple[bool, str], ...]:
@@ -95,7 +126,18 @@ class InferenceProgram:
         )  # fmt: skip
 
     def _build(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray], in_spec,
-               options: tuple[tuple[str, Any], ...]) -> tuple:  # fmt: skip
+               options: tuple[tuple[str, Any], ...], n_real: int) -> tuple:  # fmt: skip
+        """The program for these inputs (``n_real`` of their rows real), captured again where its
+        batch-reduced outputs add up only with divisions by the rows read as means (Note
+        [batch-reduced outputs of an inference program])."""
+        try:
+            return self._capture(args, kwargs, in_spec, options, n_real, over_rows=False)
+        except _OverRows:
+            return self._capture(args, kwargs, in_spec, options, n_real, over_rows=True)
+
+    def _capture(self, args: list[np.ndarray], kwargs: dict[str, np.ndarray], in_spec,
+                 options: tuple[tuple[str, Any], ...], n_real: int, over_rows: bool
+                 ) -> tuple:  # fmt: skip
         R = _distributed.local_replicas(self.replication_factor)
         ir = _distributed.make_ir(self.replication_factor)
         params = dict(self.model.named_parameters())
@@ -112,26 +154,42 @@ class InferenceProgram:
                                                       strict=True))]  # fmt: skip
             a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
             k_in = {**k_in, **dict(options)}  # Note [keyword options]
-            with _attributes_restored(self.model), _nested_paths_as_eager(self.model):
-                y = call_torch(
-                    torch.func.functional_call, (self.model, tensors, tuple(a_in), k_in), {}
-                )
-            leaves, spec = pytree.tree_flatten(_without_caches(y))
+            rows = streams[0].shape[0] if streams else 0
+            with (
+                _attributes_restored(self.model),
+                _nested_paths_as_eager(self.model),
+                cumulative_batch_norms(self.model),  # Note [cumulative batch norm]
+            ):
+                y, reduced = call_torch(
+                    _forward,
+                    (self.model, tensors, tuple(a_in), k_in),
+                    {"rows": rows, "parts": R, "over_rows": over_rows,
+                     "dtype": loss_dtype(self.model)},
+                )  # fmt: skip
+            leaves, spec = pytree.tree_flatten(y)
             bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
             if bad:
                 raise TypeError(
                     f"popxl.compile: the model returned non-tensor outputs ({bad}); an inference "
                     "program returns tensors (in a tuple, list or dict)."
                 )
-            if R > 1:
-                _check_per_sample(leaves, spec, streams[0].shape[0] if streams else 0, R)
-            out_streams: list[DeviceToHostStream | None] = []
+            out_streams: list[DeviceToHostStream | _Reduced | None] = []
             for i, v in enumerate(leaves):
                 if v is None:
                     out_streams.append(None)
-                    continue
-                out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
-                ops.host_store(out_streams[-1], v)
+                elif i in reduced:  # Note [batch-reduced outputs of an inference program]
+                    kinds, values, const = reduced[i]
+                    parts = [d2h_stream(t.shape, t.dtype, f"outputs/{i}/{j}")
+                             for j, t in enumerate(values)]  # fmt: skip
+                    for st, t in zip(parts, values, strict=True):
+                        ops.host_store(st, t)
+                    out_streams.append(_Reduced(kinds, parts, const, v.dtype.as_torch()))
+                else:
+                    out_streams.append(d2h_stream(v.shape, v.dtype, f"outputs/{i}"))
+                    ops.host_store(out_streams[-1], v)
+        if reduced and R > 1:
+            _check_parts(self.model, [*args, *kwargs.values()], in_spec, options, n_real, rows,
+                         over_rows)  # fmt: skip
         session = Session(
             ir, "ipu_hw", device=self.device, executor=self.executor, backend=self.backend
         )
@@ -164,7 +222,17 @@ class InferenceProgram:
         training = self.model.training  # selects the program, as in eager (dropout, BatchNorm)
         if n == 0:
             raise ValueError("popxl.compile: an inference batch needs at least one sample.")
-        padded = -(-n // R) * R
+        structure = (  # the program's key but the shapes
+            training,
+            in_spec,
+            options_key(options),
+            # Note [the nested-tensor path of TransformerEncoder]
+            (torch.is_grad_enabled(), torch.backends.mha.get_fastpath_enabled()),
+        )
+        share = -(-n // R)
+        if structure in self._reducing:  # Note [batch-reduced outputs of an inference program]
+            share = next(d for d in range(share, n + 1) if n % d == 0)
+        padded = share * R
         if padded != n:
             if training:  # padding rows would join the batch statistics (BatchNorm)
                 raise ValueError(
@@ -173,7 +241,8 @@ class InferenceProgram:
                     "(in eval mode any batch size runs). Nothing was changed."
                 )
             # eval mode: rows are independent; copies of the last row fill the replicas and
-            # their outputs are dropped (Note [a program per input signature])
+            # their outputs are dropped (Note [a program per input signature]; whole
+            # replicas of them: Note [batch-reduced outputs of an inference program])
             args = [_pad_rows(a, padded) for a in args]
             kwargs = {k: _pad_rows(a, padded) for k, a in kwargs.items()}
             arrays = [*args, *kwargs.values()]
@@ -181,14 +250,15 @@ class InferenceProgram:
             training,
             tuple((a.shape, a.dtype) for a in args),
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
-            in_spec,
-            options_key(options),
-            # Note [the nested-tensor path of TransformerEncoder]
-            (torch.is_grad_enabled(), torch.backends.mha.get_fastpath_enabled()),
+            *structure[1:],
         )
         built = self._programs.pop(key, None)
         if built is None:
-            built = self._build(args, kwargs, in_spec, options)
+            try:
+                built = self._build(args, kwargs, in_spec, options, n)
+            except _ByWholeReplicas:
+                self._reducing.add(structure)
+                return self(inputs)
         self._programs[key] = built  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             del self._programs[next(iter(self._programs))]
@@ -208,6 +278,11 @@ class InferenceProgram:
             if st is None:  # a dropped key/value cache
                 leaves.append(None)
                 continue
+            if isinstance(st, _Reduced):  # the replicas holding real rows, added up
+                real = -(-n // share)
+                values = [np.asarray(out[p]).reshape(-1)[:real] for p in st.parts]
+                leaves.append(torch.tensor(add_up(st.kinds, values, st.const), dtype=st.dtype))
+                continue
             o = numpy_to_torch(out[st], st.dtype)
             if R > 1 and o.ndim >= 2:  # [R, micro, ...] -> [batch, ...]
                 o = o.reshape(padded, *o.shape[2:])
@@ -217,22 +292,120 @@ class InferenceProgram:
         return pytree.tree_unflatten(leaves, spec)
 
 
-def _check_per_sample(leaves, spec, rows: int, R: int) -> None:
-    """Every output has a row per sample of the replica's ``rows`` (Note [the batch is dim
-    0]), so the replicas' outputs put together are eager's on the whole batch; a value the
-    model reduces over the batch (a loss, a statistic) has no such parts: refused, naming it."""
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
-        pytree.tree_unflatten(list(range(len(leaves))), spec))[0]]  # fmt: skip
-    for path, v in zip(paths, leaves, strict=True):
-        if v is not None and (not v.shape or v.shape[0] != rows):
-            raise ValueError(
-                f"popxl.compile: the model's output{path or ''} has shape {list(v.shape)} on "
-                f"each replica's {rows} rows, not one row per sample (a loss or a statistic "
-                f"the forward reduces over the batch); with replication_factor={R} the "
-                "replicas' values cannot be put together as eager's. Return per-sample values "
-                "and reduce them after the call (for Hugging Face models: leave out `labels` "
-                "and compute the loss from the logits), or compile with replication_factor=1."
-            )
+# ---- Note [batch-reduced outputs of an inference program] ---------------------------------
+
+
+class _Reduced(NamedTuple):
+    """An output the forward reduces over the batch: its summands' streams (``kinds``:
+    ``Split.summands``'), added up on the host."""
+
+    kinds: tuple[str, ...]
+    parts: list[DeviceToHostStream]
+    const: float
+    dtype: torch.dtype
+
+
+class _OverRows(Exception):
+    """The batch-reduced outputs add up only with divisions by the rows read as means."""
+
+
+class _ByWholeReplicas(Exception):
+    """The program has batch-reduced outputs and its padding does not fill whole replicas."""
+
+
+def _forward(model, tensors, args, kwargs, *, rows: int, parts: int, over_rows: bool,
+             dtype: torch.dtype):  # fmt: skip
+    """The model on one replica's ``rows`` (its outputs without caches) and, with ``parts >
+    1`` replicas, the summands of every output it reduces over the batch, by leaf index:
+    (kinds, values, const)."""
+    if parts == 1:
+        return _without_caches(torch.func.functional_call(model, tensors, args, kwargs)), {}
+    splitter = LossSplitter((args, kwargs), rows if over_rows else None)
+    with splitter:
+        y = _without_caches(torch.func.functional_call(model, tensors, args, kwargs))
+    reduced = {}
+    for i, (path, v) in enumerate(pytree.tree_flatten_with_path(y)[0]):
+        if not isinstance(v, torch.Tensor) or (v.ndim and v.shape[0] == rows):
+            continue  # a row per sample: the replicas' rows put together
+        where = f"output{pytree.keystr(path)}"
+        if v.ndim:
+            raise _not_eagers(where, v, rows, parts, "it is not a number either")
+        try:
+            summands, const = splitter.split(v, parts).summands(dtype)
+        except LossDecompositionError as e:
+            raise _not_eagers(where, v, rows, parts, e.why or str(e)) from e
+        reduced[i] = (tuple(k for k, _ in summands), [t for _, t in summands], const)
+    return y, reduced
+
+
+def _not_eagers(where: str, v, rows: int, parts: int, why: str) -> ValueError:
+    return ValueError(
+        f"popxl.compile: the model's {where} has shape {list(v.shape)} on each replica's "
+        f"{rows} rows, not one row per sample: the forward reduces it over the batch, and "
+        f"with replication_factor={parts} the replicas' values cannot be put together as "
+        f"eager's ({why}). A sum or mean of the batch (a loss: mean, sum, a token mean over "
+        "labels that are not -100) is put together exactly; return per-sample values and "
+        "reduce them after the call (for Hugging Face models: leave out `labels` and compute "
+        "the loss from the logits), or compile with replication_factor=1."
+    )
+
+
+def _check_parts(model, arrays: list[np.ndarray], in_spec, options, n: int, rows: int,
+                 over_rows: bool) -> None:  # fmt: skip
+    """The batch-reduced outputs of the first ``n`` rows, computed eagerly on the host in eval
+    mode, whole and as the program adds up its replicas' parts of ``rows`` rows each, must
+    agree (Note [batch-reduced outputs of an inference program]); raises ``_OverRows`` where
+    they agree only with divisions by the rows read as means, a ValueError naming the output
+    where they do not agree at all."""
+    if n % rows:
+        raise _ByWholeReplicas
+    if n == rows:  # one replica holds every real row: its value is eager's
+        return
+    tensors = {k: t.detach().clone() for k, t in
+               (*model.named_parameters(), *model.named_buffers())}  # fmt: skip
+
+    def run(lo: int, hi: int, parts: int, over: bool):
+        values = [torch.from_numpy(np.ascontiguousarray(a[lo:hi])) for a in arrays]
+        args, kwargs = pytree.tree_unflatten(values, in_spec)
+        kwargs = {**kwargs, **dict(options)}
+        return _forward(model, tensors, tuple(args), kwargs, rows=hi - lo, parts=parts,
+                        over_rows=over, dtype=torch.float64)  # fmt: skip
+
+    def mismatch(over: bool) -> tuple[str, float, float] | None:
+        whole, _ = run(0, n, 1, over)
+        leaves = pytree.tree_flatten_with_path(whole)[0]
+        shares = [run(r * rows, (r + 1) * rows, n // rows, over)[1] for r in range(n // rows)]
+        for i in shares[0]:
+            path, value = leaves[i]
+            kinds, _, const = shares[0][i]
+            parts = [[float(s[i][1][j]) for s in shares] for j in range(len(kinds))]
+            total, want = add_up(list(kinds), parts, const), float(value)
+            if not (math.isclose(total, want, rel_tol=1e-3, abs_tol=1e-6)
+                    or math.isnan(total) and math.isnan(want)):  # fmt: skip
+                return f"output{pytree.keystr(path)}", want, total
+        return None
+
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _attributes_restored(model):
+            model.eval()
+            found = mismatch(over_rows)
+            if found is not None and not over_rows and mismatch(True) is None:
+                raise _OverRows
+    except _OverRows:
+        raise
+    except Exception:  # (it does not run eagerly on the host arrays: the structural split only)
+        return
+    if found is not None:
+        where, whole, total = found
+        raise ValueError(
+            f"popxl.compile: the model's {where} is reduced over the batch, and on the first "
+            f"batch (run eagerly in eval mode) its value is {whole:.6g} while its "
+            f"{n // rows} replicas' parts add up to {total:.6g}: each part depends on the "
+            "other samples of its replica's rows, as a loss that pairs the samples of the "
+            "batch with each other does (in-batch negatives, a ratio of sums over the batch). "
+            "Return per-sample values and reduce them after the call, or compile with "
+            "replication_factor=1."
+        )
 
 
 # ---- Note [the nested-tensor path of TransformerEncoder] ----------------------------------

@@ -101,6 +101,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
@@ -116,6 +117,7 @@ __all__ = [
     "LossSplitter",
     "Split",
     "CountRecipe",
+    "add_up",
     "check_decomposition",
     "parts_differ",
     "term_mismatch",
@@ -154,7 +156,16 @@ _KEEP = {
 
 
 class LossDecompositionError(ValueError):
-    """The loss cannot be split into micro-batch parts that add up to eager's."""
+    """The loss cannot be split into micro-batch parts that add up to eager's; ``why``: the
+    reason alone, where ``LossSplitter.split`` found it."""
+
+    def __init__(self, message: str, why: str | None = None):
+        super().__init__(message)
+        self.why = why
+
+
+def _cannot_split(why: str, chunks: int) -> LossDecompositionError:
+    return LossDecompositionError(_explain(why, chunks), why)
 
 
 @dataclass
@@ -641,20 +652,19 @@ class LossSplitter(TorchDispatchMode):
     def split(self, loss: torch.Tensor, chunks: int) -> Split:
         """The loss as micro-batch parts, or a ``LossDecompositionError`` saying why not."""
         if id(loss) in self._opaque:
-            raise LossDecompositionError(_explain(self._opaque[id(loss)], chunks))
+            raise _cannot_split(self._opaque[id(loss)], chunks)
         form = self._forms.get(id(loss))
         if form is None:
             if id(loss) in self._batch:
-                raise LossDecompositionError(
-                    _explain("the loss is not reached through a reduction this splitter knows", chunks))  # fmt: skip
+                raise _cannot_split("it is not reached through a reduction this splitter knows",
+                                    chunks)  # fmt: skip
             form = _Form({len(self.terms): 1.0})  # batch-free: counted once
             self.terms.append(_Term("fixed", loss))
         used = {k: c for k, c in form.coefs.items() if _nonzero(c)}
         counted = {id(self.terms[k]) for k in used if self.terms[k].kind == "count"}
         if len(counted) > MAX_COUNTS:
-            raise LossDecompositionError(
-                _explain(f"it has {len(counted)} means over counted elements; at most "
-                         f"{MAX_COUNTS} are supported", chunks))  # fmt: skip
+            raise _cannot_split(f"it has {len(counted)} means over counted elements; at most "
+                                f"{MAX_COUNTS} are supported", chunks)  # fmt: skip
         return Split([(self.terms[k], c) for k, c in used.items()], form.const)
 
     def counts(self) -> list[float]:
@@ -718,6 +728,43 @@ class Split:
                     part = term.numerator.to(dtype) * inv_counts[i] * c
             out.append(part)
         return out, count
+
+    def summands(self, dtype: torch.dtype) -> tuple[list[tuple[str, torch.Tensor]], float]:
+        """The split as values that add up over the parts of a batch on the host, where no
+        gradient is needed (Note [batch-reduced outputs of an inference program]): (kind,
+        value) per term, a counted mean as its numerator ("numerator") then its count
+        ("count"), each times its coefficient; and the number added once (``const``)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for term, c in self.parts:
+            if term.kind == "count":
+                assert term.count is not None and term.numerator is not None
+                out.append(("numerator", term.numerator.to(dtype) * c))
+                out.append(("count", term.count.detach().to(dtype)))
+            else:  # a mean of a fixed count, or a batch-free value: the same in every part
+                out.append(("sum" if term.kind == "sum" else "mean", term.value.to(dtype) * c))
+        const = self.const
+        if isinstance(const, torch.Tensor):  # (a batch-free tensor: the same in every part)
+            out.append(("mean", const.to(dtype)))
+            const = 0.0
+        return out, float(const)
+
+
+def add_up(kinds: list[str], values: list, const: float) -> float:
+    """``Split.summands``' values of every part (one array of the parts' values per summand,
+    in ``kinds``' order) put together as the whole batch's value: sums added, means of a
+    fixed count averaged, a counted mean's numerators and counts each added and divided once
+    (NaN where nothing is counted, as eager's mean over nothing)."""
+    total = const
+    for i, (kind, v) in enumerate(zip(kinds, values, strict=True)):
+        v = np.asarray(v, dtype=np.float64)
+        if kind == "sum":
+            total += float(v.sum())
+        elif kind == "mean":
+            total += float(v.mean())
+        elif kind == "numerator":
+            count = float(np.asarray(values[i + 1], dtype=np.float64).sum())
+            total += float(v.sum()) / count if count else math.nan
+    return total
 
 
 def _explain(why: str, chunks: int) -> str:

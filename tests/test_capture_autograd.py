@@ -408,3 +408,20 @@ def test_batch_norm_with_a_cumulative_average_trains_as_eager(R, GA):
     evaluate = popxl.compile(model)
     x = torch.randn(8, 12)
     torch.testing.assert_close(evaluate(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_with_a_cumulative_average_in_a_train_mode_inference_program_is_eager():
+    """An inference program of a module in train mode normalises with the batch's statistics
+    and folds them into the cumulative average as eager does, call after call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6, momentum=None))
+    ref = copy.deepcopy(model)
+    program = popxl.compile(model)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(8, 4, generator=g) * 2 + 1
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert int(model[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 3
+    for k in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(model[1], k), getattr(ref[1], k), rtol=1e-6, atol=1e-7)

@@ -329,7 +329,7 @@ def _forward(model, tensors, args, kwargs, *, rows: int, parts: int, over_rows: 
             continue  # a row per sample: the replicas' rows put together
         where = f"output{pytree.keystr(path)}"
         if v.ndim:
-            raise _not_eagers(where, v, rows, parts, "it is not a number either")
+            raise _not_eagers(where, v, rows, parts, "only a number is put together")
         try:
             summands, const = splitter.split(v, parts).summands(dtype)
         except LossDecompositionError as e:

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "torch_popxl.compile",
             "torch_popxl.compile_common",
+            "torch_popxl.compile_guards",
             "torch_popxl.compile_infer",
             "torch_popxl.compile_loss",
             "torch_popxl.compile_masked",

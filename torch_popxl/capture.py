@@ -38,7 +38,14 @@ from .ir.fake import fake_mode
 from .ir.graph import Graph, Op, OpKind, Slot
 from .ir.tensor import Constant, Tensor, _constant_from_torch, variable
 
-__all__ = ["call_torch", "fake_mode", "in_torch_order", "record_into", "view_or_copy"]
+__all__ = [
+    "call_torch",
+    "fake_mode",
+    "in_torch_order",
+    "record_into",
+    "values_read_by",
+    "view_or_copy",
+]
 
 aten = torch.ops.aten
 
@@ -176,6 +183,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _DATA_DEPENDENT:
             folded = self._evaluate(func, args, kwargs)
+            if folded is None:
+                folded = self._read(func, args, kwargs)
             if folded is not None:
                 return folded[0]
             raise DataDependentError(
@@ -336,6 +345,18 @@ class _Recorder(TorchDispatchMode):
                 values[id(args[0])] = torch.zeros(args[0].shape, dtype=args[0].dtype)
             return (func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs)),)
 
+    def _read(self, func, args, kwargs):
+        """``(the value read,)`` from the reader registered for this graph (Note [values read
+        on real data]), or None where none is."""
+        read = next((r for g, r in reversed(_readers) if g is self.graph), None)
+        if read is None:
+            return None
+        handles = pytree.tree_map(
+            lambda x: self._handle_for(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        with _disable_current_modes(), torch.no_grad():
+            return (read(func, *handles),)
+
     def _fold(self, func, args, kwargs, out, mutable: bool) -> None:
         if mutable:
             written = {
@@ -484,6 +505,29 @@ def _tensor_leaves_with_paths(out, prefix=()):
     elif isinstance(out, list | tuple):
         for i, x in enumerate(out):
             yield from _tensor_leaves_with_paths(x, (*prefix, i))
+
+
+# Note [values read on real data]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A data-dependent op (`.item()`, `bool(t)`, `torch.equal`) whose value constant folding cannot
+# give raises DataDependentError, unless whoever builds the graph has real data for it and
+# registered a reader for the graph (``values_read_by``): the reader is given the op and its
+# arguments as handles of the graph, evaluates them on that data and answers with the Python
+# value, which the captured code then goes on with. The builder must make the program check
+# that value when it runs (popxl.compile's guards: Note [guarded specialisation] in
+# compile_guards.py). Reads inside another graph (a subgraph being recorded) are not answered.
+_readers: list[tuple[Graph, Callable[..., Any]]] = []
+
+
+@contextlib.contextmanager
+def values_read_by(graph: Graph, read: Callable[..., Any]) -> Iterator[None]:
+    """Reads of tensor values in ``graph`` while capturing are answered by ``read(func, args,
+    kwargs)``, with the tensors as ``graph``'s handles (Note [values read on real data])."""
+    _readers.append((graph, read))
+    try:
+        yield
+    finally:
+        _readers.pop()
 
 
 @contextlib.contextmanager

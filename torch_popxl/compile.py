@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import compile_optim as _optim
 from . import ops
 from . import remote as _remote
-from .capture import call_torch
+from .capture import call_torch, values_read_by
 from .compile_common import (
     _MAX_PROGRAMS,
     _attributes_restored,
@@ -80,6 +80,7 @@ from .compile_common import (
     model_loss,
     options_key,
 )
+from .compile_guards import GuardedReads, Guards, ValuesDiffer
 from .compile_infer import InferenceProgram
 from .compile_loss import (
     MAX_COUNTS,
@@ -510,6 +511,7 @@ class _FastStep:
         in_streams = prog.streams[0]
         if (
             None in leaves
+            or prog.guards is not None  # checked every step (Note [guarded specialisation])
             or trainer.return_outputs
             or prog.host_counts[0]
             or batch.options
@@ -715,6 +717,7 @@ class _Program:
     # [counts computed in the forward])
     host_counts: tuple = (0, None, None)
     lags: tuple = ()  # ((param name, lag), ...): Note [parameters stepped fewer times]
+    guards: Guards | None = None  # Note [guarded specialisation]
 
 
 def _lag_key(lags: dict[str, int]) -> tuple:
@@ -903,6 +906,10 @@ class Trainer:
         self._loss_over_rows = False
         # (training, input signature) -> program, least recently used first
         self._programs: dict[tuple, _Program] = {}
+        # a signature's programs with guards, the most recently built first (Note [guarded
+        # specialisation])
+        self._variants: dict[tuple, list[_Program]] = {}
+        self._guards: Guards | None = None  # those of the program being built
         self.max_programs = _MAX_PROGRAMS
         self._active: _Program | None = None
         self._fast: _FastStep | None = None  # Note [the step's fast path]
@@ -1300,6 +1307,7 @@ class Trainer:
             count_bound=self._loss_bound or 1, inv_vars=inv_vars, host_counts=self._loss_host,
             out_streams=out_streams, out_spec=self._out_spec,
             frozen_vars=frozen_vars, grad_vars=grad_vars, norm_var=norm_var, lags=_lag_key(lags),
+            guards=self._guards,
         )  # fmt: skip
         self._link(prog)
         return prog
@@ -1416,10 +1424,19 @@ class Trainer:
                 if chunks > 1
                 else None
             )
+            sources = ([("io", i) for i in range(len(io))] + [("param", n) for n in params]
+                       + [("buffer", n) for n in bufs] + ([("inv", dtype)] if inv is not None
+                                                          else []))  # fmt: skip
+            reads = None
+            if _distributed.local_replicas(self.replication_factor) == self.replication_factor:
+                # Note [guarded specialisation]
+                values = self._forward_values(sources, graph, batch, chunks, clone=True)
+                reads = GuardedReads(graph, values, self.replication_factor)
             with (
                 _attributes_restored(self.model),
                 _requiring_grad(trained),
                 cumulative_batch_norms(self.model),  # Note [cumulative batch norm]
+                values_read_by(graph, reads) if reads is not None else contextlib.nullcontext(),
             ):
                 captured = call_torch(
                     _forward_and_loss,
@@ -1432,6 +1449,9 @@ class Trainer:
                     },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
+            self._guards = None
+            if reads is not None and reads.guards:
+                self._guards = Guards(graph, tuple(sources), tuple(reads.guards))
             obj, count, bound, n_host, outputs, marked, recipe = captured
             outputs = _without_caches(outputs)
             graph_output(obj)
@@ -1729,7 +1749,21 @@ class Trainer:
         # shapes, built when first seen (a DataLoader's short last batch, eval batches) and
         # kept, the least recently used dropped beyond ``max_programs``.
         key = (self.model.training, batch.key, _parameter_hooks(self._params))
-        prog = self._programs.pop(key, None)
+        held = self._programs.pop(key, None)
+        try:
+            return self._program_for(key, held, batch, specs)
+        except BaseException as e:
+            if held is not None and key not in self._programs:  # nothing changes on error
+                self._programs[key] = held
+            if isinstance(e, ValuesDiffer):  # Note [guarded specialisation]
+                self._raise_as_eager(batch, e)
+            raise
+
+    def _program_for(self, key: tuple, prog: _Program | None, batch: _Batch,
+                     specs: tuple[_GroupSpec, ...]) -> _Program:  # fmt: skip
+        """``_prepare``'s program for ``key`` (``prog``: the one kept for it, if any)."""
+        if prog is not None and prog.guards is not None:  # Note [guarded specialisation]
+            prog = self._variant_for(key, prog, batch)
         lags = self._lags
         if (prog is None or prog is not self._active or prog.specs != specs
                 or self._torch_state_changed()):  # fmt: skip
@@ -1749,10 +1783,14 @@ class Trainer:
                 if self._loss_over_rows:
                     raise
                 self._loss_over_rows = True
+        if prog.guards is not None and prog not in self._variants.get(key, ()):
+            self._variants[key] = [prog, *self._variants.get(key, ())][: max(self.max_programs, 1)]
         self._programs[key] = prog  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
             # (a dropped active program still hands its state over below)
-            del self._programs[next(iter(self._programs))]
+            dropped = next(iter(self._programs))
+            del self._programs[dropped]
+            self._variants.pop(dropped, None)
         if prog is not self._active:
             if self._active is not None and self._live is self.optimizer.state:
                 self._live._sync()  # (keeps what the user set or removed since)
@@ -1763,6 +1801,55 @@ class Trainer:
                 )
             self._active = prog
         return prog
+
+    def _variant_for(self, key: tuple, prog: _Program, batch: _Batch) -> _Program | None:
+        """The program built for ``key`` whose guards hold on ``batch``, ``prog`` first; None
+        where none does (Note [guarded specialisation])."""
+        assert prog.guards is not None
+        R = self.replication_factor
+        chunks = R * batch.ga
+        values = self._forward_values(prog.guards.sources, prog.guards.graph, batch, chunks)
+        for cand in [prog, *(v for v in self._variants.get(key, ()) if v is not prog)]:
+            assert cand.guards is not None
+            if cand.guards.failed(values, R) is None:
+                return cand
+        return None
+
+    def _forward_values(self, sources, graph: Graph, batch: _Batch, chunks: int, *,
+                        clone: bool = False) -> list[list[torch.Tensor]]:  # fmt: skip
+        """Each forward input's value on each of ``batch``'s ``chunks`` micro-batches, in the
+        rows' order, on the host (Note [guarded specialisation]); buffers, which a forward
+        may write, as copies (parameters too with ``clone``)."""
+        parts = _micro_arrays(batch, chunks)
+        values: list[list[torch.Tensor]] = []
+        for (kind, what), t in zip(sources, graph._inputs, strict=True):
+            if kind == "io":
+                values.append([numpy_to_torch(p[what], t.dtype) for p in parts])
+            elif kind == "inv":  # (the counts' values: a read does not depend on them)
+                values.append([torch.ones(MAX_COUNTS, dtype=what)] * chunks)
+            else:
+                held = (self._params if kind == "param" else self._buffers)[what].detach()
+                held = held.to("cpu")
+                if kind == "buffer" or clone:
+                    values.append([held.clone() for _ in range(chunks)])
+                else:
+                    values.append([held] * chunks)
+        return values
+
+    def _raise_as_eager(self, batch: _Batch, err: ValuesDiffer) -> None:
+        """A read whose value differs between micro-batches: the model and the loss run
+        eagerly on the global batch, on copies of the module's tensors; what eager raises is
+        raised, else ``err`` (Note [guarded specialisation])."""
+        tensors = {n: t.detach().clone() for n, t in
+                   (*self.model.named_parameters(), *self.model.named_buffers())}  # fmt: skip
+        values = [torch.from_numpy(np.ascontiguousarray(a)) for a in batch.arrays]
+        args, kwargs, t, real = _loss_inputs(batch, values)
+        loss_fn = self.loss_fn if real is None else OnRealRows(self.loss_fn)
+        t = t if real is None else (t, real)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                _attributes_restored(self.model), _on_program_tensors(self.model, tensors):  # fmt: skip
+            loss_fn(self.model(*args, **kwargs), t)
+        raise err
 
     def plan(self, inputs, targets=None) -> None:
         """Build the program for this batch shape without running it (the memory report is

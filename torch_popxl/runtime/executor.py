@@ -40,6 +40,7 @@ __all__ = [
     "SessionState",
     "FastExecutor",
     "ReferenceExecutor",
+    "evaluate_ops",
     "fragment_signature",
 ]
 
@@ -629,6 +630,17 @@ class ReferenceExecutor:
                 state.persistent[t.id] = torch.stack(env[t.id])
         _emit_prints([(a, torch.stack(v)) for a, v in rt.prints], R)
         return {k: torch.stack([torch.stack(rows) for rows in ts]) for k, ts in rt.outs.items()}
+
+
+def evaluate_ops(ops, env: dict[str, list[torch.Tensor]], num_replicas: int,
+                 device: torch.device) -> dict[str, list[torch.Tensor]]:  # fmt: skip
+    """Run ``ops`` (of a graph without host IO or remote memory) by the reference executor's
+    rules on the per-replica values in ``env`` ({tensor id: one value per replica}, the
+    graph's inputs bound), binding every op's outputs there; returns ``env``. Values stand
+    for whatever the caller runs side by side (a compiled step's micro-batches: Note [guarded
+    specialisation] in compile_guards.py)."""
+    rt = _RefRun([], SessionState(num_replicas, device), 1, num_replicas, device)
+    return rt.run(ops, env)
 
 
 def _fill(x, ins, r, device):

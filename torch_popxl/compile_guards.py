@@ -1,0 +1,195 @@
+"""Guarded specialisation: a compiled step for model code that reads tensor values in Python.
+
+``GuardedReads`` answers the reads of one forward capture on the real micro-batches and keeps
+a ``Guard`` per read; ``Guards.failed`` checks them on a later step's micro-batches (Note
+[guarded specialisation]).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import DataDependentError
+from .ir.graph import Graph
+from .ir.tensor import Tensor
+from .runtime.executor import evaluate_ops
+
+__all__ = ["Guard", "GuardedReads", "Guards", "ValuesDiffer"]
+
+# Note [guarded specialisation]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Model code reads tensor values in Python: asserts on its inputs (XLM's `assert
+# lengths.max().item() <= slen`), torch's own argument checks (`F.gaussian_nll_loss` raises
+# if `torch.any(var < 0)`), branches (Longformer's `is_global_attn = ...any().item()`, I-BERT's
+# `if self.x_min.min() > -1.1e-5`). A program has no Python in it, so popxl.compile does what
+# torch.compile does with guards: it specialises. While the forward of a new signature is
+# captured, each such read (Note [values read on real data] in capture.py) is evaluated on the
+# batch's real micro-batches with the current parameters and buffers (the reference executor's
+# rules on the forward ops recorded so far, the micro-batches of every replica side by side),
+# the Python code goes on with the value, and the program keeps a guard: the read, where the
+# forward stood when it was made, and the value. Every later step evaluates the guards on its
+# own micro-batches, on the host, before anything runs:
+# * the same value on every micro-batch: the program runs;
+# * another value, the same on every micro-batch: the step uses the program built for that
+#   value, or builds it (as torch.compile recompiles). The build runs the Python code with the
+#   new value, so an assert that no longer holds raises eager's AssertionError, before
+#   anything changed;
+# * values that differ between micro-batches (or replicas): eager torch reads the value once,
+#   on the global batch, which no program that runs every micro-batch alike can follow. The
+#   model and the loss then run eagerly on the global batch (on copies of the parameters and
+#   buffers): what eager raises (the failed assert) is raised, else a DataDependentError names
+#   the read and two of its values. Nothing changed.
+# A program without guards pays nothing (no check; the fast path as before). One with guards
+# never takes the fast path and evaluates, per step, the forward up to its last read (a few ops
+# for an assert on the inputs, the whole forward for a check in the loss). Random ops before
+# a read draw on the host's own generator (torch's is left as it was): the values they give
+# are not the program's draws. With several processes (torchrun) reads stay refused: the
+# processes could choose different programs.
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One read of a tensor value in a captured forward, and the value it was built with."""
+
+    func: Any  # the data-dependent aten op (``_local_scalar_dense``, ``is_nonzero``, ``equal``)
+    args: tuple  # (args, kwargs) with the forward graph's handles for tensors
+    end: int  # how many forward ops were recorded when it was read
+    value: Any
+    where: str  # the line of Python that read it
+
+    def describe(self) -> str:
+        name = getattr(self.func, "_opname", None) or str(self.func)
+        return f"`{self.where}` (aten.{name})"
+
+
+class ValuesDiffer(DataDependentError):
+    """A read's value differs between the micro-batches of one step (Note [guarded
+    specialisation])."""
+
+    def __init__(self, guard: Guard, values: list, replicas: int):
+        self.guard = guard
+        i = next(k for k, v in enumerate(values) if not _same(v, values[0]))
+        super().__init__(
+            f"popxl.compile: {guard.describe()} reads a tensor's value in Python, and the "
+            f"compiled step checks it on every micro-batch (Note [guarded specialisation]). In "
+            f"this batch it is {values[0]!r} on {_micro(0, replicas)} and {values[i]!r} on "
+            f"{_micro(i, replicas)}: eager torch reads it once, on the global batch, which a "
+            "program that runs every micro-batch alike cannot follow. Nothing was changed. "
+            "Give batches on which the value is the same in every micro-batch, or compute it "
+            "on the host and pass it in as a Python value in the dict of inputs (a keyword "
+            "option selects a program per value)."
+        )
+
+
+def _micro(i: int, replicas: int) -> str:
+    """The micro-batch ``i`` of the rows' order, as the step runs it."""
+    return f"micro-batch {i // replicas} of replica {i % replicas}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+_CPU = torch.device("cpu")
+
+
+def _bind(graph: Graph, values: list[list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    return {t.id: v for t, v in zip(graph._inputs, values, strict=True)}
+
+
+def _read(guard_func, args, env: dict, n: int) -> list:
+    """``guard_func`` on each of the ``n`` micro-batches' values of its tensors in ``env``."""
+
+    def value(x, k: int):
+        if not isinstance(x, Tensor):
+            return x
+        if x.id not in env:  # (a constant first used by the read)
+            env[x.id] = [x._data] * n  # type: ignore[attr-defined]
+        return env[x.id][k]
+
+    out = []
+    for k in range(n):
+        a, kw = pytree.tree_map(lambda x, k=k: value(x, k), args)
+        out.append(guard_func(*a, **kw))
+    return out
+
+
+class GuardedReads:
+    """The reader of one forward capture (``capture.values_read_by``): answers each read with
+    its value on the real micro-batches ``values`` (per graph input, one tensor per
+    micro-batch) and keeps its guard; raises ``ValuesDiffer`` where the micro-batches
+    disagree."""
+
+    def __init__(self, graph: Graph, values: list[list[torch.Tensor]], replicas: int):
+        self.graph = graph
+        self.n = len(values[0]) if values else 1
+        self.replicas = replicas
+        self.env = _bind(graph, values)
+        self.done = 0  # the ops evaluated so far
+        self.guards: list[Guard] = []
+
+    def __call__(self, func, args, kwargs) -> Any:
+        end = len(self.graph._ops)
+        with torch.random.fork_rng(devices=[]):
+            evaluate_ops(self.graph._ops[self.done : end], self.env, self.n, _CPU)
+        self.done = end
+        values = _read(func, (args, kwargs), self.env, self.n)
+        guard = Guard(func, (args, kwargs), end, values[0], _user_line())
+        if any(not _same(v, values[0]) for v in values):
+            raise ValuesDiffer(guard, values, self.replicas)
+        self.guards.append(guard)
+        return values[0]
+
+
+@dataclass(frozen=True)
+class Guards:
+    """A program's guards and what its forward graph's inputs are (Note [guarded
+    specialisation])."""
+
+    graph: Graph
+    sources: tuple  # per forward input, where its values come from (the trainer's business)
+    guards: tuple[Guard, ...]
+
+    def failed(self, values: list[list[torch.Tensor]], replicas: int) -> Guard | None:
+        """The first guard whose value on these micro-batches is not the one the program was
+        built with (the same on all of them), or None; ``ValuesDiffer`` where they differ."""
+        n = len(values[0]) if values else 1
+        env, done = _bind(self.graph, values), 0
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for guard in self.guards:
+                evaluate_ops(self.graph._ops[done : guard.end], env, n, _CPU)
+                done = guard.end
+                got = _read(guard.func, guard.args, env, n)
+                if any(not _same(v, got[0]) for v in got):
+                    raise ValuesDiffer(guard, got, replicas)
+                if not _same(got[0], guard.value):
+                    return guard
+        return None
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+def _user_line() -> str:
+    """The innermost line of Python outside torch_popxl and torch's dispatch machinery (a
+    model's assert, ``torch.nn.functional``'s own check)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if path.startswith(_OWN_DIR + os.sep):
+            continue
+        if path.startswith(_TORCH_DIR + os.sep):
+            inner = os.path.relpath(path, _TORCH_DIR)
+            if inner.startswith(("_", "utils", "overrides", "autograd")):
+                continue
+        return f"{path}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown>"

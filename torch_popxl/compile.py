@@ -1430,8 +1430,9 @@ class Trainer:
             reads = None
             if _distributed.local_replicas(self.replication_factor) == self.replication_factor:
                 # Note [guarded specialisation]
-                values = self._forward_values(sources, graph, batch, chunks, clone=True)
-                reads = GuardedReads(graph, values, self.replication_factor)
+                values = self._forward_values(sources, graph._inputs, batch, chunks, clone=True)
+                reads = GuardedReads(graph, tuple(graph._inputs), values,
+                                     self.replication_factor)  # fmt: skip
             with (
                 _attributes_restored(self.model),
                 _requiring_grad(trained),
@@ -1449,9 +1450,7 @@ class Trainer:
                     },
                 )
             graph._grad_hooks.update(_grad_hooks_of(graph))
-            self._guards = None
-            if reads is not None and reads.guards:
-                self._guards = Guards(graph, tuple(sources), tuple(reads.guards))
+            self._guards = None if reads is None else reads.kept(tuple(sources))
             obj, count, bound, n_host, outputs, marked, recipe = captured
             outputs = _without_caches(outputs)
             graph_output(obj)
@@ -1783,7 +1782,7 @@ class Trainer:
                 if self._loss_over_rows:
                     raise
                 self._loss_over_rows = True
-        if prog.guards is not None and prog not in self._variants.get(key, ()):
+        if prog.guards is not None and all(v is not prog for v in self._variants.get(key, ())):
             self._variants[key] = [prog, *self._variants.get(key, ())][: max(self.max_programs, 1)]
         self._programs[key] = prog  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
@@ -1808,21 +1807,21 @@ class Trainer:
         assert prog.guards is not None
         R = self.replication_factor
         chunks = R * batch.ga
-        values = self._forward_values(prog.guards.sources, prog.guards.graph, batch, chunks)
+        values = self._forward_values(prog.guards.sources, prog.guards.inputs, batch, chunks)
         for cand in [prog, *(v for v in self._variants.get(key, ()) if v is not prog)]:
             assert cand.guards is not None
             if cand.guards.failed(values, R) is None:
                 return cand
         return None
 
-    def _forward_values(self, sources, graph: Graph, batch: _Batch, chunks: int, *,
+    def _forward_values(self, sources, inputs, batch: _Batch, chunks: int, *,
                         clone: bool = False) -> list[list[torch.Tensor]]:  # fmt: skip
         """Each forward input's value on each of ``batch``'s ``chunks`` micro-batches, in the
         rows' order, on the host (Note [guarded specialisation]); buffers, which a forward
         may write, as copies (parameters too with ``clone``)."""
         parts = _micro_arrays(batch, chunks)
         values: list[list[torch.Tensor]] = []
-        for (kind, what), t in zip(sources, graph._inputs, strict=True):
+        for (kind, what), t in zip(sources, inputs, strict=True):
             if kind == "io":
                 values.append([numpy_to_torch(p[what], t.dtype) for p in parts])
             elif kind == "inv":  # (the counts' values: a read does not depend on them)

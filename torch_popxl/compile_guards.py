@@ -102,8 +102,8 @@ def _same(a: Any, b: Any) -> bool:
 _CPU = torch.device("cpu")
 
 
-def _bind(graph: Graph, values: list[list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
-    return {t.id: v for t, v in zip(graph._inputs, values, strict=True)}
+def _bind(inputs, values: list[list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    return {t.id: v for t, v in zip(inputs, values, strict=True)}
 
 
 def _read(guard_func, args, env: dict, n: int) -> list:
@@ -125,17 +125,27 @@ def _read(guard_func, args, env: dict, n: int) -> list:
 
 class GuardedReads:
     """The reader of one forward capture (``capture.values_read_by``): answers each read with
-    its value on the real micro-batches ``values`` (per graph input, one tensor per
-    micro-batch) and keeps its guard; raises ``ValuesDiffer`` where the micro-batches
-    disagree."""
+    its value on the real micro-batches ``values`` (per tensor of ``inputs``, one value per
+    micro-batch; the tensors the ops of ``graph`` from the ``start``-th on read) and keeps
+    its guard; raises ``ValuesDiffer`` where the micro-batches disagree."""
 
-    def __init__(self, graph: Graph, values: list[list[torch.Tensor]], replicas: int):
+    def __init__(self, graph: Graph, inputs: tuple[Tensor, ...],
+                 values: list[list[torch.Tensor]], replicas: int, start: int = 0):  # fmt: skip
         self.graph = graph
+        self.inputs = inputs
+        self.start = start
         self.n = len(values[0]) if values else 1
         self.replicas = replicas
-        self.env = _bind(graph, values)
-        self.done = 0  # the ops evaluated so far
+        self.env = _bind(inputs, values)
+        self.done = start  # the ops evaluated so far
         self.guards: list[Guard] = []
+
+    def kept(self, sources: tuple) -> Guards | None:
+        """The guards of the reads so far, or None where there were none; ``sources`` says
+        where each input's values come from (for the builder)."""
+        if not self.guards:
+            return None
+        return Guards(self.graph, self.inputs, self.start, sources, tuple(self.guards))
 
     def __call__(self, func, args, kwargs) -> Any:
         end = len(self.graph._ops)
@@ -156,14 +166,16 @@ class Guards:
     specialisation])."""
 
     graph: Graph
-    sources: tuple  # per forward input, where its values come from (the trainer's business)
+    inputs: tuple[Tensor, ...]  # what the ops from ``start`` on read first
+    start: int
+    sources: tuple  # per input, where its values come from (the builder's business)
     guards: tuple[Guard, ...]
 
     def failed(self, values: list[list[torch.Tensor]], replicas: int) -> Guard | None:
         """The first guard whose value on these micro-batches is not the one the program was
         built with (the same on all of them), or None; ``ValuesDiffer`` where they differ."""
         n = len(values[0]) if values else 1
-        env, done = _bind(self.graph, values), 0
+        env, done = _bind(self.inputs, values), self.start
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for guard in self.guards:
                 evaluate_ops(self.graph._ops[done : guard.end], env, n, _CPU)

@@ -61,7 +61,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import ops
-from .capture import call_torch
+from .capture import call_torch, values_read_by
 from .compile_common import (
     _MAX_PROGRAMS,
     _attributes_restored,
@@ -77,6 +77,7 @@ from .compile_common import (
     loss_dtype,
     options_key,
 )
+from .compile_guards import GuardedReads, Guards, ValuesDiffer
 from .compile_loss import LossDecompositionError, LossSplitter, add_up
 from .dtypes import dtype as _dtype
 from .dtypes import numpy_to_torch
@@ -109,6 +110,9 @@ class InferenceProgram:
         self.session = None
         # (training, input signature) -> (ir, session, ...), least recently used first
         self._programs: dict[tuple, tuple] = {}
+        # a signature's programs with guards, the most recently built first (Note [guarded
+        # specialisation] in compile_guards.py)
+        self._variants: dict[tuple, list[tuple]] = {}
         self.max_programs = _MAX_PROGRAMS
         # the structures (key without shapes) whose programs return batch-reduced outputs:
         # padded by whole replicas (Note [batch-reduced outputs of an inference program])
@@ -155,10 +159,17 @@ class InferenceProgram:
             a_in, k_in = pytree.tree_unflatten(loaded, in_spec)  # Note [nested inputs]
             k_in = {**k_in, **dict(options)}  # Note [keyword options]
             rows = streams[0].shape[0] if streams else 0
+            reads = None
+            sources = (*[("io", i) for i in range(len(loaded))], *[("tensor", n) for n in tensors])
+            if R == self.replication_factor:  # Note [guarded specialisation]
+                handles = (*loaded, *tensors.values())
+                values = self._values(sources, handles, [*args, *kwargs.values()], R)
+                reads = GuardedReads(ir.main_graph, handles, values, R, len(ir.main_graph._ops))
             with (
                 _attributes_restored(self.model),
                 _nested_paths_as_eager(self.model),
                 cumulative_batch_norms(self.model),  # Note [cumulative batch norm]
+                values_read_by(ir.main_graph, reads) if reads else contextlib.nullcontext(),
             ):
                 y, reduced = call_torch(
                     _forward,
@@ -166,6 +177,7 @@ class InferenceProgram:
                     {"rows": rows, "parts": R, "over_rows": over_rows,
                      "dtype": loss_dtype(self.model)},
                 )  # fmt: skip
+            guards = None if reads is None else reads.kept(sources)
             leaves, spec = pytree.tree_flatten(y)
             bad = [type(v).__name__ for v in leaves if not isinstance(v, Tensor) and v is not None]
             if bad:
@@ -198,7 +210,44 @@ class InferenceProgram:
         for n, t in [*params.items(), *buffers.items()]:
             if ir._num_instances > 1 or not session._bind_variable(tensors[n], t.detach()):
                 copied.append((tensors[n], t))
-        return ir, session, streams, out_streams, spec, copied
+        return ir, session, streams, out_streams, spec, copied, guards
+
+    def _values(self, sources, handles, arrays: list[np.ndarray], R: int) -> list[list]:
+        """Each input's value on each replica's rows, on the host (Note [guarded
+        specialisation] in compile_guards.py)."""
+        tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        values = []
+        for (kind, what), t in zip(sources, handles, strict=True):
+            if kind == "io":  # (one copy, which the forward may write)
+                whole = numpy_to_torch(arrays[what], t.dtype)
+                values.append(list(whole.split(whole.shape[0] // R)))
+            else:  # (copies: a forward may write its buffers)
+                held = tensors[what].detach().to("cpu")
+                values.append([held.clone() for _ in range(R)])
+        return values
+
+    def _variant_for(self, key: tuple, built: tuple, arrays: list[np.ndarray]) -> tuple | None:
+        """The program built for ``key`` whose guards hold on ``arrays``, ``built`` first."""
+        guards: Guards = built[-1]
+        R = self.replication_factor
+        values = self._values(guards.sources, guards.inputs, arrays, R)
+        for cand in [built, *(v for v in self._variants.get(key, ()) if v is not built)]:
+            if cand[-1].failed(values, R) is None:
+                return cand
+        return None
+
+    def _raise_as_eager(self, arrays: list[np.ndarray], in_spec, options,
+                        err: ValuesDiffer) -> None:  # fmt: skip
+        """Values that differ between the replicas' rows: the model runs eagerly on the whole
+        batch (on copies of its tensors); what eager raises is raised, else ``err``."""
+        tensors = {n: t.detach().clone() for n, t in
+                   (*self.model.named_parameters(), *self.model.named_buffers())}  # fmt: skip
+        leaves = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        a_in, k_in = pytree.tree_unflatten(leaves, in_spec)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _attributes_restored(self.model):
+            torch.func.functional_call(self.model, tensors, tuple(a_in),
+                                       {**k_in, **dict(options)})  # fmt: skip
+        raise err
 
     def explain(self) -> list[str]:
         """What of the program runs on a slow path and why (``Session.explain``); an empty
@@ -252,17 +301,30 @@ class InferenceProgram:
             tuple((k, a.shape, a.dtype) for k, a in kwargs.items()),
             *structure[1:],
         )
-        built = self._programs.pop(key, None)
-        if built is None:
-            try:
+        held = self._programs.pop(key, None)
+        try:
+            built = held
+            if built is not None and built[-1] is not None:  # Note [guarded specialisation]
+                built = self._variant_for(key, built, arrays)
+            if built is None:
                 built = self._build(args, kwargs, in_spec, options, n)
-            except _ByWholeReplicas:
+        except BaseException as e:
+            if held is not None:  # nothing changes on error
+                self._programs[key] = held
+            if isinstance(e, _ByWholeReplicas):
                 self._reducing.add(structure)
                 return self(inputs)
+            if isinstance(e, ValuesDiffer):
+                self._raise_as_eager([a[:n] for a in arrays], in_spec, options, e)
+            raise
+        if built[-1] is not None and all(v is not built for v in self._variants.get(key, ())):
+            self._variants[key] = [built, *self._variants.get(key, ())][: max(self.max_programs, 1)]
         self._programs[key] = built  # the most recently used last
         while len(self._programs) > max(self.max_programs, 1):
-            del self._programs[next(iter(self._programs))]
-        ir, session, streams, out_streams, spec, copied = built
+            dropped = next(iter(self._programs))
+            del self._programs[dropped]
+            self._variants.pop(dropped, None)
+        ir, session, streams, out_streams, spec, copied, _ = built
         self.ir, self.session = ir, session
         for var, t in copied:  # not bound: the module's current values, every call
             session._set_device_value(var, t.detach())

@@ -208,8 +208,9 @@ def test_transformer_encoder_with_causal_mask_trains_as_eager(R, GA):
     train_both(model, F.mse_loss, batches, R, GA)
 
 
-def test_data_dependent_check_on_a_value_is_still_refused():
-    """Folding covers constants only: a branch on an input's value still raises."""
+def test_a_branch_on_a_value_is_specialised_per_value():
+    """Folding covers constants only: a branch on an input's value is specialised, a program
+    per value (Note [guarded specialisation] in compile_guards.py)."""
 
     class Branch(torch.nn.Module):
         def __init__(self):
@@ -219,10 +220,10 @@ def test_data_dependent_check_on_a_value_is_still_refused():
         def forward(self, x):
             return self.fc(x) if bool(x.sum() > 0) else -self.fc(x)
 
-    model = Branch()
-    trainer = popxl.compile(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(popxl.errors.DataDependentError, match="torch.where"):
-        trainer.step(torch.randn(4, 4), torch.randn(4, 4))
+    g = torch.Generator().manual_seed(0)
+    batches = [(sign * torch.rand(4, 4, generator=g), torch.randn(4, 4, generator=g))
+               for sign in (1, -1, 1)]  # fmt: skip
+    train_both(Branch(), F.mse_loss, batches, 1, 1)
 
 
 # ---- attributes a module sets on itself ----------------------------------------------------

@@ -17,8 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import DataDependentError
-from .ir.graph import Graph
-from .ir.tensor import Tensor
+from .ir.graph import Graph, Op
+from .ir.tensor import Constant, Tensor
 from .runtime.executor import evaluate_ops
 
 __all__ = ["Guard", "GuardedReads", "Guards", "ValuesDiffer"]
@@ -112,8 +112,8 @@ def _read(guard_func, args, env: dict, n: int) -> list:
     def value(x, k: int):
         if not isinstance(x, Tensor):
             return x
-        if x.id not in env:  # (a constant first used by the read)
-            env[x.id] = [x._data] * n  # type: ignore[attr-defined]
+        if x.id not in env and isinstance(x, Constant):  # (first used by the read)
+            env[x.id] = [x._data] * n
         return env[x.id][k]
 
     out = []
@@ -145,7 +145,10 @@ class GuardedReads:
         where each input's values come from (for the builder)."""
         if not self.guards:
             return None
-        return Guards(self.graph, self.inputs, self.start, sources, tuple(self.guards))
+        # the ops as recorded: autodiff may later insert ops into the graph (clones of values
+        # it saves before they are written in place)
+        ops = tuple(self.graph._ops[: self.guards[-1].end])
+        return Guards(ops, self.inputs, self.start, sources, tuple(self.guards))
 
     def __call__(self, func, args, kwargs) -> Any:
         end = len(self.graph._ops)
@@ -165,7 +168,7 @@ class Guards:
     """A program's guards and what its forward graph's inputs are (Note [guarded
     specialisation])."""
 
-    graph: Graph
+    ops: tuple[Op, ...]  # the graph's ops up to the last read, as captured
     inputs: tuple[Tensor, ...]  # what the ops from ``start`` on read first
     start: int
     sources: tuple  # per input, where its values come from (the builder's business)
@@ -178,7 +181,7 @@ class Guards:
         env, done = _bind(self.inputs, values), self.start
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             for guard in self.guards:
-                evaluate_ops(self.graph._ops[done : guard.end], env, n, _CPU)
+                evaluate_ops(self.ops[done : guard.end], env, n, _CPU)
                 done = guard.end
                 got = _read(guard.func, guard.args, env, n)
                 if any(not _same(v, got[0]) for v in got):

@@ -286,3 +286,30 @@ def test_xlm_lengths_beyond_the_sequence_raise_as_eager():
         trainer.step(bad)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class LayerDrop(torch.nn.Module):
+    """Skips its hidden layer on a random draw, as LayerDrop does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 6)
+        self.fc2 = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        if torch.rand(()) < 0.5:
+            x = torch.relu(self.fc1(x))
+        return self.fc2(x)
+
+
+def test_a_decision_drawn_at_random_in_the_forward_is_refused_saying_so():
+    torch.manual_seed(0)
+    model = LayerDrop()
+    before = copy.deepcopy(model.state_dict())
+    trainer = popxl.compile(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    x, y = _batches(1)[0]
+    with pytest.raises(DataDependentError, match="random numbers the forward draws"):
+        trainer.step(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -63,6 +63,7 @@ class Guard:
     end: int  # how many forward ops were recorded when it was read
     value: Any
     where: str  # the line of Python that read it
+    random: bool = False  # computed from random numbers the forward draws
 
     def describe(self) -> str:
         name = getattr(self.func, "_opname", None) or str(self.func)
@@ -82,10 +83,21 @@ class ValuesDiffer(DataDependentError):
             f"this batch it is {values[0]!r} on {_micro(0, replicas)} and {values[i]!r} on "
             f"{_micro(i, replicas)}: eager torch reads it once, on the global batch, which a "
             "program that runs every micro-batch alike cannot follow. Nothing was changed. "
-            "Give batches on which the value is the same in every micro-batch, or compute it "
-            "on the host and pass it in as a Python value in the dict of inputs (a keyword "
-            "option selects a program per value)."
+            + (_RANDOM if guard.random else _WAY_OUT)
         )
+
+
+_WAY_OUT = (
+    "Give batches on which the value is the same in every micro-batch, or compute it on the "
+    "host and pass it in as a Python value in the dict of inputs (a keyword option selects a "
+    "program per value)."
+)
+_RANDOM = (
+    "The value is computed from random numbers the forward draws (a LayerDrop-style "
+    "decision): a program repeats the decision it was built with, where eager draws anew. "
+    "Draw it on the host and pass it in as a Python value in the dict of inputs (a keyword "
+    "option selects a program per value), or turn it off (layerdrop=0)."
+)
 
 
 def _micro(i: int, replicas: int) -> str:
@@ -139,6 +151,7 @@ class GuardedReads:
         self.env = _bind(inputs, values)
         self.done = start  # the ops evaluated so far
         self.guards: list[Guard] = []
+        self.random: set[str] = set()  # the tensors computed from random draws
 
     def kept(self, sources: tuple) -> Guards | None:
         """The guards of the reads so far, or None where there were none; ``sources`` says
@@ -152,11 +165,19 @@ class GuardedReads:
 
     def __call__(self, func, args, kwargs) -> Any:
         end = len(self.graph._ops)
+        ops = self.graph._ops[self.done : end]
         with torch.random.fork_rng(devices=[]):
-            evaluate_ops(self.graph._ops[self.done : end], self.env, self.n, _CPU)
+            evaluate_ops(ops, self.env, self.n, _CPU)
         self.done = end
+        for op in ops:
+            target = getattr(op.attrs, "target", None)
+            seeded = torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+            if seeded or any(t.id in self.random for t in op.inputs):
+                self.random.update(t.id for t in op.outputs)
         values = _read(func, (args, kwargs), self.env, self.n)
-        guard = Guard(func, (args, kwargs), end, values[0], _user_line())
+        drawn = any(isinstance(x, Tensor) and x.id in self.random
+                    for x in pytree.tree_leaves((args, kwargs)))  # fmt: skip
+        guard = Guard(func, (args, kwargs), end, values[0], _user_line(), drawn)
         if any(not _same(v, values[0]) for v in values):
             raise ValuesDiffer(guard, values, self.replicas)
         self.guards.append(guard)

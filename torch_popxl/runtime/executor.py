@@ -640,7 +640,8 @@ def evaluate_ops(ops, env: dict[str, list[torch.Tensor]], num_replicas: int,
     for whatever the caller runs side by side (a compiled step's micro-batches: Note [guarded
     specialisation] in compile_guards.py)."""
     rt = _RefRun([], SessionState(num_replicas, device), 1, num_replicas, device)
-    return rt.run(ops, env)
+    rt.run(ops, env)
+    return env
 
 
 def _fill(x, ins, r, device):

@@ -1819,11 +1819,11 @@ class Trainer:
         """Each forward input's value on each of ``batch``'s ``chunks`` micro-batches, in the
         rows' order, on the host (Note [guarded specialisation]); buffers, which a forward
         may write, as copies (parameters too with ``clone``)."""
-        parts = _micro_arrays(batch, chunks)
         values: list[list[torch.Tensor]] = []
         for (kind, what), t in zip(sources, inputs, strict=True):
-            if kind == "io":
-                values.append([numpy_to_torch(p[what], t.dtype) for p in parts])
+            if kind == "io":  # (one copy, which the forward may write)
+                whole = numpy_to_torch(batch.arrays[what], t.dtype)
+                values.append(list(whole.split(whole.shape[0] // chunks)))
             elif kind == "inv":  # (the counts' values: a read does not depend on them)
                 values.append([torch.ones(MAX_COUNTS, dtype=what)] * chunks)
             else:

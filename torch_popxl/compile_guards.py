@@ -119,20 +119,21 @@ def _bind(inputs, values: list[list[torch.Tensor]]) -> dict[str, list[torch.Tens
 
 
 def _read(guard_func, args, env: dict, n: int) -> list:
-    """``guard_func`` on each of the ``n`` micro-batches' values of its tensors in ``env``."""
+    """``guard_func`` on each of the ``n`` micro-batches' values of its tensors in ``env``
+    (the data-dependent ops take their tensors as arguments themselves)."""
+    a, kw = args
 
-    def value(x, k: int):
+    def values(x) -> list:
         if not isinstance(x, Tensor):
-            return x
+            return [x] * n
         if x.id not in env and isinstance(x, Constant):  # (first used by the read)
             env[x.id] = [x._data] * n
-        return env[x.id][k]
+        return env[x.id]
 
-    out = []
-    for k in range(n):
-        a, kw = pytree.tree_map(lambda x, k=k: value(x, k), args)
-        out.append(guard_func(*a, **kw))
-    return out
+    per_arg = [values(x) for x in a]
+    per_kwarg = {k: values(x) for k, x in kw.items()}
+    return [guard_func(*[v[k] for v in per_arg], **{name: v[k] for name, v in per_kwarg.items()})
+            for k in range(n)]  # fmt: skip
 
 
 class GuardedReads:

@@ -313,3 +313,33 @@ def test_a_decision_drawn_at_random_in_the_forward_is_refused_saying_so():
         trainer.step(x, y)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class Zeroed(torch.nn.Module):
+    """Zeroes the outputs of the rows whose first feature is negative, by their indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        rows = (x[:, 0] < 0).nonzero(as_tuple=True)
+        return self.fc(x).index_put(rows, torch.zeros(()))
+
+
+def test_nonzero_of_a_count_that_stays_the_same_trains_as_eager():
+    """``nonzero``'s result shape is its count: read, checked at every step, and recorded as
+    ``nonzero_static`` of that size; a count that differs between micro-batches is refused
+    naming the count."""
+    torch.manual_seed(0)
+    both = _Both(Zeroed(), F.cross_entropy)
+    batches = _batches(3)
+    for x, y in batches:
+        x[::2, 0] *= -1  # one negative row in every micro-batch of 2 rows
+        both.step(x, y)
+    x, y = batches[0]
+    x[4:, 0] = -x[4:, 0].abs()  # two in micro-batch 1 of each replica
+    before = both.snapshot()
+    with pytest.raises(DataDependentError, match="1 on micro-batch 0 of replica 0 and 2 on"):
+        both.trainer.step(x, y)
+    both.unchanged_since(before)

@@ -209,6 +209,10 @@ class _Recorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+            if func is aten.nonzero.default:
+                found = self._nonzero_read(args, kwargs)
+                if found is not None:
+                    return found
             raise DataDependentError(
                 f"{func}: the shape of its result depends on tensor values (for example "
                 "nonzero, unique, or a boolean-mask selection outside a training loss), which "
@@ -356,6 +360,17 @@ class _Recorder(TorchDispatchMode):
         )
         with _disable_current_modes(), torch.no_grad():
             return (read(func, *handles),)
+
+    def _nonzero_read(self, args, kwargs):
+        """``nonzero`` as ``nonzero_static`` of the size the reader for this graph reads, or
+        None without a reader (Note [values read on real data]). (``_local_scalar_dense``
+        itself: ``Tensor.item`` would reach this mode whole.)"""
+        if not any(g is self.graph for g, _ in _readers):
+            return None
+        x = args[0] if args else kwargs["self"]
+        with self:
+            n = int(aten._local_scalar_dense.default(aten.sum.default(aten.ne.Scalar(x, 0))))
+            return aten.nonzero_static.default(x, size=n)
 
     def _fold(self, func, args, kwargs, out, mutable: bool) -> None:
         if mutable:
@@ -516,6 +531,10 @@ def _tensor_leaves_with_paths(out, prefix=()):
 # value, which the captured code then goes on with. The builder must make the program check
 # that value when it runs (popxl.compile's guards: Note [guarded specialisation] in
 # compile_guards.py). Reads inside another graph (a subgraph being recorded) are not answered.
+# ``nonzero``, whose result's shape is its count of nonzero elements, is answered the same
+# way: the count is read (``sum(x != 0).item()``, recorded, so the builder's check covers it)
+# and the op recorded as ``nonzero_static`` of that size (Longformer's global attention
+# indices), a static shape for as long as the count stays the same.
 _readers: list[tuple[Graph, Callable[..., Any]]] = []
 
 

@@ -28,6 +28,9 @@ __all__ = ["fake_like", "fake_mode", "trace_fake"]
 # make the fakes (cached per op and argument metadata). An op that fails there too raises
 # the meta kernel's error; so do arguments on another device, and ops whose result shapes
 # depend on values (nonzero, unique: a zero-filled stand-in would fix a wrong shape).
+# ``nonzero_static`` has no meta kernel (its decomposition reads a value), but its result's
+# shape is its ``size`` argument's: the kernel's word is right for it.
+_SHAPE_FROM_ARGUMENTS = frozenset({torch.ops.aten.nonzero_static.default})
 
 
 _inside = [0]  # dispatches of _Mode under way: torch's log of a refusing meta kernel is ours
@@ -55,6 +58,8 @@ class _Mode(FakeTensorMode):
         try:
             return super().dispatch(func, types, args, kwargs)
         except RuntimeError as error:
+            if func in _SHAPE_FROM_ARGUMENTS:
+                error = RuntimeError(str(error))
             metas = self._kernel_metas(func, args, kwargs or {}, error)
         finally:
             _inside[0] -= 1
@@ -70,8 +75,8 @@ class _Mode(FakeTensorMode):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if (type(error) is not RuntimeError or not tensors  # (not a shape that data decide)
                 or any(x.device.type != "cpu" for x in tensors)
-                or {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
-                & set(getattr(func, "tags", ()))):  # fmt: skip
+                or ({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+                    & set(getattr(func, "tags", ())) and func not in _SHAPE_FROM_ARGUMENTS)):  # fmt: skip
             raise error
         key = (func, *((tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor)
                        else repr(x) for x in leaves))  # fmt: skip

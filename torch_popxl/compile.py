@@ -471,7 +471,7 @@ class _Batch:
 # a program). Only a plain array or CPU tensor as input and as target, of a dtype that enters
 # its stream unconverted or by a plain cast, takes it (the full path narrows float64, reads
 # bf16 bits, walks nested inputs); a loss with host-counted means or ``return_outputs``
-# never does. Why it matters: the step moves ~24 MB, which evicts the interpreter's code and
+# never does, nor a program with guards (checked every step: Note [guarded specialisation]). Why it matters: the step moves ~24 MB, which evicts the interpreter's code and
 # data, so each Python line around the generated function costs 5-15 times what it costs hot
 # (the seed MLP's trainer and session code: ~70 us in a loop, ~0.7 ms inside its steps before
 # this path, ~0.45 ms with it; docs/benchmarks.md, "Peers, latest").

@@ -705,9 +705,9 @@ def _remote_round_trips(R):
 def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
     """Note [remote slot views]: a load updated in place and stored back to its fixed slot
     runs as a view of the slots; the values (over several runs) are the reference executor's,
-    the counted remote traffic is what every load and store moves,
-    and loads whose value is used after the store, or whose buffer is read before the store,
-    stay copies."""
+    the counted remote traffic is what every load and store moves (the store of the view
+    calls the kernel directly, which checks and counts it), and loads whose value is used
+    after the store, or whose buffer is read before the store, stay copies."""
     rng = np.random.default_rng(3)
     xs_data = [rng.normal(size=(R, 3)).astype(np.float32) for _ in range(3)]
     results, traffic = {}, {}
@@ -717,6 +717,7 @@ def test_remote_round_trips_as_slot_views_keep_values_and_traffic(R):
         if executor == "fast":
             code = session.generated_code()
             assert code.count("REMOTE_VIEW(") == 1, code
+            assert code.count("REMOTE_STORE_STACKED(") == 1, code  # only the view's store
         with session:
             runs = [session.run({xs: x}) for x in xs_data]
             traffic[executor] = session._last_run_counters

@@ -91,6 +91,12 @@ class LowerEmission(Protocol):
         """Whether the remote load runs as a view of its slot (Note [remote slot views])."""
         ...
 
+    def stored_slot_view(self, f: Any) -> int | None:
+        """The slot, when the remote store ``f`` writes back the very value a remote load of
+        this explicitly batched fragment made as a view of that slot of that buffer (Note
+        [remote slot views]); None otherwise."""
+        ...
+
     def slot_view(self, buffer_id: int, slot: int | None) -> str:
         """The code of a view of one slot of a remote buffer (recorded for the counters)."""
         ...

@@ -901,7 +901,9 @@ def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) ->
 #     slot (a constant offset), that round trip needs no copy: the load becomes a view of the
 #     slots (``torch_popxl::remote_slot_view``, counted as the load), the updates write through
 #     it, and the store of that very view moves nothing (``remote_store_stacked_`` sees the
-#     value is the slots; it still counts the store). Safe when nothing can observe the buffer
+#     value is the slots; it still counts the store). That store is emitted as a direct call
+#     of the kernel with every replica's offset as one constant (``stored_slot_view``): the
+#     kernel keeps all its checks, the explicit rule's Python wrapper is skipped. Safe when nothing can observe the buffer
 #     changing early: no other remote op on the buffer between the load and the store, the
 #     value (or any alias of it) is stored to the same slot, is not used after the store, is
 #     not a fragment output and never goes to the host or a print.
@@ -1522,6 +1524,15 @@ class _Emitter:
 
     def is_view(self, f: FlatOp) -> bool:
         return f in self.views
+
+    def stored_slot_view(self, f: FlatOp) -> int | None:
+        bid, slot = f.source.attrs.buffer.remote_buffer_id, _constant_offset(f)
+        if not self.explicit or self.fold != 1 or slot is None or self.uniform(bid):
+            return None
+        for g in self.views:
+            if g.outs[0] == f.ins[0] and _remote_buffer_id(g) == bid and _constant_offset(g) == slot:
+                return slot
+        return None
 
     def slot_view(self, buffer_id: int, slot: int | None) -> str:
         self.slot_views.append((buffer_id, slot, self.repeats))

@@ -1529,10 +1529,8 @@ class _Emitter:
         bid, slot = f.source.attrs.buffer.remote_buffer_id, _constant_offset(f)
         if not self.explicit or self.fold != 1 or slot is None or self.uniform(bid):
             return None
-        for g in self.views:
-            if g.outs[0] == f.ins[0] and _remote_buffer_id(g) == bid and _constant_offset(g) == slot:
-                return slot
-        return None
+        own = (g for g in self.views if g.outs[0] == f.ins[0] and _remote_buffer_id(g) == bid)
+        return slot if any(_constant_offset(g) == slot for g in own) else None
 
     def slot_view(self, buffer_id: int, slot: int | None) -> str:
         self.slot_views.append((buffer_id, slot, self.repeats))

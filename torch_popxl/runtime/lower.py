@@ -160,13 +160,10 @@ class _Flattener(Interpreter[str]):
             views = [self.program.fresh() for _ in op.outputs]
             self.out.append(FlatOp(str(kind), op, ins, views))
             return [self.copy(v) for v in views]
-        if (
-            op.kind == OpKind.TORCH
-            and op.attrs.target in _IDENTITY_VIEWS
-            and op.outputs[0].id not in env
-        ):
-            # detach/alias only matter to autograd: at run time they are the same tensor
-            # (a view of the same storage), so the name is simply shared.
+        if op.kind == OpKind.TORCH and _identity_view(op) and op.outputs[0].id not in env:
+            # detach/alias only matter to autograd, and a view or slice that keeps its input's
+            # shape is its input: at run time they are the same tensor (a view of the same
+            # storage, same layout), so the name is simply shared.
             return [ins[0]]
         # In-place ops return their (already named) input.
         outs = [env[t.id] if t.id in env else self.program.fresh() for t in op.outputs]
@@ -201,6 +198,25 @@ class _Flattener(Interpreter[str]):
 
 _IDENTITY_VIEWS = frozenset({_aten.detach.default, _aten.alias.default})
 _VIEW_OPS = {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+
+
+def _identity_view(op: Op) -> bool:
+    """An op that returns its input itself: ``detach``/``alias``, or a reshaping view or a
+    slice whose result has its input's shape (a full slice, a view to the same shape)."""
+    target = op.attrs.target
+    if len(op.outputs) != 1 or not op.inputs:
+        return False
+    if target in _IDENTITY_VIEWS:
+        return True
+    if target not in _SHAPE_KEEPING:
+        return False
+    x, out = op.inputs[0], op.outputs[0]
+    return tuple(out.shape) == tuple(x.shape) and out.dtype == x.dtype
+
+
+# views that, given the same shape back, are their input (not ``t``: it swaps the 2-d dims)
+_SHAPE_KEEPING = frozenset({_aten.view.default, _aten.reshape.default,
+                            _aten._unsafe_view.default, _aten.slice.Tensor})  # fmt: skip
 
 
 # Which ops draw random numbers (defined next to the explicit-batching rules, which need it).

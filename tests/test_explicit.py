@@ -1052,3 +1052,48 @@ def test_an_op_with_only_a_decomposition_runs_it_through_vmap_in_an_explicit_fra
     fn = trainer.session._executor.fns["normal"]
     assert fn.explicit, fn.vmap_reason
     assert "aten.binary_cross_entropy_with_logits.default" in fn.vmapped_ops
+
+
+
+
+def _full_views(R):
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        xs = popxl.h2d_stream((4, 3), popxl.float32, "x")
+        x = ops.host_load(xs)
+        y = torch.ops.aten.slice.Tensor(x, 0, 0, 4)  # the whole of x
+        z = y.view(4, 3).reshape(4, 3)  # a new tensor (Note [views of new tensors])
+        w = torch.ops.aten.slice.Tensor(x, 0, 0, 4)
+        w.mul_(2.0)  # torch code on a handle keeps torch's aliases: x doubles, z does not
+        part = torch.ops.aten.slice.Tensor(x, 0, 1, 3)  # a real slice
+        outs = _store_each((("x", x), ("sum", z * 2.0 + x), ("w", w), ("part", part * 1.0)))
+    return ir, xs, outs
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_a_full_slice_and_a_view_to_the_same_shape_run_as_their_input(R):
+    """A slice or view whose result has its input's shape is its input (the flattener shares
+    the name, as for detach): no line runs for it, an in-place write through it writes its
+    input as before, a view made a new tensor is still copied, and the values are the
+    reference executor's and, by hand, 2x, 4x, 2x and rows 1:3 of 2x; a real slice still
+    runs."""
+    x = np.random.default_rng(0).normal(size=(R, 4, 3)).astype(np.float32)
+    feed = x if R > 1 else x[0]
+    got = {}
+    for executor in ("fast", "reference"):
+        ir, xs, outs = _full_views(R)
+        session = popxl.Session(ir, "ipu_model", executor=executor)
+        if executor == "fast":
+            program = session._executor.program
+            code = session._executor.fns["normal"].source
+            (name,) = [n for n, o in program.overloads.items() if o is torch.ops.aten.slice.Tensor]
+            assert code.count(f"{name}(") == 1, code  # only ``part``
+            assert code.count(".clone()") == 1, code  # the new tensor ``z``
+            assert code.count("VIEW(") <= 1, code  # ``z``'s own view at most
+        with session:
+            run = session.run({xs: feed})
+        got[executor] = {k: run[st] for k, st in outs.items()}
+    want = {"x": 2 * feed, "sum": 4 * feed, "w": 2 * feed, "part": 2 * feed[..., 1:3, :]}
+    for executor, values in got.items():
+        for k, v in want.items():
+            np.testing.assert_allclose(values[k], v, rtol=1e-6, err_msg=f"{executor} {k}")

@@ -1054,8 +1054,6 @@ def test_an_op_with_only_a_decomposition_runs_it_through_vmap_in_an_explicit_fra
     assert "aten.binary_cross_entropy_with_logits.default" in fn.vmapped_ops
 
 
-
-
 def _full_views(R):
     ir = popxl.Ir(replication=R)
     with ir.main_graph, popxl.in_sequence():

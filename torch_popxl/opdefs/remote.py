@@ -471,7 +471,7 @@ def _emit_store(op: Op, f, e: LowerEmission) -> None:
     if slot is not None:
         # Note [remote slot views]: the value is the slots themselves, so the kernel only
         # checks and counts the store; called directly with every replica's offset as one
-        # constant, skipping the ``explicit`` rule's Python (about 8 us a store).
+        # constant, skipping the ``explicit`` rule's Python (35 -> 16 us a store in the MLP step).
         offsets = e.global_name(torch.full((e.rows,), slot, dtype=torch.int64))
         e.line(f"REMOTE_STORE_STACKED(rt.buffers[{bid}], {offsets}, {f.ins[0]}, {bid})")
         return

@@ -919,8 +919,8 @@ def _stays_inside(name: str, users, inplace, out_names, plan, depth: int = 0) ->
 #     it, and the store of that very view moves nothing (``remote_store_stacked_`` sees the
 #     value is the slots; it still counts the store). That store is emitted as a direct call
 #     of the kernel with every replica's offset as one constant (``stored_slot_view``): the
-#     kernel keeps all its checks, the explicit rule's Python wrapper is skipped. Safe when nothing can observe the buffer
-#     changing early: no other remote op on the buffer between the load and the store, the
+#     kernel keeps all its checks, the explicit rule's Python wrapper is skipped. Safe when
+#     nothing can observe the buffer changing early: no other remote op on the buffer between the load and the store, the
 #     value (or any alias of it) is stored to the same slot, is not used after the store, is
 #     not a fragment output and never goes to the host or a print.
 def _constant_offset(f: FlatOp) -> int | None:

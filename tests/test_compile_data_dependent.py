@@ -16,6 +16,7 @@ sweep (benchmarks/sweep_hf_tasks.py) counts them.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -343,3 +344,29 @@ def test_nonzero_of_a_count_that_stays_the_same_trains_as_eager():
     with pytest.raises(DataDependentError, match="1 on micro-batch 0 of replica 0 and 2 on"):
         both.trainer.step(x, y)
     both.unchanged_since(before)
+
+
+def test_a_forward_that_reads_no_value_copies_nothing_for_guards(monkeypatch):
+    """The micro-batches' values a read is evaluated on (copies of every parameter and buffer
+    per micro-batch) are made at the first read only: a program whose forward reads nothing
+    builds without them (at R=4, GA=8 they were 32 copies of the model)."""
+    made = []
+    trainer_class = importlib.import_module("torch_popxl.compile").Trainer
+    real = trainer_class._forward_values
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_class, "_forward_values", counted)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    trainer = popxl.compile(plain, F.cross_entropy, torch.optim.SGD(plain.parameters(), 0.1),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    x, y = _batches(1)[0]
+    trainer.step(x.numpy(), y.numpy())
+    assert made == []
+    guarded = NonNegative()
+    trainer = popxl.compile(guarded, F.cross_entropy, torch.optim.SGD(guarded.parameters(), 0.1),
+                            replication_factor=2, gradient_accumulation=2)  # fmt: skip
+    trainer.step(x.numpy(), y.numpy())
+    assert made  # the assert's read evaluated the micro-batches

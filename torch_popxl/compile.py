@@ -1430,9 +1430,11 @@ class Trainer:
             reads = None
             if _distributed.local_replicas(self.replication_factor) == self.replication_factor:
                 # Note [guarded specialisation]
-                values = self._forward_values(sources, graph._inputs, batch, chunks, clone=True)
-                reads = GuardedReads(graph, tuple(graph._inputs), values,
-                                     self.replication_factor)  # fmt: skip
+                reads = GuardedReads(
+                    graph, tuple(graph._inputs),
+                    lambda: self._forward_values(sources, graph._inputs, batch, chunks, clone=True),
+                    self.replication_factor, n=chunks,
+                )  # fmt: skip
             with (
                 _attributes_restored(self.model),
                 _requiring_grad(trained),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,21 +139,30 @@ def _read(guard_func, args, env: dict, n: int) -> list:
 
 class GuardedReads:
     """The reader of one forward capture (``capture.values_read_by``): answers each read with
-    its value on the real micro-batches ``values`` (per tensor of ``inputs``, one value per
-    micro-batch; the tensors the ops of ``graph`` from the ``start``-th on read) and keeps
-    its guard; raises ``ValuesDiffer`` where the micro-batches disagree."""
+    its value on the ``n`` real micro-batches ``values()`` gives (per tensor of ``inputs``, one
+    value per micro-batch; the tensors the ops of ``graph`` from the ``start``-th on read) and
+    keeps its guard; raises ``ValuesDiffer`` where the micro-batches disagree. ``values`` is
+    called at the first read only: a forward that reads nothing costs no copies."""
 
     def __init__(self, graph: Graph, inputs: tuple[Tensor, ...],
-                 values: list[list[torch.Tensor]], replicas: int, start: int = 0):  # fmt: skip
+                 values: Callable[[], list[list[torch.Tensor]]], replicas: int, start: int = 0,
+                 *, n: int):  # fmt: skip
         self.graph = graph
         self.inputs = inputs
         self.start = start
-        self.n = len(values[0]) if values else 1
+        self.n = n
         self.replicas = replicas
-        self.env = _bind(inputs, values)
+        self._values = values
+        self._env: dict[str, list[torch.Tensor]] | None = None
         self.done = start  # the ops evaluated so far
         self.guards: list[Guard] = []
         self.random: set[str] = set()  # the tensors computed from random draws
+
+    @property
+    def env(self) -> dict[str, list[torch.Tensor]]:
+        if self._env is None:
+            self._env = _bind(self.inputs, self._values())
+        return self._env
 
     def kept(self, sources: tuple) -> Guards | None:
         """The guards of the reads so far, or None where there were none; ``sources`` says

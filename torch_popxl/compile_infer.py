@@ -163,8 +163,11 @@ class InferenceProgram:
             sources = (*[("io", i) for i in range(len(loaded))], *[("tensor", n) for n in tensors])
             if R == self.replication_factor:  # Note [guarded specialisation]
                 handles = (*loaded, *tensors.values())
-                values = self._values(sources, handles, [*args, *kwargs.values()], R)
-                reads = GuardedReads(ir.main_graph, handles, values, R, len(ir.main_graph._ops))
+                arrays = [*args, *kwargs.values()]
+                reads = GuardedReads(
+                    ir.main_graph, handles, lambda: self._values(sources, handles, arrays, R), R,
+                    len(ir.main_graph._ops), n=R,
+                )  # fmt: skip
             with (
                 _attributes_restored(self.model),
                 _nested_paths_as_eager(self.model),

@@ -80,7 +80,7 @@ from .compile_common import (
     model_loss,
     options_key,
 )
-from .compile_guards import GuardedReads, Guards, ValuesDiffer
+from .compile_guards import GuardedReads, Guards, ValuesDiffer, first_holding, micro_batches
 from .compile_infer import InferenceProgram
 from .compile_loss import (
     MAX_COUNTS,
@@ -1810,11 +1810,8 @@ class Trainer:
         R = self.replication_factor
         chunks = R * batch.ga
         values = self._forward_values(prog.guards.sources, prog.guards.inputs, batch, chunks)
-        for cand in [prog, *(v for v in self._variants.get(key, ()) if v is not prog)]:
-            assert cand.guards is not None
-            if cand.guards.failed(values, R) is None:
-                return cand
-        return None
+        others = [v for v in self._variants.get(key, ()) if v is not prog]
+        return first_holding([prog, *others], lambda p: p.guards, values, R)
 
     def _forward_values(self, sources, inputs, batch: _Batch, chunks: int, *,
                         clone: bool = False) -> list[list[torch.Tensor]]:  # fmt: skip
@@ -1823,9 +1820,8 @@ class Trainer:
         may write, as copies (parameters too with ``clone``)."""
         values: list[list[torch.Tensor]] = []
         for (kind, what), t in zip(sources, inputs, strict=True):
-            if kind == "io":  # (one copy, which the forward may write)
-                whole = numpy_to_torch(batch.arrays[what], t.dtype)
-                values.append(list(whole.split(whole.shape[0] // chunks)))
+            if kind == "io":
+                values.append(micro_batches(batch.arrays[what], t.dtype, chunks))
             elif kind == "inv":  # (the counts' values: a read does not depend on them)
                 values.append([torch.ones(MAX_COUNTS, dtype=what)] * chunks)
             else:

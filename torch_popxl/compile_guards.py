@@ -17,12 +17,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from .dtypes import dtype as popxl_dtype
+from .dtypes import numpy_to_torch
 from .errors import DataDependentError
 from .ir.graph import Graph, Op
 from .ir.tensor import Constant, Tensor
 from .runtime.executor import evaluate_ops
 
-__all__ = ["Guard", "GuardedReads", "Guards", "ValuesDiffer"]
+__all__ = ["Guard", "GuardedReads", "Guards", "ValuesDiffer", "first_holding", "micro_batches"]
 
 # Note [guarded specialisation]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -225,6 +227,23 @@ class Guards:
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
+
+
+def micro_batches(array: Any, dtype: popxl_dtype, parts: int) -> list[torch.Tensor]:
+    """A host batch array as ``parts`` equal micro-batches in row order (one copy, which a
+    forward may write)."""
+    whole = numpy_to_torch(array, dtype)
+    return list(whole.split(whole.shape[0] // parts))
+
+
+def first_holding(candidates: list[Any], guards_of: Callable[[Any], Guards],
+                  values: list[list[torch.Tensor]], replicas: int) -> Any | None:  # fmt: skip
+    """The first of ``candidates`` (programs built for one signature) whose guards hold on
+    ``values``, or None where none does."""
+    for cand in candidates:
+        if guards_of(cand).failed(values, replicas) is None:
+            return cand
+    return None
 
 
 def _user_line() -> str:

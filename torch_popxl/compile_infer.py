@@ -77,7 +77,7 @@ from .compile_common import (
     loss_dtype,
     options_key,
 )
-from .compile_guards import GuardedReads, Guards, ValuesDiffer
+from .compile_guards import GuardedReads, Guards, ValuesDiffer, first_holding, micro_batches
 from .compile_loss import LossDecompositionError, LossSplitter, add_up
 from .dtypes import dtype as _dtype
 from .dtypes import numpy_to_torch
@@ -221,9 +221,8 @@ class InferenceProgram:
         tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         values = []
         for (kind, what), t in zip(sources, handles, strict=True):
-            if kind == "io":  # (one copy, which the forward may write)
-                whole = numpy_to_torch(arrays[what], t.dtype)
-                values.append(list(whole.split(whole.shape[0] // R)))
+            if kind == "io":
+                values.append(micro_batches(arrays[what], t.dtype, R))
             else:  # (copies: a forward may write its buffers)
                 held = tensors[what].detach().to("cpu")
                 values.append([held.clone() for _ in range(R)])
@@ -234,10 +233,8 @@ class InferenceProgram:
         guards: Guards = built[-1]
         R = self.replication_factor
         values = self._values(guards.sources, guards.inputs, arrays, R)
-        for cand in [built, *(v for v in self._variants.get(key, ()) if v is not built)]:
-            if cand[-1].failed(values, R) is None:
-                return cand
-        return None
+        others = [v for v in self._variants.get(key, ()) if v is not built]
+        return first_holding([built, *others], lambda b: b[-1], values, R)
 
     def _raise_as_eager(self, arrays: list[np.ndarray], in_spec, options,
                         err: ValuesDiffer) -> None:  # fmt: skip
